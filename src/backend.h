@@ -1,0 +1,74 @@
+// The one internal interface every backend implements (CPU in backends/cpu, CUDA/HIP in backends/gpu).
+//
+// The core (src/) owns validation, the C API boundary and the host-only utilities; a backend owns compute on its
+// device and its scratch memory. A backend reports failure by throwing sparsa::Error (src/error.h). src/registry.cpp
+// is the only core file that knows which backends exist. Nothing here includes a GPU header.
+#pragma once
+
+#include <sparsa/sparsa.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "problem.h"
+
+namespace sparsa {
+
+// Sizes a selection cache is created for (sparsa_selection_cache_create).
+struct SelectionCacheDims {
+  int32_t max_batch = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t max_top_k = 0;
+};
+
+// TokenSelect's per-layer selection cache, in the backend's memory. Created by Backend::create_selection_cache.
+class SelectionCacheState {
+ public:
+  virtual ~SelectionCacheState() = default;
+  virtual const SelectionCacheDims& dims() const = 0;
+  virtual void reset() = 0;                                    // empty every slot, zero the counts
+  virtual void counts(int64_t* hits, int64_t* misses) const = 0;  // totals since creation/reset
+};
+
+// Validated arguments of sparsa_merge_states.
+struct MergeProblem {
+  TensorArg o_a, lse_a, o_b, lse_b, out, out_lse;  // out_lse may be absent
+  bool packed = false;                              // o rank 3 [T, H, D], lse [H, T]
+};
+
+// Validated arguments of sparsa_kv_prefetch.
+struct PrefetchProblem {
+  TensorArg k_src, v_src, indices, k_dst, v_dst, positions, remapped, counts;  // counts may be absent
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual int32_t device_type() const = 0;  // sparsa_device_type this backend computes on
+  virtual const char* name() const = 0;     // "cpu", "cuda", "hip"
+  virtual void set_stream(void* stream) = 0;  // GPU: stream later work enqueues on; CPU: ignored
+  virtual uint64_t scratch_bytes() const = 0;
+
+  // Answers, before anything is written, whether this backend can run the case; when it cannot, returns false and
+  // fills `reason` (the API turns it into SPARSA_STATUS_UNSUPPORTED). (ggml fattn.cu / oneDNN style.)
+  virtual bool supports(const AttentionProblem& problem, const PolicyParams& policy, std::string* reason) const = 0;
+
+  // Grows scratch for this problem; computes nothing.
+  virtual void plan(const AttentionProblem& problem, const PolicyParams& policy) = 0;
+
+  // Computes every requested output of the run. Called only after validation and supports() == true.
+  virtual void run(const AttentionProblem& problem, const PolicyParams& policy) = 0;
+
+  // Utilities whose data lives on the backend's device.
+  virtual void merge_states(const MergeProblem& problem) = 0;
+  virtual void topk_from_scores(const TensorArg& scores, int32_t k, int32_t block_size,
+                                const TensorArg& out_indices) = 0;
+  virtual void kv_prefetch(const PrefetchProblem& problem) = 0;
+  virtual std::unique_ptr<SelectionCacheState> create_selection_cache(const SelectionCacheDims& dims) = 0;
+};
+
+}  // namespace sparsa
