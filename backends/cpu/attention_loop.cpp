@@ -1,0 +1,463 @@
+// The CPU backend's one attention loop (see attention_loop.h).
+//
+// A call loads a tile of query rows once (fp32, pre-scaled, transposed to Qᵀ), then streams key tiles through:
+//   1. visibility  — classify the tile against the row predicate (all / none / partial) from position bounds;
+//   2. Sᵀ = K·Qᵀ   — K rows converted (gathered) once per tile into a contiguous tile,
+//                    register-blocked microkernel (or, on SPARGE's quantized path, int8 Q·Kᵀ with block scales);
+//   3. softmax     — block maxima per row, optional λ PV skip for the whole block (§4.7), rescale, exp, sum,
+//                    all vertical SIMD across query rows;
+//   4. O += P·V    — V rows converted once, register-blocked microkernel.
+// The unnormalised output accumulates directly in the caller's out_rows; the running (m, l) pairs are
+// SoftmaxState (src/common/softmax_state.h), finalised at the end. Nothing here allocates once scratch is warm.
+#include "attention_loop.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "../../src/common/softmax_state.h"
+#include "../../src/error.h"
+#include "cpu_convert.h"
+#include "cpu_engine.h"
+#include "microkernels.h"
+#include "thread_pool.h"
+
+namespace sparsa::cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kIndexTileRows = 128;  // query rows per tile of attend_index_list
+constexpr int64_t kIndexTileKeys = 64;   // keys per tile of attend_index_list
+constexpr float kInt8Max = 127.f;        // §4 quantized path: symmetric int8
+constexpr float kQuantEpsilon = 1e-7f;   // §4: scale = max|x| / 127 + 1e-7
+
+int round_up(int n, int multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// Positions of a tile's rows or keys within their sequence: an explicit list, or first, first+1, ...
+struct Positions {
+  const int64_t* list = nullptr;
+  int64_t first = 0;
+  int64_t at(int64_t index) const { return list ? list[index] : first + index; }
+};
+
+bool visible(const RowVisibility& vis, int64_t row, int64_t key) {
+  const int64_t aligned_row = row + vis.offset;
+  if (vis.causal && key > aligned_row) return false;
+  if (vis.sink_tokens < 0) return true;
+  if (key < vis.sink_tokens) return true;
+  const int64_t distance = vis.causal ? aligned_row - key : std::llabs(aligned_row - key);
+  return distance < vis.window;
+}
+
+enum class TileCoverage { kNone, kAll, kPartial };
+
+// Classifies every (row, key) pair of a tile from the bounds of its positions; kPartial means "look closer".
+TileCoverage classify(const RowVisibility& vis, int64_t row_min, int64_t row_max, int64_t key_min,
+                      int64_t key_max) {
+  const int64_t first_aligned = row_min + vis.offset;
+  const int64_t last_aligned = row_max + vis.offset;
+  if (vis.causal && key_min > last_aligned) return TileCoverage::kNone;
+  const bool causal_all = !vis.causal || key_max <= first_aligned;
+  if (vis.sink_tokens < 0) return causal_all ? TileCoverage::kAll : TileCoverage::kPartial;
+  if (key_max < vis.sink_tokens) return causal_all ? TileCoverage::kAll : TileCoverage::kPartial;
+  // Distance bounds over the tile: (aligned row) − key ranges over [first_aligned − key_max, last_aligned − key_min].
+  const int64_t signed_min = first_aligned - key_max;
+  const int64_t signed_max = last_aligned - key_min;
+  const int64_t far_abs = std::max(std::llabs(signed_min), std::llabs(signed_max));
+  if (vis.causal) {
+    if (key_min >= vis.sink_tokens && signed_min >= vis.window) return TileCoverage::kNone;
+    return (causal_all && signed_max < vis.window) ? TileCoverage::kAll : TileCoverage::kPartial;
+  }
+  const int64_t near_abs = (signed_min <= 0 && signed_max >= 0) ? 0 : std::min(std::llabs(signed_min),
+                                                                               std::llabs(signed_max));
+  if (key_min >= vis.sink_tokens && near_abs >= vis.window) return TileCoverage::kNone;
+  return far_abs < vis.window ? TileCoverage::kAll : TileCoverage::kPartial;
+}
+
+int64_t count_visible(const RowVisibility& vis, Positions rows, int nr, Positions keys, int nk) {
+  int64_t count = 0;
+  for (int r = 0; r < nr; ++r)
+    for (int j = 0; j < nk; ++j) count += visible(vis, rows.at(r), keys.at(j)) ? 1 : 0;
+  return count;
+}
+
+// Symmetric int8 quantization with round-half-to-even (nearbyint under the default rounding mode).
+float quant_scale(float max_abs) { return max_abs / kInt8Max + kQuantEpsilon; }
+int8_t quantize(float x, float scale) {
+  const float q = std::nearbyint(x / scale);
+  return int8_t(std::max(-kInt8Max, std::min(kInt8Max, q)));
+}
+
+// Where a key tile's K and V rows are read from.
+struct KvRows {
+  const float* base = nullptr;
+  int64_t stride = 0;  // floats between consecutive keys
+};
+
+// One tile of query rows of (b, h) and everything it accumulates. Scores live transposed, Sᵀ [keys, nr_pad].
+class RowTile {
+ public:
+  RowTile(const AttentionProblem& problem, int32_t b, int32_t h, Positions rows, int nr, int max_keys,
+          const BlockWalk* quantized_walk, float* out_rows, ThreadScratch& scratch)
+      : problem_(problem), b_(b), h_(h), hk_(kv_head_of(problem, h)), d_(problem.head_dim), rows_(rows), nr_(nr),
+        nr_pad_(round_up(std::max(nr, 1), kRowAlign)), max_keys_(std::max(max_keys, 1)),
+        kernels_(select_microkernels()), quant_(quantized_walk), o_(out_rows) {
+    // Carve every buffer from one reservation so the scratch vector is resized at most once per call.
+    const size_t qt_floats = size_t(d_) * nr_pad_;
+    const size_t st_floats = size_t(max_keys_) * nr_pad_;
+    const size_t kv_floats = size_t(max_keys_) * d_;
+    const size_t row_state_floats = 5 * size_t(nr_pad_);
+    const size_t quant_floats = quant_ ? (size_t(nr) * d_ + 2 * size_t(nr) + d_ +
+                                          scratch_floats<int8_t>(size_t(nr) * d_) + scratch_floats<int8_t>(kv_floats))
+                                       : 0;
+    float* next = scratch.reserve(qt_floats + st_floats + 2 * kv_floats + row_state_floats + quant_floats);
+    auto carve = [&next](size_t floats) {
+      float* region = next;
+      next += floats;
+      return region;
+    };
+    qt_ = carve(qt_floats);
+    st_ = carve(st_floats);
+    k_tile_ = carve(kv_floats);
+    v_tile_ = carve(kv_floats);
+    m_ = carve(nr_pad_);
+    l_ = carve(nr_pad_);
+    local_max_ = carve(nr_pad_);
+    shift_ = carve(nr_pad_);
+    block_sum_ = carve(nr_pad_);
+    if (quant_) {
+      q_rows_ = carve(size_t(nr) * d_);
+      q_scale_ = carve(nr);
+      qk_mean_ = carve(nr);
+      row_tmp_ = carve(d_);
+      q_i8_ = reinterpret_cast<int8_t*>(carve(scratch_floats<int8_t>(size_t(nr) * d_)));
+      k_i8_ = reinterpret_cast<int8_t*>(carve(scratch_floats<int8_t>(kv_floats)));
+    }
+
+    row_min_ = row_max_ = nr > 0 ? rows.at(0) : 0;
+    for (int r = 0; r < nr; ++r) {
+      row_min_ = std::min(row_min_, rows.at(r));
+      row_max_ = std::max(row_max_, rows.at(r));
+    }
+    load_queries();
+  }
+
+  int64_t row_max_position() const { return row_max_; }
+
+  // Streams one tile of nk <= max_keys keys (ascending positions) through S, softmax and PV. `pv_skip_test`
+  // enables §4.7's λ test for this tile. Returns false when no pair of the tile is visible (nothing computed,
+  // nothing counted).
+  bool process_keys(Positions keys, int nk, const RowVisibility& vis, bool pv_skip_test, float lambda,
+                    RunCounters* counters) {
+    const TileCoverage coverage = classify(vis, row_min_, row_max_, keys.at(0), keys.at(nk - 1));
+    if (coverage == TileCoverage::kNone) return false;
+    const int64_t pairs =
+        coverage == TileCoverage::kAll ? int64_t(nr_) * nk : count_visible(vis, rows_, nr_, keys, nk);
+    if (pairs == 0) return false;
+    if (counters) counters->pairs_computed += pairs;
+
+    // 1. Sᵀ = K · Qᵀ (scale already folded into Q), or the int8 emulation.
+    if (quant_) {
+      scores_quantized(keys, nk);
+    } else {
+      const KvRows k = kv_rows(problem_.k, keys, nk, k_tile_);
+      kernels_.qk_tile(k.base, k.stride, nk, qt_, nr_pad_, d_, st_, nr_pad_);
+    }
+    if (coverage == TileCoverage::kPartial) apply_mask(vis, keys, nk);
+
+    // 2. Block row maxima; the λ test compares them with the running maxima after this block (§4.7).
+    kernels_.column_max(st_, nr_pad_, nk, nr_pad_, local_max_);
+    if (pv_skip_test) {
+      float best_gain = kNegInf;  // max over rows of (m_local − m_new)
+      for (int r = 0; r < nr_; ++r) {
+        if (local_max_[r] == kNegInf) continue;
+        best_gain = std::max(best_gain, local_max_[r] - std::max(m_[r], local_max_[r]));
+      }
+      if (best_gain < lambda) {
+        if (counters) ++counters->pv_blocks_skipped;
+        return true;
+      }
+    }
+
+    // 3. Online softmax: P = exp(S − m_new) column by column, rescale what was accumulated.
+    for (int r = 0; r < nr_pad_; ++r) {
+      const float m_new = std::max(m_[r], local_max_[r]);
+      shift_[r] = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet: every P is exp(−inf) = 0
+    }
+    kernels_.exp_columns(st_, nr_pad_, nk, nr_pad_, shift_, block_sum_);
+    for (int r = 0; r < nr_; ++r) {
+      if (local_max_[r] == kNegInf) continue;  // nothing visible in this tile: state unchanged
+      const SoftmaxState state{m_[r], l_[r]};
+      const float alpha = state.rescale_to(shift_[r]);
+      if (alpha != 1.f) kernels_.scale_row(o_ + size_t(r) * d_, d_, alpha);
+      m_[r] = shift_[r];
+      l_[r] = state.l * alpha + block_sum_[r];
+    }
+
+    // 4. O += P · V.
+    const KvRows v = kv_rows(problem_.v, keys, nk, v_tile_);
+    kernels_.pv_tile(st_, nr_pad_, nr_, nk, v.base, v.stride, d_, o_);
+    return true;
+  }
+
+  // Asks the caches for the K and V rows of a tile that comes later (the rows are 4 KiB-strided, which the hardware
+  // prefetchers do not follow), so its conversion does not wait on memory. Every position must be < seq_len_k.
+  void prefetch_keys(Positions keys, int nk) const {
+    constexpr int64_t kCacheLine = 64;
+    const int64_t row_bytes = int64_t(d_) * element_bytes(problem_.dtype);
+    for (int j = 0; j < nk; ++j) {
+      const char* k_row = static_cast<const char*>(problem_.k.t.data) +
+                          problem_.kv_offset(problem_.k, b_, keys.at(j), hk_) * element_bytes(problem_.dtype);
+      const char* v_row = static_cast<const char*>(problem_.v.t.data) +
+                          problem_.kv_offset(problem_.v, b_, keys.at(j), hk_) * element_bytes(problem_.dtype);
+      for (int64_t byte = 0; byte < row_bytes; byte += kCacheLine) {
+        __builtin_prefetch(k_row + byte);
+        __builtin_prefetch(v_row + byte);
+      }
+    }
+  }
+
+  // Normalises the rows and writes their LSE (−inf and a zero row where nothing was seen).
+  void finish(float* lse_rows) {
+    for (int r = 0; r < nr_; ++r) {
+      const SoftmaxState state{m_[r], l_[r]};
+      float lse = state.finalize(o_ + size_t(r) * d_, d_);
+      if (quant_ && lse != kNegInf) lse += qk_mean_[r];  // back to the uncentred scores' LSE
+      if (lse_rows) lse_rows[r] = lse;
+    }
+  }
+
+ private:
+  // Qᵀ [D, nr_pad], pre-scaled, zero padding rows; O rows zeroed; states empty.
+  void load_queries() {
+    float* row = quant_ ? nullptr : k_tile_;  // k_tile_ is free until the first key tile
+    for (int r = 0; r < nr_pad_; ++r) {
+      m_[r] = kNegInf;
+      l_[r] = 0.f;
+    }
+    for (int r = 0; r < nr_; ++r) {
+      float* q_row = quant_ ? q_rows_ + size_t(r) * d_ : row;
+      load_row_f32(problem_.dtype, problem_.q.t.data, problem_.q_offset(problem_.q, b_, rows_.at(r), h_), d_,
+                   q_row);
+      for (int c = 0; c < d_; ++c) qt_[size_t(c) * nr_pad_ + r] = q_row[c] * problem_.scale;
+      std::memset(o_ + size_t(r) * d_, 0, sizeof(float) * size_t(d_));
+    }
+    for (int c = 0; c < d_; ++c)
+      for (int r = nr_; r < nr_pad_; ++r) qt_[size_t(c) * nr_pad_ + r] = 0.f;
+    if (quant_) quantize_queries();
+  }
+
+  // The nk K or V rows of a tile, converted (and gathered) once into the contiguous `tile` [nk, D]. Reading fp32
+  // rows in place is slower: tokens usually sit Hkv·D floats apart, a multiple of 4 KiB, so a tile's rows fight
+  // over the same L1 sets; the copy costs ~2% of the tile's flops.
+  KvRows kv_rows(const TensorArg& kv, Positions keys, int nk, float* tile) const {
+    for (int j = 0; j < nk; ++j)
+      load_row_f32(problem_.dtype, kv.t.data, problem_.kv_offset(kv, b_, keys.at(j), hk_), d_,
+                   tile + size_t(j) * d_);
+    return {tile, d_};
+  }
+
+  void apply_mask(const RowVisibility& vis, Positions keys, int nk) {
+    for (int j = 0; j < nk; ++j) {
+      float* st_row = st_ + size_t(j) * nr_pad_;
+      const int64_t key = keys.at(j);
+      for (int r = 0; r < nr_; ++r)
+        if (!visible(vis, rows_.at(r), key)) st_row[r] = kNegInf;
+    }
+  }
+
+  // §4 quantized path, queries: int8 per quant_block_q-row block of the sequence (the scale spans the whole block,
+  // rows outside this tile included), plus scale · q·k_mean per row to restore the uncentred LSE.
+  void quantize_queries() {
+    const int64_t block = std::max<int32_t>(1, quant_->quant_block_q);
+    const int64_t seq_q = problem_.seq_len_q(b_);
+    int64_t cached_block = -1;
+    float cached_scale = 1.f;
+    for (int r = 0; r < nr_; ++r) {
+      const int64_t row = rows_.at(r);
+      const int64_t block_id = row / block;
+      if (block_id != cached_block) {
+        float max_abs = 0.f;
+        for (int64_t i = block_id * block; i < std::min(seq_q, (block_id + 1) * block); ++i) {
+          load_row_f32(problem_.dtype, problem_.q.t.data, problem_.q_offset(problem_.q, b_, i, h_), d_, row_tmp_);
+          for (int c = 0; c < d_; ++c) max_abs = std::max(max_abs, std::fabs(row_tmp_[c]));
+        }
+        cached_block = block_id;
+        cached_scale = quant_scale(max_abs);
+      }
+      const float* q_row = q_rows_ + size_t(r) * d_;
+      q_scale_[r] = cached_scale;
+      double mean_dot = 0.0;
+      for (int c = 0; c < d_; ++c) {
+        q_i8_[size_t(r) * d_ + c] = quantize(q_row[c], cached_scale);
+        mean_dot += double(q_row[c]) * quant_->k_mean[c];
+      }
+      qk_mean_[r] = float(mean_dot) * problem_.scale;
+    }
+  }
+
+  // §4 quantized path, keys and scores: centred K of this block to int8 with one scale, then
+  // S = (Q_i8·K_i8ᵀ) · sq · sk · scale.
+  void scores_quantized(Positions keys, int nk) {
+    float* centred = k_tile_;
+    float max_abs = 0.f;
+    for (int j = 0; j < nk; ++j) {
+      float* row = centred + size_t(j) * d_;
+      load_row_f32(problem_.dtype, problem_.k.t.data, problem_.kv_offset(problem_.k, b_, keys.at(j), hk_), d_,
+                   row);
+      for (int c = 0; c < d_; ++c) {
+        row[c] -= quant_->k_mean[c];
+        max_abs = std::max(max_abs, std::fabs(row[c]));
+      }
+    }
+    const float k_scale = quant_scale(max_abs);
+    for (size_t e = 0; e < size_t(nk) * d_; ++e) k_i8_[e] = quantize(centred[e], k_scale);
+    for (int j = 0; j < nk; ++j) {
+      const int8_t* k_row = k_i8_ + size_t(j) * d_;
+      float* st_row = st_ + size_t(j) * nr_pad_;
+      for (int r = 0; r < nr_; ++r) {
+        const int8_t* q_row = q_i8_ + size_t(r) * d_;
+        int32_t dot = 0;
+        for (int c = 0; c < d_; ++c) dot += int32_t(q_row[c]) * int32_t(k_row[c]);
+        st_row[r] = float(dot) * (q_scale_[r] * k_scale * problem_.scale);
+      }
+      for (int r = nr_; r < nr_pad_; ++r) st_row[r] = 0.f;
+    }
+  }
+
+  const AttentionProblem& problem_;
+  int32_t b_, h_, hk_;
+  int d_;
+  Positions rows_;
+  int nr_, nr_pad_, max_keys_;
+  const Microkernels& kernels_;
+  const BlockWalk* quant_;
+  float* o_;  // the caller's out_rows [nr, D], used as the unnormalised accumulator
+  int64_t row_min_ = 0, row_max_ = 0;
+  float *qt_ = nullptr, *st_ = nullptr, *k_tile_ = nullptr, *v_tile_ = nullptr;
+  float *m_ = nullptr, *l_ = nullptr, *local_max_ = nullptr, *shift_ = nullptr, *block_sum_ = nullptr;
+  float *q_rows_ = nullptr, *q_scale_ = nullptr, *qk_mean_ = nullptr, *row_tmp_ = nullptr;
+  int8_t *q_i8_ = nullptr, *k_i8_ = nullptr;
+};
+
+}  // namespace
+
+size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized) {
+  const size_t nr_pad = size_t(round_up(std::max(rows, 1), kRowAlign));
+  const size_t d = size_t(head_dim);
+  const size_t kv = size_t(std::max(keys, 1)) * d;
+  size_t floats = d * nr_pad + size_t(std::max(keys, 1)) * nr_pad + 2 * kv + 5 * nr_pad;
+  if (quantized) floats += size_t(rows) * d + 2 * size_t(rows) + d + scratch_floats<int8_t>(size_t(rows) * d) +
+                           scratch_floats<int8_t>(kv);
+  return floats;
+}
+
+void attend_block_walk(const AttentionProblem& problem, int32_t b, int32_t h, int64_t row_begin, int64_t row_end,
+                       const BlockWalk& walk, const RowVisibility& vis, float* out_rows, float* lse_rows,
+                       RunCounters* counters, ThreadScratch& scratch) {
+  const int nr = int(row_end - row_begin);
+  if (nr <= 0) return;
+  if (walk.block_k <= 0) fail(SPARSA_STATUS_INTERNAL, "attend_block_walk: block_k must be > 0, got ", walk.block_k);
+  if (walk.quantized_qk && !walk.k_mean)
+    fail(SPARSA_STATUS_INTERNAL, "attend_block_walk: quantized walk needs k_mean, got null");
+  const int64_t seq_k = problem.seq_len_k(b);
+  RowTile tile(problem, b, h, Positions{nullptr, row_begin}, nr, walk.block_k,
+               walk.quantized_qk ? &walk : nullptr, out_rows, scratch);
+  const bool pv_skip = walk.pv_skip_lambda > -std::numeric_limits<float>::infinity();
+  bool first_computed = true;
+  auto block_keys = [&](int64_t n) {
+    const int64_t key_begin = int64_t(walk.key_blocks[n]) * walk.block_k;
+    return std::pair<int64_t, int>(key_begin, int(std::min<int64_t>(walk.block_k, seq_k - key_begin)));
+  };
+  for (int64_t n = 0; n < walk.n_key_blocks; ++n) {
+    const auto [key_begin, nk] = block_keys(n);
+    if (key_begin < 0 || nk <= 0) continue;
+    if (n + 1 < walk.n_key_blocks) {
+      const auto [next_begin, next_nk] = block_keys(n + 1);
+      if (next_begin >= 0 && next_nk > 0) tile.prefetch_keys(Positions{nullptr, next_begin}, next_nk);
+    }
+    const bool computed = tile.process_keys(Positions{nullptr, key_begin}, nk, vis, pv_skip && !first_computed,
+                                            walk.pv_skip_lambda, counters);
+    if (computed) {
+      first_computed = false;
+      if (counters) ++counters->blocks_computed;
+    }
+  }
+  tile.finish(lse_rows);
+}
+
+void attend_index_list(const AttentionProblem& problem, int32_t b, int32_t h, const int64_t* rows, int64_t n_rows,
+                       const int64_t* keys, int64_t n_keys, const RowVisibility& vis, float* out_rows,
+                       float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
+  const int d = problem.head_dim;
+  for (int64_t row0 = 0; row0 < n_rows; row0 += kIndexTileRows) {
+    const int nr = int(std::min(kIndexTileRows, n_rows - row0));
+    RowTile tile(problem, b, h, Positions{rows + row0, 0}, nr, int(kIndexTileKeys), nullptr,
+                 out_rows + row0 * d, scratch);
+    // Keys are ascending: with a causal predicate nothing past the last row's horizon is visible.
+    int64_t key_end = n_keys;
+    if (vis.causal) {
+      const int64_t horizon = tile.row_max_position() + vis.offset;
+      key_end = std::upper_bound(keys, keys + n_keys, horizon) - keys;
+    }
+    for (int64_t key0 = 0; key0 < key_end; key0 += kIndexTileKeys) {
+      const int nk = int(std::min(kIndexTileKeys, key_end - key0));
+      const int64_t next0 = key0 + kIndexTileKeys;
+      if (next0 < key_end)
+        tile.prefetch_keys(Positions{keys + next0, 0}, int(std::min(kIndexTileKeys, key_end - next0)));
+      tile.process_keys(Positions{keys + key0, 0}, nk, vis, false, 0.f, counters);
+    }
+    tile.finish(lse_rows ? lse_rows + row0 : nullptr);
+  }
+}
+
+void ExecContext::parallel_for(int64_t n, const std::function<void(int64_t item, int worker)>& fn) const {
+  if (pool) {
+    pool->parallel_for(n, fn);
+    return;
+  }
+  for (int64_t item = 0; item < n; ++item) fn(item, 0);
+}
+
+int64_t staging_row(const AttentionProblem& problem, int32_t b, int64_t i) {
+  if (!problem.q_packed) return int64_t(b) * problem.max_seq_q + i;
+  const int32_t* cu = problem.cu_seqlens_q.ptr<const int32_t>();
+  return int64_t(cu[b * problem.cu_seqlens_q.t.strides[0]]) + i;
+}
+
+int64_t staging_rows(const AttentionProblem& problem) {
+  if (!problem.q_packed) return int64_t(problem.batch) * problem.max_seq_q;
+  const int32_t* cu = problem.cu_seqlens_q.ptr<const int32_t>();
+  return cu[problem.batch * problem.cu_seqlens_q.t.strides[0]];
+}
+
+int64_t dense_pairs(const AttentionProblem& problem, int32_t b) {
+  const int64_t seq_q = problem.seq_len_q(b);
+  const int64_t seq_k = problem.seq_len_k(b);
+  if (!problem.causal) return seq_q * seq_k;
+  const int64_t offset = seq_k - seq_q;
+  int64_t pairs = 0;
+  for (int64_t i = 0; i < seq_q; ++i) pairs += std::clamp<int64_t>(i + offset + 1, 0, seq_k);
+  return pairs;
+}
+
+int64_t dense_tiles(const AttentionProblem& problem, int32_t b, int32_t block_q, int32_t block_k) {
+  const int64_t seq_q = problem.seq_len_q(b);
+  const int64_t seq_k = problem.seq_len_k(b);
+  const int64_t key_blocks = (seq_k + block_k - 1) / block_k;
+  const int64_t offset = seq_k - seq_q;
+  int64_t tiles = 0;
+  for (int64_t row0 = 0; row0 < seq_q; row0 += block_q) {
+    if (!problem.causal) {
+      tiles += key_blocks;
+      continue;
+    }
+    const int64_t last_row = std::min(seq_q, row0 + block_q) - 1;
+    const int64_t visible_keys = std::clamp<int64_t>(last_row + offset + 1, 0, seq_k);
+    tiles += (visible_keys + block_k - 1) / block_k;
+  }
+  return tiles;
+}
+
+}  // namespace sparsa::cpu

@@ -1,0 +1,153 @@
+// The CPU backend: owns the worker pool, the per-worker scratch and counters, and maps a policy kind to its entry
+// (one function says both whether a case runs and what runs it). Δ wraps any entry; stats are summed here.
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../../src/backend.h"
+#include "../../src/error.h"
+#include "../../src/registry.h"
+#include "attention_loop.h"
+#include "cpu_engine.h"
+#include "cpu_token_select.h"
+#include "cpu_utilities.h"
+#include "microkernels.h"
+#include "thread_pool.h"
+
+namespace sparsa::cpu {
+namespace {
+
+// The entry running `kind`, or null with `reason` filled when this backend has none.
+PolicyEntry policy_entry(int32_t kind, std::string* reason) {
+  switch (kind) {
+    case SPARSA_POLICY_DENSE: return run_dense;
+    case SPARSA_POLICY_SINK_WINDOW: return run_sink_window;
+    case SPARSA_POLICY_BLOCK_SPARSE: return run_block_sparse;
+    case SPARSA_POLICY_SPARGE: return run_sparge;
+    case SPARSA_POLICY_TOKEN_SPARSE: return run_token_sparse;
+    case SPARSA_POLICY_TOKEN_SELECT: return run_token_select;
+    case SPARSA_POLICY_TOKEN_INDICES: return run_token_indices;
+    default:
+      if (reason) *reason = "cpu backend: policy kind " + std::to_string(kind) + " is not implemented";
+      return nullptr;
+  }
+}
+
+// Block sizes at which a kind reports SPARSA_STAT_BLOCKS_*; {0, 0} for the token policies (no block tiling).
+std::pair<int32_t, int32_t> stat_block_sizes(const PolicyParams& policy) {
+  switch (policy.p.kind) {
+    case SPARSA_POLICY_DENSE:
+    case SPARSA_POLICY_SINK_WINDOW: return {kDefaultBlockQ, kDefaultBlockK};
+    case SPARSA_POLICY_BLOCK_SPARSE:
+    case SPARSA_POLICY_SPARGE: return {policy.p.block_q, policy.p.block_k};
+    default: return {0, 0};
+  }
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const sparsa_context_options& options) : pool_(options.num_threads) {
+    scratch_.resize(scratch_slots_for(pool_.size()));
+    counters_.resize(size_t(pool_.size()));
+    exec_.pool = &pool_;
+    exec_.scratch = &scratch_;
+    exec_.counters = &counters_;
+  }
+
+  int32_t device_type() const override { return SPARSA_DEVICE_CPU; }
+  const char* name() const override { return "cpu"; }
+  void set_stream(void*) override {}
+  uint64_t scratch_bytes() const override {
+    uint64_t bytes = 0;
+    for (const ThreadScratch& s : scratch_) bytes += s.buffer.capacity() * sizeof(float);
+    return bytes;
+  }
+
+  bool supports(const AttentionProblem&, const PolicyParams& policy, std::string* reason) const override {
+    return policy_entry(policy.p.kind, reason) != nullptr;
+  }
+
+  // Grows every worker's loop scratch for the largest tile this problem uses and Δ's staging; computes nothing.
+  // (Policies' own per-item scratch grows on first use and is kept.)
+  void plan(const AttentionProblem& problem, const PolicyParams& policy) override {
+    const auto [bq, bk] = stat_block_sizes(policy);
+    const int rows = std::max<int32_t>(bq, kDefaultBlockQ);
+    const int keys = std::max<int32_t>(bk, kDefaultBlockK);
+    const size_t d = size_t(problem.head_dim);
+    const size_t tile_floats =
+        attention_tile_floats(problem.head_dim, rows, keys, policy.p.kind == SPARSA_POLICY_SPARGE && policy.p.sparge_quantized);
+    for (int w = 0; w < pool_.size(); ++w) {
+      loop_scratch(exec_, w).reserve(tile_floats);
+      policy_scratch(exec_, w).reserve(size_t(rows) * (d + 1) + size_t(problem.max_seq_k) + 2);
+    }
+    if (policy.delta) {
+      const size_t slots = size_t(staging_rows(problem)) * size_t(problem.num_q_heads);
+      run_scratch(exec_, kRunScratchDeltaStaging).reserve(slots * (d + 1));
+      run_scratch(exec_, kRunScratchDeltaKeys).reserve(2 * size_t(problem.max_seq_k));
+    }
+  }
+
+  void run(const AttentionProblem& problem, const PolicyParams& policy) override {
+    std::string reason;
+    const PolicyEntry entry = policy_entry(policy.p.kind, &reason);
+    if (!entry) fail(SPARSA_STATUS_UNSUPPORTED, reason);
+    std::fill(counters_.begin(), counters_.end(), RunCounters{});
+    const OutputSink direct{};
+    if (policy.delta) {
+      run_delta(entry, problem, policy, direct, exec_);
+    } else {
+      entry(problem, policy, direct, exec_);
+    }
+    if (problem.stats.present) write_stats(problem, policy);
+  }
+
+  void merge_states(const MergeProblem& problem) override { cpu_merge_states(problem, exec_); }
+  void topk_from_scores(const TensorArg& scores, int32_t k, int32_t block_size,
+                        const TensorArg& out_indices) override {
+    cpu_topk_from_scores(scores, k, block_size, out_indices, exec_);
+  }
+  void kv_prefetch(const PrefetchProblem& problem) override { cpu_kv_prefetch(problem, exec_); }
+  std::unique_ptr<SelectionCacheState> create_selection_cache(const SelectionCacheDims& dims) override {
+    return make_cpu_selection_cache(dims);
+  }
+
+ private:
+  void write_stats(const AttentionProblem& problem, const PolicyParams& policy) const {
+    RunCounters total;
+    for (const RunCounters& c : counters_) total.add(c);
+    int64_t values[SPARSA_STAT_COUNT] = {};
+    values[SPARSA_STAT_PAIRS_COMPUTED] = total.pairs_computed;
+    const auto [bq, bk] = stat_block_sizes(policy);
+    for (int32_t b = 0; b < problem.batch; ++b) {
+      values[SPARSA_STAT_PAIRS_DENSE] += dense_pairs(problem, b) * problem.num_q_heads;
+      if (bq > 0) values[SPARSA_STAT_BLOCKS_TOTAL] += dense_tiles(problem, b, bq, bk) * problem.num_q_heads;
+    }
+    values[SPARSA_STAT_BLOCKS_COMPUTED] = bq > 0 ? total.blocks_computed : 0;
+    values[SPARSA_STAT_PV_BLOCKS_SKIPPED] = total.pv_blocks_skipped;
+    if (policy.p.kind == SPARSA_POLICY_TOKEN_SELECT) {
+      const SelectionCacheRunCounts cache = selection_cache_run_counts(problem.selection_cache);
+      values[SPARSA_STAT_CACHE_HITS] = cache.hits;
+      values[SPARSA_STAT_CACHE_MISSES] = cache.misses;
+    }
+    const int64_t n = std::min<int64_t>(problem.stats.extent(0), SPARSA_STAT_COUNT);
+    int64_t* out = problem.stats.ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) out[i * problem.stats.stride(0)] = values[i];
+  }
+
+  ThreadPool pool_;
+  std::vector<ThreadScratch> scratch_;
+  std::vector<RunCounters> counters_;
+  ExecContext exec_;
+};
+
+}  // namespace
+}  // namespace sparsa::cpu
+
+namespace sparsa {
+
+std::unique_ptr<Backend> create_cpu_backend(const sparsa_context_options& options) {
+  return std::make_unique<cpu::CpuBackend>(options);
+}
+
+}  // namespace sparsa

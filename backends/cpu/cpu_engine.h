@@ -1,0 +1,98 @@
+// Engine-side additions to the CPU attention-loop API (attention_loop.h stays as the lead wrote it).
+//
+// Scratch layout. ExecContext::scratch holds 2·W + kRunScratchSlots entries for a pool of W workers:
+//   [0, W)        loop scratch of worker w: attend_block_walk / attend_index_list own it during a call (a caller
+//                 must not keep anything there across such a call);
+//   [W, 2W)       policy scratch of worker w: free for a policy's per-item data (masks, id lists, gathered rows)
+//                 that must survive attend_* calls;
+//   [2W, 2W + kRunScratchSlots)  run-wide buffers used outside parallel_for items or read-only inside them
+//                 (Δ's staging output).
+// Everything grows on demand and is reused run after run, so a warmed-up run allocates nothing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <new>
+
+#include "attention_loop.h"
+
+namespace sparsa::cpu {
+
+constexpr int kRunScratchSlots = 2;
+constexpr int kRunScratchDeltaStaging = 0;  // Δ: the base policy's fp32 output [rows, Hq, D] + lse
+constexpr int kRunScratchDeltaKeys = 1;     // Δ: the list 0..Skv−1 as int64, shared read-only by all workers
+
+// Tiling DENSE and SINK_WINDOW run at (and report BLOCKS_* at): query rows per work item × keys per tile.
+constexpr int32_t kDefaultBlockQ = 128;
+constexpr int32_t kDefaultBlockK = 64;
+
+inline size_t scratch_slots_for(int num_workers) { return 2 * size_t(num_workers) + kRunScratchSlots; }
+inline int worker_count(const ExecContext& exec) {
+  return int((exec.scratch->size() - kRunScratchSlots) / 2);
+}
+inline ThreadScratch& loop_scratch(const ExecContext& exec, int worker) { return (*exec.scratch)[size_t(worker)]; }
+inline ThreadScratch& policy_scratch(const ExecContext& exec, int worker) {
+  return (*exec.scratch)[size_t(worker_count(exec) + worker)];
+}
+inline ThreadScratch& run_scratch(const ExecContext& exec, int slot) {
+  return (*exec.scratch)[size_t(2 * worker_count(exec) + slot)];
+}
+
+// Views `count` elements of a trivial type T inside a scratch buffer, starting `float_offset` floats in (keep
+// offsets multiples of 2 for 8-byte types). The buffer is grown first; contents are unspecified.
+template <typename T>
+T* scratch_array(ThreadScratch& scratch, size_t float_offset, size_t count) {
+  const size_t floats = (count * sizeof(T) + sizeof(float) - 1) / sizeof(float);
+  float* base = scratch.reserve(float_offset + floats) + float_offset;
+  return new (static_cast<void*>(base)) T[count];
+}
+// Floats a scratch_array<T>(count) occupies, rounded up to an 8-byte multiple so the next array stays aligned.
+template <typename T>
+size_t scratch_floats(size_t count) {
+  const size_t floats = (count * sizeof(T) + sizeof(float) - 1) / sizeof(float);
+  return (floats + 1) & ~size_t(1);
+}
+
+// Floats of loop scratch one attend_* call needs for a tile of `rows` query rows and `keys` keys.
+size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized);
+
+// The kv head query head h reads (§0 GQA: contiguous groups).
+inline int32_t kv_head_of(const AttentionProblem& problem, int32_t h) {
+  return h / (problem.num_q_heads / problem.num_kv_heads);
+}
+
+// Row index of (b, i) in an OutputSink staging buffer (b · max_seq_q + i padded, cu_seqlens_q[b] + i packed) and
+// the number of such rows.
+int64_t staging_row(const AttentionProblem& problem, int32_t b, int64_t i);
+int64_t staging_rows(const AttentionProblem& problem);
+
+// Dense pairs of sequence b with the problem's causal flag: Σ over rows of the keys each may see.
+int64_t dense_pairs(const AttentionProblem& problem, int32_t b);
+// Tiles of a block_q × block_k tiling of sequence b that hold at least one (causal-)allowed pair.
+int64_t dense_tiles(const AttentionProblem& problem, int32_t b, int32_t block_q, int32_t block_k);
+
+}  // namespace sparsa::cpu
+
+namespace sparsa::cpu {
+
+// Lists the ascending key block ids (of block_k keys) query block `q_block` of (b, h) walks; returns the count.
+using KeyBlockLister = std::function<int64_t(int32_t b, int32_t h, int64_t q_block, int32_t* ids)>;
+
+// The shared driver of the block policies: for every (b, h, query block of block_q rows) — heaviest causal blocks
+// first, spread over the pool — walks the listed key blocks with visibility `vis` (its offset set per sequence)
+// and hands the rows to `sink`.
+void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec,
+                      int32_t block_q, int32_t block_k, const RowVisibility& vis, const KeyBlockLister& lister);
+
+// Visibility of the problem's causal flag for sequence b (bottom-right offset).
+RowVisibility causal_visibility(const AttentionProblem& problem, int32_t b);
+
+}  // namespace sparsa::cpu
+
+namespace sparsa::cpu {
+
+// sparsa_merge_states on host memory (cpu_merge.cpp): row by row through SoftmaxState::merge; out may alias o_a.
+void cpu_merge_states(const MergeProblem& problem, const ExecContext& exec);
+
+}  // namespace sparsa::cpu

@@ -1,0 +1,116 @@
+// sparsa_kv_prefetch on the CPU (§7): gather the K/V rows of each sequence's selected tokens into compact buffers.
+//
+// Per sequence b the union U_b of its valid indices (all H_idx rows) is sorted, so compact row c holds token U_b[c]
+// and order is kept: positions[b, c] = U_b[c] (-1 past |U_b|), remapped[b, r, s] = the compact row of
+// indices[b, r, s] (-1 stays -1), counts[b] = |U_b|. Rows of k_dst/v_dst past |U_b| are left untouched.
+// Unions are built and checked for the whole batch before anything is written, then rebuilt per sequence by the
+// work items (cheap: O(H_idx·k log) against the O(|U|·Hkv·D) copy), so nothing is allocated.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "../../src/error.h"
+#include "cpu_select_util.h"
+#include "cpu_utilities.h"
+
+namespace sparsa::cpu {
+namespace {
+
+constexpr int32_t kUnusedSlot = -1;
+
+int32_t index_at(const TensorArg& indices, int64_t b, int64_t row, int64_t slot) {
+  return indices.ptr<const int32_t>()[b * indices.stride(0) + row * indices.stride(1) + slot * indices.stride(2)];
+}
+
+// Copies D elements of token `token`, kv head hk of sequence b in `src` to compact row `row` of `dst`.
+void copy_row(const TensorArg& src, const TensorArg& dst, size_t row_bytes, int64_t b, int64_t token, int64_t row,
+              int64_t hk) {
+  const size_t element_size = sparsa_dtype_size(src.t.dtype);
+  const char* from = static_cast<const char*>(src.t.data) +
+                     (b * src.stride(0) + token * src.stride(1) + hk * src.stride(2)) * int64_t(element_size);
+  char* to = static_cast<char*>(dst.t.data) +
+             (b * dst.stride(0) + row * dst.stride(1) + hk * dst.stride(2)) * int64_t(element_size);
+  std::memcpy(to, from, row_bytes);
+}
+
+// Writes the ascending, deduplicated valid ids of sequence b (all H_idx rows) to ids (room for H_idx·k) and
+// returns their count. Throws INDEX_OUT_OF_RANGE for an entry outside [-1, n_tokens).
+int64_t sequence_union(const TensorArg& indices, int64_t b, int64_t n_tokens, int64_t* ids) {
+  int64_t n = 0;
+  for (int64_t row = 0; row < indices.extent(1); ++row) {
+    for (int64_t slot = 0; slot < indices.extent(2); ++slot) {
+      const int32_t id = index_at(indices, b, row, slot);
+      if (id == kUnusedSlot) continue;
+      if (id < 0 || id >= n_tokens) {
+        fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "indices: entry [", b, ", ", row, ", ", slot, "] is ", id,
+             ", expected -1 or a token id in [0, ", n_tokens, ")");
+      }
+      ids[n++] = id;
+    }
+  }
+  std::sort(ids, ids + n);
+  return std::unique(ids, ids + n) - ids;
+}
+
+}  // namespace
+
+void cpu_kv_prefetch(const PrefetchProblem& problem, const ExecContext& exec) {
+  const TensorArg& indices = problem.indices;
+  const int64_t batch = indices.extent(0);
+  const int64_t n_index_heads = indices.extent(1);
+  const int64_t slots = indices.extent(2);
+  const int64_t n_tokens = problem.k_src.extent(1);
+  const int64_t n_kv_heads = problem.k_src.extent(2);
+  const int64_t head_dim = problem.k_src.extent(3);
+  const int64_t capacity = problem.k_dst.extent(1);
+  const size_t row_bytes = size_t(head_dim) * sparsa_dtype_size(problem.k_src.t.dtype);
+
+  const size_t max_ids = size_t(n_index_heads * slots);
+
+  // Every union checked before any output is written.
+  {
+    ScratchLayout layout;
+    const size_t ids_at = layout.add<int64_t>(max_ids);
+    layout.bind(policy_scratch(exec, 0));  // no work item runs yet
+    int64_t* ids = layout.get<int64_t>(ids_at, max_ids);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t n_ids = sequence_union(indices, b, n_tokens, ids);
+      if (n_ids > capacity) {
+        fail(SPARSA_STATUS_SHAPE_MISMATCH, "k_dst: ", capacity, " compact rows (extent 1) but sequence ", b,
+             " selects ", n_ids, " distinct tokens");
+      }
+    }
+  }
+
+  // Per sequence: positions, remapped, counts and the gather.
+  exec.parallel_for(batch, [&](int64_t b, int worker) {
+    ScratchLayout layout;
+    const size_t ids_at = layout.add<int64_t>(max_ids);
+    layout.bind(policy_scratch(exec, worker));
+    int64_t* ids = layout.get<int64_t>(ids_at, max_ids);
+    const int64_t n_ids = sequence_union(indices, b, n_tokens, ids);
+
+    const TensorArg& positions = problem.positions;
+    int32_t* position_row = positions.ptr<int32_t>() + b * positions.stride(0);
+    for (int64_t c = 0; c < capacity; ++c) position_row[c * positions.stride(1)] = c < n_ids ? int32_t(ids[c]) : -1;
+    const TensorArg& remapped = problem.remapped;
+    for (int64_t row = 0; row < n_index_heads; ++row) {
+      for (int64_t slot = 0; slot < slots; ++slot) {
+        const int32_t id = index_at(indices, b, row, slot);
+        const int32_t compact_row =
+            id == kUnusedSlot ? kUnusedSlot : int32_t(std::lower_bound(ids, ids + n_ids, int64_t(id)) - ids);
+        remapped.ptr<int32_t>()[b * remapped.stride(0) + row * remapped.stride(1) + slot * remapped.stride(2)] =
+            compact_row;
+      }
+    }
+    if (problem.counts.present) problem.counts.ptr<int32_t>()[b * problem.counts.stride(0)] = int32_t(n_ids);
+    for (int64_t c = 0; c < n_ids; ++c) {
+      for (int64_t hk = 0; hk < n_kv_heads; ++hk) {
+        copy_row(problem.k_src, problem.k_dst, row_bytes, b, ids[c], c, hk);
+        copy_row(problem.v_src, problem.v_dst, row_bytes, b, ids[c], c, hk);
+      }
+    }
+  });
+}
+
+}  // namespace sparsa::cpu

@@ -1,0 +1,131 @@
+// Small helpers shared by the CPU selection policies (cpu_sparge_predict.cpp, cpu_token_sparse.cpp,
+// cpu_token_select.cpp, cpu_token_indices.cpp, cpu_topk.cpp, cpu_prefetch.cpp).
+//
+// Everything here is deterministic: every ranking is a total order (larger value first, the smaller index wins a
+// tie, NaN ranks last), so results never depend on the thread count or on the standard library's sort.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "../../src/error.h"
+#include "../../src/problem.h"
+#include "attention_loop.h"
+#include "cpu_engine.h"  // kv_head_of, worker_count
+
+namespace sparsa::cpu {
+
+// Query rows handed to one attend_index_list call: bounds the per-worker output buffer and gives the pool work
+// items of a useful size.
+constexpr int64_t kSelectRowsPerCall = 64;
+
+// True when (value_a, id_a) ranks before (value_b, id_b) in a descending top-k: larger value first, ties by the
+// smaller id (§0), NaN after every number (so the order stays a strict weak order whatever the input holds).
+inline bool ranks_before(double value_a, int64_t id_a, double value_b, int64_t id_b) {
+  const bool a_is_nan = std::isnan(value_a);
+  const bool b_is_nan = std::isnan(value_b);
+  if (a_is_nan != b_is_nan) return b_is_nan;
+  if (!a_is_nan && value_a != value_b) return value_a > value_b;
+  return id_a < id_b;
+}
+
+// Writes the ids of the k highest-ranked entries of values[0..n) (ranks_before) into ids_out[0..k), ascending.
+// `order` is scratch for n ids. Requires 0 <= k <= n.
+inline void top_k_ids_ascending(const double* values, int64_t n, int64_t k, int64_t* order, int64_t* ids_out) {
+  if (k <= 0) return;
+  std::iota(order, order + n, int64_t{0});
+  const auto by_rank = [values](int64_t a, int64_t b) { return ranks_before(values[a], a, values[b], b); };
+  if (k < n) std::nth_element(order, order + (k - 1), order + n, by_rank);
+  std::sort(order, order + k);
+  std::copy(order, order + k, ids_out);
+}
+
+// Typed arrays laid out one after another in a worker's policy scratch (cpu_engine.h), which grows on demand and is
+// kept run after run, so a warmed-up run allocates nothing. Growing may move the buffer, so every array is declared
+// first (add), the scratch grown once (bind), and only then are pointers taken (get).
+class ScratchLayout {
+ public:
+  template <typename T>
+  size_t add(size_t count) {
+    const size_t offset = floats_;
+    floats_ += scratch_floats<T>(count);
+    return offset;
+  }
+  void bind(ThreadScratch& scratch) {
+    scratch.reserve(floats_);
+    scratch_ = &scratch;
+  }
+  template <typename T>
+  T* get(size_t offset, size_t count) const {
+    return scratch_array<T>(*scratch_, offset, count);
+  }
+
+ private:
+  size_t floats_ = 0;
+  ThreadScratch* scratch_ = nullptr;
+};
+
+// Writes ids[0..n) into row (b, set) of the int32 selected_indices output [B, H_sel, cap], -1-padded to cap.
+// The caller checked n <= cap before any output was written (require_selected_capacity).
+inline void write_selected_set(const TensorArg& selected, int32_t b, int64_t set, const int64_t* ids, int64_t n) {
+  int32_t* row = selected.ptr<int32_t>() + b * selected.stride(0) + set * selected.stride(1);
+  const int64_t cap = selected.extent(2);
+  const int64_t step = selected.stride(2);
+  for (int64_t c = 0; c < cap; ++c) row[c * step] = c < n ? int32_t(ids[c]) : -1;
+}
+
+// Throws SHAPE_MISMATCH unless the selected_indices output (when present) has room for `needed` ids per row.
+// Called for every sequence before any output is written.
+inline void require_selected_capacity(const AttentionProblem& problem, int64_t needed, int32_t b,
+                                      const char* what) {
+  if (!problem.selected_indices.present) return;
+  const int64_t cap = problem.selected_indices.extent(2);
+  if (cap < needed) {
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, "selected_indices: cap (last extent) ", cap, " but sequence ", b,
+         " can select up to ", needed, " tokens (", what, ")");
+  }
+}
+
+// Σ_d a[d]·b[d] in float64 over fp32 inputs: the selection scores are float64 so the CPU backend is an exact oracle.
+inline double dot_f64(const float* a, const float* b, int32_t d) {
+  double sum = 0.0;
+  for (int32_t i = 0; i < d; ++i) sum += double(a[i]) * double(b[i]);
+  return sum;
+}
+inline double dot_f64(const double* a, const float* b, int32_t d) {
+  double sum = 0.0;
+  for (int32_t i = 0; i < d; ++i) sum += a[i] * double(b[i]);
+  return sum;
+}
+
+// Sizes of the output buffers attend_rows_over_keys needs.
+inline size_t out_rows_count(const AttentionProblem& problem) { return size_t(kSelectRowsPerCall) * problem.head_dim; }
+inline size_t lse_rows_count() { return size_t(kSelectRowsPerCall); }
+
+// Attends query rows rows[0..n_rows) of (b, h) over keys[0..n_keys) in chunks of kSelectRowsPerCall rows and hands
+// each normalised row to `sink`. When `causal_prefix` is set, the keys of a chunk stop at the first key after its
+// last row (rows and keys are ascending positions and visibility is causal with offset `vis.offset`), so no
+// invisible key is gathered. out_rows/lse_rows hold kSelectRowsPerCall rows (rows_buffer_floats).
+inline void attend_rows_over_keys(const AttentionProblem& problem, int32_t b, int32_t h, const int64_t* rows,
+                                  int64_t n_rows, const int64_t* keys, int64_t n_keys, const RowVisibility& vis,
+                                  bool causal_prefix, const OutputSink& sink, float* out_rows, float* lse_rows,
+                                  RunCounters* counters, ThreadScratch& scratch) {
+  const int32_t d = problem.head_dim;
+  for (int64_t first = 0; first < n_rows; first += kSelectRowsPerCall) {
+    const int64_t count = std::min(kSelectRowsPerCall, n_rows - first);
+    int64_t keys_used = n_keys;
+    if (causal_prefix) {
+      const int64_t last_visible = rows[first + count - 1] + vis.offset;
+      keys_used = std::upper_bound(keys, keys + n_keys, last_visible) - keys;
+    }
+    attend_index_list(problem, b, h, rows + first, count, keys, keys_used, vis, out_rows, lse_rows, counters,
+                      scratch);
+    for (int64_t r = 0; r < count; ++r) sink.write_row(problem, b, rows[first + r], h, out_rows + r * d, lse_rows[r]);
+  }
+}
+
+}  // namespace sparsa::cpu

@@ -1,0 +1,140 @@
+// TOKEN_INDICES (§7, STS) on the CPU: each query head attends to the deduplicated union of its row of the caller's
+// indices (token ids or blocks of ids), the first n_init and the last n_local tokens; causal per the run's flag.
+//
+// Work items are (b, h): each builds its key set as merged id ranges (O(k log k + |I|), no O(N) mask), writes its
+// row of selected_indices and attends every query row. Checks that can fail run over the whole batch first.
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+
+#include "../../src/error.h"
+#include "attention_loop.h"
+#include "cpu_select_util.h"
+
+namespace sparsa::cpu {
+namespace {
+
+// Marks an unused slot of `indices`.
+constexpr int32_t kUnusedSlot = -1;
+
+struct IndexParams {
+  int64_t block_size = 1;  // 1 = token ids, > 1 = block ids
+  int64_t n_init = 0;
+  int64_t n_local = 0;
+  int32_t n_index_heads = 0;  // H_idx
+  int64_t slots = 0;          // k
+};
+
+// A half-open range [begin, end) of key ids.
+struct IdRange {
+  int64_t begin;
+  int64_t end;
+};
+constexpr int64_t kAlwaysIncludedRanges = 2;  // [0, n_init) and [N − n_local, N)
+
+// Row of `indices` query head h reads: head_map[h], or h / (Hq / H_idx) without a map.
+int32_t index_row_of(const AttentionProblem& problem, const PolicyParams& policy, const IndexParams& params,
+                     int32_t h) {
+  if (policy.head_map.present) return policy.head_map.ptr<const int32_t>()[h * policy.head_map.stride(0)];
+  return h / (problem.num_q_heads / params.n_index_heads);
+}
+
+int32_t index_at(const PolicyParams& policy, int32_t b, int32_t row, int64_t slot) {
+  const TensorArg& indices = policy.indices;
+  return indices.ptr<const int32_t>()[b * indices.stride(0) + row * indices.stride(1) + slot * indices.stride(2)];
+}
+
+// The core checks index contents of host tensors; this repeats the check when it could not (before any output).
+void check_contents(const AttentionProblem& problem, const PolicyParams& policy, const IndexParams& params) {
+  for (int32_t h = 0; h < problem.num_q_heads; ++h) {
+    const int32_t row = index_row_of(problem, policy, params, h);
+    if (row < 0 || row >= params.n_index_heads) {
+      fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "head_map: entry ", h, " is ", row, ", expected a row of indices in [0, ",
+           params.n_index_heads, ")");
+    }
+  }
+  for (int32_t b = 0; b < problem.batch; ++b) {
+    const int64_t n_ids = (problem.seq_len_k(b) + params.block_size - 1) / params.block_size;
+    for (int32_t row = 0; row < params.n_index_heads; ++row) {
+      for (int64_t slot = 0; slot < params.slots; ++slot) {
+        const int32_t id = index_at(policy, b, row, slot);
+        if (id != kUnusedSlot && (id < 0 || id >= n_ids)) {
+          fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "indices: entry [", b, ", ", row, ", ", slot, "] is ", id,
+               ", expected -1 or a ", params.block_size == 1 ? "token" : "block", " id in [0, ", n_ids, ")");
+        }
+      }
+    }
+  }
+}
+
+// Key set of (b, h) over a sequence of n_keys keys: the union of [0, n_init), every listed token or block
+// [id·bs, min((id+1)·bs, N)) and [N − n_local, N), ascending and deduplicated, written to keys (room for N ids);
+// returns its size. `ranges` is scratch for slots + kAlwaysIncludedRanges ranges.
+int64_t build_key_set(const AttentionProblem& problem, const PolicyParams& policy, const IndexParams& params,
+                      int32_t b, int32_t h, int64_t n_keys, IdRange* ranges, int64_t* keys) {
+  int64_t n_ranges = 0;
+  if (params.n_init > 0) ranges[n_ranges++] = {0, std::min(params.n_init, n_keys)};
+  if (params.n_local > 0) ranges[n_ranges++] = {std::max<int64_t>(0, n_keys - params.n_local), n_keys};
+  const int32_t row = index_row_of(problem, policy, params, h);
+  for (int64_t slot = 0; slot < params.slots; ++slot) {
+    const int32_t id = index_at(policy, b, row, slot);
+    if (id == kUnusedSlot) continue;
+    ranges[n_ranges++] = {id * params.block_size, std::min((id + 1) * params.block_size, n_keys)};
+  }
+  std::sort(ranges, ranges + n_ranges, [](const IdRange& x, const IdRange& y) { return x.begin < y.begin; });
+  int64_t n = 0;
+  int64_t covered_end = 0;  // every id below it is already in `keys`
+  for (int64_t r = 0; r < n_ranges; ++r) {
+    for (int64_t t = std::max(ranges[r].begin, covered_end); t < ranges[r].end; ++t) keys[n++] = t;
+    covered_end = std::max(covered_end, ranges[r].end);
+  }
+  return n;
+}
+
+}  // namespace
+
+void run_token_indices(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
+                       const ExecContext& exec) {
+  IndexParams params;
+  params.block_size = policy.p.index_block_size;
+  params.n_init = policy.p.index_n_init;
+  params.n_local = policy.p.index_n_local;
+  params.n_index_heads = int32_t(policy.indices.extent(1));
+  params.slots = policy.indices.extent(2);
+  const int32_t batch = problem.batch;
+  const int32_t n_heads = problem.num_q_heads;
+
+  // Checks first: nothing is written before they end.
+  if (!problem.contents_validated) check_contents(problem, policy, params);
+  for (int32_t b = 0; b < batch; ++b) require_selected_capacity(problem, problem.seq_len_k(b), b, "TOKEN_INDICES");
+
+  exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / n_heads);
+    const int32_t h = int32_t(item % n_heads);
+    const int64_t seq_q = problem.seq_len_q(b);
+    const int64_t seq_k = problem.seq_len_k(b);
+    ScratchLayout layout;
+    const size_t ranges_at = layout.add<IdRange>(size_t(params.slots + kAlwaysIncludedRanges));
+    const size_t keys_at = layout.add<int64_t>(size_t(seq_k));
+    const size_t rows_at = layout.add<int64_t>(size_t(seq_q));
+    const size_t out_at = layout.add<float>(out_rows_count(problem));
+    const size_t lse_at = layout.add<float>(lse_rows_count());
+    layout.bind(policy_scratch(exec, worker));
+    int64_t* keys = layout.get<int64_t>(keys_at, size_t(seq_k));
+    int64_t* rows = layout.get<int64_t>(rows_at, size_t(seq_q));
+    const int64_t n_keys = build_key_set(problem, policy, params, b, h, seq_k,
+                                         layout.get<IdRange>(ranges_at, size_t(params.slots + kAlwaysIncludedRanges)),
+                                         keys);
+    if (problem.selected_indices.present) write_selected_set(problem.selected_indices, b, h, keys, n_keys);
+    std::iota(rows, rows + seq_q, int64_t{0});
+    RowVisibility visibility;
+    visibility.causal = problem.causal;
+    visibility.offset = seq_k - seq_q;
+    attend_rows_over_keys(problem, b, h, rows, seq_q, keys, n_keys, visibility, /*causal_prefix=*/problem.causal,
+                          sink, layout.get<float>(out_at, out_rows_count(problem)),
+                          layout.get<float>(lse_at, lse_rows_count()), &(*exec.counters)[size_t(worker)],
+                          (*exec.scratch)[size_t(worker)]);
+  });
+}
+
+}  // namespace sparsa::cpu

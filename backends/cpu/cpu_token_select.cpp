@@ -1,0 +1,381 @@
+// TOKEN_SELECT (§6) on the CPU: head soft vote over candidate tokens, a shared (or per-kv-head) index set, attention
+// over it; plus the selection cache of §6.5 (CpuSelectionCache, make_cpu_selection_cache).
+//
+// A run goes in phases, each parallel over independent items, so results never depend on the thread count:
+//   0. per sequence: sizes, dense fallback, every check that can fail (nothing is written before it ends);
+//   1. q̄_h = mean of the call's query rows, float64, per (b, h);
+//   2. selection-cache lookups per sequence (serial, O(B·Hq·D));
+//   3. per (b, set) without a cache hit: scores, per-head softmax over the candidates, vote, top-k → T;
+//   4. cache stores and counts (serial);
+//   5. selected_indices per (b, set);
+//   6. attention per (b, h) over I = sinks ∪ T ∪ local, causal (bottom-right).
+#include "cpu_token_select.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "../../src/error.h"
+#include "attention_loop.h"
+#include "cpu_select_util.h"
+#include "cpu_utilities.h"
+
+namespace sparsa::cpu {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// The selection cache (§6.5): one slot per batch row holding the last concat_h q̄_h and the T it produced.
+// ---------------------------------------------------------------------------------------------------------------
+
+class CpuSelectionCache final : public SelectionCacheState {
+ public:
+  explicit CpuSelectionCache(const SelectionCacheDims& dims)
+      : dims_(dims),
+        qbar_capacity_(int64_t(dims.num_q_heads) * dims.head_dim),
+        selection_capacity_(int64_t(std::max(dims.num_kv_heads, 1)) * dims.max_top_k),
+        slots_(size_t(dims.max_batch)),
+        qbars_(size_t(dims.max_batch) * size_t(qbar_capacity_)),
+        selections_(size_t(dims.max_batch) * size_t(selection_capacity_)) {}
+
+  const SelectionCacheDims& dims() const override { return dims_; }
+  void reset() override {
+    for (Slot& slot : slots_) slot = Slot{};
+    total_ = SelectionCacheRunCounts{};
+    last_run_ = SelectionCacheRunCounts{};
+  }
+  void counts(int64_t* hits, int64_t* misses) const override {
+    if (hits) *hits = total_.hits;
+    if (misses) *misses = total_.misses;
+  }
+
+  int64_t qbar_capacity() const { return qbar_capacity_; }
+  int64_t selection_capacity() const { return selection_capacity_; }
+  const SelectionCacheRunCounts& last_run() const { return last_run_; }
+  void begin_run() { last_run_ = SelectionCacheRunCounts{}; }
+  void count(bool hit) {
+    int64_t& counter = hit ? last_run_.hits : last_run_.misses;
+    int64_t& total = hit ? total_.hits : total_.misses;
+    ++counter;
+    ++total;
+  }
+
+  // True when slot b holds a selection this call may reuse: filled with the same layout (q̄ length, number of sets,
+  // top_k), cos(concat q̄, cached) >= theta (a zero vector has no direction: never similar), and every cached id a
+  // candidate of the current call, in [candidate_begin, candidate_end). Anything else is a miss.
+  bool can_reuse(int32_t b, const double* qbar, int64_t qbar_len, int32_t n_sets, int64_t top_k, double theta,
+                 int64_t candidate_begin, int64_t candidate_end) const {
+    const Slot& slot = slots_[size_t(b)];
+    if (!slot.filled || slot.qbar_len != qbar_len || slot.n_sets != n_sets || slot.top_k != top_k) return false;
+    const double* cached = slot_qbar(b);
+    double dot = 0.0, norm_now = 0.0, norm_cached = 0.0;
+    for (int64_t i = 0; i < qbar_len; ++i) {
+      dot += qbar[i] * cached[i];
+      norm_now += qbar[i] * qbar[i];
+      norm_cached += cached[i] * cached[i];
+    }
+    if (norm_now <= 0.0 || norm_cached <= 0.0) return false;
+    if (dot / (std::sqrt(norm_now) * std::sqrt(norm_cached)) < theta) return false;
+    const int32_t* ids = slot_selections(b);
+    for (int64_t i = 0; i < int64_t(n_sets) * top_k; ++i) {
+      if (ids[i] < candidate_begin || ids[i] >= candidate_end) return false;
+    }
+    return true;
+  }
+  // Copies slot b's T (n_sets × top_k, ascending per set) into `selections`.
+  void load(int32_t b, int32_t n_sets, int64_t top_k, int64_t* selections) const {
+    const int32_t* ids = slot_selections(b);
+    std::copy(ids, ids + int64_t(n_sets) * top_k, selections);
+  }
+  void store(int32_t b, const double* qbar, int64_t qbar_len, int32_t n_sets, int64_t top_k,
+             const int64_t* selections) {
+    Slot& slot = slots_[size_t(b)];
+    slot.filled = true;
+    slot.qbar_len = qbar_len;
+    slot.n_sets = n_sets;
+    slot.top_k = top_k;
+    std::copy(qbar, qbar + qbar_len, slot_qbar(b));
+    int32_t* ids = slot_selections(b);
+    for (int64_t i = 0; i < int64_t(n_sets) * top_k; ++i) ids[i] = int32_t(selections[i]);
+  }
+
+ private:
+  struct Slot {
+    bool filled = false;
+    int64_t qbar_len = 0;
+    int32_t n_sets = 0;
+    int64_t top_k = 0;
+  };
+  double* slot_qbar(int32_t b) { return qbars_.data() + int64_t(b) * qbar_capacity_; }
+  const double* slot_qbar(int32_t b) const { return qbars_.data() + int64_t(b) * qbar_capacity_; }
+  int32_t* slot_selections(int32_t b) { return selections_.data() + int64_t(b) * selection_capacity_; }
+  const int32_t* slot_selections(int32_t b) const { return selections_.data() + int64_t(b) * selection_capacity_; }
+
+  SelectionCacheDims dims_;
+  int64_t qbar_capacity_;      // Hq · D of the dims
+  int64_t selection_capacity_;  // max(Hkv, 1) · max_top_k of the dims
+  std::vector<Slot> slots_;
+  std::vector<double> qbars_;       // [max_batch, qbar_capacity]
+  std::vector<int32_t> selections_;  // [max_batch, selection_capacity]
+  SelectionCacheRunCounts total_;    // since creation or reset
+  SelectionCacheRunCounts last_run_;  // of the most recent run
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// The policy.
+// ---------------------------------------------------------------------------------------------------------------
+
+struct SelectParams {
+  int64_t n_init = 0;
+  int64_t n_local = 0;
+  int64_t top_k = 0;
+  bool scale_scores = false;
+  double cache_theta = 1.0;
+  int32_t n_sets = 1;         // 1 shared set, or Hkv with per_kv_head
+  int32_t heads_per_set = 1;  // query heads voting for one set
+};
+
+// What phase 0 decided for one sequence.
+struct SequencePlan {
+  int64_t seq_q = 0;
+  int64_t seq_k = 0;
+  bool dense = false;        // §6.2: n_init + top_k + n_local >= N
+  bool cache_hit = false;    // T comes from the selection cache
+  bool cache_miss = false;   // T computed and stored into the cache afterwards
+  int64_t candidate_begin = 0;  // C = [n_init, N - n_local)
+  int64_t candidate_end = 0;
+  bool has_rows() const { return seq_q > 0; }
+  bool selects() const { return has_rows() && !dense; }
+};
+
+// Size of I for a sequence: [0, N) when dense, else n_init + top_k + n_local.
+int64_t index_set_size(const SequencePlan& plan, const SelectParams& params) {
+  return plan.dense ? plan.seq_k : params.n_init + params.top_k + params.n_local;
+}
+
+// Writes I = [0, n_init) ∪ T ∪ [N - n_local, N) to ids (ascending, because T lies inside the candidates), or
+// [0, N) when dense; returns its size (index_set_size).
+int64_t build_index_set(const SequencePlan& plan, const SelectParams& params, const int64_t* selection,
+                        int64_t* ids) {
+  if (plan.dense) {
+    std::iota(ids, ids + plan.seq_k, int64_t{0});
+    return plan.seq_k;
+  }
+  int64_t n = 0;
+  for (int64_t t = 0; t < plan.candidate_begin; ++t) ids[n++] = t;
+  for (int64_t i = 0; i < params.top_k; ++i) ids[n++] = selection[i];
+  for (int64_t t = plan.candidate_end; t < plan.seq_k; ++t) ids[n++] = t;
+  return n;
+}
+
+// Phase 3 for one (b, set): vote[t] = Σ_h softmax_{t∈C}(s[h, :])[t] over the set's heads in ascending order, then
+// T = the top_k candidates by vote (ties: smaller id), ascending. Buffers come from the worker's policy scratch.
+void select_top_candidates(const AttentionProblem& problem, const SelectParams& params, const SequencePlan& plan,
+                           int32_t b, int32_t set, const double* concat_qbar, ThreadScratch& scratch,
+                           int64_t* selection) {
+  const int32_t d = problem.head_dim;
+  const int64_t n_candidates = plan.candidate_end - plan.candidate_begin;
+  const double score_scale = params.scale_scores ? double(problem.scale) : 1.0;
+  ScratchLayout layout;
+  const size_t row_at = layout.add<float>(size_t(d));
+  const size_t scores_at = layout.add<double>(size_t(n_candidates));
+  const size_t votes_at = layout.add<double>(size_t(n_candidates));
+  const size_t order_at = layout.add<int64_t>(size_t(n_candidates));
+  layout.bind(scratch);
+  float* key_row = layout.get<float>(row_at, size_t(d));
+  double* scores = layout.get<double>(scores_at, size_t(n_candidates));
+  double* votes = layout.get<double>(votes_at, size_t(n_candidates));
+  int64_t* order = layout.get<int64_t>(order_at, size_t(n_candidates));
+
+  std::fill(votes, votes + n_candidates, 0.0);
+  const int32_t first_head = set * params.heads_per_set;
+  for (int32_t h = first_head; h < first_head + params.heads_per_set; ++h) {
+    const int32_t hk = kv_head_of(problem, h);
+    const double* qbar = concat_qbar + int64_t(h) * d;
+    double max_score = -INFINITY;
+    for (int64_t c = 0; c < n_candidates; ++c) {
+      load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk),
+                   d, key_row);
+      scores[c] = score_scale * dot_f64(qbar, key_row, d);
+      max_score = std::max(max_score, scores[c]);
+    }
+    double total = 0.0;
+    for (int64_t c = 0; c < n_candidates; ++c) {
+      scores[c] = std::exp(scores[c] - max_score);
+      total += scores[c];
+    }
+    for (int64_t c = 0; c < n_candidates; ++c) votes[c] += scores[c] / total;
+  }
+  top_k_ids_ascending(votes, n_candidates, params.top_k, order, selection);
+  for (int64_t i = 0; i < params.top_k; ++i) selection[i] += plan.candidate_begin;
+}
+
+SelectParams resolve_params(const AttentionProblem& problem, const PolicyParams& policy) {
+  SelectParams params;
+  params.n_init = policy.p.select_n_init;
+  params.n_local = policy.p.select_n_local;
+  params.top_k = policy.p.select_top_k;
+  params.scale_scores = policy.p.select_scale_scores != 0;
+  params.cache_theta = policy.p.select_cache_theta;
+  params.n_sets = policy.p.select_per_kv_head ? problem.num_kv_heads : 1;
+  params.heads_per_set = problem.num_q_heads / params.n_sets;
+  return params;
+}
+
+// The CPU cache behind problem.selection_cache, or null when there is none or it is disabled (theta >= 1).
+// Checks that it can hold this run's selections.
+CpuSelectionCache* active_cache(const AttentionProblem& problem, const SelectParams& params) {
+  if (!problem.selection_cache) return nullptr;
+  auto* cache = dynamic_cast<CpuSelectionCache*>(problem.selection_cache);
+  if (!cache) fail(SPARSA_STATUS_INVALID_ARGUMENT, "selection_cache: expected a cache made by a CPU context");
+  cache->begin_run();
+  if (params.cache_theta >= 1.0) return nullptr;
+  const SelectionCacheDims& dims = cache->dims();
+  const int64_t qbar_len = int64_t(problem.num_q_heads) * problem.head_dim;
+  if (problem.batch > dims.max_batch || qbar_len > cache->qbar_capacity() || params.top_k > dims.max_top_k ||
+      int64_t(params.n_sets) * params.top_k > cache->selection_capacity()) {
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, "selection_cache: made for max_batch ", dims.max_batch, ", Hq ",
+         dims.num_q_heads, ", Hkv ", dims.num_kv_heads, ", D ", dims.head_dim, ", max_top_k ", dims.max_top_k,
+         " but the run has B ", problem.batch, ", Hq ", problem.num_q_heads, ", D ", problem.head_dim, ", ",
+         params.n_sets, " selection set(s) of top_k ", params.top_k);
+  }
+  return cache;
+}
+
+}  // namespace
+
+std::unique_ptr<SelectionCacheState> make_cpu_selection_cache(const SelectionCacheDims& dims) {
+  return std::make_unique<CpuSelectionCache>(dims);
+}
+
+SelectionCacheRunCounts selection_cache_run_counts(const SelectionCacheState* cache) {
+  const auto* cpu_cache = dynamic_cast<const CpuSelectionCache*>(cache);
+  return cpu_cache ? cpu_cache->last_run() : SelectionCacheRunCounts{};
+}
+
+void run_token_select(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
+                      const ExecContext& exec) {
+  const SelectParams params = resolve_params(problem, policy);
+  const int32_t batch = problem.batch;
+  const int32_t n_heads = problem.num_q_heads;
+  const int32_t d = problem.head_dim;
+  const int64_t qbar_len = int64_t(n_heads) * d;
+  const int64_t kept_always = params.n_init + params.n_local;
+
+  // Phase 0: plans and checks; nothing is written before this ends.
+  CpuSelectionCache* cache = active_cache(problem, params);
+  std::vector<SequencePlan> plans(static_cast<size_t>(batch));
+  for (int32_t b = 0; b < batch; ++b) {
+    SequencePlan& plan = plans[size_t(b)];
+    plan.seq_q = problem.seq_len_q(b);
+    plan.seq_k = problem.seq_len_k(b);
+    plan.dense = kept_always + params.top_k >= plan.seq_k;
+    plan.candidate_begin = params.n_init;
+    plan.candidate_end = plan.seq_k - params.n_local;
+    if (plan.has_rows()) {
+      require_selected_capacity(problem, plan.dense ? plan.seq_k : kept_always + params.top_k, b, "TOKEN_SELECT");
+    }
+  }
+
+  // Phase 1: q̄_h per (b, h) in float64, laid out as concat_h q̄_h per sequence (the cache's key).
+  std::vector<double> concat_qbars(size_t(batch) * size_t(qbar_len), 0.0);
+  exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / n_heads);
+    const int32_t h = int32_t(item % n_heads);
+    const SequencePlan& plan = plans[size_t(b)];
+    if (!plan.selects()) return;
+    ScratchLayout layout;
+    const size_t row_at = layout.add<float>(size_t(d));
+    layout.bind(policy_scratch(exec, worker));
+    float* row = layout.get<float>(row_at, size_t(d));
+    double* qbar = concat_qbars.data() + b * qbar_len + int64_t(h) * d;
+    for (int64_t i = 0; i < plan.seq_q; ++i) {
+      load_row_f32(problem.dtype, problem.q.t.data, problem.q_offset(problem.q, b, i, h), d, row);
+      for (int32_t c = 0; c < d; ++c) qbar[c] += double(row[c]);
+    }
+    for (int32_t c = 0; c < d; ++c) qbar[c] /= double(plan.seq_q);
+  });
+
+  // Phase 2: cache lookups. T is [B, n_sets, top_k], ascending per set.
+  const int64_t selection_len = int64_t(params.n_sets) * params.top_k;
+  std::vector<int64_t> selections(size_t(batch) * size_t(selection_len));
+  for (int32_t b = 0; b < batch; ++b) {
+    SequencePlan& plan = plans[size_t(b)];
+    if (!cache || !plan.selects()) continue;
+    plan.cache_hit = cache->can_reuse(b, concat_qbars.data() + b * qbar_len, qbar_len, params.n_sets, params.top_k,
+                                      params.cache_theta, plan.candidate_begin, plan.candidate_end);
+    plan.cache_miss = !plan.cache_hit;
+    if (plan.cache_hit) cache->load(b, params.n_sets, params.top_k, selections.data() + b * selection_len);
+  }
+
+  // Phase 3: head soft vote and top-k for every selecting sequence without a hit.
+  exec.parallel_for(int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / params.n_sets);
+    const int32_t set = int32_t(item % params.n_sets);
+    const SequencePlan& plan = plans[size_t(b)];
+    if (!plan.selects() || plan.cache_hit) return;
+    select_top_candidates(problem, params, plan, b, set, concat_qbars.data() + b * qbar_len,
+                          policy_scratch(exec, worker), selections.data() + b * selection_len + set * params.top_k);
+  });
+
+  // Phase 4: store what was computed and count.
+  for (int32_t b = 0; b < batch; ++b) {
+    const SequencePlan& plan = plans[size_t(b)];
+    if (!cache || !plan.selects()) continue;
+    if (plan.cache_miss) {
+      cache->store(b, concat_qbars.data() + b * qbar_len, qbar_len, params.n_sets, params.top_k,
+                   selections.data() + b * selection_len);
+    }
+    cache->count(plan.cache_hit);
+  }
+
+  // Phase 5: selected_indices [B, n_sets, cap]: I per (b, set); all -1 for a sequence with no query row.
+  if (problem.selected_indices.present) {
+    exec.parallel_for(int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
+      const int32_t b = int32_t(item / params.n_sets);
+      const int32_t set = int32_t(item % params.n_sets);
+      const SequencePlan& plan = plans[size_t(b)];
+      const int64_t max_ids = plan.has_rows() ? index_set_size(plan, params) : 0;
+      ScratchLayout layout;
+      const size_t ids_at = layout.add<int64_t>(size_t(max_ids));
+      layout.bind(policy_scratch(exec, worker));
+      int64_t* ids = layout.get<int64_t>(ids_at, size_t(max_ids));
+      const int64_t n_ids =
+          plan.has_rows() ? build_index_set(plan, params, selections.data() + b * selection_len + set * params.top_k,
+                                            ids)
+                          : 0;
+      write_selected_set(problem.selected_indices, b, set, ids, n_ids);
+    });
+  }
+
+  // Phase 6: every row of every head attends over its set's I, causal with the bottom-right offset N - Sq.
+  exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / n_heads);
+    const int32_t h = int32_t(item % n_heads);
+    const SequencePlan& plan = plans[size_t(b)];
+    if (!plan.has_rows()) return;
+    const int32_t set = h / params.heads_per_set;
+    const int64_t max_ids = index_set_size(plan, params);
+    ScratchLayout layout;
+    const size_t ids_at = layout.add<int64_t>(size_t(max_ids));
+    const size_t rows_at = layout.add<int64_t>(size_t(plan.seq_q));
+    const size_t out_at = layout.add<float>(out_rows_count(problem));
+    const size_t lse_at = layout.add<float>(lse_rows_count());
+    layout.bind(policy_scratch(exec, worker));
+    int64_t* ids = layout.get<int64_t>(ids_at, size_t(max_ids));
+    int64_t* rows = layout.get<int64_t>(rows_at, size_t(plan.seq_q));
+    const int64_t n_ids = build_index_set(plan, params, selections.data() + b * selection_len + set * params.top_k, ids);
+    std::iota(rows, rows + plan.seq_q, int64_t{0});
+    RowVisibility visibility;
+    visibility.causal = true;
+    visibility.offset = plan.seq_k - plan.seq_q;
+    attend_rows_over_keys(problem, b, h, rows, plan.seq_q, ids, n_ids, visibility, /*causal_prefix=*/true, sink,
+                          layout.get<float>(out_at, out_rows_count(problem)),
+                          layout.get<float>(lse_at, lse_rows_count()), &(*exec.counters)[size_t(worker)],
+                          (*exec.scratch)[size_t(worker)]);
+  });
+}
+
+}  // namespace sparsa::cpu

@@ -1,0 +1,43 @@
+// The CPU backend's tile microkernels: the stages of one attention tile, in a transposed score layout.
+//
+// Scores are kept as Sᵀ [keys, query rows] (row stride = the padded row count): the online-softmax bookkeeping is
+// then vertical SIMD across query rows (no horizontal reductions), K and V rows are read in place from the
+// caller's tensors (fp32 with a constant token stride) or from a converted tile, and only the query tile — loaded
+// once per call and reused for every key tile — is transposed.
+//   Sᵀ = K · Qᵀ      (qk_tile)
+//   softmax          (column_max, exp_columns, scale_row)
+//   O += Pᵀᵀ · V     (pv_tile)
+// Each stage has a portable version and an AVX2+FMA version (microkernels_avx2.cpp); select_microkernels() picks one
+// at run time with __builtin_cpu_supports, so the library is built for plain x86-64 and still uses AVX2 where
+// present. The tables are constant data.
+#pragma once
+
+#include <cstdint>
+
+namespace sparsa::cpu {
+
+// Query tiles are padded to a multiple of this many rows (two AVX2 vectors); padding rows hold zeros.
+constexpr int kRowAlign = 16;
+
+struct Microkernels {
+  // st[j * st_stride + r] = Σ_c k[j * k_stride + c] · qt[c * nr_pad + r] for j < nk, r < nr_pad.
+  void (*qk_tile)(const float* k, int64_t k_stride, int nk, const float* qt, int nr_pad, int d, float* st,
+                  int st_stride);
+  // o[r * d + c] += Σ_j pt[j * pt_stride + r] · v[j * v_stride + c] for r < nr, c < d, j < nk.
+  void (*pv_tile)(const float* pt, int pt_stride, int nr, int nk, const float* v, int64_t v_stride, int d, float* o);
+  // col_max[r] = max_j st[j * st_stride + r] for r < nr_pad (−inf when nk == 0).
+  void (*column_max)(const float* st, int st_stride, int nk, int nr_pad, float* col_max);
+  // st[j * st_stride + r] = exp(st[...] − shift[r]) (exactly 0 for −inf scores), col_sum[r] = Σ_j of the new values,
+  // for r < nr_pad. Every shift[r] is finite.
+  void (*exp_columns)(float* st, int st_stride, int nk, int nr_pad, const float* shift, float* col_sum);
+  // x[j] *= a for j < n.
+  void (*scale_row)(float* x, int n, float a);
+  const char* name;  // "avx2+fma" or "portable"
+};
+
+// The portable table, the AVX2 table (valid only on a CPU with AVX2 and FMA), and the best one for this CPU.
+const Microkernels& portable_microkernels();
+const Microkernels& avx2_microkernels();
+const Microkernels& select_microkernels();
+
+}  // namespace sparsa::cpu

@@ -1,0 +1,85 @@
+// Fork-join pool: see thread_pool.h.
+#include "thread_pool.h"
+
+#include <algorithm>
+
+namespace sparsa::cpu {
+
+ThreadPool::ThreadPool(int num_threads) {
+  if (num_threads <= 0) num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  num_workers_ = num_threads;
+  threads_.reserve(static_cast<size_t>(num_workers_ - 1));
+  for (int w = 1; w < num_workers_; ++w) threads_.emplace_back([this, w] { worker_main(w); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  work_ready_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void ThreadPool::run_items(int worker) {
+  for (;;) {
+    const int64_t item = next_item_->fetch_add(1, std::memory_order_relaxed);
+    if (item >= job_items_) return;
+    try {
+      (*job_)(item, worker);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!first_error_) first_error_ = std::current_exception();
+      next_item_->store(job_items_, std::memory_order_relaxed);  // stop handing out items
+    }
+  }
+}
+
+void ThreadPool::worker_main(int worker) {
+  uint64_t seen_generation = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen_generation; });
+      if (stopping_) return;
+      seen_generation = generation_;
+    }
+    run_items(worker);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--busy_workers_ == 0) work_done_.notify_one();
+    }
+  }
+}
+
+void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int)>& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next_item{0};
+  if (num_workers_ == 1 || n == 1) {
+    for (int64_t item = 0; item < n; ++item) fn(item, 0);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job_ = &fn;
+    job_items_ = n;
+    next_item_ = &next_item;
+    first_error_ = nullptr;
+    busy_workers_ = num_workers_ - 1;
+    ++generation_;
+  }
+  work_ready_.notify_all();
+  run_items(0);
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    work_done_.wait(lock, [&] { return busy_workers_ == 0; });
+    error = first_error_;
+    first_error_ = nullptr;
+    job_ = nullptr;
+    next_item_ = nullptr;
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace sparsa::cpu

@@ -1,0 +1,125 @@
+// Device-side helpers shared by the forward kernels: where a row lives (forward_params.h explains the layouts),
+// how long each sequence is, and which keys a query row sees (§0-§3). Both kernels (forward_mma.cu, forward_simt.cu)
+// walk key tiles in ascending order, skip a tile that no row of their query tile can see, and apply the exact
+// element predicate inside the tiles they compute.
+#pragma once
+
+#include "forward_params.h"
+#include "gpu_runtime.h"
+
+SPARSA_GPU_NAMESPACE_BEGIN
+
+constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts base-2 LSE back to natural log
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): base-2 exponentials instead of exp
+
+// Everything about one (sequence b, query head h) that the walk needs, computed once per thread block.
+struct SequenceView {
+  int32_t b = 0, h = 0, kv_head = 0;
+  int32_t seq_q = 0;       // Sq of this sequence
+  int32_t seq_k = 0;       // Skv of this sequence
+  int32_t q_row_base = 0;  // cu_seqlens_q[b] when packed, else 0
+  int32_t k_row_base = 0;  // cu_seqlens_k[b] when packed, else 0
+  int32_t causal_offset = 0;  // o = Skv - Sq (bottom-right alignment)
+};
+
+__device__ __forceinline__ SequenceView make_sequence_view(const ForwardParams& p, int32_t b, int32_t h) {
+  SequenceView s;
+  s.b = b;
+  s.h = h;
+  s.kv_head = h / p.group_size;
+  if (p.cu_seqlens_q != nullptr) {
+    s.q_row_base = p.cu_seqlens_q[b * p.cu_seqlens_q_stride];
+    s.seq_q = p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride] - s.q_row_base;
+  } else {
+    s.seq_q = p.padded_seq_q;
+  }
+  if (p.cu_seqlens_k != nullptr) {
+    s.k_row_base = p.cu_seqlens_k[b * p.cu_seqlens_k_stride];
+    s.seq_k = p.cu_seqlens_k[(b + 1) * p.cu_seqlens_k_stride] - s.k_row_base;
+  } else {
+    s.seq_k = p.padded_seq_k;
+  }
+  if (p.seq_lens_k != nullptr) s.seq_k = p.seq_lens_k[b * p.seq_lens_k_stride];
+  s.causal_offset = s.seq_k - s.seq_q;
+  return s;
+}
+
+// Element offset of q/out row i of the sequence (strides of q or out).
+__device__ __forceinline__ int64_t query_row_offset(const TensorStrides& st, const SequenceView& s, int64_t i) {
+  return s.b * st.b + (s.q_row_base + i) * st.s + int64_t(s.h) * st.h;
+}
+
+// Element offset of k/v row t of the sequence's kv head, for any KV layout.
+__device__ __forceinline__ int64_t key_row_offset(const ForwardParams& p, const TensorStrides& st,
+                                                  const SequenceView& s, int64_t t) {
+  if (p.page_table != nullptr) {
+    const int64_t page = p.page_table[s.b * p.page_table_stride_b + (t / p.page_size) * p.page_table_stride_p];
+    return page * st.b + (t % p.page_size) * st.s + int64_t(s.kv_head) * st.h;
+  }
+  return s.b * st.b + (s.k_row_base + t) * st.s + int64_t(s.kv_head) * st.h;
+}
+
+// One past the last key any of the rows [row_begin, row_end) may see (causal bound), clamped to Skv.
+__device__ __forceinline__ int32_t key_end_for_rows(const ForwardParams& p, const SequenceView& s, int32_t row_end) {
+  if (!p.causal) return s.seq_k;
+  const int64_t last_visible = int64_t(row_end - 1) + s.causal_offset;  // of the last row
+  return int32_t(last_visible + 1 < s.seq_k ? (last_visible + 1 < 0 ? 0 : last_visible + 1) : s.seq_k);
+}
+
+// Exact §0-§3 predicate: may query row i see key j (0 <= j < Skv assumed by the caller)?
+__device__ __forceinline__ bool key_visible(const ForwardParams& p, const SequenceView& s, int32_t i, int32_t j) {
+  const int64_t diagonal = int64_t(i) + s.causal_offset;  // the key aligned with row i
+  if (p.causal && j > diagonal) return false;
+  switch (p.rule) {
+    case VisibilityRule::kDense:
+      return true;
+    case VisibilityRule::kSinkWindow: {
+      if (j < p.sink_tokens) return true;
+      const int64_t distance = p.causal ? diagonal - j : (diagonal > j ? diagonal - j : j - diagonal);
+      return distance < p.sink_window;
+    }
+    case VisibilityRule::kBlockMask:
+      return p.block_mask[s.b * p.block_mask_strides[0] + s.h * p.block_mask_strides[1] +
+                          (i / p.mask_block_q) * p.block_mask_strides[2] +
+                          (j / p.mask_block_k) * p.block_mask_strides[3]] != 0;
+  }
+  return false;
+}
+
+// May any row of [row_begin, row_end) see any key of [key_begin, key_end)? Exact for the causal bound and the
+// sink/window ranges; for a block mask, true when any covered mask cell is set. A false answer skips the tile.
+__device__ __forceinline__ bool tile_has_visible_key(const ForwardParams& p, const SequenceView& s, int32_t row_begin,
+                                                     int32_t row_end, int32_t key_begin, int32_t key_end) {
+  switch (p.rule) {
+    case VisibilityRule::kDense:
+      return true;
+    case VisibilityRule::kSinkWindow: {
+      if (key_begin < p.sink_tokens) return true;
+      if (p.sink_window <= 0) return false;
+      const int64_t first_diagonal = int64_t(row_begin) + s.causal_offset;
+      const int64_t last_diagonal = int64_t(row_end - 1) + s.causal_offset;
+      const int64_t window_begin = first_diagonal - p.sink_window + 1;
+      const int64_t window_end = (p.causal ? last_diagonal : last_diagonal + p.sink_window - 1) + 1;
+      return key_begin < window_end && key_end > window_begin;
+    }
+    case VisibilityRule::kBlockMask: {
+      const int64_t base = s.b * p.block_mask_strides[0] + s.h * p.block_mask_strides[1];
+      for (int32_t mr = row_begin / p.mask_block_q; mr <= (row_end - 1) / p.mask_block_q; ++mr) {
+        for (int32_t mc = key_begin / p.mask_block_k; mc <= (key_end - 1) / p.mask_block_k; ++mc) {
+          if (p.block_mask[base + mr * p.block_mask_strides[2] + mc * p.block_mask_strides[3]] != 0) return true;
+        }
+      }
+      return false;
+    }
+  }
+  return true;
+}
+
+// Is every key of the tile visible to every row (so the element predicate can be skipped)? Conservative.
+__device__ __forceinline__ bool tile_fully_visible(const ForwardParams& p, const SequenceView& s, int32_t row_begin,
+                                                   int32_t key_end, int32_t tile_key_end) {
+  if (p.rule != VisibilityRule::kDense || tile_key_end > key_end) return false;
+  return !p.causal || int64_t(tile_key_end - 1) <= int64_t(row_begin) + s.causal_offset;
+}
+
+SPARSA_GPU_NAMESPACE_END

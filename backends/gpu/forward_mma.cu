@@ -1,0 +1,421 @@
+// FlashAttention-2-style forward on NVIDIA tensor cores (sm_80+): fp16/bf16 inputs, fp32 accumulation, head dims
+// 64 and 128. One thread block = 4 warps = one 64-row query tile of one (sequence, query head); each warp owns 16
+// rows. The block walks the key tiles its rows may see (forward_common.cuh) in ascending order, double-buffered:
+//
+//   cp.async  K/V tile n+1 -> shared          (while tile n computes)
+//   S  = Q·Kᵀ                                 mma.sync m16n8k16, A = Q (ldmatrix), B = K rows (ldmatrix)
+//   S  = mask(S) · scale·log2(e)              exact element predicate, only on tiles that need it
+//   online softmax: m, l, O rescaled          base-2 exponentials, fp32
+//   O += P·V                                  P re-packed from the S accumulators, B = V (ldmatrix.trans)
+//
+// Shared-memory rows are XOR-swizzled in 16-byte chunks (chunk ^ (row % 8)) so that ldmatrix's eight row reads hit
+// eight different bank groups. HIP builds compile this file to a launcher that reports "unsupported" (no mma.sync).
+#include "forward_mma.h"
+
+#include "forward_common.cuh"
+#include "gpu_runtime.h"
+
+#if SPARSA_GPU_HAS_MMA_SYNC
+#include <cuda_bf16.h>
+// nvcc's front end reports the device helpers below as unreferenced (#177) in the pass that only sees the kernel
+// template through the launcher; they are referenced by the kernel body.
+#pragma nv_diag_suppress 177
+#endif
+
+#include <cmath>
+
+SPARSA_GPU_NAMESPACE_BEGIN
+
+#if SPARSA_GPU_HAS_MMA_SYNC
+namespace {
+
+constexpr int kBlockRows = 64;   // query rows per thread block
+constexpr int kBlockKeys = 64;   // keys per tile
+constexpr int kWarps = 4;        // each warp owns kBlockRows / kWarps = 16 rows (one mma M)
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunkElems = 8;   // 16-byte chunk of 2-byte elements
+constexpr int kSwizzleRows = 8;  // swizzle period: ldmatrix reads 8 rows at once
+
+struct HalfTag {};
+struct BFloat16Tag {};
+
+// ---- PTX wrappers ----
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// 16-byte asynchronous copy; src_bytes = 0 zero-fills the destination (rows past the sequence end).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPendingGroups>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// D(16x8, f32) += A(16x16) · B(16x8).
+__device__ __forceinline__ void mma_16816(HalfTag, float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_16816(BFloat16Tag, float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_pair(HalfTag, float lo, float hi) {
+  const __half2 pair = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+__device__ __forceinline__ uint32_t pack_pair(BFloat16Tag, float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// ---- Shared-memory tiles: [rows][kHeadDim] 2-byte elements, 16-byte chunks swizzled per row ----
+
+template <int kHeadDim>
+__device__ __forceinline__ int swizzled_offset(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row % kSwizzleRows)) * kChunkElems);
+}
+
+// Copies `rows` rows starting at global row offsets given by row_offset(r) into a swizzled shared tile.
+template <int kHeadDim, int kRows, typename RowOffset>
+__device__ __forceinline__ void load_tile_async(uint16_t* tile, const uint16_t* base, RowOffset row_offset,
+                                                int valid_rows) {
+  constexpr int kChunksPerRow = kHeadDim / kChunkElems;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly among threads");
+  for (int index = threadIdx.x; index < kChunks; index += kThreads) {
+    const int row = index / kChunksPerRow;
+    const int chunk = index % kChunksPerRow;
+    const bool valid = row < valid_rows;
+    const uint16_t* src = valid ? base + row_offset(row) + chunk * kChunkElems : base;
+    cp_async_16(shared_address(tile + swizzled_offset<kHeadDim>(row, chunk)), src, valid ? 16 : 0);
+  }
+}
+
+template <typename Tag, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardParams p) {
+#if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+  constexpr int kTileElems = kBlockKeys * kHeadDim;
+  constexpr int kKeyBlocks8 = kBlockKeys / 8;   // n-blocks of the S tile
+  constexpr int kDimBlocks8 = kHeadDim / 8;     // n-blocks of the O tile
+  extern __shared__ uint4 shared_storage[];
+  uint16_t* q_tile = reinterpret_cast<uint16_t*>(shared_storage);
+  uint16_t* k_tiles = q_tile + kBlockRows * kHeadDim;  // [2][kBlockKeys][kHeadDim]
+  uint16_t* v_tiles = k_tiles + 2 * kTileElems;        // [2][kBlockKeys][kHeadDim]
+
+  const SequenceView seq = make_sequence_view(p, blockIdx.z, blockIdx.y);
+  const int32_t split = blockIdx.x % p.num_splits;
+  const int32_t row_begin = (blockIdx.x / p.num_splits) * kBlockRows;
+  if (row_begin >= seq.seq_q) return;
+  const int32_t row_end = min(row_begin + kBlockRows, seq.seq_q);
+  const int32_t key_end = key_end_for_rows(p, seq, row_end);
+  // This block's share of the key tiles: [first_tile, tile_count).
+  const int32_t all_tiles = (key_end + kBlockKeys - 1) / kBlockKeys;
+  const int32_t tiles_per_split = (all_tiles + p.num_splits - 1) / p.num_splits;
+  const int32_t first_tile = min(all_tiles, split * tiles_per_split);
+  const int32_t tile_count = min(all_tiles, first_tile + tiles_per_split);
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const uint16_t* q_base = static_cast<const uint16_t*>(p.q);
+  const uint16_t* k_base = static_cast<const uint16_t*>(p.k);
+  const uint16_t* v_base = static_cast<const uint16_t*>(p.v);
+
+  auto next_visible_tile = [&](int32_t tile) {
+    for (; tile < tile_count; ++tile) {
+      const int32_t key_begin = tile * kBlockKeys;
+      if (tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kBlockKeys, key_end))) break;
+    }
+    return tile;
+  };
+  auto issue_key_tile = [&](int32_t tile, int buffer) {
+    const int32_t key_begin = tile * kBlockKeys;
+    const int valid = min(kBlockKeys, seq.seq_k - key_begin);
+    load_tile_async<kHeadDim, kBlockKeys>(
+        k_tiles + buffer * kTileElems, k_base,
+        [&](int r) { return key_row_offset(p, p.k_strides, seq, key_begin + r); }, valid);
+    load_tile_async<kHeadDim, kBlockKeys>(
+        v_tiles + buffer * kTileElems, v_base,
+        [&](int r) { return key_row_offset(p, p.v_strides, seq, key_begin + r); }, valid);
+  };
+
+  // Stage 0: Q tile and the first key tile in one cp.async group.
+  load_tile_async<kHeadDim, kBlockRows>(
+      q_tile, q_base, [&](int r) { return query_row_offset(p.q_strides, seq, row_begin + r); },
+      row_end - row_begin);
+  int32_t tile = next_visible_tile(first_tile);
+  if (tile < tile_count) issue_key_tile(tile, 0);
+  cp_async_commit();
+
+  // Per-thread state: rows (lane/4) and (lane/4 + 8) of this warp's 16; O fragment per 8-wide dim block.
+  float o_acc[kDimBlocks8][4];
+#pragma unroll
+  for (int nd = 0; nd < kDimBlocks8; ++nd) o_acc[nd][0] = o_acc[nd][1] = o_acc[nd][2] = o_acc[nd][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // base-2 domain
+  float row_sum[2] = {0.f, 0.f};              // this thread's partial; quad-reduced at the end
+  const int warp_row0 = warp * 16;
+  const int32_t my_rows[2] = {row_begin + warp_row0 + lane / 4, row_begin + warp_row0 + lane / 4 + 8};
+
+  int buffer = 0;
+  while (tile < tile_count) {
+    const int32_t next = next_visible_tile(tile + 1);
+    if (next < tile_count) {
+      issue_key_tile(next, buffer ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const uint16_t* k_tile = k_tiles + buffer * kTileElems;
+    const uint16_t* v_tile = v_tiles + buffer * kTileElems;
+    const int32_t key_begin = tile * kBlockKeys;
+
+    // S = Q·Kᵀ for this warp's 16 rows × 64 keys.
+    float s_acc[kKeyBlocks8][4];
+#pragma unroll
+    for (int nb = 0; nb < kKeyBlocks8; ++nb) s_acc[nb][0] = s_acc[nb][1] = s_acc[nb][2] = s_acc[nb][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, shared_address(q_tile + swizzled_offset<kHeadDim>(warp_row0 + lane % 16, 2 * kk + lane / 16)));
+#pragma unroll
+      for (int nb = 0; nb < kKeyBlocks8; nb += 2) {
+        uint32_t b[4];
+        const int key_row = nb * 8 + lane % 8 + (lane / 16) * 8;
+        ldmatrix_x4(b, shared_address(k_tile + swizzled_offset<kHeadDim>(key_row, 2 * kk + (lane / 8) % 2)));
+        mma_16816(Tag{}, s_acc[nb], a, b[0], b[1]);
+        mma_16816(Tag{}, s_acc[nb + 1], a, b[2], b[3]);
+      }
+    }
+
+    // Mask and scale into the base-2 domain.
+    const bool full = tile_fully_visible(p, seq, row_begin, seq.seq_k, key_begin + kBlockKeys);
+#pragma unroll
+    for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int32_t row = my_rows[e / 2];
+        const int32_t key = key_begin + nb * 8 + 2 * (lane % 4) + e % 2;
+        const bool visible = full || (key < seq.seq_k && key_visible(p, seq, row, key));
+        s_acc[nb][e] = visible ? s_acc[nb][e] * p.scale_log2 : -INFINITY;
+      }
+    }
+
+    // Online softmax: new maxima, rescale, P = exp2(S - m).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < kKeyBlocks8; ++nb) tile_max = fmaxf(tile_max, fmaxf(s_acc[nb][2 * r], s_acc[nb][2 * r + 1]));
+      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 1));
+      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 2));
+      const float new_max = fmaxf(row_max[r], tile_max);
+      const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
+      const float rescale = exp2f(row_max[r] - reference);
+      row_max[r] = new_max;
+      float tile_sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+        s_acc[nb][2 * r] = exp2f(s_acc[nb][2 * r] - reference);
+        s_acc[nb][2 * r + 1] = exp2f(s_acc[nb][2 * r + 1] - reference);
+        tile_sum += s_acc[nb][2 * r] + s_acc[nb][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * rescale + tile_sum;
+#pragma unroll
+      for (int nd = 0; nd < kDimBlocks8; ++nd) {
+        o_acc[nd][2 * r] *= rescale;
+        o_acc[nd][2 * r + 1] *= rescale;
+      }
+    }
+
+    // O += P·V: the S accumulators of key blocks (2kk, 2kk+1) are exactly the A fragment of k-step kk.
+#pragma unroll
+    for (int kk = 0; kk < kBlockKeys / 16; ++kk) {
+      const uint32_t a[4] = {pack_pair(Tag{}, s_acc[2 * kk][0], s_acc[2 * kk][1]),
+                             pack_pair(Tag{}, s_acc[2 * kk][2], s_acc[2 * kk][3]),
+                             pack_pair(Tag{}, s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
+                             pack_pair(Tag{}, s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+#pragma unroll
+      for (int nd = 0; nd < kDimBlocks8; nd += 2) {
+        uint32_t b[4];
+        const int key_row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+        ldmatrix_x4_trans(b, shared_address(v_tile + swizzled_offset<kHeadDim>(key_row, nd + lane / 16)));
+        mma_16816(Tag{}, o_acc[nd], a, b[0], b[1]);
+        mma_16816(Tag{}, o_acc[nd + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with this buffer before it is refilled
+    buffer ^= 1;
+    tile = next;
+  }
+  cp_async_wait<0>();  // no group may stay in flight past the kernel (Q-only group when no tile was visible)
+
+  // Normalise and write: O / l (0 for a row that saw nothing), LSE = (m + log2 l)·ln 2 (-inf likewise).
+  uint16_t* out_base = static_cast<uint16_t*>(p.out);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float total = row_sum[r];
+    total += warp_shfl_xor(total, 1);
+    total += warp_shfl_xor(total, 2);
+    const int32_t row = my_rows[r];
+    if (row >= row_end) continue;
+    const float inverse = total > 0.f ? 1.f / total : 0.f;
+    if (p.num_splits > 1) {  // fp32 partial state; combine_splits_kernel writes out and lse
+      const int64_t flat_row = p.cu_seqlens_q != nullptr ? seq.q_row_base + row : int64_t(seq.b) * p.padded_seq_q + row;
+      const int64_t state = (int64_t(split) * p.flat_rows + flat_row) * p.num_q_heads + seq.h;
+      float* partial = p.partial_out + state * kHeadDim;
+#pragma unroll
+      for (int nd = 0; nd < kDimBlocks8; ++nd) {
+        *reinterpret_cast<float2*>(partial + nd * 8 + 2 * (lane % 4)) =
+            make_float2(o_acc[nd][2 * r] * inverse, o_acc[nd][2 * r + 1] * inverse);
+      }
+      if (lane % 4 == 0) p.partial_lse[state] = total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
+      continue;
+    }
+    uint16_t* out_row = out_base + query_row_offset(p.out_strides, seq, row);
+#pragma unroll
+    for (int nd = 0; nd < kDimBlocks8; ++nd) {
+      *reinterpret_cast<uint32_t*>(out_row + nd * 8 + 2 * (lane % 4)) =
+          pack_pair(Tag{}, o_acc[nd][2 * r] * inverse, o_acc[nd][2 * r + 1] * inverse);
+    }
+    if (p.lse != nullptr && lane % 4 == 0) {
+      p.lse[seq.b * p.lse_strides.b + int64_t(seq.h) * p.lse_strides.h + (seq.q_row_base + row) * p.lse_strides.s] =
+          total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
+    }
+  }
+#endif  // SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+}
+
+// Q tile + two K and two V tiles.
+template <int kHeadDim>
+constexpr size_t kSharedBytes = size_t(kBlockRows + 4 * kBlockKeys) * kHeadDim * sizeof(uint16_t);
+
+template <typename Tag, int kHeadDim>
+cudaError_t allow_shared_memory() {
+  return cudaFuncSetAttribute(forward_mma_kernel<Tag, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(kSharedBytes<kHeadDim>));
+}
+
+// §0 merge of the split partial states of one (flat row, head) per block; threads stride over the head dim.
+template <typename Tag>
+__global__ void __launch_bounds__(kThreads) combine_splits_kernel(const ForwardParams p) {
+  const int64_t flat_row = blockIdx.x;
+  const int32_t h = blockIdx.y;
+  // Map the flat row back to (b, i) and skip padding rows of varlen sequences that are not outputs.
+  int32_t b = 0;
+  int64_t i = flat_row;
+  if (p.cu_seqlens_q != nullptr) {
+    while (b + 1 < p.batch && p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride] <= flat_row) ++b;
+    i = flat_row - p.cu_seqlens_q[b * p.cu_seqlens_q_stride];
+    if (i >= p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride] - p.cu_seqlens_q[b * p.cu_seqlens_q_stride]) return;
+  } else {
+    b = int32_t(flat_row / p.padded_seq_q);
+    i = flat_row % p.padded_seq_q;
+  }
+  const SequenceView seq = make_sequence_view(p, b, h);
+  const int64_t split_stride = int64_t(p.flat_rows) * p.num_q_heads;
+  const int64_t state0 = flat_row * p.num_q_heads + h;
+  float max_lse = -INFINITY;
+  for (int32_t s = 0; s < p.num_splits; ++s) max_lse = fmaxf(max_lse, p.partial_lse[state0 + s * split_stride]);
+  const bool empty = max_lse == -INFINITY;
+  float weight_sum = 0.f;
+  for (int32_t s = 0; s < p.num_splits; ++s) {
+    weight_sum += empty ? 0.f : expf(p.partial_lse[state0 + s * split_stride] - max_lse);
+  }
+  const float inverse = empty ? 0.f : 1.f / weight_sum;
+  uint16_t* out_row = static_cast<uint16_t*>(p.out) + query_row_offset(p.out_strides, seq, i);
+  for (int32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float acc = 0.f;
+    for (int32_t s = 0; s < p.num_splits; ++s) {
+      const float lse = p.partial_lse[state0 + s * split_stride];
+      if (lse != -INFINITY) acc += expf(lse - max_lse) * p.partial_out[(state0 + s * split_stride) * p.head_dim + d];
+    }
+    const float value = acc * inverse;
+    out_row[d] = static_cast<uint16_t>(pack_pair(Tag{}, value, 0.f) & 0xffffu);
+  }
+  if (p.lse != nullptr && threadIdx.x == 0) {
+    p.lse[seq.b * p.lse_strides.b + int64_t(h) * p.lse_strides.h + (seq.q_row_base + i) * p.lse_strides.s] =
+        empty ? -INFINITY : max_lse + logf(weight_sum);
+  }
+}
+
+template <typename Tag, int kHeadDim>
+cudaError_t launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
+  const int32_t query_tiles = (max_seq_q + kBlockRows - 1) / kBlockRows;
+  const dim3 grid(query_tiles * p.num_splits, p.num_q_heads, p.batch);
+  forward_mma_kernel<Tag, kHeadDim><<<grid, kThreads, kSharedBytes<kHeadDim>, stream>>>(p);
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess || p.num_splits == 1) return status;
+  combine_splits_kernel<Tag><<<dim3(p.flat_rows, p.num_q_heads), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+#endif  // SPARSA_GPU_HAS_MMA_SYNC
+
+bool forward_mma_supports(const ForwardParams& p, const char** reason) {
+#if SPARSA_GPU_HAS_MMA_SYNC
+  if (p.element_type == ElementType::kF32) {
+    *reason = "tensor-core path takes fp16/bf16 only";
+    return false;
+  }
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    *reason = "tensor-core path has head_dim 64 and 128 only";
+    return false;
+  }
+  return true;
+#else
+  (void)p;
+  *reason = "tensor-core path (mma.sync) exists on NVIDIA only";
+  return false;
+#endif
+}
+
+cudaError_t forward_mma_prepare() {
+#if SPARSA_GPU_HAS_MMA_SYNC
+  for (cudaError_t status : {allow_shared_memory<HalfTag, 64>(), allow_shared_memory<HalfTag, 128>(),
+                             allow_shared_memory<BFloat16Tag, 64>(), allow_shared_memory<BFloat16Tag, 128>()}) {
+    if (status != cudaSuccess) return status;
+  }
+#endif
+  return cudaSuccess;
+}
+
+cudaError_t forward_mma_launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
+#if SPARSA_GPU_HAS_MMA_SYNC
+  const bool bf16 = p.element_type == ElementType::kBF16;
+  if (p.head_dim == 64) return bf16 ? launch<BFloat16Tag, 64>(p, max_seq_q, stream) : launch<HalfTag, 64>(p, max_seq_q, stream);
+  return bf16 ? launch<BFloat16Tag, 128>(p, max_seq_q, stream) : launch<HalfTag, 128>(p, max_seq_q, stream);
+#else
+  (void)p;
+  (void)max_seq_q;
+  (void)stream;
+  return cudaErrorInvalidValue;
+#endif
+}
+
+SPARSA_GPU_NAMESPACE_END

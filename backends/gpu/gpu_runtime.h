@@ -1,0 +1,156 @@
+// One kernel source for CUDA (nvcc) and HIP (hipcc): the spellings that differ, mapped in one place.
+//
+// Code in backends/gpu is written with CUDA names (cudaMalloc, __shfl_xor_sync, ...). Under HIP this header maps
+// them to their HIP equivalents, so no second source tree exists (ggml's vendors/hip.h does the same; ONNX Runtime's
+// text-rewriting hipify needs a list of "undo" fixes instead).
+//
+// Lane-count rules every kernel here follows:
+//   - kWarpLanes is the hardware warp/wavefront width *of the code being compiled*: 32 on NVIDIA, 64 on gfx90a and
+//     gfx940 (CDNA), 32 on RDNA. Only the tensor-core kernel (forward_mma.cu) assumes 32 lanes, and it is compiled
+//     only for NVIDIA (SPARSA_GPU_HAS_MMA_SYNC); the portable kernels use block-wide barriers and no warp shuffles.
+//   - ballots are returned as 64-bit masks (lane_mask_t) so the same code holds on 64-wide wavefronts.
+#pragma once
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(SPARSA_GPU_HIP)
+#define SPARSA_GPU_IS_HIP 1
+#else
+#define SPARSA_GPU_IS_HIP 0
+#endif
+
+#if SPARSA_GPU_IS_HIP
+#include <hip/hip_fp16.h>
+#include <hip/hip_runtime.h>
+#else
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+
+#include <cstdint>
+
+// Kernels and launchers live in sparsa::gpu; an inline namespace per vendor keeps the CUDA and the HIP objects of
+// one library (both backends built) from defining the same symbols.
+#if SPARSA_GPU_IS_HIP
+#define SPARSA_GPU_NAMESPACE_BEGIN \
+  namespace sparsa::gpu {          \
+  inline namespace hip_build {
+#else
+#define SPARSA_GPU_NAMESPACE_BEGIN \
+  namespace sparsa::gpu {          \
+  inline namespace cuda_build {
+#endif
+#define SPARSA_GPU_NAMESPACE_END \
+  }                              \
+  }
+
+// The NVIDIA tensor-core path (mma.sync m16n8k16, ldmatrix, cp.async) needs sm_80+ PTX. Kernels guard their
+// bodies with SPARSA_GPU_DEVICE_HAS_MMA_SYNC: true in nvcc's host pass (__CUDA_ARCH__ undefined; the body is only
+// parsed there) and in device passes for sm_80 and newer.
+#if !SPARSA_GPU_IS_HIP
+#define SPARSA_GPU_HAS_MMA_SYNC 1
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define SPARSA_GPU_DEVICE_HAS_MMA_SYNC 1
+#else
+#define SPARSA_GPU_DEVICE_HAS_MMA_SYNC 0
+#endif
+#else
+#define SPARSA_GPU_HAS_MMA_SYNC 0
+#define SPARSA_GPU_DEVICE_HAS_MMA_SYNC 0
+#endif
+
+#if SPARSA_GPU_IS_HIP
+// ---- Runtime API spellings ----
+#define cudaError_t hipError_t
+#define cudaSuccess hipSuccess
+#define cudaErrorInsufficientDriver hipErrorInsufficientDriver
+#define cudaErrorNoDevice hipErrorNoDevice
+#define cudaErrorInvalidValue hipErrorInvalidValue
+#define cudaErrorMemoryAllocation hipErrorOutOfMemory
+#define cudaGetErrorString hipGetErrorString
+#define cudaGetLastError hipGetLastError
+#define cudaGetDeviceCount hipGetDeviceCount
+#define cudaGetDevice hipGetDevice
+#define cudaSetDevice hipSetDevice
+#define cudaDeviceGetAttribute hipDeviceGetAttribute
+#define cudaDevAttrMaxSharedMemoryPerBlockOptin hipDeviceAttributeSharedMemPerBlockOptin
+#define cudaDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
+#define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define cudaFuncSetAttribute hipFuncSetAttribute
+#define cudaFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define cudaMalloc hipMalloc
+#define cudaFree hipFree
+#define cudaMemsetAsync hipMemsetAsync
+#define cudaMemcpyAsync hipMemcpyAsync
+#define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define cudaStream_t hipStream_t
+#define cudaPointerAttributes hipPointerAttribute_t
+#endif
+
+SPARSA_GPU_NAMESPACE_BEGIN
+
+#if SPARSA_GPU_IS_HIP
+using lane_mask_t = uint64_t;
+#if defined(__GFX9__) || defined(__gfx90a__) || defined(__gfx940__)
+constexpr int kWarpLanes = 64;  // CDNA wavefront
+#else
+constexpr int kWarpLanes = 32;  // RDNA wave32 (and the host pass, which never runs warp code)
+#endif
+#else
+using lane_mask_t = uint64_t;  // 32 significant bits on NVIDIA; 64-bit so callers need no #if
+constexpr int kWarpLanes = 32;
+#endif
+
+// ---- Warp primitives (all lanes of the warp/wavefront participate) ----
+template <typename T>
+__device__ __forceinline__ T warp_shfl_xor(T value, int lane_mask) {
+#if SPARSA_GPU_IS_HIP
+  return __shfl_xor(value, lane_mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, value, lane_mask);
+#endif
+}
+
+__device__ __forceinline__ lane_mask_t warp_ballot(bool predicate) {
+#if SPARSA_GPU_IS_HIP
+  return static_cast<lane_mask_t>(__ballot(predicate));
+#else
+  return static_cast<lane_mask_t>(__ballot_sync(0xffffffffu, predicate));
+#endif
+}
+
+__device__ __forceinline__ void warp_sync() {
+#if SPARSA_GPU_IS_HIP
+  // Wavefronts execute in lock-step on CDNA/RDNA; a compiler fence keeps shared-memory ordering.
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+
+// ---- Element conversions by raw bits (no dependency on the vendors' bf16 headers, identical on both) ----
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+
+// Round to nearest even; NaN stays a (quiet) NaN.
+__device__ __forceinline__ uint16_t float_to_bf16_bits(float value) {
+  uint32_t bits = __float_as_uint(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding_bias) >> 16);
+}
+
+__device__ __forceinline__ float f16_bits_to_float(uint16_t bits) {
+  __half h;
+  *reinterpret_cast<uint16_t*>(&h) = bits;
+  return __half2float(h);
+}
+
+__device__ __forceinline__ uint16_t float_to_f16_bits(float value) {
+  __half h = __float2half_rn(value);
+  return *reinterpret_cast<uint16_t*>(&h);
+}
+
+SPARSA_GPU_NAMESPACE_END

@@ -1,0 +1,232 @@
+"""sparsa CUDA backend vs its peers, measured in one process on the device GPU (ratios, not absolute times, travel).
+
+Calls libsparsa through ctypes on torch tensors (zero copy: the tensors' device pointers and strides go straight
+into sparsa_tensor), checks each sparsa output against PyTorch SDPA / a masked reference first, then times with
+triton's do_bench (CUDA events, median). Peers: SDPA flash (FA2) and cuDNN for dense prefill and decode,
+FlexAttention for block-sparse and sink+window. Usage: python3 bench_gpu.py path/to/libsparsa.so [--quick]
+Prints a table; writes $OUT/bench_gpu.json.
+"""
+import ctypes
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton.testing as tt
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+MAX_DIMS = 8
+DTYPE_BF16, DTYPE_U8, DTYPE_I32 = 3, 7, 5
+DEVICE_CUDA = 2
+POLICY_DENSE, POLICY_SINK_WINDOW, POLICY_BLOCK_SPARSE = 0, 1, 2
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("dtype", ctypes.c_int32), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32), ("data", ctypes.c_void_p),
+                ("shape", ctypes.c_int64 * MAX_DIMS), ("strides", ctypes.c_int64 * MAX_DIMS)]
+
+
+P = ctypes.POINTER(Tensor)
+
+
+class Args(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("q", P), ("k", P), ("v", P), ("out", P), ("lse", P),
+                ("causal", ctypes.c_int32), ("softmax_scale", ctypes.c_float), ("cu_seqlens_q", P),
+                ("cu_seqlens_k", P), ("page_table", P), ("seq_lens_k", P), ("selection_cache", ctypes.c_void_p),
+                ("selected_indices", P), ("block_mask_out", P), ("stats", P)]
+
+
+class Policy(ctypes.Structure):  # the leading fields this script sets; `rest` leaves room for the whole struct
+    _fields_ = [("struct_size", ctypes.c_uint32), ("kind", ctypes.c_int32), ("flags", ctypes.c_uint32),
+                ("sink_tokens", ctypes.c_int32), ("sink_window", ctypes.c_int32), ("block_q", ctypes.c_int32),
+                ("block_k", ctypes.c_int32), ("block_mask", P), ("rest", ctypes.c_uint8 * 1024)]
+
+
+def to_tensor(t, dtype_code):
+    d = Tensor()
+    d.struct_size = ctypes.sizeof(Tensor)
+    d.dtype, d.device_type, d.device_id, d.ndim = dtype_code, DEVICE_CUDA, t.device.index or 0, t.dim()
+    d.data = t.data_ptr()
+    for i in range(t.dim()):
+        d.shape[i], d.strides[i] = t.shape[i], t.stride(i)
+    return d
+
+
+class Sparsa:
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        self.lib.sparsa_last_error_message.restype = ctypes.c_char_p
+        self.lib.sparsa_policy_init.argtypes = [ctypes.POINTER(Policy), ctypes.c_int32]
+        self.lib.sparsa_attention_args_init.argtypes = [ctypes.POINTER(Args)]
+        self.lib.sparsa_attention_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(Args), ctypes.POINTER(Policy)]
+        opts = (ctypes.c_uint8 * 256)()
+        self.lib.sparsa_context_options_init(opts)
+        ctypes.c_int32.from_buffer(opts, 4).value = DEVICE_CUDA  # device_type follows struct_size
+        ctypes.c_void_p.from_buffer(opts, 16).value = torch.cuda.current_stream().cuda_stream
+        self.ctx = ctypes.c_void_p()
+        self.check(self.lib.sparsa_context_create(opts, ctypes.byref(self.ctx)), "context_create")
+
+    def check(self, status, what):
+        if status != 0:
+            raise RuntimeError(f"sparsa {what} failed ({status}): {self.lib.sparsa_last_error_message().decode()}")
+
+    def prepare(self, q, k, v, out, causal, kind=POLICY_DENSE, mask=None, block=(128, 128), sink=(128, 2048)):
+        """Returns a zero-argument callable that enqueues one run (descriptors built once, as a caller would)."""
+        keep = [to_tensor(x, DTYPE_BF16) for x in (q, k, v, out)]
+        args = Args()
+        self.lib.sparsa_attention_args_init(ctypes.byref(args))
+        args.q, args.k, args.v, args.out = (ctypes.pointer(x) for x in keep)
+        args.causal = 1 if causal else 0
+        pol = Policy()
+        self.lib.sparsa_policy_init(ctypes.byref(pol), kind)
+        pol.sink_tokens, pol.sink_window = sink
+        pol.block_q, pol.block_k = block
+        if mask is not None:
+            keep.append(to_tensor(mask, DTYPE_U8))
+            pol.block_mask = ctypes.pointer(keep[-1])
+        run = self.lib.sparsa_attention_run
+        ctx = self.ctx
+
+        def fn():
+            status = run(ctx, ctypes.byref(args), ctypes.byref(pol))
+            if status != 0:
+                self.check(status, "attention_run")
+        fn.keep = (keep, args, pol)
+        return fn
+
+
+def bench(fn, rep=100, warmup=20):
+    fn()
+    torch.cuda.synchronize()
+    return tt.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    lib_path = sys.argv[1]
+    quick = "--quick" in sys.argv
+    sp = Sparsa(lib_path)
+    props = torch.cuda.get_device_properties(0)
+    print(f"device {props.name} SMs {props.multi_processor_count} torch {torch.__version__}", flush=True)
+    rows = []
+
+    def record(**row):
+        rows.append(row)
+        items = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+        print(items, flush=True)
+
+    B, H, D = 1, 32, 128
+    # ---- dense prefill vs SDPA flash (FA2) and cuDNN ----
+    for N in ([4096] if quick else [4096, 16384]):
+        q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        out = torch.empty_like(q)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, N, D] views for SDPA
+        for causal in (False, True):
+            fn = sp.prepare(q, k, v, out, causal)
+            fn()
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+            err = rel_err(out, ref)
+            flops = 4 * N * N * H * D * B / (2 if causal else 1)
+            ms = bench(fn)
+            peers = {}
+            for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                with sdpa_kernel([be]):
+                    peers[name] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+            record(kind="dense_prefill", N=N, causal=causal, rel_err=err, sparsa_ms=ms,
+                   sparsa_TFLOPs=flops / ms / 1e9, flash_ms=peers["flash"], cudnn_ms=peers["cudnn"],
+                   vs_flash=peers["flash"] / ms, vs_cudnn=peers["cudnn"] / ms)
+        del q, k, v, out, qt, kt, vt
+        torch.cuda.empty_cache()
+
+    # ---- decode, GQA 32/8 vs SDPA ----
+    Hkv = 8
+    for N in ([32768] if quick else [32768, 131072]):
+        q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        out = torch.empty_like(q)
+        fn = sp.prepare(q, k, v, out, True)
+        fn()
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        ref = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+        err = rel_err(out, ref)
+        ms = bench(fn)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            cudnn = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            flash = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+        record(kind="decode_gqa", N=N, rel_err=err, sparsa_ms=ms, KV_TBps=2 * N * Hkv * D * 2 / ms / 1e9,
+               flash_ms=flash, cudnn_ms=cudnn, vs_flash=flash / ms, vs_cudnn=cudnn / ms)
+        del q, k, v, out
+        torch.cuda.empty_cache()
+
+    # ---- block-sparse and sink+window vs FlexAttention ----
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+        print("FlexAttention unavailable:", e)
+        flex = None
+    N, BS = (8192 if quick else 32768), 128
+    q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    out = torch.empty_like(q)
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    nb = N // BS
+    for density in (0.5, 0.2, 0.1):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        keep = torch.rand(1, H, nb, nb, device="cuda", generator=g) < density
+        keep |= torch.eye(nb, dtype=torch.bool, device="cuda")
+        mask_u8 = keep.to(torch.uint8).contiguous()
+        fn = sp.prepare(q, k, v, out, False, kind=POLICY_BLOCK_SPARSE, mask=mask_u8, block=(BS, BS))
+        fn()
+        # correctness on a slice of heads: SDPA with the expanded boolean mask
+        rows_checked = min(N, 4096)  # head 0, first rows: keeps the dense boolean mask small
+        dense_mask = keep[:, :1, : rows_checked // BS].repeat_interleave(BS, 2).repeat_interleave(BS, 3)
+        ref = F.scaled_dot_product_attention(qt[:, :1, :rows_checked], kt[:, :1], vt[:, :1], attn_mask=dense_mask)
+        err = rel_err(out[:, :rows_checked, :1].transpose(1, 2), ref)
+        del dense_mask, ref
+        ms = bench(fn)
+        row = dict(kind="block_sparse", N=N, density=keep.float().mean().item(), rel_err=err, sparsa_ms=ms)
+        if flex is not None:
+            cnt = keep.sum(-1).to(torch.int32)
+            idx = torch.argsort(keep.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+            bm = BlockMask.from_kv_blocks(torch.zeros_like(cnt), idx, cnt, idx, BLOCK_SIZE=BS)
+            row["flex_ms"] = bench(lambda: flex(qt, kt, vt, block_mask=bm))
+            row["vs_flex"] = row["flex_ms"] / ms
+        record(**row)
+    SINK, W = 128, 2048
+    fn = sp.prepare(q, k, v, out, True, kind=POLICY_SINK_WINDOW, sink=(SINK, W))
+    ms = bench(fn)
+    row = dict(kind="sink_window", N=N, sink=SINK, window=W, sparsa_ms=ms)
+    if flex is not None:
+        def sw(b, h, qi, ki):
+            return (ki <= qi) & ((qi - ki < W) | (ki < SINK))
+        bm = create_block_mask(sw, B=None, H=None, Q_LEN=N, KV_LEN=N, BLOCK_SIZE=BS, _compile=True)
+        flex_out = flex(qt, kt, vt, block_mask=bm)
+        row["rel_err_vs_flex"] = rel_err(out.transpose(1, 2), flex_out)
+        row["flex_ms"] = bench(lambda: flex(qt, kt, vt, block_mask=bm))
+        row["vs_flex"] = row["flex_ms"] / ms
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        row["cudnn_dense_causal_ms"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
+    record(**row)
+
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "bench_gpu.json")
+    with open(path, "w") as f:
+        json.dump(dict(device=props.name, torch=torch.__version__, rows=rows), f, indent=1)
+    print("\nsummary (ratio > 1: sparsa faster)")
+    for r in rows:
+        ratios = " ".join(f"{k}={r[k]:.2f}" for k in r if k.startswith("vs_"))
+        print(f"  {r['kind']:14s} N={r['N']:6d} {r['sparsa_ms']:9.3f} ms  err={r.get('rel_err', r.get('rel_err_vs_flex', 0)):.1e}  {ratios}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Everything the GPU work needs in ONE device call: build (sm_90a + sm_80), the GPU tests, compute-sanitizer
+# (memcheck on all GPU tests, racecheck on a small case), and the benchmark against the peers. Logs go under $OUT.
+#
+#   bash bench/gpu/run_device.sh [tests|bench|all]        (default all)
+#
+# GoogleTest: uses the machine's if present, else builds the source carried in .peers/googletest (a copy of
+# /usr/src/googletest; the device image has none). FlexAttention/SDPA peers come from the image's torch.
+set -u -o pipefail
+STEPS=${1:-all}
+OUT=${OUT:-/tmp/sparsa-gpu-out}
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+BUILD=/tmp/sparsa-gpu-build
+JOBS=$(nproc)
+export PATH=/usr/local/cuda/bin:$PATH
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+
+GTEST_PREFIX=""
+if [ -d "$ROOT/.peers/googletest" ]; then
+  GTEST_PREFIX=/tmp/gtest
+  if [ ! -d $GTEST_PREFIX ]; then
+    cmake -S "$ROOT/.peers/googletest" -B /tmp/gtest-build -DCMAKE_INSTALL_PREFIX=$GTEST_PREFIX -DBUILD_GMOCK=OFF \
+      -DCMAKE_BUILD_TYPE=Release > "$OUT/gtest.log" 2>&1 &&
+      cmake --build /tmp/gtest-build -j "$JOBS" >> "$OUT/gtest.log" 2>&1 &&
+      cmake --install /tmp/gtest-build >> "$OUT/gtest.log" 2>&1 || echo "googletest build failed (see gtest.log)"
+  fi
+fi
+
+t0=$(date +%s)
+cmake -S "$ROOT" -B $BUILD -DCMAKE_BUILD_TYPE=Release ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} \
+  "-DCMAKE_CUDA_ARCHITECTURES=90a;80" -DSPARSA_BUILD_BINDINGS=OFF -DSPARSA_BUILD_TOOLS=OFF -DSPARSA_BUILD_BENCH=OFF \
+  > "$OUT/configure.log" 2>&1 || { echo "configure failed"; tail -30 "$OUT/configure.log"; exit 1; }
+grep "sparsa:" "$OUT/configure.log"
+cmake --build $BUILD -j "$JOBS" --target sparsa sparsa_gpu_tests > "$OUT/build.log" 2>&1 ||
+  { echo "build failed"; grep -E -A3 "error" "$OUT/build.log" | head -40; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s; warnings: $(grep -c 'warning' "$OUT/build.log")"
+TESTS=$BUILD/tests/gpu/sparsa_gpu_tests
+LIB=$(ls $BUILD/libsparsa.so.*.*.* | head -1)
+
+if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
+  echo "=== GPU tests ==="
+  $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|max \||error" | head -40
+  echo "=== compute-sanitizer memcheck (all GPU tests) ==="
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 $TESTS > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+  echo "=== compute-sanitizer racecheck (small cases) ==="
+  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 $TESTS \
+    --gtest_filter='*dense_f16_d64_noncausal*:*dense_f32_d64*:*paged_ps1*:*block_sparse_bf16*' > "$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1)"
+  echo "=== compute-sanitizer synccheck (small cases) ==="
+  timeout 120 compute-sanitizer --tool synccheck --error-exitcode 3 $TESTS \
+    --gtest_filter='*dense_f16_d64_noncausal*:*dense_f32_d64*' > "$OUT/synccheck.log" 2>&1
+  echo "synccheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/synccheck.log" | tail -1)"
+fi
+
+if [ "$STEPS" = all ] || [ "$STEPS" = bench ]; then
+  echo "=== benchmark ==="
+  PYTHONUNBUFFERED=1 python3 "$ROOT/bench/gpu/bench_gpu.py" "$LIB" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -30
+fi

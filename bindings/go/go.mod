@@ -1,0 +1,3 @@
+module sparsa
+
+go 1.19

@@ -1,0 +1,162 @@
+//! The attention run: a builder over `sparsa_attention_args` that borrows every tensor for the call.
+use std::marker::PhantomData;
+use std::ptr;
+
+use sparsa_sys as sys;
+
+use crate::context::{Context, SelectionCache};
+use crate::error::{check, Result};
+use crate::policy::Policy;
+use crate::tensor::{TensorMut, TensorRef};
+
+/// Indices into the `stats` output of a run (`sparsa_stat_index`).
+pub mod stat {
+    pub const PAIRS_COMPUTED: usize = 0;
+    pub const PAIRS_DENSE: usize = 1;
+    pub const BLOCKS_COMPUTED: usize = 2;
+    pub const BLOCKS_TOTAL: usize = 3;
+    pub const PV_BLOCKS_SKIPPED: usize = 4;
+    pub const CACHE_HITS: usize = 5;
+    pub const CACHE_MISSES: usize = 6;
+    /// Counters defined by this version.
+    pub const COUNT: usize = 7;
+}
+
+/// One attention call. `'a` is the borrow of every tensor (and of the selection cache) it was given.
+///
+/// q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D], out like q (packed [T, H, D] with cu_seqlens; paged caches with
+/// page_table + seq_lens_k). Optional outputs are written only when given.
+pub struct Attention<'a> {
+    q: sys::sparsa_tensor,
+    k: sys::sparsa_tensor,
+    v: sys::sparsa_tensor,
+    out: sys::sparsa_tensor,
+    lse: Option<sys::sparsa_tensor>,
+    cu_seqlens_q: Option<sys::sparsa_tensor>,
+    cu_seqlens_k: Option<sys::sparsa_tensor>,
+    page_table: Option<sys::sparsa_tensor>,
+    seq_lens_k: Option<sys::sparsa_tensor>,
+    selected_indices: Option<sys::sparsa_tensor>,
+    block_mask_out: Option<sys::sparsa_tensor>,
+    stats: Option<sys::sparsa_tensor>,
+    selection_cache: *mut sys::sparsa_selection_cache,
+    causal: bool,
+    softmax_scale: f32,
+    _borrows: PhantomData<&'a mut ()>,
+}
+
+impl<'a> Attention<'a> {
+    pub fn new(q: &'a TensorRef<'_>, k: &'a TensorRef<'_>, v: &'a TensorRef<'_>, out: &'a mut TensorMut<'_>) -> Self {
+        Attention {
+            q: *q.raw(),
+            k: *k.raw(),
+            v: *v.raw(),
+            out: *out.raw(),
+            lse: None,
+            cu_seqlens_q: None,
+            cu_seqlens_k: None,
+            page_table: None,
+            seq_lens_k: None,
+            selected_indices: None,
+            block_mask_out: None,
+            stats: None,
+            selection_cache: ptr::null_mut(),
+            causal: false,
+            softmax_scale: 0.0,
+            _borrows: PhantomData,
+        }
+    }
+    /// Bottom-right causal mask (§0).
+    pub fn causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+    /// Score scale; 0 = 1/sqrt(D).
+    pub fn softmax_scale(mut self, scale: f32) -> Self {
+        self.softmax_scale = scale;
+        self
+    }
+    /// Output: f32 LSE [B, Hq, Sq] ([Hq, Tq] packed).
+    pub fn lse(mut self, lse: &'a mut TensorMut<'_>) -> Self {
+        self.lse = Some(*lse.raw());
+        self
+    }
+    /// int32 [B+1] offsets of packed q/out rows.
+    pub fn cu_seqlens_q(mut self, t: &'a TensorRef<'_>) -> Self {
+        self.cu_seqlens_q = Some(*t.raw());
+        self
+    }
+    /// int32 [B+1] offsets of packed k/v rows.
+    pub fn cu_seqlens_k(mut self, t: &'a TensorRef<'_>) -> Self {
+        self.cu_seqlens_k = Some(*t.raw());
+        self
+    }
+    /// int32 [B, max_pages] page ids of paged k/v caches (needs seq_lens_k).
+    pub fn page_table(mut self, t: &'a TensorRef<'_>) -> Self {
+        self.page_table = Some(*t.raw());
+        self
+    }
+    /// int32 [B] key count per sequence.
+    pub fn seq_lens_k(mut self, t: &'a TensorRef<'_>) -> Self {
+        self.seq_lens_k = Some(*t.raw());
+        self
+    }
+    /// TokenSelect's selection cache (§6.5).
+    pub fn selection_cache(mut self, cache: &'a mut SelectionCache<'_>) -> Self {
+        self.selection_cache = cache.raw();
+        self
+    }
+    /// Output: int32 [B, H_sel, cap] index sets (TOKEN_SELECT / TOKEN_SPARSE / TOKEN_INDICES).
+    pub fn selected_indices(mut self, t: &'a mut TensorMut<'_>) -> Self {
+        self.selected_indices = Some(*t.raw());
+        self
+    }
+    /// Output: uint8 SPARGE block mask.
+    pub fn block_mask_out(mut self, t: &'a mut TensorMut<'_>) -> Self {
+        self.block_mask_out = Some(*t.raw());
+        self
+    }
+    /// Output: int64 [n] counters (see `stat`).
+    pub fn stats(mut self, t: &'a mut TensorMut<'_>) -> Self {
+        self.stats = Some(*t.raw());
+        self
+    }
+
+    /// Runs under `policy` (validates everything first; on error nothing is written).
+    pub fn run(&mut self, ctx: &Context, policy: &Policy<'_>) -> Result<()> {
+        let (args, raw_policy) = (self.as_raw(), policy.as_raw());
+        // SAFETY: args and policy point at descriptors owned by self/policy, alive for the call; the descriptors'
+        // memory is borrowed for 'a.
+        check(unsafe { sys::sparsa_attention_run(ctx.raw(), &args, &raw_policy) })
+    }
+
+    /// Validates and grows the context's scratch for this problem; computes nothing.
+    pub fn plan(&self, ctx: &Context, policy: &Policy<'_>) -> Result<()> {
+        let (args, raw_policy) = (self.as_raw(), policy.as_raw());
+        // SAFETY: as in run; nothing is written.
+        check(unsafe { sys::sparsa_attention_plan(ctx.raw(), &args, &raw_policy) })
+    }
+
+    fn as_raw(&self) -> sys::sparsa_attention_args {
+        let optional = |t: &Option<sys::sparsa_tensor>| t.as_ref().map_or(ptr::null(), |t| t as *const _);
+        // SAFETY: plain data, filled by the init call.
+        let mut args: sys::sparsa_attention_args = unsafe { std::mem::zeroed() };
+        check(unsafe { sys::sparsa_attention_args_init(&mut args) }).expect("sparsa_attention_args_init");
+        args.q = &self.q;
+        args.k = &self.k;
+        args.v = &self.v;
+        args.out = &self.out;
+        args.lse = optional(&self.lse);
+        args.causal = self.causal as i32;
+        args.softmax_scale = self.softmax_scale;
+        args.cu_seqlens_q = optional(&self.cu_seqlens_q);
+        args.cu_seqlens_k = optional(&self.cu_seqlens_k);
+        args.page_table = optional(&self.page_table);
+        args.seq_lens_k = optional(&self.seq_lens_k);
+        args.selection_cache = self.selection_cache;
+        args.selected_indices = optional(&self.selected_indices);
+        args.block_mask_out = optional(&self.block_mask_out);
+        args.stats = optional(&self.stats);
+        args
+    }
+}

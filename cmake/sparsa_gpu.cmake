@@ -1,0 +1,105 @@
+# GPU backends of sparsa: CUDA (nvcc, sm_80 + sm_90a) and HIP (hipcc, gfx90a + gfx940) from one source tree,
+# backends/gpu/*.cu. Included by the top-level CMakeLists.txt after the `sparsa` target exists; appends sources and
+# definitions to it and adds the GPU tests (tests/gpu) and nothing else.
+#
+#   SPARSA_CUDA  (default ON when nvcc is found)  -> SPARSA_WITH_CUDA, cudart linked statically so libsparsa still
+#                                                    loads on a machine without a driver
+#   SPARSA_HIP   (default OFF, opt-in)           -> SPARSA_WITH_HIP, the .cu files compiled by hipcc through
+#                                                    backends/gpu/hip/*.hip (each includes its .cu)
+include_guard(GLOBAL)
+include(CheckLanguage)
+
+set(SPARSA_GPU_SOURCE_NAMES forward_mma forward_simt merge_states gpu_backend)
+set(SPARSA_GPU_DIR ${PROJECT_SOURCE_DIR}/backends/gpu)
+
+# ---- CUDA ----
+# sm_80 (A100 and later) + sm_90a (Hopper, wgmma-capable). -DCMAKE_CUDA_ARCHITECTURES=... overrides.
+if(CMAKE_CUDA_ARCHITECTURES)
+  set(SPARSA_CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
+else()
+  set(SPARSA_CUDA_ARCHITECTURES "80;90a")
+endif()
+if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+  set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+endif()
+check_language(CUDA)
+set(_sparsa_cuda_default OFF)
+if(CMAKE_CUDA_COMPILER)
+  set(_sparsa_cuda_default ON)
+endif()
+option(SPARSA_CUDA "Build the CUDA backend" ${_sparsa_cuda_default})
+
+if(SPARSA_CUDA AND NOT CMAKE_CUDA_COMPILER)
+  set(SPARSA_CUDA_OFF_REASON "SPARSA_CUDA=ON but no nvcc was found")
+  message(STATUS "sparsa: CUDA backend: OFF (SPARSA_CUDA=ON but no nvcc was found)")
+  set(SPARSA_CUDA OFF)
+elseif(NOT SPARSA_CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    message(STATUS "sparsa: CUDA backend: OFF (SPARSA_CUDA=OFF)")
+  else()
+    set(SPARSA_CUDA_OFF_REASON "no nvcc found")
+    message(STATUS "sparsa: CUDA backend: OFF (no nvcc found)")
+  endif()
+else()
+  enable_language(CUDA)
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  foreach(_name IN LISTS SPARSA_GPU_SOURCE_NAMES)
+    target_sources(sparsa PRIVATE ${SPARSA_GPU_DIR}/${_name}.cu)
+  endforeach()
+  target_compile_definitions(sparsa PRIVATE SPARSA_WITH_CUDA)
+  target_compile_options(sparsa PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>)
+  set_target_properties(sparsa PROPERTIES CUDA_ARCHITECTURES "${SPARSA_CUDA_ARCHITECTURES}" CUDA_RUNTIME_LIBRARY Static CUDA_VISIBILITY_PRESET hidden
+                                          CUDA_SEPARABLE_COMPILATION OFF)
+  message(STATUS "sparsa: CUDA backend: ON (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, architectures "
+                 "${SPARSA_CUDA_ARCHITECTURES})")
+endif()
+
+# ---- HIP (hipcc through custom commands: CMake 3.25's HIP language does not find Debian's ROCm layout) ----
+find_program(SPARSA_HIPCC hipcc)
+# Opt-in: hipcc builds are slow and no AMD device is available to test on; -DSPARSA_HIP=ON turns it on.
+option(SPARSA_HIP "Build the HIP backend (hipcc)" OFF)
+set(SPARSA_HIP_ARCHITECTURES "gfx90a;gfx940" CACHE STRING "AMD GPU architectures of the HIP backend")
+
+if(SPARSA_HIP AND NOT SPARSA_HIPCC)
+  message(STATUS "sparsa: HIP backend: OFF (SPARSA_HIP=ON but no hipcc was found)")
+  set(SPARSA_HIP OFF)
+elseif(NOT SPARSA_HIP)
+  message(STATUS "sparsa: HIP backend: OFF (SPARSA_HIP=OFF; pass -DSPARSA_HIP=ON to build it with hipcc)")
+else()
+  find_library(SPARSA_AMDHIP64 amdhip64 PATHS /opt/rocm/lib /usr/lib/x86_64-linux-gnu)
+  if(NOT SPARSA_AMDHIP64)
+    message(STATUS "sparsa: HIP backend: OFF (hipcc found but libamdhip64 is missing)")
+    set(SPARSA_HIP OFF)
+  endif()
+endif()
+if(SPARSA_HIP)
+  set(_hip_flags -std=c++17 -O3 -fPIC -fvisibility=hidden -Wall -Wextra -DSPARSA_WITH_HIP -DSPARSA_BUILDING_LIBRARY
+                 -I${PROJECT_SOURCE_DIR}/include)
+  foreach(_arch IN LISTS SPARSA_HIP_ARCHITECTURES)
+    list(APPEND _hip_flags --offload-arch=${_arch})
+  endforeach()
+  set(_hip_objects)
+  foreach(_name IN LISTS SPARSA_GPU_SOURCE_NAMES)
+    set(_object ${CMAKE_CURRENT_BINARY_DIR}/sparsa_hip/${_name}.o)
+    add_custom_command(
+      OUTPUT ${_object}
+      COMMAND ${CMAKE_COMMAND} -E make_directory ${CMAKE_CURRENT_BINARY_DIR}/sparsa_hip
+      COMMAND ${SPARSA_HIPCC} ${_hip_flags} -c ${SPARSA_GPU_DIR}/hip/${_name}.hip -o ${_object}
+      DEPENDS ${SPARSA_GPU_DIR}/hip/${_name}.hip ${SPARSA_GPU_DIR}/${_name}.cu ${SPARSA_GPU_DIR}/gpu_runtime.h
+              ${SPARSA_GPU_DIR}/forward_common.cuh ${SPARSA_GPU_DIR}/forward_params.h
+      COMMENT "hipcc ${_name}.hip"
+      VERBATIM)
+    list(APPEND _hip_objects ${_object})
+  endforeach()
+  set_source_files_properties(${_hip_objects} PROPERTIES EXTERNAL_OBJECT TRUE GENERATED TRUE)
+  target_sources(sparsa PRIVATE ${_hip_objects})
+  target_compile_definitions(sparsa PRIVATE SPARSA_WITH_HIP)
+  target_link_libraries(sparsa PRIVATE ${SPARSA_AMDHIP64})
+  message(STATUS "sparsa: HIP backend: ON (hipcc ${SPARSA_HIPCC}, architectures ${SPARSA_HIP_ARCHITECTURES})")
+endif()
+
+# ---- GPU tests ----
+if(SPARSA_BUILD_TESTS AND (SPARSA_CUDA OR SPARSA_HIP) AND EXISTS ${PROJECT_SOURCE_DIR}/tests/gpu/CMakeLists.txt)
+  add_subdirectory(${PROJECT_SOURCE_DIR}/tests/gpu ${CMAKE_CURRENT_BINARY_DIR}/tests/gpu)
+endif()

@@ -1,0 +1,80 @@
+// The one online-softmax state of sparsa: running maximum m, denominator l = Σ exp(s - m) and the unnormalised
+// output o = Σ exp(s - m) · v of one query row, with the two operations every consumer needs:
+//   * merge()    — combine two states over disjoint key sets (split-KV, the CPU tile loop, Δ, sparsa_merge_states);
+//   * lse()/finalize() — turn a state into the normalised row and its natural-log LSE.
+// A state that saw no key (l == 0) finalises to an exact zero row and LSE −inf, never NaN.
+// Written for host and device: SPARSA_HOST_DEVICE is empty unless compiled by nvcc/hipcc; no CUDA include.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#ifndef SPARSA_HOST_DEVICE
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define SPARSA_HOST_DEVICE __host__ __device__
+#else
+#define SPARSA_HOST_DEVICE
+#endif
+#endif
+
+namespace sparsa {
+
+// Scalar part of one row's state; the D-float vector `o` lives with the caller (registers, a tile, a staging row)
+// so that the same type serves every tile shape.
+struct SoftmaxState {
+  float m = -std::numeric_limits<float>::infinity();  // running maximum of the scores seen
+  float l = 0.f;                                       // Σ exp(s − m) over the scores seen
+
+  SPARSA_HOST_DEVICE bool empty() const { return !(l > 0.f); }
+
+  // Natural-log LSE of the scores seen; −inf when none was.
+  SPARSA_HOST_DEVICE float lse() const {
+    return empty() ? -std::numeric_limits<float>::infinity() : m + logf(l);
+  }
+
+  // Factor by which o and l must be multiplied when the running maximum moves from m to new_max (>= m).
+  // exp(−inf − x) is 0, and a state that has seen nothing keeps factor 0 instead of exp(NaN).
+  SPARSA_HOST_DEVICE float rescale_to(float new_max) const {
+    if (m == -std::numeric_limits<float>::infinity()) return 0.f;
+    return expf(m - new_max);
+  }
+
+  // Merges `other` (with vector o_other) into this state (with vector o), both over d floats; disjoint key sets.
+  SPARSA_HOST_DEVICE void merge(float* o, const SoftmaxState& other, const float* o_other, int d) {
+    if (other.empty()) return;
+    if (empty()) {
+      m = other.m;
+      l = other.l;
+      for (int c = 0; c < d; ++c) o[c] = o_other[c];
+      return;
+    }
+    const float new_max = m > other.m ? m : other.m;
+    const float self_weight = expf(m - new_max);
+    const float other_weight = expf(other.m - new_max);
+    for (int c = 0; c < d; ++c) o[c] = o[c] * self_weight + o_other[c] * other_weight;
+    l = l * self_weight + other.l * other_weight;
+    m = new_max;
+  }
+
+  // Normalises o in place (an exact zero row when nothing was seen) and returns the LSE.
+  SPARSA_HOST_DEVICE float finalize(float* o, int d) const {
+    if (empty()) {
+      for (int c = 0; c < d; ++c) o[c] = 0.f;
+      return -std::numeric_limits<float>::infinity();
+    }
+    const float inv_l = 1.f / l;
+    for (int c = 0; c < d; ++c) o[c] *= inv_l;
+    return lse();
+  }
+
+  // A normalised row with its LSE seen as a state: m = lse, l = 1, o = the row (so merge() applies unchanged).
+  SPARSA_HOST_DEVICE static SoftmaxState from_lse(float lse_value) {
+    SoftmaxState s;
+    if (lse_value == -std::numeric_limits<float>::infinity() || lse_value != lse_value) return s;
+    s.m = lse_value;
+    s.l = 1.f;
+    return s;
+  }
+};
+
+}  // namespace sparsa

@@ -1,0 +1,122 @@
+// Small host-side helpers about tensor descriptors: dtype names and sizes, shape formatting for messages, element
+// counts, and scalar loads of the floating dtypes (used by the host utilities and the tuner).
+#pragma once
+
+#include <sparsa/sparsa.h>
+
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace sparsa {
+
+inline const char* dtype_name(int32_t dtype) {
+  switch (dtype) {
+    case SPARSA_DTYPE_F32: return "F32";
+    case SPARSA_DTYPE_F16: return "F16";
+    case SPARSA_DTYPE_BF16: return "BF16";
+    case SPARSA_DTYPE_F64: return "F64";
+    case SPARSA_DTYPE_I32: return "I32";
+    case SPARSA_DTYPE_I64: return "I64";
+    case SPARSA_DTYPE_U8: return "U8";
+    case SPARSA_DTYPE_I8: return "I8";
+    default: return "INVALID";
+  }
+}
+
+// Bytes per element; 0 for an unknown dtype.
+inline size_t dtype_size(int32_t dtype) {
+  switch (dtype) {
+    case SPARSA_DTYPE_F32: case SPARSA_DTYPE_I32: return 4;
+    case SPARSA_DTYPE_F16: case SPARSA_DTYPE_BF16: return 2;
+    case SPARSA_DTYPE_F64: case SPARSA_DTYPE_I64: return 8;
+    case SPARSA_DTYPE_U8: case SPARSA_DTYPE_I8: return 1;
+    default: return 0;
+  }
+}
+
+inline bool is_attention_dtype(int32_t dtype) {
+  return dtype == SPARSA_DTYPE_F32 || dtype == SPARSA_DTYPE_F16 || dtype == SPARSA_DTYPE_BF16;
+}
+
+inline const char* device_name(int32_t device_type) {
+  switch (device_type) {
+    case SPARSA_DEVICE_CPU: return "CPU";
+    case SPARSA_DEVICE_CUDA: return "CUDA";
+    case SPARSA_DEVICE_CUDA_HOST: return "CUDA_HOST";
+    case SPARSA_DEVICE_ROCM: return "ROCM";
+    default: return "unknown device";
+  }
+}
+
+// Memory the host CPU can read directly (plain or pinned).
+inline bool is_host_memory(int32_t device_type) {
+  return device_type == SPARSA_DEVICE_CPU || device_type == SPARSA_DEVICE_CUDA_HOST;
+}
+
+// "[2, 4096, 8, 128]"
+inline std::string shape_string(const int64_t* shape, int ndim) {
+  std::ostringstream s;
+  s << '[';
+  for (int i = 0; i < ndim; ++i) s << (i ? ", " : "") << shape[i];
+  s << ']';
+  return s.str();
+}
+inline std::string shape_string(const std::vector<int64_t>& shape) {
+  return shape_string(shape.data(), static_cast<int>(shape.size()));
+}
+inline std::string shape_string(const sparsa_tensor& t) { return shape_string(t.shape, t.ndim); }
+
+inline int64_t element_count(const sparsa_tensor& t) {
+  int64_t n = 1;
+  for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
+  return n;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// IEEE binary16 bits → float.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int shift = 0;
+      while ((mantissa & 0x400u) == 0) { mantissa <<= 1; ++shift; }
+      mantissa &= 0x3ffu;
+      bits = sign | (uint32_t(127 - 15 + 1 - shift) << 23) | (mantissa << 13);
+    }
+  } else if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// bfloat16 bits → float (the top half of a float).
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Element `offset` (in elements) of a host F32/F16/BF16 buffer, as float.
+inline float load_float(int32_t dtype, const void* base, int64_t offset) {
+  switch (dtype) {
+    case SPARSA_DTYPE_F16: return half_to_float(static_cast<const uint16_t*>(base)[offset]);
+    case SPARSA_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t*>(base)[offset]);
+    default: return static_cast<const float*>(base)[offset];
+  }
+}
+
+}  // namespace sparsa

@@ -1,0 +1,98 @@
+// Argument validation of the C API. Every check throws sparsa::Error with a message that names the argument, says
+// what was expected and what came. Nothing here writes caller memory, so a failed call leaves outputs untouched.
+#pragma once
+
+#include <sparsa/sparsa.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "error.h"
+#include "problem.h"
+
+struct sparsa_context;
+
+namespace sparsa {
+
+// Sizes of the first released layout of every caller-filled struct (v0.1). A caller's struct_size below these is
+// an error; above sizeof() it comes from a newer sparsa. Later versions append fields and keep these constants.
+constexpr uint32_t kTensorFirstSize = sizeof(sparsa_tensor);
+constexpr uint32_t kContextOptionsFirstSize = sizeof(sparsa_context_options);
+constexpr uint32_t kPolicyFirstSize = sizeof(sparsa_policy);
+constexpr uint32_t kAttentionArgsFirstSize = sizeof(sparsa_attention_args);
+constexpr uint32_t kSpargeTuneOptionsFirstSize = sizeof(sparsa_sparge_tune_options);
+
+// Checks a caller struct's struct_size and returns `defaults` overwritten by the struct_size bytes the caller
+// filled (so fields a caller built against an older layout does not know keep their defaults).
+template <typename Struct>
+Struct read_caller_struct(const Struct& caller, const char* name, uint32_t first_size, const Struct& defaults) {
+  const uint32_t size = caller.struct_size;
+  if (size < first_size) {
+    fail(SPARSA_STATUS_STRUCT_SIZE, name, ".struct_size: expected at least ", first_size, ", got ", size,
+         " (fill it with the matching sparsa_*_init)");
+  }
+  if (size > sizeof(Struct)) {
+    fail(SPARSA_STATUS_STRUCT_SIZE, name, ".struct_size: ", size, " is larger than this sparsa's layout (",
+         sizeof(Struct), " bytes): the caller was built against a newer sparsa than the loaded ",
+         SPARSA_VERSION_MAJOR, ".", SPARSA_VERSION_MINOR, ".", SPARSA_VERSION_PATCH);
+  }
+  Struct result = defaults;
+  std::memcpy(static_cast<void*>(&result), &caller, size);
+  return result;
+}
+
+// Where a tensor must live.
+struct DeviceRule {
+  int32_t device_type = SPARSA_DEVICE_CPU;  // the context's backend
+  int32_t device_id = 0;
+};
+
+// ---- Per-tensor checks (name = the argument's name in messages, e.g. "k" or "policy.indices") ----
+
+// NULL (required → NULL_POINTER, else absent), struct_size, 1 <= ndim <= SPARSA_MAX_DIMS, extents >= 0,
+// strides >= 0, data non-NULL when the tensor has elements.
+TensorArg read_tensor(const sparsa_tensor* t, const char* name, bool required);
+void expect_dtype(const TensorArg& a, const char* name, int32_t dtype);
+void expect_rank(const TensorArg& a, const char* name, int rank, const char* layout);
+// Shape must equal `shape`; `why` says where the expectation comes from (e.g. "q's shape").
+void expect_shape(const TensorArg& a, const char* name, const std::vector<int64_t>& shape, const std::string& why);
+void expect_last_stride_one(const TensorArg& a, const char* name);
+// On the context's device (CPU contexts also accept pinned CUDA_HOST memory).
+void expect_on_device(const TensorArg& a, const char* name, const DeviceRule& rule);
+// Host-readable memory (CPU or CUDA_HOST).
+void expect_host(const TensorArg& a, const char* name);
+
+// ---- Whole calls ----
+
+// sparsa_attention_run / plan / tune: validates everything and builds the backend's view of the run.
+void validate_attention(const sparsa_context& ctx, const sparsa_attention_args* args, const sparsa_policy* policy,
+                        AttentionProblem* problem, PolicyParams* params);
+
+MergeProblem validate_merge(const DeviceRule& rule, const sparsa_tensor* o_a, const sparsa_tensor* lse_a,
+                            const sparsa_tensor* o_b, const sparsa_tensor* lse_b, const sparsa_tensor* out,
+                            const sparsa_tensor* out_lse);
+
+struct TopkCall {
+  TensorArg scores, out_indices;
+};
+TopkCall validate_topk(const DeviceRule& rule, const sparsa_tensor* scores, int32_t k, int32_t block_size,
+                       const sparsa_tensor* out_indices);
+
+PrefetchProblem validate_prefetch(const DeviceRule& rule, const sparsa_tensor* k_src, const sparsa_tensor* v_src,
+                                  const sparsa_tensor* indices, const sparsa_tensor* k_dst,
+                                  const sparsa_tensor* v_dst, const sparsa_tensor* positions,
+                                  const sparsa_tensor* remapped, const sparsa_tensor* counts);
+
+// ---- Defaults (policy_defaults.cpp) ----
+
+bool is_known_policy_kind(int32_t kind);
+// Every documented default of sparsa_policy for `kind` (struct_size set). Kind is not checked.
+sparsa_policy default_policy(int32_t kind);
+sparsa_attention_args default_attention_args();
+sparsa_context_options default_context_options();
+sparsa_sparge_tune_options default_sparge_tune_options();
+
+}  // namespace sparsa

@@ -1,0 +1,194 @@
+// §0 common conventions and §1 DENSE, against the float64 reference.
+#include <cmath>
+#include <cstring>
+
+#include "test_util.h"
+
+namespace {
+
+using st::Pattern;
+
+SPARSA_BACKEND_SUITE(Common);
+SPARSA_BACKEND_SUITE(Dense);
+
+TEST_P(Dense, MatchesReferenceOnRandomAndStructuredInputs) {
+  int counter = 0;
+  for (int D : {64, 128, 256})
+    for (bool causal : {false, true})
+      for (Pattern pattern : st::all_patterns()) {
+        ST_RNG(rng, counter++);
+        SCOPED_TRACE(::testing::Message() << "D=" << D << " causal=" << causal << " " << st::pattern_name(pattern));
+        ref::Problem p = st::make_problem(2, 4, 2, D, {45}, {70}, causal);
+        st::fill(p, pattern, rng);
+        const ref::Output want = ref::attend(p, ref::dense(p));
+        st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), want);
+      }
+}
+
+TEST_P(Dense, NullPolicyMeansDense) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 2, 64, {33}, {33}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  // The harness always passes a policy; a DENSE policy is what NULL means, so compare a direct NULL call's output.
+  const ref::Output want = ref::attend(p, ref::dense(p));
+  std::vector<float> q(33 * 2 * 64), k(q.size()), v(q.size()), out(q.size(), NAN);
+  for (size_t e = 0; e < q.size(); ++e) {
+    q[e] = float(p.q[0][e]);
+    k[e] = float(p.k[0][e]);
+    v[e] = float(p.v[0][e]);
+  }
+  sparsa_tensor tq = st::host_tensor(q.data(), SPARSA_DTYPE_F32, {1, 33, 2, 64});
+  sparsa_tensor tk = st::host_tensor(k.data(), SPARSA_DTYPE_F32, {1, 33, 2, 64});
+  sparsa_tensor tv = st::host_tensor(v.data(), SPARSA_DTYPE_F32, {1, 33, 2, 64});
+  sparsa_tensor to = st::host_tensor(out.data(), SPARSA_DTYPE_F32, {1, 33, 2, 64});
+  sparsa_attention_args args;
+  sparsa_attention_args_init(&args);
+  args.q = &tq;
+  args.k = &tk;
+  args.v = &tv;
+  args.out = &to;
+  args.causal = 1;
+  ASSERT_EQ(sparsa_attention_run(ctx().get(), &args, nullptr), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+  ref::Output got;
+  got.o = {std::vector<double>(out.begin(), out.end())};
+  EXPECT_TRUE(st::outputs_close(got, want, st::kTolF32));
+}
+
+TEST_P(Common, CausalIsBottomRightWhenSkvExceedsSq) {
+  int counter = 0;
+  for (Pattern pattern : st::all_patterns()) {
+    ST_RNG(rng, counter++);
+    SCOPED_TRACE(st::pattern_name(pattern));
+    ref::Problem p = st::make_problem(1, 2, 1, 64, {37}, {100}, true);
+    st::fill(p, pattern, rng);
+    // Oracle self-check: row 0 sees keys 0..63 (o = 63).
+    const ref::Visibility vis = ref::dense(p);
+    int row0 = 0;
+    for (int j = 0; j < 100; ++j) row0 += vis[0][0][j];
+    ASSERT_EQ(row0, 64);
+    st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), ref::attend(p, vis));
+  }
+}
+
+TEST_P(Common, RowThatSeesNoKeyGetsZeroAndLseMinusInf) {
+  ST_RNG(rng, 0);
+  // Sq > Skv, causal: o = -30, rows 0..29 see no key.
+  ref::Problem p = st::make_problem(1, 2, 2, 64, {50}, {20}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  const ref::Output want = ref::attend(p, ref::dense(p));
+  const st::RunResult r = st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), want);
+  ASSERT_EQ(r.status, SPARSA_STATUS_SUCCESS);
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 50; ++i) {
+      if (i < 30) {
+        EXPECT_TRUE(st::row_is_zero(r.out, 0, i, h, 2, 64)) << "row " << i << " head " << h;
+        EXPECT_EQ(r.out.lse[0][h * 50 + i], -INFINITY) << "row " << i << " head " << h;
+      } else {
+        EXPECT_FALSE(st::row_is_zero(r.out, 0, i, h, 2, 64)) << "row " << i << " head " << h;
+      }
+    }
+}
+
+TEST_P(Common, LseIsNaturalLogOfSumOfExpScores) {
+  // Zero queries: every score is 0, so LSE = log(Skv) and the output is the mean of V.
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 1, 1, 64, {5}, {40}, false);
+  st::fill(p, Pattern::kRandom, rng);
+  for (double& x : p.q[0]) x = 0;
+  const st::RunResult r = st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), ref::attend(p, ref::dense(p)));
+  ASSERT_EQ(r.status, SPARSA_STATUS_SUCCESS);
+  for (int i = 0; i < 5; ++i) EXPECT_NEAR(r.out.lse[0][i], std::log(40.0), 1e-5);
+  for (int d = 0; d < 64; ++d) {
+    double mean = 0;
+    for (int j = 0; j < 40; ++j) mean += p.v[0][j * 64 + d] / 40;
+    EXPECT_NEAR(r.out.o[0][d], mean, 1e-5);
+  }
+}
+
+TEST_P(Common, ScaleDefaultsToInverseSqrtHeadDimAndCallerScaleIsUsed) {
+  int counter = 0;
+  for (double scale : {0.0, 0.37, 1.5}) {
+    ST_RNG(rng, counter++);
+    SCOPED_TRACE(::testing::Message() << "scale=" << scale);
+    ref::Problem p = st::make_problem(1, 2, 1, 128, {30}, {30}, true);
+    st::fill(p, Pattern::kRandom, rng);
+    p.scale = scale;
+    st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), ref::attend(p, ref::dense(p)));
+  }
+}
+
+TEST_P(Common, StatsReportPairsComputedAndDensePairs) {
+  int counter = 0;
+  for (bool causal : {false, true}) {
+    ST_RNG(rng, counter++);
+    ref::Problem p = st::make_problem(2, 2, 1, 64, {40}, {55}, causal);
+    st::fill(p, Pattern::kRandom, rng);
+    const st::RunResult r = st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), ref::attend(p, ref::dense(p)));
+    ASSERT_EQ(r.stats.size(), size_t(SPARSA_STAT_COUNT));
+    EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_DENSE], ref::dense_pairs(p)) << "causal=" << causal;
+    EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], ref::dense_pairs(p)) << "causal=" << causal;
+    EXPECT_EQ(r.stats[SPARSA_STAT_CACHE_HITS], 0);
+  }
+}
+
+TEST_P(Common, RunsAreDeterministic) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(2, 4, 2, 64, {90}, {90}, true);
+  st::fill(p, Pattern::kNeedles, rng);
+  const st::RunResult a = st::run(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE));
+  const st::RunResult b = st::run(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE));
+  ASSERT_EQ(a.status, SPARSA_STATUS_SUCCESS) << a.message;
+  ASSERT_EQ(b.status, SPARSA_STATUS_SUCCESS) << b.message;
+  EXPECT_EQ(a.out.o, b.out.o);
+  EXPECT_EQ(a.out.lse, b.out.lse);
+}
+
+// An argument error writes nothing and names the argument.
+TEST_P(Common, ErrorsWriteNothingAndNameTheArgument) {
+  std::vector<float> q(1 * 8 * 2 * 64, 0.5f), k(1 * 8 * 2 * 32, 0.5f), v(q.size(), 0.5f), out(q.size(), NAN);
+  sparsa_tensor tq = st::host_tensor(q.data(), SPARSA_DTYPE_F32, {1, 8, 2, 64});
+  sparsa_tensor tk = st::host_tensor(k.data(), SPARSA_DTYPE_F32, {1, 8, 2, 32});  // wrong head_dim
+  sparsa_tensor tv = st::host_tensor(v.data(), SPARSA_DTYPE_F32, {1, 8, 2, 64});
+  sparsa_tensor to = st::host_tensor(out.data(), SPARSA_DTYPE_F32, {1, 8, 2, 64});
+  sparsa_attention_args args;
+  sparsa_attention_args_init(&args);
+  args.q = &tq;
+  args.k = &tk;
+  args.v = &tv;
+  args.out = &to;
+  const sparsa_policy dense = st::make_policy(SPARSA_POLICY_DENSE);
+  EXPECT_EQ(sparsa_attention_run(ctx().get(), &args, &dense), SPARSA_STATUS_SHAPE_MISMATCH);
+  EXPECT_NE(std::strstr(sparsa_last_error_message(), "k"), nullptr) << sparsa_last_error_message();
+  for (float x : out) ASSERT_TRUE(std::isnan(x)) << "out written on error";
+
+  // Hq % Hkv != 0.
+  std::vector<float> k3(1 * 8 * 3 * 64, 0.5f);
+  sparsa_tensor tk3 = st::host_tensor(k3.data(), SPARSA_DTYPE_F32, {1, 8, 3, 64});
+  sparsa_tensor tv3 = st::host_tensor(k3.data(), SPARSA_DTYPE_F32, {1, 8, 3, 64});
+  args.k = &tk3;
+  args.v = &tv3;
+  EXPECT_EQ(sparsa_attention_run(ctx().get(), &args, &dense), SPARSA_STATUS_SHAPE_MISMATCH);
+  EXPECT_GT(std::strlen(sparsa_last_error_message()), 0u);
+  for (float x : out) ASSERT_TRUE(std::isnan(x)) << "out written on error";
+
+  // Missing out.
+  args.k = &tk3;
+  args.out = nullptr;
+  EXPECT_EQ(sparsa_attention_run(ctx().get(), &args, &dense), SPARSA_STATUS_NULL_POINTER);
+
+  // Dtype mismatch between q and k.
+  std::vector<uint16_t> k16(1 * 8 * 2 * 64, 0);
+  sparsa_tensor tk16 = st::host_tensor(k16.data(), SPARSA_DTYPE_F16, {1, 8, 2, 64});
+  args.k = &tk16;
+  args.v = &tv;
+  args.out = &to;
+  EXPECT_EQ(sparsa_attention_run(ctx().get(), &args, &dense), SPARSA_STATUS_DTYPE_MISMATCH);
+  for (float x : out) ASSERT_TRUE(std::isnan(x)) << "out written on error";
+
+  // A successful call clears the message.
+  args.k = &tv;
+  EXPECT_EQ(sparsa_attention_run(ctx().get(), &args, &dense), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+  EXPECT_STREQ(sparsa_last_error_message(), "");
+}
+
+}  // namespace

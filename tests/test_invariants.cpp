@@ -1,0 +1,162 @@
+// Cross-policy invariants: every policy at settings that keep everything equals DENSE; Δ over a dense base is
+// dense; plan-then-run allocates nothing more; optional outputs do not change the result.
+#include <cmath>
+
+#include "test_util.h"
+
+namespace {
+
+using st::Pattern;
+
+SPARSA_BACKEND_SUITE(Invariants);
+
+struct KeepAll {
+  const char* name;
+  sparsa_policy policy;
+  st::RunOptions opt;
+};
+
+// Every policy configured to keep every causal key of a problem with N keys.
+std::vector<KeepAll> keep_all_policies(const ref::Problem& p) {
+  const int N = p.max_skv(), nqb = (p.max_sq() + 31) / 32, nkb = (N + 15) / 16;
+  std::vector<KeepAll> all;
+  all.push_back({"DENSE", st::make_policy(SPARSA_POLICY_DENSE), {}});
+  KeepAll sink{"SINK_WINDOW huge window", st::make_policy(SPARSA_POLICY_SINK_WINDOW), {}};
+  sink.policy.sink_tokens = 0;
+  sink.policy.sink_window = 1 << 20;
+  all.push_back(sink);
+  KeepAll block{"BLOCK_SPARSE all ones", st::make_policy(SPARSA_POLICY_BLOCK_SPARSE), {}};
+  block.policy.block_q = 32;
+  block.policy.block_k = 16;
+  block.opt.block_mask.assign(size_t(p.B) * p.Hq * nqb * nkb, 1);
+  all.push_back(block);
+  KeepAll sparge{"SPARGE theta 1", st::make_policy(SPARSA_POLICY_SPARGE), {}};
+  sparge.policy.block_q = 32;
+  sparge.policy.block_k = 16;
+  sparge.policy.sparge_theta = 1.0f;
+  sparge.policy.sparge_tau = 0.5f;
+  all.push_back(sparge);
+  KeepAll token_indices{"TOKEN_INDICES all tokens", st::make_policy(SPARSA_POLICY_TOKEN_INDICES), {}};
+  token_indices.opt.h_idx = 1;
+  token_indices.opt.k = N;
+  for (int b = 0; b < p.B; ++b)
+    for (int t = 0; t < N; ++t) token_indices.opt.indices.push_back(t < p.skv[b] ? t : -1);
+  all.push_back(token_indices);
+  if (p.causal) {  // the always-causal policies
+    KeepAll select{"TOKEN_SELECT n_init+top_k+n_local >= N", st::make_policy(SPARSA_POLICY_TOKEN_SELECT), {}};
+    select.policy.select_n_init = 4;
+    select.policy.select_top_k = 16;
+    select.policy.select_n_local = N;
+    all.push_back(select);
+    bool square = true;
+    for (int b = 0; b < p.B; ++b) square &= p.sq[b] == p.skv[b];
+    if (square) {
+      KeepAll sparse{"TOKEN_SPARSE coverage 0", st::make_policy(SPARSA_POLICY_TOKEN_SPARSE), {}};
+      sparse.policy.token_sparse_window = 16;
+      sparse.policy.token_sparse_min_tokens = 32;
+      sparse.policy.token_sparse_coverage = 0.0f;
+      all.push_back(sparse);
+    }
+  }
+  return all;
+}
+
+TEST_P(Invariants, EveryPolicyThatKeepsEverythingEqualsDense) {
+  int counter = 0;
+  for (bool causal : {false, true})
+    for (auto [sq, skv] : {std::pair{160, 160}, {48, 160}})
+      for (Pattern pattern : {Pattern::kRandom, Pattern::kNeedles}) {
+        ST_RNG(rng, counter++);
+        ref::Problem p = st::make_problem(2, 4, 2, 64, {sq}, {skv}, causal);
+        st::fill(p, pattern, rng);
+        const ref::Output want = ref::attend(p, ref::dense(p));
+        for (const KeepAll& k : keep_all_policies(p)) {
+          SCOPED_TRACE(::testing::Message() << k.name << " causal=" << causal << " sq=" << sq << " skv=" << skv << " "
+                                            << st::pattern_name(pattern));
+          st::run_and_compare(ctx(), p, k.policy, want, k.opt);
+        }
+      }
+}
+
+TEST_P(Invariants, DeltaOverAKeepAllBaseEqualsDenseAndAnchorRowsAreDense) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 4, 2, 64, {200}, {200}, true);
+  st::fill(p, Pattern::kSinks, rng);
+  const ref::Output want = ref::attend(p, ref::dense(p));
+  st::RunOptions opt;
+  opt.lse = false;
+  for (KeepAll k : keep_all_policies(p)) {
+    SCOPED_TRACE(k.name);
+    k.policy.flags |= SPARSA_POLICY_FLAG_DELTA;
+    k.policy.delta_gamma = 16;
+    k.policy.delta_tail_min = 32;
+    k.opt.lse = false;
+    const st::RunResult r = st::run(ctx(), p, k.policy, k.opt);
+    if (r.status == SPARSA_STATUS_INVALID_ARGUMENT || r.status == SPARSA_STATUS_UNSUPPORTED) {
+      // Δ is a flag on prefill policies; a decode-only policy may refuse it, with a message.
+      EXPECT_FALSE(r.message.empty());
+      continue;
+    }
+    st::expect_ok(r);
+    EXPECT_TRUE(st::outputs_close(r.out, want, st::kTolF32));
+  }
+}
+
+TEST_P(Invariants, PlanThenRunAllocatesNoMoreScratch) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(2, 4, 2, 64, {128}, {128}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  for (const KeepAll& k : keep_all_policies(p)) {
+    SCOPED_TRACE(k.name);
+    // A run warms the context; its scratch then stays constant over further runs of the same problem.
+    const st::RunResult first = st::run(ctx(), p, k.policy, k.opt);
+    st::expect_ok(first);
+    uint64_t before = 0, after = 0;
+    ASSERT_EQ(sparsa_context_scratch_bytes(ctx().get(), &before), SPARSA_STATUS_SUCCESS);
+    const st::RunResult second = st::run(ctx(), p, k.policy, k.opt);
+    st::expect_ok(second);
+    ASSERT_EQ(sparsa_context_scratch_bytes(ctx().get(), &after), SPARSA_STATUS_SUCCESS);
+    EXPECT_EQ(before, after);
+    EXPECT_EQ(first.out.o, second.out.o);
+  }
+  // sparsa_attention_plan on a fresh context grows the scratch up front; the run after it grows nothing.
+  st::Context fresh(ctx().device_type());
+  ASSERT_EQ(fresh.status(), SPARSA_STATUS_SUCCESS);
+  std::vector<float> q(2 * 128 * 4 * 64, 0.25f), kv(2 * 128 * 2 * 64, 0.5f), out(q.size(), NAN);
+  sparsa_tensor tq = st::host_tensor(q.data(), SPARSA_DTYPE_F32, {2, 128, 4, 64});
+  sparsa_tensor tk = st::host_tensor(kv.data(), SPARSA_DTYPE_F32, {2, 128, 2, 64});
+  sparsa_tensor to = st::host_tensor(out.data(), SPARSA_DTYPE_F32, {2, 128, 4, 64});
+  sparsa_attention_args args;
+  sparsa_attention_args_init(&args);
+  args.q = &tq;
+  args.k = &tk;
+  args.v = &tk;
+  args.out = &to;
+  args.causal = 1;
+  const sparsa_policy dense = st::make_policy(SPARSA_POLICY_DENSE);
+  ASSERT_EQ(sparsa_attention_plan(fresh.get(), &args, &dense), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+  for (float x : out) ASSERT_TRUE(std::isnan(x)) << "plan computes nothing";
+  uint64_t planned = 0, after_run = 0;
+  ASSERT_EQ(sparsa_context_scratch_bytes(fresh.get(), &planned), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_attention_run(fresh.get(), &args, &dense), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+  ASSERT_EQ(sparsa_context_scratch_bytes(fresh.get(), &after_run), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(planned, after_run);
+}
+
+TEST_P(Invariants, OptionalOutputsDoNotChangeTheResult) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 4, 2, 64, {100}, {130}, true);
+  st::fill(p, Pattern::kBand, rng);
+  for (const KeepAll& k : keep_all_policies(p)) {
+    SCOPED_TRACE(k.name);
+    st::RunOptions bare = k.opt;
+    bare.lse = false;
+    bare.stats = false;
+    const st::RunResult with = st::run(ctx(), p, k.policy, k.opt), without = st::run(ctx(), p, k.policy, bare);
+    st::expect_ok(with);
+    st::expect_ok(without);
+    EXPECT_EQ(with.out.o, without.out.o);
+  }
+}
+
+}  // namespace

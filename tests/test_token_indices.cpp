@@ -1,0 +1,173 @@
+// §7 TOKEN_INDICES: each query head attends (causally) to the deduplicated union of its index row, optional block
+// expansion, n_init and n_local; out-of-range indices are errors.
+#include "test_util.h"
+
+namespace {
+
+using st::Pattern;
+
+SPARSA_BACKEND_SUITE(TokenIndices);
+
+sparsa_policy indices_policy(const ref::TokenIndicesParams& tp) {
+  sparsa_policy pol = st::make_policy(SPARSA_POLICY_TOKEN_INDICES);
+  pol.index_block_size = tp.block_size;
+  pol.index_n_init = tp.n_init;
+  pol.index_n_local = tp.n_local;
+  return pol;
+}
+
+// Random ids in [0, n_ids) with some duplicates and some -1 slots.
+ref::TokenIndicesParams random_indices(st::Rng& rng, const ref::Problem& p, int h_idx, int k, int block_size) {
+  ref::TokenIndicesParams tp;
+  tp.h_idx = h_idx;
+  tp.k = k;
+  tp.block_size = block_size;
+  tp.indices.resize(size_t(p.B) * h_idx * k);
+  for (int b = 0; b < p.B; ++b) {
+    const int n_ids = (p.skv[b] + block_size - 1) / block_size;
+    for (int r = 0; r < h_idx; ++r)
+      for (int s = 0; s < k; ++s) {
+        const double u = rng.uniform(0, 1);
+        int32_t& id = tp.indices[(size_t(b) * h_idx + r) * k + s];
+        id = u < 0.15 ? -1 : rng.integer(0, n_ids - 1);
+        if (u > 0.9 && s > 0) id = tp.indices[(size_t(b) * h_idx + r) * k + s - 1];  // duplicate
+      }
+  }
+  return tp;
+}
+
+st::RunResult check(const st::Context& ctx, const ref::Problem& p, const ref::TokenIndicesParams& tp,
+                    st::RunOptions opt = {}) {
+  const ref::TokenIndicesResult want = ref::token_indices(p, tp);
+  opt.indices = tp.indices;
+  opt.h_idx = tp.h_idx;
+  opt.k = tp.k;
+  opt.head_map = tp.head_map;
+  opt.selected_sets = p.Hq;
+  opt.selected_cap = p.max_skv();
+  st::RunResult r = st::run_and_compare(ctx, p, indices_policy(tp), want.out, opt);
+  if (r.status != SPARSA_STATUS_SUCCESS) return r;
+  EXPECT_TRUE(st::sets_equal(r.selected, opt.selected_cap, want.selected));
+  EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], want.pairs_computed);
+  return r;
+}
+
+TEST_P(TokenIndices, AttendsToTheDeduplicatedUnionCausally) {
+  int counter = 0;
+  for (int sq : {1, 24})
+    for (Pattern pattern : st::all_patterns()) {
+      ST_RNG(rng, counter++);
+      SCOPED_TRACE(::testing::Message() << "sq=" << sq << " " << st::pattern_name(pattern));
+      ref::Problem p = st::make_problem(2, 8, 2, 64, {sq}, {180}, true);
+      st::fill(p, pattern, rng);
+      check(ctx(), p, random_indices(rng, p, 2, 40, 1));
+    }
+}
+
+TEST_P(TokenIndices, MinusOneSlotsAreIgnored) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {1}, {100}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  ref::TokenIndicesParams tp;
+  tp.h_idx = 1;
+  tp.k = 6;
+  tp.indices = {-1, 7, -1, 3, 99, -1};
+  check(ctx(), p, tp);
+  tp.indices.assign(6, -1);  // nothing selected: zero rows, LSE -inf
+  const st::RunResult r = check(ctx(), p, tp);
+  if (r.status == SPARSA_STATUS_SUCCESS) {
+    EXPECT_TRUE(st::row_is_zero(r.out, 0, 0, 0, 2, 64));
+    EXPECT_EQ(r.out.lse[0][0], -INFINITY);
+  }
+}
+
+TEST_P(TokenIndices, BlockIdsCoverWholeBlocksIncludingTheTailBlock) {
+  int counter = 0;
+  for (int bs : {16, 64}) {
+    ST_RNG(rng, counter++);
+    SCOPED_TRACE(::testing::Message() << "block_size=" << bs);
+    ref::Problem p = st::make_problem(2, 4, 2, 64, {8}, {200}, true);  // 200 = 12·16 + 8 = 3·64 + 8
+    st::fill(p, Pattern::kBand, rng);
+    ref::TokenIndicesParams tp = random_indices(rng, p, 2, 5, bs);
+    tp.indices[4] = (200 + bs - 1) / bs - 1;  // the tail block
+    check(ctx(), p, tp);
+  }
+}
+
+TEST_P(TokenIndices, DefaultHeadMapIsContiguousGroupsAndHeadMapOverridesIt) {
+  int counter = 0;
+  for (bool explicit_map : {false, true}) {
+    ST_RNG(rng, counter++);
+    ref::Problem p = st::make_problem(1, 8, 2, 64, {4}, {160}, true);
+    st::fill(p, Pattern::kNeedles, rng);
+    ref::TokenIndicesParams tp = random_indices(rng, p, 4, 20, 1);
+    if (explicit_map) tp.head_map = {3, 0, 0, 2, 1, 3, 2, 1};
+    check(ctx(), p, tp);
+  }
+}
+
+TEST_P(TokenIndices, NInitAndNLocalAreAlwaysIncluded) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 4, 4, 64, {12}, {150}, true);
+  st::fill(p, Pattern::kSinks, rng);
+  ref::TokenIndicesParams tp = random_indices(rng, p, 1, 10, 1);
+  tp.n_init = 4;
+  tp.n_local = 20;
+  check(ctx(), p, tp);
+}
+
+TEST_P(TokenIndices, AllTokensEqualsDense) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 4, 2, 64, {30}, {90}, true);
+  st::fill(p, Pattern::kNeedles, rng);
+  ref::TokenIndicesParams tp;
+  tp.h_idx = 1;
+  tp.k = 90;
+  for (int t = 89; t >= 0; --t) tp.indices.push_back(t);  // unsorted on purpose
+  const st::RunResult r = check(ctx(), p, tp);
+  if (r.status == SPARSA_STATUS_SUCCESS) {
+    EXPECT_TRUE(st::outputs_close(r.out, ref::attend(p, ref::dense(p)), st::kTolF32));
+  }
+}
+
+TEST_P(TokenIndices, IndexOutsideItsRangeIsAnErrorNotACrash) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {1}, {100}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  for (auto [bs, bad] : {std::pair{1, 100}, {1, -2}, {1, 1 << 30}, {16, 7}, {16, -5}}) {
+    SCOPED_TRACE(::testing::Message() << "block_size=" << bs << " id=" << bad);
+    ref::TokenIndicesParams tp;
+    tp.h_idx = 1;
+    tp.k = 3;
+    tp.block_size = bs;
+    tp.indices = {0, bad, 1};
+    st::RunOptions opt;
+    opt.indices = tp.indices;
+    opt.h_idx = 1;
+    opt.k = 3;
+    const st::RunResult r = st::run(ctx(), p, indices_policy(tp), opt);
+    EXPECT_EQ(r.status, SPARSA_STATUS_INDEX_OUT_OF_RANGE) << r.message;
+    EXPECT_TRUE(r.untouched);
+  }
+  // head_map entry outside [0, H_idx).
+  ref::TokenIndicesParams tp;
+  st::RunOptions opt;
+  opt.indices = {0, 1, 2};
+  opt.h_idx = 1;
+  opt.k = 3;
+  opt.head_map = {0, 1};
+  const st::RunResult r = st::run(ctx(), p, indices_policy(tp), opt);
+  EXPECT_EQ(r.status, SPARSA_STATUS_INDEX_OUT_OF_RANGE) << r.message;
+  EXPECT_TRUE(r.untouched);
+}
+
+TEST_P(TokenIndices, MissingIndicesIsANullPointer) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {1}, {50}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  const st::RunResult r = st::run(ctx(), p, indices_policy(ref::TokenIndicesParams{}));
+  EXPECT_EQ(r.status, SPARSA_STATUS_NULL_POINTER) << r.message;
+  EXPECT_TRUE(r.untouched);
+}
+
+}  // namespace

@@ -1,0 +1,253 @@
+// §6 TOKEN_SELECT: mean query, head soft vote over the candidates, index set = sinks ∪ top-k ∪ local window,
+// causal attention over it, and the selection cache. Parameters scaled down: n_init 4, top_k 16, n_local 8.
+#include <cmath>
+
+#include "test_util.h"
+
+namespace {
+
+using st::Pattern;
+
+SPARSA_BACKEND_SUITE(TokenSelect);
+
+constexpr int kInit = 4;
+constexpr int kTopK = 16;
+constexpr int kLocal = 8;
+constexpr double kVoteMargin = 2e-5;  // relative vote gap at the top-k boundary the inputs must keep
+
+ref::TokenSelectParams small_params() {
+  ref::TokenSelectParams tp;
+  tp.n_init = kInit;
+  tp.top_k = kTopK;
+  tp.n_local = kLocal;
+  return tp;
+}
+
+sparsa_policy select_policy(const ref::TokenSelectParams& tp) {
+  sparsa_policy pol = st::make_policy(SPARSA_POLICY_TOKEN_SELECT);
+  pol.select_n_init = tp.n_init;
+  pol.select_n_local = tp.n_local;
+  pol.select_top_k = tp.top_k;
+  pol.select_scale_scores = tp.scale_scores ? 1 : 0;
+  pol.select_cache_theta = float(tp.cache_theta);
+  pol.select_per_kv_head = tp.per_kv_head ? 1 : 0;
+  return pol;
+}
+
+// Runs once and compares output, LSE, the index sets exactly and the cache counters of the run.
+st::RunResult check(const st::Context& ctx, const ref::Problem& p, const ref::TokenSelectParams& tp,
+                    const ref::TokenSelectResult& want, st::RunOptions opt = {}) {
+  EXPECT_GT(want.topk_margin, kVoteMargin) << "input too close to a vote tie";
+  opt.selected_sets = tp.per_kv_head ? p.Hkv : 1;
+  opt.selected_cap = p.max_skv();
+  st::RunResult r = st::run_and_compare(ctx, p, select_policy(tp), want.out, opt);
+  if (r.status != SPARSA_STATUS_SUCCESS) return r;
+  EXPECT_TRUE(st::sets_equal(r.selected, opt.selected_cap, want.selected));
+  EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], want.pairs_computed);
+  if (opt.cache) {
+    EXPECT_EQ(r.stats[SPARSA_STAT_CACHE_HITS], want.hits);
+    EXPECT_EQ(r.stats[SPARSA_STAT_CACHE_MISSES], want.misses);
+  }
+  return r;
+}
+
+st::RunResult check(const st::Context& ctx, const ref::Problem& p, const ref::TokenSelectParams& tp,
+                    st::RunOptions opt = {}) {
+  return check(ctx, p, tp, ref::token_select(p, tp, nullptr), opt);
+}
+
+TEST_P(TokenSelect, DenseWhenNInitPlusTopKPlusNLocalCoversN) {
+  int counter = 0;
+  for (int N : {kInit + kTopK + kLocal - 5, kInit + kTopK + kLocal, kInit + kTopK + kLocal + 1}) {
+    ST_RNG(rng, counter++);
+    SCOPED_TRACE(::testing::Message() << "N=" << N);
+    ref::Problem p = st::make_problem(1, 4, 2, 64, {1}, {N}, true);
+    st::fill(p, Pattern::kRandom, rng);
+    const ref::TokenSelectResult want = ref::token_select(p, small_params(), nullptr);
+    EXPECT_EQ(want.ran_dense[0], N <= kInit + kTopK + kLocal) << "oracle";
+    check(ctx(), p, small_params(), want);
+  }
+}
+
+TEST_P(TokenSelect, DecodeIndexSetIsSinksTopKOfHeadSoftVoteAndLocalWindow) {
+  int counter = 0;
+  for (Pattern pattern : st::all_patterns()) {
+    ST_RNG(rng, counter++);
+    SCOPED_TRACE(st::pattern_name(pattern));
+    ref::Problem p = st::make_problem(2, 8, 2, 64, {1}, {257}, true);
+    st::fill(p, pattern, rng);
+    check(ctx(), p, small_params());
+  }
+}
+
+TEST_P(TokenSelect, DecodeCallersMayLeaveCausalZero) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 4, 1, 64, {1}, {200}, false);  // the reference is causal regardless
+  st::fill(p, Pattern::kNeedles, rng);
+  check(ctx(), p, small_params());
+}
+
+TEST_P(TokenSelect, ChunkedPrefillScoresWithTheMeanQueryAndAttendsCausally) {
+  int counter = 0;
+  for (Pattern pattern : st::all_patterns()) {
+    ST_RNG(rng, counter++);
+    SCOPED_TRACE(st::pattern_name(pattern));
+    // A chunk of 16 rows at the end of 230 keys; n_local 8 < 16, so early chunk rows see only part of the window.
+    ref::Problem p = st::make_problem(1, 4, 2, 128, {16}, {230}, true);
+    st::fill(p, pattern, rng);
+    check(ctx(), p, small_params());
+  }
+}
+
+TEST_P(TokenSelect, ScoresAreRawDotProductsUnlessScaleScoresIsSet) {
+  int counter = 0;
+  for (bool scale_scores : {false, true})
+    for (Pattern pattern : {Pattern::kRandom, Pattern::kNeedles}) {
+      ST_RNG(rng, counter++);
+      SCOPED_TRACE(::testing::Message() << "scale_scores=" << scale_scores << " " << st::pattern_name(pattern));
+      ref::Problem p = st::make_problem(1, 8, 2, 64, {1}, {300}, true);
+      st::fill(p, pattern, rng);
+      ref::TokenSelectParams tp = small_params();
+      tp.scale_scores = scale_scores;
+      check(ctx(), p, tp);
+    }
+}
+
+TEST_P(TokenSelect, PerKvHeadSelectionVotesOverItsGroup) {
+  int counter = 0;
+  for (Pattern pattern : {Pattern::kRandom, Pattern::kNeedles}) {
+    ST_RNG(rng, counter++);
+    SCOPED_TRACE(st::pattern_name(pattern));
+    ref::Problem p = st::make_problem(2, 8, 4, 64, {4}, {250}, true);
+    st::fill(p, pattern, rng);
+    ref::TokenSelectParams tp = small_params();
+    tp.per_kv_head = true;
+    check(ctx(), p, tp);
+  }
+}
+
+TEST_P(TokenSelect, TiesPreferSmallerIndex) {
+  // Every candidate key identical: all votes tie, so T = the first top_k candidates.
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 4, 2, 64, {1}, {100}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  for (int j = 1; j < 100; ++j)
+    for (int h = 0; h < 2; ++h)
+      for (int d = 0; d < 64; ++d) p.k[0][(j * 2 + h) * 64 + d] = p.k[0][h * 64 + d];
+  ref::TokenSelectResult want = ref::token_select(p, small_params(), nullptr);
+  ref::IndexSet expected;
+  for (int t = 0; t < kInit + kTopK; ++t) expected.push_back(t);
+  for (int t = 100 - kLocal; t < 100; ++t) expected.push_back(t);
+  ASSERT_EQ(want.selected[0][0], expected) << "oracle";
+  want.topk_margin = ref::kInf;  // ties are the point here
+  check(ctx(), p, small_params(), want);
+}
+
+TEST_P(TokenSelect, RepeatedQueryHitsTheSelectionCache) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(2, 4, 2, 64, {1}, {200}, true);
+  st::fill(p, Pattern::kNeedles, rng);
+  const ref::TokenSelectParams tp = small_params();
+  st::SelectionCache cache(ctx(), 2, 4, 2, 64, kTopK);
+  ref::SelectionCache ref_cache(2);
+  st::RunOptions opt;
+  opt.cache = cache.get();
+  for (int call = 0; call < 3; ++call) {
+    SCOPED_TRACE(::testing::Message() << "call " << call);
+    const ref::TokenSelectResult want = ref::token_select(p, tp, &ref_cache);
+    EXPECT_EQ(want.hits, call == 0 ? 0 : 2) << "oracle";
+    check(ctx(), p, tp, want, opt);
+    int64_t hits = -1, misses = -1;
+    cache.counts(&hits, &misses);
+    EXPECT_EQ(hits, ref_cache.hits);
+    EXPECT_EQ(misses, ref_cache.misses);
+  }
+  ASSERT_EQ(sparsa_selection_cache_reset(cache.get()), SPARSA_STATUS_SUCCESS);
+  int64_t hits = -1, misses = -1;
+  cache.counts(&hits, &misses);
+  EXPECT_EQ(hits, 0);
+  EXPECT_EQ(misses, 0);
+  ref::SelectionCache fresh(2);
+  const ref::TokenSelectResult after_reset = ref::token_select(p, tp, &fresh);
+  check(ctx(), p, tp, after_reset, opt);  // a miss again
+}
+
+TEST_P(TokenSelect, CacheHitReusesTopKButRecomputesSinksAndLocalWindow) {
+  // Decode step at N = 240, then at N = 241 with a nearby query (cos >= theta): T comes from the cache although a
+  // fresh vote would choose differently, and the local window moves with N.
+  ST_RNG(rng, 0);
+  ref::Problem p1 = st::make_problem(1, 4, 1, 64, {1}, {241}, true);
+  st::fill(p1, Pattern::kRandom, rng);
+  ref::Problem p0 = p1;
+  p0.skv = {240};
+  p0.k[0].resize(240 * 64);
+  p0.v[0].resize(240 * 64);
+  for (double& x : p1.q[0]) x += 0.4 * rng.normal();  // nearby, not equal
+  ref::TokenSelectParams tp = small_params();
+  tp.cache_theta = 0.5;
+  st::SelectionCache cache(ctx(), 1, 4, 1, 64, kTopK);
+  ref::SelectionCache ref_cache(1);
+  st::RunOptions opt;
+  opt.cache = cache.get();
+  check(ctx(), p0, tp, ref::token_select(p0, tp, &ref_cache), opt);
+  const ref::TokenSelectResult second = ref::token_select(p1, tp, &ref_cache);
+  ASSERT_EQ(second.hits, 1) << "oracle: the second query must hit";
+  EXPECT_NE(second.selected[0][0], ref::token_select(p1, tp, nullptr).selected[0][0])
+      << "oracle: a fresh vote should differ, otherwise the test cannot see the reuse";
+  check(ctx(), p1, tp, second, opt);
+}
+
+TEST_P(TokenSelect, DissimilarQueryMissesAndRefreshesTheCache) {
+  ST_RNG(rng, 0);
+  ref::Problem a = st::make_problem(1, 4, 2, 64, {1}, {200}, true);
+  st::fill(a, Pattern::kRandom, rng);
+  ref::Problem b = a;
+  for (double& x : b.q[0]) x = rng.normal();  // unrelated query: cos ≈ 0 < 0.9
+  const ref::TokenSelectParams tp = small_params();
+  st::SelectionCache cache(ctx(), 1, 4, 2, 64, kTopK);
+  ref::SelectionCache ref_cache(1);
+  st::RunOptions opt;
+  opt.cache = cache.get();
+  for (const ref::Problem* p : {&a, &b, &b, &a}) check(ctx(), *p, tp, ref::token_select(*p, tp, &ref_cache), opt);
+  EXPECT_EQ(ref_cache.hits, 1);
+  EXPECT_EQ(ref_cache.misses, 3);
+  int64_t hits = -1, misses = -1;
+  cache.counts(&hits, &misses);
+  EXPECT_EQ(hits, 1);
+  EXPECT_EQ(misses, 3);
+}
+
+TEST_P(TokenSelect, CacheThetaOneDisablesTheCache) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 4, 2, 64, {1}, {200}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  ref::TokenSelectParams tp = small_params();
+  tp.cache_theta = 1.0;
+  st::SelectionCache cache(ctx(), 1, 4, 2, 64, kTopK);
+  st::RunOptions opt;
+  opt.cache = cache.get();
+  for (int call = 0; call < 2; ++call) {
+    const st::RunResult r = check(ctx(), p, tp, ref::token_select(p, tp, nullptr), st::RunOptions{});
+    const st::RunResult rc = st::run(ctx(), p, select_policy(tp), opt);
+    ASSERT_EQ(rc.status, SPARSA_STATUS_SUCCESS) << rc.message;
+    EXPECT_EQ(rc.stats[SPARSA_STAT_CACHE_HITS], 0);
+    EXPECT_EQ(rc.out.o, r.out.o);
+  }
+  int64_t hits = -1;
+  cache.counts(&hits, nullptr);
+  EXPECT_EQ(hits, 0);
+}
+
+TEST_P(TokenSelect, CacheSmallerThanTheRunIsAShapeMismatch) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(2, 4, 2, 64, {1}, {200}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  st::SelectionCache cache(ctx(), 1, 4, 2, 64, kTopK);  // max_batch 1 < B 2
+  st::RunOptions opt;
+  opt.cache = cache.get();
+  const st::RunResult r = st::run(ctx(), p, select_policy(small_params()), opt);
+  EXPECT_EQ(r.status, SPARSA_STATUS_SHAPE_MISMATCH) << r.message;
+  EXPECT_TRUE(r.untouched);
+}
+
+}  // namespace

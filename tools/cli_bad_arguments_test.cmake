@@ -1,0 +1,38 @@
+# Every bad command line makes `sparsa` print exactly one line on stderr (no stack trace, no usage dump) and exit 2.
+# Usage: cmake -DSPARSA=<path to the sparsa tool> -P cli_bad_arguments_test.cmake
+cmake_minimum_required(VERSION 3.25)
+set(missing_file /nonexistent/sparsa-cli-test.npy)
+set(cases
+  "<none>"
+  "frobnicate"
+  "demo;--n;abc"
+  "demo;--n;12"
+  "demo;--bogus"
+  "demo;--heads;8:3"
+  "run;--q;q.npy"
+  "run;--policy;nope;--q;q.npy"
+  "run;--policy;dense"
+  "run;--policy;sparge;--theta;2;--q;q.npy"
+  "run;--policy;dense;--q;${missing_file};--k;${missing_file};--v;${missing_file}"
+  "run;--policy;dense;--causal=1")
+set(failures 0)
+foreach(case IN LISTS cases)
+  if(case STREQUAL "<none>")
+    set(args "")
+  else()
+    set(args ${case})
+  endif()
+  execute_process(COMMAND ${SPARSA} ${args} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  string(STRIP "${err}" err_stripped)
+  string(REGEX MATCHALL "\n" newlines "${err_stripped}")
+  list(LENGTH newlines extra_lines)
+  if(NOT rc EQUAL 2 OR NOT extra_lines EQUAL 0 OR NOT err_stripped MATCHES "^sparsa: ")
+    message(SEND_ERROR "sparsa ${args}: exit ${rc} (expected 2), stderr:\n${err}")
+    math(EXPR failures "${failures} + 1")
+  else()
+    message(STATUS "sparsa ${args} -> exit 2: ${err_stripped}")
+  endif()
+endforeach()
+if(failures)
+  message(FATAL_ERROR "${failures} bad command lines were not reported as one line with exit status 2")
+endif()

@@ -1,0 +1,116 @@
+// Shared pieces of the sparsa command-line tool: its two error kinds, host tensors that own their bytes, and the
+// conversions the tool needs to compare outputs of any dtype.
+#pragma once
+
+#include <sparsa/sparsa.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sparsa_cli {
+
+// A bad command line or a bad input file: printed as one line, exit status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A failure while running (library error, I/O): printed as one line, exit status 1.
+struct RuntimeError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+inline constexpr int kExitRuntimeError = 1;
+inline constexpr int kExitUsage = 2;
+
+// Throws RuntimeError("<what>: <status name>: <library message>") unless status is success.
+inline void check(sparsa_status status, const std::string& what) {
+  if (status != SPARSA_STATUS_SUCCESS) {
+    throw RuntimeError(what + ": " + sparsa_status_string(status) + ": " + sparsa_last_error_message());
+  }
+}
+
+// A contiguous host tensor that owns its bytes; `view()` describes it to the library.
+struct HostTensor {
+  int32_t dtype = SPARSA_DTYPE_INVALID;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+
+  HostTensor() = default;
+  HostTensor(int32_t dtype_, std::vector<int64_t> shape_) : dtype(dtype_), shape(std::move(shape_)) {
+    bytes.assign(static_cast<size_t>(element_count()) * sparsa_dtype_size(dtype), 0);
+  }
+  int64_t element_count() const {
+    int64_t n = 1;
+    for (int64_t extent : shape) n *= extent;
+    return n;
+  }
+  template <typename T>
+  T* data() { return reinterpret_cast<T*>(bytes.data()); }
+  template <typename T>
+  const T* data() const { return reinterpret_cast<const T*>(bytes.data()); }
+
+  sparsa_tensor view() const {
+    sparsa_tensor t;
+    check(sparsa_tensor_init(&t, const_cast<uint8_t*>(bytes.data()), dtype, static_cast<int32_t>(shape.size()),
+                             shape.data()),
+          "sparsa_tensor_init");
+    return t;
+  }
+};
+
+// IEEE binary16 bits -> float (exact).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1fu) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;  // signed zero
+  } else {        // subnormal: normalise
+    uint32_t e = 127 - 15 + 1;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --e;
+    }
+    bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// bfloat16 bits -> float (exact: bf16 is the top half of a float).
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The elements of a F32/F16/BF16 tensor as floats.
+inline std::vector<float> to_floats(const HostTensor& t) {
+  const size_t n = static_cast<size_t>(t.element_count());
+  std::vector<float> out(n);
+  switch (t.dtype) {
+    case SPARSA_DTYPE_F32:
+      std::memcpy(out.data(), t.bytes.data(), n * sizeof(float));
+      break;
+    case SPARSA_DTYPE_F16:
+      for (size_t i = 0; i < n; ++i) out[i] = half_to_float(t.data<uint16_t>()[i]);
+      break;
+    case SPARSA_DTYPE_BF16:
+      for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(t.data<uint16_t>()[i]);
+      break;
+    default:
+      throw RuntimeError("to_floats: dtype " + std::to_string(t.dtype) + " is not a floating-point attention dtype");
+  }
+  return out;
+}
+
+}  // namespace sparsa_cli
