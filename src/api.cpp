@@ -8,7 +8,7 @@
 // between a failure and reading the message.
 #include <sparsa/sparsa.h>
 
-#include <cmath>
+#include <cstdio>
 #include <new>
 #include <string>
 
@@ -23,6 +23,8 @@
 namespace sparsa {
 namespace {
 
+constexpr size_t kInternalMessageCapacity = 512;
+
 template <typename Body>
 sparsa_status guarded(Body&& body) noexcept {
   clear_last_error();
@@ -34,8 +36,9 @@ sparsa_status guarded(Body&& body) noexcept {
   } catch (const std::bad_alloc&) {
     return record_last_error(SPARSA_STATUS_OUT_OF_MEMORY, "out of memory (host allocation failed)");
   } catch (const std::exception& e) {
-    const std::string message = std::string("internal error: ") + e.what();
-    return record_last_error(SPARSA_STATUS_INTERNAL, message.c_str());
+    char message[kInternalMessageCapacity];  // no allocation while handling a failure
+    std::snprintf(message, sizeof message, "internal error: %s", e.what());
+    return record_last_error(SPARSA_STATUS_INTERNAL, message);
   } catch (...) {
     return record_last_error(SPARSA_STATUS_INTERNAL, "internal error: unknown exception");
   }
@@ -121,8 +124,7 @@ extern "C" SPARSA_API sparsa_status sparsa_context_options_init(sparsa_context_o
   });
 }
 
-extern "C" SPARSA_API sparsa_status sparsa_context_create(const sparsa_context_options* options,
-                                                          sparsa_context** out) {
+extern "C" SPARSA_API sparsa_status sparsa_context_create(const sparsa_context_options* options, sparsa_context** out) {
   return guarded([&] {
     require(out, "out");
     const sparsa_context_options defaults = default_context_options();
@@ -181,15 +183,17 @@ extern "C" SPARSA_API sparsa_status sparsa_selection_cache_create(sparsa_context
   return guarded([&] {
     require(ctx, "ctx");
     require(out, "out");
-    const std::pair<int32_t, const char*> sizes[] = {{max_batch, "max_batch"},       {num_q_heads, "num_q_heads"},
-                                                     {num_kv_heads, "num_kv_heads"}, {head_dim, "head_dim"},
+    const std::pair<int32_t, const char*> sizes[] = {{max_batch, "max_batch"},
+                                                     {num_q_heads, "num_q_heads"},
+                                                     {num_kv_heads, "num_kv_heads"},
+                                                     {head_dim, "head_dim"},
                                                      {max_top_k, "max_top_k"}};
     for (const auto& [value, name] : sizes) {
       if (value < 1) fail(SPARSA_STATUS_INVALID_ARGUMENT, name, ": expected >= 1, got ", value);
     }
     if (num_q_heads % num_kv_heads != 0) {
-      fail(SPARSA_STATUS_SHAPE_MISMATCH, "num_kv_heads: ", num_kv_heads, " does not divide num_q_heads = ",
-           num_q_heads);
+      fail(SPARSA_STATUS_SHAPE_MISMATCH, "num_kv_heads: ", num_kv_heads,
+           " does not divide num_q_heads = ", num_q_heads);
     }
     SelectionCacheDims dims;
     dims.max_batch = max_batch;
@@ -233,8 +237,8 @@ extern "C" SPARSA_API sparsa_status sparsa_policy_init(sparsa_policy* policy, in
   return guarded([&] {
     require(policy, "policy");
     if (!is_known_policy_kind(kind)) {
-      fail(SPARSA_STATUS_INVALID_ARGUMENT, "kind: expected a sparsa_policy_kind in [0, ",
-           SPARSA_POLICY_TOKEN_INDICES, "], got ", kind);
+      fail(SPARSA_STATUS_INVALID_ARGUMENT, "kind: expected a sparsa_policy_kind in [0, ", SPARSA_POLICY_TOKEN_INDICES,
+           "], got ", kind);
     }
     *policy = default_policy(kind);
   });
@@ -242,14 +246,22 @@ extern "C" SPARSA_API sparsa_status sparsa_policy_init(sparsa_policy* policy, in
 
 extern "C" SPARSA_API const char* sparsa_policy_kind_name(int32_t kind) {
   switch (kind) {
-    case SPARSA_POLICY_DENSE: return "DENSE";
-    case SPARSA_POLICY_SINK_WINDOW: return "SINK_WINDOW";
-    case SPARSA_POLICY_BLOCK_SPARSE: return "BLOCK_SPARSE";
-    case SPARSA_POLICY_SPARGE: return "SPARGE";
-    case SPARSA_POLICY_TOKEN_SPARSE: return "TOKEN_SPARSE";
-    case SPARSA_POLICY_TOKEN_SELECT: return "TOKEN_SELECT";
-    case SPARSA_POLICY_TOKEN_INDICES: return "TOKEN_INDICES";
-    default: return "unknown";
+    case SPARSA_POLICY_DENSE:
+      return "DENSE";
+    case SPARSA_POLICY_SINK_WINDOW:
+      return "SINK_WINDOW";
+    case SPARSA_POLICY_BLOCK_SPARSE:
+      return "BLOCK_SPARSE";
+    case SPARSA_POLICY_SPARGE:
+      return "SPARGE";
+    case SPARSA_POLICY_TOKEN_SPARSE:
+      return "TOKEN_SPARSE";
+    case SPARSA_POLICY_TOKEN_SELECT:
+      return "TOKEN_SELECT";
+    case SPARSA_POLICY_TOKEN_INDICES:
+      return "TOKEN_INDICES";
+    default:
+      return "unknown";
   }
 }
 
@@ -293,9 +305,8 @@ extern "C" SPARSA_API sparsa_status sparsa_merge_states(sparsa_context* ctx, con
   });
 }
 
-extern "C" SPARSA_API sparsa_status sparsa_topk_from_scores(sparsa_context* ctx, const sparsa_tensor* scores,
-                                                            int32_t k, int32_t block_size,
-                                                            const sparsa_tensor* out_indices) {
+extern "C" SPARSA_API sparsa_status sparsa_topk_from_scores(sparsa_context* ctx, const sparsa_tensor* scores, int32_t k,
+                                                            int32_t block_size, const sparsa_tensor* out_indices) {
   return guarded([&] {
     require(ctx, "ctx");
     const TopkCall call = validate_topk(device_rule(*ctx), scores, k, block_size, out_indices);

@@ -1,5 +1,5 @@
-// §5 drift-based layer selection: R_l = mean_t ‖h_out − h_in‖₂ / (‖h_in‖₂ + ε); sparse iff R_l <= quantile(R, δ)
-// with numpy's default linear interpolation. Host memory, any strides, F32/F16/BF16.
+// §5 drift-based layer selection: R_l = mean_t ‖h_out − h_in‖₂ / (‖h_in‖₂ + ε); sparse iff
+// R_l <= quantile(R, δ) with numpy's default linear interpolation. Host memory, any strides, F32/F16/BF16.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -62,10 +62,10 @@ void drift_select_layers(const sparsa_tensor* h_in_t, const sparsa_tensor* h_out
     for (int64_t t = 0; t < tokens; ++t) {
       double diff_sq = 0.0, in_sq = 0.0;
       for (int64_t d = 0; d < dim; ++d) {
-        const double in = load_float(h_in.t.dtype, h_in.t.data,
-                                     l * h_in.stride(0) + t * h_in.stride(1) + d * h_in.stride(2));
-        const double out = load_float(h_out.t.dtype, h_out.t.data,
-                                      l * h_out.stride(0) + t * h_out.stride(1) + d * h_out.stride(2));
+        const double in =
+            load_float(h_in.t.dtype, h_in.t.data, l * h_in.stride(0) + t * h_in.stride(1) + d * h_in.stride(2));
+        const double out =
+            load_float(h_out.t.dtype, h_out.t.data, l * h_out.stride(0) + t * h_out.stride(1) + d * h_out.stride(2));
         diff_sq += (out - in) * (out - in);
         in_sq += in * in;
       }

@@ -2,9 +2,9 @@
 //
 // The slot is a fixed-size char array so that recording an error can never fail (no allocation while we are
 // already handling a failure, possibly std::bad_alloc itself).
-#include "error_state.h"
-
 #include <cstring>
+
+#include "error_state.h"
 
 namespace sparsa {
 namespace {
@@ -29,19 +29,32 @@ const char* last_error_message() noexcept { return t_last_message; }
 
 const char* status_name(sparsa_status status) noexcept {
   switch (status) {
-    case SPARSA_STATUS_SUCCESS: return "SPARSA_STATUS_SUCCESS";
-    case SPARSA_STATUS_INVALID_ARGUMENT: return "SPARSA_STATUS_INVALID_ARGUMENT";
-    case SPARSA_STATUS_NULL_POINTER: return "SPARSA_STATUS_NULL_POINTER";
-    case SPARSA_STATUS_DTYPE_MISMATCH: return "SPARSA_STATUS_DTYPE_MISMATCH";
-    case SPARSA_STATUS_SHAPE_MISMATCH: return "SPARSA_STATUS_SHAPE_MISMATCH";
-    case SPARSA_STATUS_INDEX_OUT_OF_RANGE: return "SPARSA_STATUS_INDEX_OUT_OF_RANGE";
-    case SPARSA_STATUS_DEVICE_MISMATCH: return "SPARSA_STATUS_DEVICE_MISMATCH";
-    case SPARSA_STATUS_STRUCT_SIZE: return "SPARSA_STATUS_STRUCT_SIZE";
-    case SPARSA_STATUS_UNSUPPORTED: return "SPARSA_STATUS_UNSUPPORTED";
-    case SPARSA_STATUS_BACKEND_UNAVAILABLE: return "SPARSA_STATUS_BACKEND_UNAVAILABLE";
-    case SPARSA_STATUS_OUT_OF_MEMORY: return "SPARSA_STATUS_OUT_OF_MEMORY";
-    case SPARSA_STATUS_DEVICE_ERROR: return "SPARSA_STATUS_DEVICE_ERROR";
-    case SPARSA_STATUS_INTERNAL: return "SPARSA_STATUS_INTERNAL";
+    case SPARSA_STATUS_SUCCESS:
+      return "SPARSA_STATUS_SUCCESS";
+    case SPARSA_STATUS_INVALID_ARGUMENT:
+      return "SPARSA_STATUS_INVALID_ARGUMENT";
+    case SPARSA_STATUS_NULL_POINTER:
+      return "SPARSA_STATUS_NULL_POINTER";
+    case SPARSA_STATUS_DTYPE_MISMATCH:
+      return "SPARSA_STATUS_DTYPE_MISMATCH";
+    case SPARSA_STATUS_SHAPE_MISMATCH:
+      return "SPARSA_STATUS_SHAPE_MISMATCH";
+    case SPARSA_STATUS_INDEX_OUT_OF_RANGE:
+      return "SPARSA_STATUS_INDEX_OUT_OF_RANGE";
+    case SPARSA_STATUS_DEVICE_MISMATCH:
+      return "SPARSA_STATUS_DEVICE_MISMATCH";
+    case SPARSA_STATUS_STRUCT_SIZE:
+      return "SPARSA_STATUS_STRUCT_SIZE";
+    case SPARSA_STATUS_UNSUPPORTED:
+      return "SPARSA_STATUS_UNSUPPORTED";
+    case SPARSA_STATUS_BACKEND_UNAVAILABLE:
+      return "SPARSA_STATUS_BACKEND_UNAVAILABLE";
+    case SPARSA_STATUS_OUT_OF_MEMORY:
+      return "SPARSA_STATUS_OUT_OF_MEMORY";
+    case SPARSA_STATUS_DEVICE_ERROR:
+      return "SPARSA_STATUS_DEVICE_ERROR";
+    case SPARSA_STATUS_INTERNAL:
+      return "SPARSA_STATUS_INTERNAL";
   }
   return "unknown status";
 }

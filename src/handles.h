@@ -8,7 +8,7 @@
 #include "backend.h"
 
 struct sparsa_context {
-  sparsa_context_options options{};        // as resolved at creation
+  sparsa_context_options options{};          // as resolved at creation
   std::unique_ptr<sparsa::Backend> backend;  // never null after creation
 };
 

@@ -1,9 +1,9 @@
 // §4 SpargeAttn's Hilbert permutation of a T×H×W token grid.
 //
 // Walks a 3-D Hilbert curve over the enclosing power-of-two cube (side 2^bits) in curve order and keeps the cells
-// inside the grid. Curve index → coordinates uses John Skilling's transpose algorithm ("Programming the Hilbert
-// curve", AIP Conf. Proc. 707, 2004), with axes (t, h, w) = (X[0], X[1], X[2]); consecutive cube cells are
-// face-adjacent, which the tests check.
+// inside the grid (pruning sub-cubes that lie wholly outside). Curve index → coordinates uses John Skilling's transpose
+// algorithm ("Programming the Hilbert curve", AIP Conf. Proc. 707, 2004), with axes (t, h, w) = (X[0], X[1], X[2]);
+// consecutive cube cells are face-adjacent, which the tests check.
 #include <array>
 #include <cstdint>
 #include <limits>
@@ -52,6 +52,35 @@ std::array<uint32_t, kDims> index_to_transpose(uint64_t d, int bits) {
   return x;
 }
 
+// Visits the curve in order, skipping whole sub-cubes outside the grid: the 8^level cells starting at an index
+// aligned to 8^level fill one aligned sub-cube of side 2^level, so a flat or thin grid costs O(n · bits), not the
+// whole enclosing cube.
+struct HilbertWalk {
+  int bits;
+  std::array<uint32_t, kDims> extent;  // t, h, w
+  int32_t* perm;
+  int32_t* inverse;
+  int64_t visited;
+
+  void visit(uint64_t first, int level) {
+    std::array<uint32_t, kDims> x = index_to_transpose(first, bits);
+    transpose_to_axes(x, bits);
+    const uint32_t corner_mask = ~((uint32_t{1} << level) - 1);
+    for (int i = 0; i < kDims; ++i) {
+      if ((x[size_t(i)] & corner_mask) >= extent[size_t(i)]) return;  // the sub-cube lies outside the grid
+    }
+    if (level == 0) {
+      const int32_t token = int32_t((int64_t(x[0]) * extent[1] + x[1]) * extent[2] + x[2]);
+      if (perm) perm[visited] = token;
+      if (inverse) inverse[token] = int32_t(visited);
+      ++visited;
+      return;
+    }
+    const uint64_t child_cells = uint64_t{1} << (kDims * (level - 1));
+    for (uint64_t child = 0; child < (uint64_t{1} << kDims); ++child) visit(first + child * child_cells, level - 1);
+  }
+};
+
 }  // namespace
 
 void hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t* inverse) {
@@ -66,18 +95,8 @@ void hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t
   const int32_t longest = std::max(t, std::max(h, w));
   int bits = 0;
   while ((int64_t{1} << bits) < longest) ++bits;
-  const uint64_t cube_cells = uint64_t{1} << (kDims * bits);
-
-  int64_t visited = 0;
-  for (uint64_t d = 0; d < cube_cells && visited < n; ++d) {
-    std::array<uint32_t, kDims> x = index_to_transpose(d, bits);
-    transpose_to_axes(x, bits);
-    if (x[0] >= uint32_t(t) || x[1] >= uint32_t(h) || x[2] >= uint32_t(w)) continue;  // outside the grid
-    const int32_t token = int32_t((int64_t(x[0]) * h + x[1]) * w + x[2]);
-    if (perm) perm[visited] = token;
-    if (inverse) inverse[token] = int32_t(visited);
-    ++visited;
-  }
+  HilbertWalk walk{bits, {uint32_t(t), uint32_t(h), uint32_t(w)}, perm, inverse, 0};
+  walk.visit(0, bits);
 }
 
 }  // namespace sparsa

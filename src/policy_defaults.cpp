@@ -6,9 +6,7 @@
 
 namespace sparsa {
 
-bool is_known_policy_kind(int32_t kind) {
-  return kind >= SPARSA_POLICY_DENSE && kind <= SPARSA_POLICY_TOKEN_INDICES;
-}
+bool is_known_policy_kind(int32_t kind) { return kind >= SPARSA_POLICY_DENSE && kind <= SPARSA_POLICY_TOKEN_INDICES; }
 
 sparsa_policy default_policy(int32_t kind) {
   sparsa_policy p{};

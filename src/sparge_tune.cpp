@@ -206,8 +206,9 @@ void sparge_tune(sparsa_context& ctx, const sparsa_attention_args* args_in, cons
   tune_policy.sparge_attention_sink = caller_policy.sparge_attention_sink;
   tune_policy.sparge_quantized = caller_policy.sparge_quantized;
   OwnedTensor head_params(SPARSA_DTYPE_F32, {heads, kHeadParamCount});
-  OwnedTensor mask(SPARSA_DTYPE_U8, {dense_problem.batch, heads, ceil_div(dense_problem.max_seq_q, std::max(1, tune_policy.block_q)),
-                                     ceil_div(dense_problem.max_seq_k, std::max(1, tune_policy.block_k))});
+  OwnedTensor mask(SPARSA_DTYPE_U8,
+                   {dense_problem.batch, heads, ceil_div(dense_problem.max_seq_q, std::max(1, tune_policy.block_q)),
+                    ceil_div(dense_problem.max_seq_k, std::max(1, tune_policy.block_k))});
   tune_policy.sparge_head_params = &head_params.t;
   args.block_mask_out = &mask.t;
   float* hp = reinterpret_cast<float*>(head_params.t.data);
@@ -256,7 +257,8 @@ void sparge_tune(sparsa_context& ctx, const sparsa_attention_args* args_in, cons
         const float tau = hp[h * kHeadParamCount + 1];
         if (l1[k] < options.l1) {
           hi[k] = tau;  // passes: try a smaller mass (sparser)
-          if (!best[k].found || sparsity[k] > best[k].sparsity) best[k] = {true, theta, tau, kNoPvSkip, l1[k], sparsity[k]};
+          if (!best[k].found || sparsity[k] > best[k].sparsity)
+            best[k] = {true, theta, tau, kNoPvSkip, l1[k], sparsity[k]};
         } else {
           lo[k] = tau;
         }
@@ -267,12 +269,15 @@ void sparge_tune(sparsa_context& ctx, const sparsa_attention_args* args_in, cons
   // 3. lambda bisection on each head's best setting (heads going dense keep PV skip off).
   std::vector<float> lo(size_t(heads), options.lambda_min), hi(size_t(heads), 0.f);
   std::vector<uint8_t> tuned(static_cast<size_t>(heads), uint8_t{0});
-  for (int32_t h = 0; h < heads; ++h) tuned[size_t(h)] = best[size_t(h)].found && best[size_t(h)].sparsity > options.dense_below;
+  for (int32_t h = 0; h < heads; ++h)
+    tuned[size_t(h)] = best[size_t(h)].found && best[size_t(h)].sparsity > options.dense_below;
   for (int step = 0; step < options.search_steps; ++step) {
     for (int32_t h = 0; h < heads; ++h) {
       const HeadChoice& c = best[size_t(h)];
-      if (tuned[size_t(h)]) set_head(h, c.theta, c.tau, 0.5f * (lo[size_t(h)] + hi[size_t(h)]));
-      else set_head(h, 1.f, 1.f, kNoPvSkip);
+      if (tuned[size_t(h)])
+        set_head(h, c.theta, c.tau, 0.5f * (lo[size_t(h)] + hi[size_t(h)]));
+      else
+        set_head(h, 1.f, 1.f, kNoPvSkip);
     }
     run_backend(backend, problem, params);
     const std::vector<double> l1 = calibration.relative_l1();
@@ -297,7 +302,8 @@ void sparge_tune(sparsa_context& ctx, const sparsa_attention_args* args_in, cons
     const bool sparse = tuned[size_t(h)] != 0;
     const float values[kHeadParamCount] = {sparse ? c.theta : 1.f, sparse ? c.tau : 1.f, 0.f,
                                            sparse ? c.lambda : kNoPvSkip};
-    for (int j = 0; j < kHeadParamCount; ++j) params_out[h * out_params.stride(0) + j * out_params.stride(1)] = values[j];
+    for (int j = 0; j < kHeadParamCount; ++j)
+      params_out[h * out_params.stride(0) + j * out_params.stride(1)] = values[j];
     if (out_metrics.present) {
       float* metrics = out_metrics.ptr<float>() + h * out_metrics.stride(0);
       metrics[0] = sparse ? float(c.l1) : 0.f;

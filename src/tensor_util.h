@@ -14,26 +14,44 @@ namespace sparsa {
 
 inline const char* dtype_name(int32_t dtype) {
   switch (dtype) {
-    case SPARSA_DTYPE_F32: return "F32";
-    case SPARSA_DTYPE_F16: return "F16";
-    case SPARSA_DTYPE_BF16: return "BF16";
-    case SPARSA_DTYPE_F64: return "F64";
-    case SPARSA_DTYPE_I32: return "I32";
-    case SPARSA_DTYPE_I64: return "I64";
-    case SPARSA_DTYPE_U8: return "U8";
-    case SPARSA_DTYPE_I8: return "I8";
-    default: return "INVALID";
+    case SPARSA_DTYPE_F32:
+      return "F32";
+    case SPARSA_DTYPE_F16:
+      return "F16";
+    case SPARSA_DTYPE_BF16:
+      return "BF16";
+    case SPARSA_DTYPE_F64:
+      return "F64";
+    case SPARSA_DTYPE_I32:
+      return "I32";
+    case SPARSA_DTYPE_I64:
+      return "I64";
+    case SPARSA_DTYPE_U8:
+      return "U8";
+    case SPARSA_DTYPE_I8:
+      return "I8";
+    default:
+      return "INVALID";
   }
 }
 
 // Bytes per element; 0 for an unknown dtype.
 inline size_t dtype_size(int32_t dtype) {
   switch (dtype) {
-    case SPARSA_DTYPE_F32: case SPARSA_DTYPE_I32: return 4;
-    case SPARSA_DTYPE_F16: case SPARSA_DTYPE_BF16: return 2;
-    case SPARSA_DTYPE_F64: case SPARSA_DTYPE_I64: return 8;
-    case SPARSA_DTYPE_U8: case SPARSA_DTYPE_I8: return 1;
-    default: return 0;
+    case SPARSA_DTYPE_F32:
+    case SPARSA_DTYPE_I32:
+      return 4;
+    case SPARSA_DTYPE_F16:
+    case SPARSA_DTYPE_BF16:
+      return 2;
+    case SPARSA_DTYPE_F64:
+    case SPARSA_DTYPE_I64:
+      return 8;
+    case SPARSA_DTYPE_U8:
+    case SPARSA_DTYPE_I8:
+      return 1;
+    default:
+      return 0;
   }
 }
 
@@ -43,11 +61,16 @@ inline bool is_attention_dtype(int32_t dtype) {
 
 inline const char* device_name(int32_t device_type) {
   switch (device_type) {
-    case SPARSA_DEVICE_CPU: return "CPU";
-    case SPARSA_DEVICE_CUDA: return "CUDA";
-    case SPARSA_DEVICE_CUDA_HOST: return "CUDA_HOST";
-    case SPARSA_DEVICE_ROCM: return "ROCM";
-    default: return "unknown device";
+    case SPARSA_DEVICE_CPU:
+      return "CPU";
+    case SPARSA_DEVICE_CUDA:
+      return "CUDA";
+    case SPARSA_DEVICE_CUDA_HOST:
+      return "CUDA_HOST";
+    case SPARSA_DEVICE_ROCM:
+      return "ROCM";
+    default:
+      return "unknown device";
   }
 }
 
@@ -88,7 +111,10 @@ inline float half_to_float(uint16_t h) {
       bits = sign;
     } else {  // subnormal: renormalise
       int shift = 0;
-      while ((mantissa & 0x400u) == 0) { mantissa <<= 1; ++shift; }
+      while ((mantissa & 0x400u) == 0) {
+        mantissa <<= 1;
+        ++shift;
+      }
       mantissa &= 0x3ffu;
       bits = sign | (uint32_t(127 - 15 + 1 - shift) << 23) | (mantissa << 13);
     }
@@ -113,9 +139,12 @@ inline float bf16_to_float(uint16_t b) {
 // Element `offset` (in elements) of a host F32/F16/BF16 buffer, as float.
 inline float load_float(int32_t dtype, const void* base, int64_t offset) {
   switch (dtype) {
-    case SPARSA_DTYPE_F16: return half_to_float(static_cast<const uint16_t*>(base)[offset]);
-    case SPARSA_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t*>(base)[offset]);
-    default: return static_cast<const float*>(base)[offset];
+    case SPARSA_DTYPE_F16:
+      return half_to_float(static_cast<const uint16_t*>(base)[offset]);
+    case SPARSA_DTYPE_BF16:
+      return bf16_to_float(static_cast<const uint16_t*>(base)[offset]);
+    default:
+      return static_cast<const float*>(base)[offset];
   }
 }
 

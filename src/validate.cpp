@@ -6,6 +6,7 @@
 // written to caller memory here, so a failure leaves every output untouched.
 #include "validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -89,9 +90,8 @@ void expect_on_device(const TensorArg& a, const char* name, const DeviceRule& ru
   const bool ok = cpu_context ? is_host_memory(dev) : (dev == rule.device_type && a.t.device_id == rule.device_id);
   if (!ok) {
     fail(SPARSA_STATUS_DEVICE_MISMATCH, name, ": tensor on ", device_name(dev), ":", a.t.device_id,
-         " but the context runs on ", device_name(rule.device_type),
-         cpu_context ? "" : ":", cpu_context ? std::string() : std::to_string(rule.device_id),
-         cpu_context ? " (host memory expected)" : "");
+         " but the context runs on ", device_name(rule.device_type), cpu_context ? "" : ":",
+         cpu_context ? std::string() : std::to_string(rule.device_id), cpu_context ? " (host memory expected)" : "");
   }
 }
 
@@ -168,13 +168,13 @@ int64_t check_cu_seqlens(const TensorArg& cu, const char* name, int64_t extent, 
     longest = std::max(longest, end - begin);
   }
   if (read_i32(cu, batch) != extent) {
-    fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, name, "[", batch, "] = ", read_i32(cu, batch), " but ", packed_name,
-         " has ", extent_name, " = ", extent, " rows");
+    fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, name, "[", batch, "] = ", read_i32(cu, batch), " but ", packed_name, " has ",
+         extent_name, " = ", extent, " rows");
   }
   return longest;
 }
 
-void validate_layout(const sparsa_attention_args& args, const DeviceRule& rule, AttentionProblem& pr) {
+void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
   const bool readable = contents_readable(rule);
 
   // q / out.
@@ -200,8 +200,8 @@ void validate_layout(const sparsa_attention_args& args, const DeviceRule& rule, 
       fail(SPARSA_STATUS_SHAPE_MISMATCH, "cu_seqlens_q: expected shape [B+1] with B >= 0, got [0]");
     }
     pr.batch = static_cast<int32_t>(pr.cu_seqlens_q.extent(0) - 1);
-    pr.max_seq_q = readable ? check_cu_seqlens(pr.cu_seqlens_q, "cu_seqlens_q", pr.q.extent(0), "q", "Tq")
-                            : pr.q.extent(0);
+    pr.max_seq_q =
+        readable ? check_cu_seqlens(pr.cu_seqlens_q, "cu_seqlens_q", pr.q.extent(0), "q", "Tq") : pr.q.extent(0);
   } else {
     pr.batch = static_cast<int32_t>(pr.q.extent(0));
     pr.max_seq_q = pr.q.extent(1);
@@ -216,9 +216,9 @@ void validate_layout(const sparsa_attention_args& args, const DeviceRule& rule, 
   if (pr.page_table.present && !pr.seq_lens_k.present) {
     fail(SPARSA_STATUS_NULL_POINTER, "seq_lens_k: required with page_table");
   }
-  pr.kv_layout = pr.page_table.present ? KvLayout::kPaged
+  pr.kv_layout = pr.page_table.present     ? KvLayout::kPaged
                  : pr.cu_seqlens_k.present ? KvLayout::kPacked
-                                            : KvLayout::kPadded;
+                                           : KvLayout::kPadded;
   const int kv_rank = pr.kv_layout == KvLayout::kPacked ? 3 : 4;
   const char* kv_layout = pr.kv_layout == KvLayout::kPacked  ? "[Tk, Hkv, D] (packed, cu_seqlens_k given)"
                           : pr.kv_layout == KvLayout::kPaged ? "[P, page_size, Hkv, D] (paged, page_table given)"
@@ -247,12 +247,13 @@ void validate_layout(const sparsa_attention_args& args, const DeviceRule& rule, 
       break;
     case KvLayout::kPacked:
       expect_shape(pr.cu_seqlens_k, "cu_seqlens_k", {batch + 1}, "B+1 from q");
-      pr.max_seq_k = readable ? check_cu_seqlens(pr.cu_seqlens_k, "cu_seqlens_k", pr.k.extent(0), "k", "Tk")
-                              : pr.k.extent(0);
+      pr.max_seq_k =
+          readable ? check_cu_seqlens(pr.cu_seqlens_k, "cu_seqlens_k", pr.k.extent(0), "k", "Tk") : pr.k.extent(0);
       break;
     case KvLayout::kPaged: {
       pr.page_size = static_cast<int32_t>(pr.k.extent(1));
-      if (pr.page_size < 1) fail(SPARSA_STATUS_SHAPE_MISMATCH, "k: paged cache ", shape_string(pr.k.t), " has page_size 0");
+      if (pr.page_size < 1)
+        fail(SPARSA_STATUS_SHAPE_MISMATCH, "k: paged cache ", shape_string(pr.k.t), " has page_size 0");
       expect_rank(pr.page_table, "page_table", 2, "[B, max_pages]");
       if (pr.page_table.extent(0) != batch) {
         fail(SPARSA_STATUS_SHAPE_MISMATCH, "page_table: shape ", shape_string(pr.page_table.t),
@@ -278,8 +279,8 @@ void validate_layout(const sparsa_attention_args& args, const DeviceRule& rule, 
           cap_source = "the packed length from cu_seqlens_k";
         }
         if (len < 0 || len > cap) {
-          fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "seq_lens_k[", b, "] = ", len, " outside [0, ", cap, "] (",
-               cap_source, ")");
+          fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "seq_lens_k[", b, "] = ", len, " outside [0, ", cap, "] (", cap_source,
+               ")");
         }
         longest = std::max(longest, len);
       }
@@ -310,7 +311,6 @@ void validate_layout(const sparsa_attention_args& args, const DeviceRule& rule, 
       expect_shape(pr.lse, "lse", {batch, pr.num_q_heads, pr.q.extent(1)}, "[B, Hq, Sq] from q");
     }
   }
-  (void)args;
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -397,8 +397,8 @@ void validate_token_sparse(const AttentionProblem& pr, const sparsa_policy& p, c
   expect_in_closed(p.token_sparse_coverage, 0.f, 1.f, "policy.token_sparse_coverage");
   expect_at_least(p.token_sparse_min_tokens, 0, "policy.token_sparse_min_tokens");
   // §5 is defined for self-attention prefill: Sq == Skv for every sequence.
-  const bool lengths_known = contents_readable(rule) || (!pr.q_packed && pr.kv_layout == KvLayout::kPadded &&
-                                                         !pr.seq_lens_k.present);
+  const bool lengths_known =
+      contents_readable(rule) || (!pr.q_packed && pr.kv_layout == KvLayout::kPadded && !pr.seq_lens_k.present);
   if (!lengths_known) return;
   for (int32_t b = 0; b < pr.batch; ++b) {
     const int64_t sq = pr.seq_len_q(b), skv = pr.seq_len_k(b);
@@ -441,8 +441,8 @@ void validate_token_indices(const AttentionProblem& pr, const DeviceRule& rule, 
     expect_dtype(pp.head_map, "policy.head_map", SPARSA_DTYPE_I32);
     expect_shape(pp.head_map, "policy.head_map", {pr.num_q_heads}, "[Hq] from q");
   } else if (pr.num_q_heads % h_idx != 0) {
-    fail(SPARSA_STATUS_SHAPE_MISMATCH, "policy.indices: H_idx = ", h_idx, " does not divide q's Hq = ",
-         pr.num_q_heads, "; pass policy.head_map to say which row each query head uses");
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, "policy.indices: H_idx = ", h_idx, " does not divide q's Hq = ", pr.num_q_heads,
+         "; pass policy.head_map to say which row each query head uses");
   }
   if (!contents_readable(rule)) return;
   if (pp.head_map.present) {
@@ -487,6 +487,14 @@ void validate_delta(const AttentionProblem& pr, const sparsa_policy& p) {
 // Introspection outputs and the selection cache
 // ------------------------------------------------------------------------------------------------------------------
 
+// The largest N over the batch (padded k/v shortened by seq_lens_k count their real keys only).
+int64_t longest_key_count(const AttentionProblem& pr) {
+  if (!pr.contents_validated) return pr.max_seq_k;
+  int64_t longest = 0;
+  for (int32_t b = 0; b < pr.batch; ++b) longest = std::max(longest, pr.seq_len_k(b));
+  return longest;
+}
+
 void validate_outputs(AttentionProblem& pr, const DeviceRule& rule, const sparsa_policy& p) {
   const int32_t kind = p.kind;
   if (pr.selected_indices.present) {
@@ -500,7 +508,7 @@ void validate_outputs(AttentionProblem& pr, const DeviceRule& rule, const sparsa
     expect_dtype(pr.selected_indices, name, SPARSA_DTYPE_I32);
     expect_rank(pr.selected_indices, name, 3, "[B, H_sel, cap]");
     int64_t heads = pr.num_q_heads;
-    int64_t cap = pr.max_seq_k;
+    int64_t cap = longest_key_count(pr);
     if (kind == SPARSA_POLICY_TOKEN_SELECT) {
       heads = p.select_per_kv_head ? pr.num_kv_heads : 1;
       const int64_t selected = int64_t(p.select_n_init) + p.select_top_k + p.select_n_local;
@@ -625,12 +633,12 @@ void validate_attention(const sparsa_context& ctx, const sparsa_attention_args* 
   pr.dtype = pr.q.t.dtype;
   if (pr.lse.present) expect_dtype(pr.lse, "lse", SPARSA_DTYPE_F32);
   for (const Slot& s : slots) {
-    const bool offsets = s.arg == &pr.cu_seqlens_q || s.arg == &pr.cu_seqlens_k || s.arg == &pr.page_table ||
-                         s.arg == &pr.seq_lens_k;
+    const bool offsets =
+        s.arg == &pr.cu_seqlens_q || s.arg == &pr.cu_seqlens_k || s.arg == &pr.page_table || s.arg == &pr.seq_lens_k;
     if (offsets && s.arg->present) expect_dtype(*s.arg, s.name, SPARSA_DTYPE_I32);
   }
 
-  validate_layout(args, rule, pr);
+  validate_layout(rule, pr);
   pr.contents_validated = contents_readable(rule);
   pr.causal = args.causal == 1 || p.kind == SPARSA_POLICY_TOKEN_SPARSE || p.kind == SPARSA_POLICY_TOKEN_SELECT;
   pr.scale = args.softmax_scale != 0.f ? args.softmax_scale : 1.f / std::sqrt(static_cast<float>(pr.head_dim));

@@ -36,8 +36,8 @@ Struct read_caller_struct(const Struct& caller, const char* name, uint32_t first
   }
   if (size > sizeof(Struct)) {
     fail(SPARSA_STATUS_STRUCT_SIZE, name, ".struct_size: ", size, " is larger than this sparsa's layout (",
-         sizeof(Struct), " bytes): the caller was built against a newer sparsa than the loaded ",
-         SPARSA_VERSION_MAJOR, ".", SPARSA_VERSION_MINOR, ".", SPARSA_VERSION_PATCH);
+         sizeof(Struct), " bytes): the caller was built against a newer sparsa than the loaded ", SPARSA_VERSION_MAJOR,
+         ".", SPARSA_VERSION_MINOR, ".", SPARSA_VERSION_PATCH);
   }
   Struct result = defaults;
   std::memcpy(static_cast<void*>(&result), &caller, size);
@@ -82,9 +82,9 @@ TopkCall validate_topk(const DeviceRule& rule, const sparsa_tensor* scores, int3
                        const sparsa_tensor* out_indices);
 
 PrefetchProblem validate_prefetch(const DeviceRule& rule, const sparsa_tensor* k_src, const sparsa_tensor* v_src,
-                                  const sparsa_tensor* indices, const sparsa_tensor* k_dst,
-                                  const sparsa_tensor* v_dst, const sparsa_tensor* positions,
-                                  const sparsa_tensor* remapped, const sparsa_tensor* counts);
+                                  const sparsa_tensor* indices, const sparsa_tensor* k_dst, const sparsa_tensor* v_dst,
+                                  const sparsa_tensor* positions, const sparsa_tensor* remapped,
+                                  const sparsa_tensor* counts);
 
 // ---- Defaults (policy_defaults.cpp) ----
 

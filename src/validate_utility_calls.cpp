@@ -36,9 +36,9 @@ MergeProblem validate_merge(const DeviceRule& rule, const sparsa_tensor* o_a, co
   m.lse_b = read_tensor(lse_b, "lse_b", true);
   m.out = read_tensor(out, "out", true);
   m.out_lse = read_tensor(out_lse, "out_lse", false);
-  const std::pair<const TensorArg*, const char*> all[] = {{&m.o_a, "o_a"}, {&m.lse_a, "lse_a"}, {&m.o_b, "o_b"},
-                                                           {&m.lse_b, "lse_b"}, {&m.out, "out"},
-                                                           {&m.out_lse, "out_lse"}};
+  const std::pair<const TensorArg*, const char*> all[] = {{&m.o_a, "o_a"}, {&m.lse_a, "lse_a"},
+                                                          {&m.o_b, "o_b"}, {&m.lse_b, "lse_b"},
+                                                          {&m.out, "out"}, {&m.out_lse, "out_lse"}};
   for (const auto& [arg, name] : all) {
     if (arg->present) expect_on_device(*arg, name, rule);
   }
@@ -60,8 +60,8 @@ MergeProblem validate_merge(const DeviceRule& rule, const sparsa_tensor* o_a, co
   expect_last_stride_one(m.o_b, "o_b");
   expect_last_stride_one(m.out, "out");
   const auto& s = m.o_a.t.shape;
-  const std::vector<int64_t> lse_shape = m.packed ? std::vector<int64_t>{s[1], s[0]}
-                                                  : std::vector<int64_t>{s[0], s[2], s[1]};
+  const std::vector<int64_t> lse_shape =
+      m.packed ? std::vector<int64_t>{s[1], s[0]} : std::vector<int64_t>{s[0], s[2], s[1]};
   const char* why = m.packed ? "[H, T] from o_a" : "[B, H, S] from o_a";
   expect_shape(m.lse_a, "lse_a", lse_shape, why);
   expect_shape(m.lse_b, "lse_b", lse_shape, why);
@@ -91,9 +91,9 @@ TopkCall validate_topk(const DeviceRule& rule, const sparsa_tensor* scores, int3
 }
 
 PrefetchProblem validate_prefetch(const DeviceRule& rule, const sparsa_tensor* k_src, const sparsa_tensor* v_src,
-                                  const sparsa_tensor* indices, const sparsa_tensor* k_dst,
-                                  const sparsa_tensor* v_dst, const sparsa_tensor* positions,
-                                  const sparsa_tensor* remapped, const sparsa_tensor* counts) {
+                                  const sparsa_tensor* indices, const sparsa_tensor* k_dst, const sparsa_tensor* v_dst,
+                                  const sparsa_tensor* positions, const sparsa_tensor* remapped,
+                                  const sparsa_tensor* counts) {
   PrefetchProblem p;
   p.k_src = read_tensor(k_src, "k_src", true);
   p.v_src = read_tensor(v_src, "v_src", true);
@@ -131,8 +131,8 @@ PrefetchProblem validate_prefetch(const DeviceRule& rule, const sparsa_tensor* k
   const int64_t hkv = p.k_src.extent(2), d = p.k_src.extent(3);
   expect_rank(p.indices, "indices", 3, "[B, H_idx, k]");
   if (p.indices.extent(0) != batch) {
-    fail(SPARSA_STATUS_SHAPE_MISMATCH, "indices: shape ", shape_string(p.indices.t), " but k_src has batch B = ",
-         batch);
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, "indices: shape ", shape_string(p.indices.t),
+         " but k_src has batch B = ", batch);
   }
   expect_rank(p.k_dst, "k_dst", 4, "[B, C, Hkv, D]");
   const int64_t capacity = p.k_dst.extent(1);
@@ -166,8 +166,8 @@ PrefetchProblem validate_prefetch(const DeviceRule& rule, const sparsa_tensor* k
       }
     }
     if (union_size > capacity) {
-      fail(SPARSA_STATUS_SHAPE_MISMATCH, "k_dst: capacity C = ", capacity, " but sequence ", b, " selects ",
-           union_size, " distinct tokens");
+      fail(SPARSA_STATUS_SHAPE_MISMATCH, "k_dst: capacity C = ", capacity, " but sequence ", b, " selects ", union_size,
+           " distinct tokens");
     }
   }
   return p;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -12,8 +13,8 @@ TEST(ApiVersion, MacrosMatchTheLoadedLibrary) {
   EXPECT_EQ(sparsa_version(), uint32_t(SPARSA_VERSION));
   EXPECT_EQ(uint32_t(SPARSA_VERSION),
             uint32_t(SPARSA_VERSION_MAJOR * 10000 + SPARSA_VERSION_MINOR * 100 + SPARSA_VERSION_PATCH));
-  const std::string expected = std::to_string(SPARSA_VERSION_MAJOR) + "." + std::to_string(SPARSA_VERSION_MINOR) +
-                               "." + std::to_string(SPARSA_VERSION_PATCH);
+  const std::string expected = std::to_string(SPARSA_VERSION_MAJOR) + "." + std::to_string(SPARSA_VERSION_MINOR) + "." +
+                               std::to_string(SPARSA_VERSION_PATCH);
   EXPECT_EQ(std::string(sparsa_version_string()), expected);
 }
 
@@ -81,6 +82,11 @@ TEST(ApiMessage, IsThreadLocalClearedOnSuccessAndNamesTheArgument) {
   (void)sparsa_status_string(SPARSA_STATUS_INVALID_ARGUMENT);
   (void)sparsa_version();
   EXPECT_EQ(std::string(sparsa_last_error_message()), message);
+  // Another thread has its own (empty) message and does not disturb this one.
+  std::string other_thread_message = "unset";
+  std::thread([&] { other_thread_message = sparsa_last_error_message(); }).join();
+  EXPECT_EQ(other_thread_message, "");
+  EXPECT_EQ(std::string(sparsa_last_error_message()), message);
   EXPECT_EQ(sparsa_policy_init(&p, SPARSA_POLICY_DENSE), SPARSA_STATUS_SUCCESS);
   EXPECT_STREQ(sparsa_last_error_message(), "");
 }
@@ -122,8 +128,8 @@ void expect_documented_defaults(const sparsa_policy& p, int32_t kind) {
 }
 
 TEST(ApiDefaults, PolicyInitSetsTheDocumentedDefaultsForEveryKind) {
-  const char* names[] = {"DENSE", "SINK_WINDOW", "BLOCK_SPARSE", "SPARGE", "TOKEN_SPARSE", "TOKEN_SELECT",
-                         "TOKEN_INDICES"};
+  const char* names[] = {"DENSE",        "SINK_WINDOW",  "BLOCK_SPARSE", "SPARGE",
+                         "TOKEN_SPARSE", "TOKEN_SELECT", "TOKEN_INDICES"};
   for (int32_t kind = SPARSA_POLICY_DENSE; kind <= SPARSA_POLICY_TOKEN_INDICES; ++kind) {
     SCOPED_TRACE(names[kind]);
     sparsa_policy p;

@@ -46,13 +46,13 @@ struct Baseline {
   std::vector<int64_t> stats = std::vector<int64_t>(4);
   std::vector<float> scores = std::vector<float>(2 * kDraftN, 1.f);
   std::vector<int32_t> topk_out = std::vector<int32_t>(2 * kDraftN);
-  std::vector<float> lse_in = std::vector<float>(kB * kHq * kS, 0.f);          // merge inputs
-  std::vector<float> v_dst = std::vector<float>(kB * kS * kHkv * kD);           // prefetch outputs (k_dst = out)
+  std::vector<float> lse_in = std::vector<float>(kB * kHq * kS, 0.f);  // merge inputs
+  std::vector<float> v_dst = std::vector<float>(kB * kS * kHkv * kD);  // prefetch outputs (k_dst = out)
   std::vector<int32_t> positions = std::vector<int32_t>(kB * kS);
   std::vector<int32_t> remapped = std::vector<int32_t>(kB * kHkv * 4);
 
-  sparsa_tensor tq, tk, tv, tout, tlse, tcu_q, tpage, tseq, tidx, thead_map, tmask, tmask_out, tstats, tscores,
-      ttopk, tlse_in, tk_dst, tv_dst, tpositions, tremapped;
+  sparsa_tensor tq, tk, tv, tout, tlse, tcu_q, tpage, tseq, tidx, thead_map, tmask, tmask_out, tstats, tscores, ttopk,
+      tlse_in, tk_dst, tv_dst, tpositions, tremapped;
   sparsa_attention_args args;
   sparsa_policy policy;
   int32_t topk_k = 2;
@@ -92,8 +92,7 @@ struct Baseline {
     EXPECT_EQ(sparsa_policy_init(&policy, SPARSA_POLICY_DENSE), SPARSA_STATUS_SUCCESS);
     EXPECT_EQ(sparsa_context_create(nullptr, &ctx), SPARSA_STATUS_SUCCESS);
     EXPECT_EQ(sparsa_context_create(nullptr, &other_ctx), SPARSA_STATUS_SUCCESS);
-    EXPECT_EQ(sparsa_selection_cache_create(other_ctx, kB, kHq, kHkv, kD, 64, &foreign_cache),
-              SPARSA_STATUS_SUCCESS);
+    EXPECT_EQ(sparsa_selection_cache_create(other_ctx, kB, kHq, kHkv, kD, 64, &foreign_cache), SPARSA_STATUS_SUCCESS);
   }
   ~Baseline() {
     sparsa_selection_cache_destroy(foreign_cache);
@@ -135,9 +134,12 @@ struct Baseline {
 
   // Every output buffer a call could write.
   std::vector<std::pair<void*, size_t>> outputs() {
-    return {{out.data(), out.size() * sizeof(float)},         {lse.data(), lse.size() * sizeof(float)},
-            {mask_out.data(), mask_out.size()},                {stats.data(), stats.size() * sizeof(int64_t)},
-            {topk_out.data(), topk_out.size() * sizeof(int32_t)}, {v_dst.data(), v_dst.size() * sizeof(float)},
+    return {{out.data(), out.size() * sizeof(float)},
+            {lse.data(), lse.size() * sizeof(float)},
+            {mask_out.data(), mask_out.size()},
+            {stats.data(), stats.size() * sizeof(int64_t)},
+            {topk_out.data(), topk_out.size() * sizeof(int32_t)},
+            {v_dst.data(), v_dst.size() * sizeof(float)},
             {positions.data(), positions.size() * sizeof(int32_t)},
             {remapped.data(), remapped.size() * sizeof(int32_t)}};
   }
@@ -155,33 +157,51 @@ const float kNaN = std::numeric_limits<float>::quiet_NaN();
 std::vector<Row> bad_input_rows() {
   return {
       // Null pointers.
-      {"null ctx", [](Baseline& b) { b.call = [](Baseline& x) { return sparsa_attention_run(nullptr, &x.args, &x.policy); }; },
+      {"null ctx",
+       [](Baseline& b) { b.call = [](Baseline& x) { return sparsa_attention_run(nullptr, &x.args, &x.policy); }; },
        SPARSA_STATUS_NULL_POINTER, "ctx"},
-      {"null args", [](Baseline& b) { b.call = [](Baseline& x) { return sparsa_attention_run(x.ctx, nullptr, &x.policy); }; },
+      {"null args",
+       [](Baseline& b) { b.call = [](Baseline& x) { return sparsa_attention_run(x.ctx, nullptr, &x.policy); }; },
        SPARSA_STATUS_NULL_POINTER, "args"},
       {"null q", [](Baseline& b) { b.args.q = nullptr; }, SPARSA_STATUS_NULL_POINTER, "q: required"},
       {"null out", [](Baseline& b) { b.args.out = nullptr; }, SPARSA_STATUS_NULL_POINTER, "out: required"},
       {"null k data", [](Baseline& b) { b.tk.data = nullptr; }, SPARSA_STATUS_NULL_POINTER, "k: data is NULL"},
-      {"block mask missing", [](Baseline& b) { b.use_policy(SPARSA_POLICY_BLOCK_SPARSE); },
-       SPARSA_STATUS_NULL_POINTER, "policy.block_mask"},
-      {"paged without seq_lens_k", [](Baseline& b) { b.page_kv(); b.args.seq_lens_k = nullptr; },
+      {"block mask missing", [](Baseline& b) { b.use_policy(SPARSA_POLICY_BLOCK_SPARSE); }, SPARSA_STATUS_NULL_POINTER,
+       "policy.block_mask"},
+      {"paged without seq_lens_k",
+       [](Baseline& b) {
+         b.page_kv();
+         b.args.seq_lens_k = nullptr;
+       },
        SPARSA_STATUS_NULL_POINTER, "seq_lens_k"},
       // Dtypes.
       {"q dtype I32", [](Baseline& b) { b.tq.dtype = SPARSA_DTYPE_I32; }, SPARSA_STATUS_DTYPE_MISMATCH, "q: dtype I32"},
       {"k dtype differs from q", [](Baseline& b) { b.tk.dtype = SPARSA_DTYPE_F16; }, SPARSA_STATUS_DTYPE_MISMATCH,
        "k: dtype F16 but q is F32"},
-      {"out dtype differs from q", [](Baseline& b) { b.tout.dtype = SPARSA_DTYPE_BF16; },
-       SPARSA_STATUS_DTYPE_MISMATCH, "out: dtype"},
+      {"out dtype differs from q", [](Baseline& b) { b.tout.dtype = SPARSA_DTYPE_BF16; }, SPARSA_STATUS_DTYPE_MISMATCH,
+       "out: dtype"},
       {"lse not F32", [](Baseline& b) { b.tlse.dtype = SPARSA_DTYPE_F16; }, SPARSA_STATUS_DTYPE_MISMATCH, "lse"},
-      {"stats not I64", [](Baseline& b) { b.tstats.dtype = SPARSA_DTYPE_I32; b.args.stats = &b.tstats; },
+      {"stats not I64",
+       [](Baseline& b) {
+         b.tstats.dtype = SPARSA_DTYPE_I32;
+         b.args.stats = &b.tstats;
+       },
        SPARSA_STATUS_DTYPE_MISMATCH, "stats"},
-      {"cu_seqlens_q not I32", [](Baseline& b) { b.pack_q(); b.tcu_q.dtype = SPARSA_DTYPE_I64; },
+      {"cu_seqlens_q not I32",
+       [](Baseline& b) {
+         b.pack_q();
+         b.tcu_q.dtype = SPARSA_DTYPE_I64;
+       },
        SPARSA_STATUS_DTYPE_MISMATCH, "cu_seqlens_q"},
       // Ranks, shapes, strides.
-      {"q rank 3 without cu_seqlens_q", [](Baseline& b) { b.tq = make_tensor(b.q.data(), SPARSA_DTYPE_F32, {kB * kS, kHq, kD}); },
+      {"q rank 3 without cu_seqlens_q",
+       [](Baseline& b) {
+         b.tq = make_tensor(b.q.data(), SPARSA_DTYPE_F32, {kB * kS, kHq, kD});
+       },
        SPARSA_STATUS_SHAPE_MISMATCH, "q: expected rank 4"},
       {"ndim 0", [](Baseline& b) { b.tv.ndim = 0; }, SPARSA_STATUS_SHAPE_MISMATCH, "v: ndim"},
-      {"k head_dim differs", [](Baseline& b) {
+      {"k head_dim differs",
+       [](Baseline& b) {
          b.tk = make_tensor(b.k.data(), SPARSA_DTYPE_F32, {kB, kS, kHkv, 4});
          b.tv = make_tensor(b.v.data(), SPARSA_DTYPE_F32, {kB, kS, kHkv, 4});
        },
@@ -190,42 +210,71 @@ std::vector<Row> bad_input_rows() {
        "v: expected shape"},
       {"out shape differs from q", [](Baseline& b) { b.tout.shape[1] = kS - 1; }, SPARSA_STATUS_SHAPE_MISMATCH,
        "out: expected shape"},
-      {"k batch differs", [](Baseline& b) { b.tk.shape[0] = 1; b.tv.shape[0] = 1; }, SPARSA_STATUS_SHAPE_MISMATCH,
-       "k: shape [1, 16, 2, 8] but q has batch B = 2"},
-      {"non-unit last stride", [](Baseline& b) { b.tv.strides[3] = 2; b.tv.strides[2] = 16; },
+      {"k batch differs",
+       [](Baseline& b) {
+         b.tk.shape[0] = 1;
+         b.tv.shape[0] = 1;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "k: shape [1, 16, 2, 8] but q has batch B = 2"},
+      {"non-unit last stride",
+       [](Baseline& b) {
+         b.tv.strides[3] = 2;
+         b.tv.strides[2] = 16;
+       },
        SPARSA_STATUS_SHAPE_MISMATCH, "v: the last dimension must have stride 1"},
       {"negative stride", [](Baseline& b) { b.tq.strides[1] = -1; }, SPARSA_STATUS_SHAPE_MISMATCH, "q: strides"},
-      {"Hq % Hkv != 0", [](Baseline& b) {
+      {"Hq % Hkv != 0",
+       [](Baseline& b) {
          b.tk = make_tensor(b.k.data(), SPARSA_DTYPE_F32, {kB, kS, 3, kD});
          b.tv = make_tensor(b.v.data(), SPARSA_DTYPE_F32, {kB, kS, 3, kD});
-       }, SPARSA_STATUS_SHAPE_MISMATCH, "does not divide q's Hq = 4"},
-      {"head_dim too large", [](Baseline& b) {
-         b.tq.shape[3] = 1024; b.tk.shape[3] = 1024; b.tv.shape[3] = 1024; b.tout.shape[3] = 1024;
-       }, SPARSA_STATUS_SHAPE_MISMATCH, "q: head_dim D = 1024"},
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "does not divide q's Hq = 4"},
+      {"head_dim too large",
+       [](Baseline& b) {
+         b.tq.shape[3] = 1024;
+         b.tk.shape[3] = 1024;
+         b.tv.shape[3] = 1024;
+         b.tout.shape[3] = 1024;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "q: head_dim D = 1024"},
       {"lse shape", [](Baseline& b) { b.tlse.shape[2] = kS + 1; }, SPARSA_STATUS_SHAPE_MISMATCH, "lse: expected shape"},
-      {"block mask shape", [](Baseline& b) {
+      {"block mask shape",
+       [](Baseline& b) {
          b.use_policy(SPARSA_POLICY_BLOCK_SPARSE);
          b.policy.block_mask = &b.tmask;
          b.tmask.shape[3] = 2;
-       }, SPARSA_STATUS_SHAPE_MISMATCH, "policy.block_mask: expected shape [2, 4, 1, 1]"},
-      {"indices H_idx does not divide Hq", [](Baseline& b) {
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "policy.block_mask: expected shape [2, 4, 1, 1]"},
+      {"indices H_idx does not divide Hq",
+       [](Baseline& b) {
          b.use_policy(SPARSA_POLICY_TOKEN_INDICES);
          b.tidx.shape[1] = 3;
          b.policy.indices = &b.tidx;
-       }, SPARSA_STATUS_SHAPE_MISMATCH, "policy.indices: H_idx = 3"},
-      {"TOKEN_SPARSE with Sq != Skv", [](Baseline& b) {
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "policy.indices: H_idx = 3"},
+      {"TOKEN_SPARSE with Sq != Skv",
+       [](Baseline& b) {
          b.use_policy(SPARSA_POLICY_TOKEN_SPARSE);
-         b.tk.shape[1] = kS - 4; b.tv.shape[1] = kS - 4;
-       }, SPARSA_STATUS_SHAPE_MISMATCH, "TOKEN_SPARSE needs Sq == Skv"},
+         b.tk.shape[1] = kS - 4;
+         b.tv.shape[1] = kS - 4;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "TOKEN_SPARSE needs Sq == Skv"},
       {"block_mask_out from a non-SPARGE policy", [](Baseline& b) { b.args.block_mask_out = &b.tmask_out; },
        SPARSA_STATUS_UNSUPPORTED, "block_mask_out"},
       // top_k > N in topk_from_scores.
-      {"topk k > N", [](Baseline& b) {
+      {"topk k > N",
+       [](Baseline& b) {
          b.topk_k = kDraftN + 1;
          b.ttopk = make_tensor(b.topk_out.data(), SPARSA_DTYPE_I32, {1, 2, b.topk_k});
          b.run_topk();
-       }, SPARSA_STATUS_SHAPE_MISMATCH, "k: expected 1 <= k <= 8"},
-      {"topk k = 0", [](Baseline& b) { b.topk_k = 0; b.run_topk(); }, SPARSA_STATUS_SHAPE_MISMATCH, "k: expected"},
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "k: expected 1 <= k <= 8"},
+      {"topk k = 0",
+       [](Baseline& b) {
+         b.topk_k = 0;
+         b.run_topk();
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "k: expected"},
       // Parameter domains.
       {"softmax_scale < 0", [](Baseline& b) { b.args.softmax_scale = -1.f; }, SPARSA_STATUS_INVALID_ARGUMENT,
        "args.softmax_scale"},
@@ -235,37 +284,82 @@ std::vector<Row> bad_input_rows() {
       {"unknown kind", [](Baseline& b) { b.policy.kind = 99; }, SPARSA_STATUS_INVALID_ARGUMENT, "policy.kind"},
       {"unknown flag bits", [](Baseline& b) { b.policy.flags = 1u << 7; }, SPARSA_STATUS_INVALID_ARGUMENT,
        "policy.flags"},
-      {"negative sink window", [](Baseline& b) { b.use_policy(SPARSA_POLICY_SINK_WINDOW); b.policy.sink_window = -1; },
+      {"negative sink window",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_SINK_WINDOW);
+         b.policy.sink_window = -1;
+       },
        SPARSA_STATUS_INVALID_ARGUMENT, "policy.sink_window"},
-      {"sparge tau = 0", [](Baseline& b) { b.use_policy(SPARSA_POLICY_SPARGE); b.policy.sparge_tau = 0.f; },
+      {"sparge tau = 0",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_SPARGE);
+         b.policy.sparge_tau = 0.f;
+       },
        SPARSA_STATUS_INVALID_ARGUMENT, "policy.sparge_tau"},
-      {"sparge tau > 1", [](Baseline& b) { b.use_policy(SPARSA_POLICY_SPARGE); b.policy.sparge_tau = 1.5f; },
+      {"sparge tau > 1",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_SPARGE);
+         b.policy.sparge_tau = 1.5f;
+       },
        SPARSA_STATUS_INVALID_ARGUMENT, "policy.sparge_tau"},
-      {"sparge lambda > 0", [](Baseline& b) { b.use_policy(SPARSA_POLICY_SPARGE); b.policy.sparge_lambda = 0.5f; },
+      {"sparge lambda > 0",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_SPARGE);
+         b.policy.sparge_lambda = 0.5f;
+       },
        SPARSA_STATUS_INVALID_ARGUMENT, "policy.sparge_lambda"},
-      {"sparge theta > 1", [](Baseline& b) { b.use_policy(SPARSA_POLICY_SPARGE); b.policy.sparge_theta = 2.f; },
+      {"sparge theta > 1",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_SPARGE);
+         b.policy.sparge_theta = 2.f;
+       },
        SPARSA_STATUS_INVALID_ARGUMENT, "policy.sparge_theta"},
-      {"block_k = 0", [](Baseline& b) { b.use_policy(SPARSA_POLICY_SPARGE); b.policy.block_k = 0; },
+      {"block_k = 0",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_SPARGE);
+         b.policy.block_k = 0;
+       },
        SPARSA_STATUS_INVALID_ARGUMENT, "policy.block_k"},
-      {"token sparse coverage < 0", [](Baseline& b) {
-         b.use_policy(SPARSA_POLICY_TOKEN_SPARSE); b.policy.token_sparse_coverage = -0.1f;
-       }, SPARSA_STATUS_INVALID_ARGUMENT, "policy.token_sparse_coverage"},
-      {"even pool kernel", [](Baseline& b) {
-         b.use_policy(SPARSA_POLICY_TOKEN_SPARSE); b.policy.token_sparse_pool_kernel = 6;
-       }, SPARSA_STATUS_INVALID_ARGUMENT, "policy.token_sparse_pool_kernel"},
-      {"select_top_k = 0", [](Baseline& b) { b.use_policy(SPARSA_POLICY_TOKEN_SELECT); b.policy.select_top_k = 0; },
+      {"token sparse coverage < 0",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_TOKEN_SPARSE);
+         b.policy.token_sparse_coverage = -0.1f;
+       },
+       SPARSA_STATUS_INVALID_ARGUMENT, "policy.token_sparse_coverage"},
+      {"even pool kernel",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_TOKEN_SPARSE);
+         b.policy.token_sparse_pool_kernel = 6;
+       },
+       SPARSA_STATUS_INVALID_ARGUMENT, "policy.token_sparse_pool_kernel"},
+      {"select_top_k = 0",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_TOKEN_SELECT);
+         b.policy.select_top_k = 0;
+       },
        SPARSA_STATUS_INVALID_ARGUMENT, "policy.select_top_k"},
-      {"delta gamma = 0", [](Baseline& b) {
-         b.policy.flags = SPARSA_POLICY_FLAG_DELTA; b.args.lse = nullptr; b.policy.delta_gamma = 0;
-       }, SPARSA_STATUS_INVALID_ARGUMENT, "policy.delta_gamma"},
+      {"delta gamma = 0",
+       [](Baseline& b) {
+         b.policy.flags = SPARSA_POLICY_FLAG_DELTA;
+         b.args.lse = nullptr;
+         b.policy.delta_gamma = 0;
+       },
+       SPARSA_STATUS_INVALID_ARGUMENT, "policy.delta_gamma"},
       {"LSE requested with delta", [](Baseline& b) { b.policy.flags = SPARSA_POLICY_FLAG_DELTA; },
        SPARSA_STATUS_INVALID_ARGUMENT, "lse: not defined for rows"},
-      {"delta without causal", [](Baseline& b) {
-         b.policy.flags = SPARSA_POLICY_FLAG_DELTA; b.args.lse = nullptr; b.args.causal = 0;
-       }, SPARSA_STATUS_INVALID_ARGUMENT, "args.causal"},
-      {"selection cache of another context", [](Baseline& b) {
-         b.use_policy(SPARSA_POLICY_TOKEN_SELECT); b.args.selection_cache = b.foreign_cache;
-       }, SPARSA_STATUS_INVALID_ARGUMENT, "args.selection_cache"},
+      {"delta without causal",
+       [](Baseline& b) {
+         b.policy.flags = SPARSA_POLICY_FLAG_DELTA;
+         b.args.lse = nullptr;
+         b.args.causal = 0;
+       },
+       SPARSA_STATUS_INVALID_ARGUMENT, "args.causal"},
+      {"selection cache of another context",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_TOKEN_SELECT);
+         b.args.selection_cache = b.foreign_cache;
+       },
+       SPARSA_STATUS_INVALID_ARGUMENT, "args.selection_cache"},
       // Devices.
       {"CUDA tensor to a CPU context", [](Baseline& b) { b.tk.device_type = SPARSA_DEVICE_CUDA; },
        SPARSA_STATUS_DEVICE_MISMATCH, "k: tensor on CUDA"},
@@ -274,49 +368,94 @@ std::vector<Row> bad_input_rows() {
       // struct_size.
       {"policy struct_size too small", [](Baseline& b) { b.policy.struct_size = 8; }, SPARSA_STATUS_STRUCT_SIZE,
        "policy.struct_size: expected at least"},
-      {"args struct_size from a newer sparsa", [](Baseline& b) { b.args.struct_size += 16; },
-       SPARSA_STATUS_STRUCT_SIZE, "newer sparsa"},
-      {"tensor struct_size 0", [](Baseline& b) { b.tq.struct_size = 0; }, SPARSA_STATUS_STRUCT_SIZE,
-       "q.struct_size"},
+      {"args struct_size from a newer sparsa", [](Baseline& b) { b.args.struct_size += 16; }, SPARSA_STATUS_STRUCT_SIZE,
+       "newer sparsa"},
+      {"tensor struct_size 0", [](Baseline& b) { b.tq.struct_size = 0; }, SPARSA_STATUS_STRUCT_SIZE, "q.struct_size"},
       // Contents: offsets, pages, indices.
-      {"cu_seqlens_q not starting at 0", [](Baseline& b) { b.pack_q(); b.cu_q = {3, 16, 32}; },
+      {"cu_seqlens_q not starting at 0",
+       [](Baseline& b) {
+         b.pack_q();
+         b.cu_q = {3, 16, 32};
+       },
        SPARSA_STATUS_INDEX_OUT_OF_RANGE, "cu_seqlens_q[0]"},
-      {"cu_seqlens_q decreasing", [](Baseline& b) { b.pack_q(); b.cu_q = {0, 20, 18}; },
+      {"cu_seqlens_q decreasing",
+       [](Baseline& b) {
+         b.pack_q();
+         b.cu_q = {0, 20, 18};
+       },
        SPARSA_STATUS_INDEX_OUT_OF_RANGE, "cu_seqlens_q[2] = 18"},
-      {"cu_seqlens_q last != Tq", [](Baseline& b) { b.pack_q(); b.cu_q = {0, 16, 30}; },
+      {"cu_seqlens_q last != Tq",
+       [](Baseline& b) {
+         b.pack_q();
+         b.cu_q = {0, 16, 30};
+       },
        SPARSA_STATUS_INDEX_OUT_OF_RANGE, "cu_seqlens_q[2] = 30 but q has Tq = 32"},
-      {"page id out of range", [](Baseline& b) { b.page_kv(); b.page_table = {0, 1, 2, 7}; },
+      {"page id out of range",
+       [](Baseline& b) {
+         b.page_kv();
+         b.page_table = {0, 1, 2, 7};
+       },
        SPARSA_STATUS_INDEX_OUT_OF_RANGE, "page_table[1][1] = 7"},
-      {"seq_lens_k past the pages", [](Baseline& b) { b.page_kv(); b.seq_lens = {17, 16}; },
+      {"seq_lens_k past the pages",
+       [](Baseline& b) {
+         b.page_kv();
+         b.seq_lens = {17, 16};
+       },
        SPARSA_STATUS_INDEX_OUT_OF_RANGE, "seq_lens_k[0] = 17"},
-      {"token index >= N", [](Baseline& b) {
-         b.use_policy(SPARSA_POLICY_TOKEN_INDICES); b.policy.indices = &b.tidx; b.indices[5] = int32_t(kS);
-       }, SPARSA_STATUS_INDEX_OUT_OF_RANGE, "policy.indices[0][1][1] = 16"},
-      {"token index < -1", [](Baseline& b) {
-         b.use_policy(SPARSA_POLICY_TOKEN_INDICES); b.policy.indices = &b.tidx; b.indices[0] = -2;
-       }, SPARSA_STATUS_INDEX_OUT_OF_RANGE, "policy.indices[0][0][0] = -2"},
+      {"token index >= N",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_TOKEN_INDICES);
+         b.policy.indices = &b.tidx;
+         b.indices[5] = int32_t(kS);
+       },
+       SPARSA_STATUS_INDEX_OUT_OF_RANGE, "policy.indices[0][1][1] = 16"},
+      {"token index < -1",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_TOKEN_INDICES);
+         b.policy.indices = &b.tidx;
+         b.indices[0] = -2;
+       },
+       SPARSA_STATUS_INDEX_OUT_OF_RANGE, "policy.indices[0][0][0] = -2"},
       // Utilities.
-      {"merge lse shape", [](Baseline& b) { b.run_merge(); b.tlse_in.shape[2] = kS - 1; },
+      {"merge lse shape",
+       [](Baseline& b) {
+         b.run_merge();
+         b.tlse_in.shape[2] = kS - 1;
+       },
        SPARSA_STATUS_SHAPE_MISMATCH, "lse_a: expected shape [2, 4, 16]"},
-      {"merge o_b dtype", [](Baseline& b) {
+      {"merge o_b dtype",
+       [](Baseline& b) {
          b.run_merge();
          b.call = [](Baseline& x) {
            sparsa_tensor o_b = x.tq;
            o_b.dtype = SPARSA_DTYPE_F16;
            return sparsa_merge_states(x.ctx, &x.tq, &x.tlse_in, &o_b, &x.tlse_in, &x.tout, &x.tlse);
          };
-       }, SPARSA_STATUS_DTYPE_MISMATCH, "o_b: dtype F16"},
-      {"prefetch index out of range", [](Baseline& b) { b.run_prefetch(); b.indices[0] = int32_t(kS); },
+       },
+       SPARSA_STATUS_DTYPE_MISMATCH, "o_b: dtype F16"},
+      {"prefetch index out of range",
+       [](Baseline& b) {
+         b.run_prefetch();
+         b.indices[0] = int32_t(kS);
+       },
        SPARSA_STATUS_INDEX_OUT_OF_RANGE, "indices[0][0][0] = 16"},
-      {"prefetch capacity below the union", [](Baseline& b) {
+      {"prefetch capacity below the union",
+       [](Baseline& b) {
          b.run_prefetch();
          b.indices[1] = 2;  // sequence 0 now selects tokens {1, 2}
-         b.tk_dst.shape[1] = 1; b.tv_dst.shape[1] = 1; b.tpositions.shape[1] = 1;
-       }, SPARSA_STATUS_SHAPE_MISMATCH, "k_dst: capacity C = 1 but sequence 0 selects 2"},
-      {"head_map out of range", [](Baseline& b) {
-         b.use_policy(SPARSA_POLICY_TOKEN_INDICES); b.policy.indices = &b.tidx; b.policy.head_map = &b.thead_map;
+         b.tk_dst.shape[1] = 1;
+         b.tv_dst.shape[1] = 1;
+         b.tpositions.shape[1] = 1;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "k_dst: capacity C = 1 but sequence 0 selects 2"},
+      {"head_map out of range",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_TOKEN_INDICES);
+         b.policy.indices = &b.tidx;
+         b.policy.head_map = &b.thead_map;
          b.head_map[3] = 2;
-       }, SPARSA_STATUS_INDEX_OUT_OF_RANGE, "policy.head_map[3] = 2"},
+       },
+       SPARSA_STATUS_INDEX_OUT_OF_RANGE, "policy.head_map[3] = 2"},
   };
 }
 
@@ -347,6 +486,9 @@ TEST(BadInput, BaselineIsValid) {
   ASSERT_NE(b.ctx, nullptr);
   EXPECT_EQ(b.call(b), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
   EXPECT_STREQ(sparsa_last_error_message(), "");
+  EXPECT_EQ(sparsa_attention_run(b.ctx, &b.args, nullptr), SPARSA_STATUS_SUCCESS) << "NULL policy = DENSE";
+  b.tk.device_type = SPARSA_DEVICE_CUDA_HOST;  // pinned host memory is host memory to the CPU backend
+  EXPECT_EQ(b.call(b), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
   b.pack_q();
   b.page_kv();
   EXPECT_EQ(sparsa_attention_plan(b.ctx, &b.args, &b.policy), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();

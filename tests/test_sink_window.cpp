@@ -88,3 +88,13 @@ TEST_P(SinkWindow, NegativeParametersAreInvalidArguments) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_P(SinkWindow, CausalWithSqExceedingSkvLeavesEarlyRowsEmpty) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {80}, {50}, true);
+  check(ctx(), p, 4, 10, rng, Pattern::kBand);
+}
+
+}  // namespace

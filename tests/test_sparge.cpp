@@ -312,3 +312,55 @@ TEST_P(Sparge, IntrospectionMaskIsUnsupportedForOtherPolicies) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_P(Sparge, CausalWithSqExceedingSkvLeavesEarlyQueryBlocksEmpty) {
+  // o = 96 - 160 = -64: query blocks 0 and 1 see no key at all; their rows are 0 with LSE -inf.
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {160}, {96}, true);
+  fill_smooth(p, rng, 32, 16);
+  const ref::SpargeResult want = check(ctx(), p, sparge_policy(32, 16, 0.3, 0.8));
+  for (int I = 0; I < 2; ++I)
+    for (int J = 0; J < 6; ++J) EXPECT_EQ(want.mask[I * 6 + J], 0) << "oracle";
+}
+
+TEST_P(Sparge, PvSkipWithBottomRightCausalAndGqa) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 4, 2, 64, {128}, {256}, true);
+  fill_smooth(p, rng, 32, 16);
+  sparsa_policy pol = sparge_policy(32, 16, 0.3, 0.95);
+  pol.sparge_topk_fraction = 0.75f;
+  pol.sparge_lambda = -1.0f;
+  pol.sparge_attention_sink = 1;
+  check(ctx(), p, pol);
+}
+
+TEST_P(Sparge, BatchOfSequencesInPaddedAndVarlenLayouts) {
+  int counter = 0;
+  for (st::Layout layout : {st::Layout::kPadded, st::Layout::kVarlen}) {
+    ST_RNG(rng, counter++);
+    ref::Problem p = st::make_problem(2, 2, 1, 64, {192}, {192}, true);
+    fill_smooth(p, rng, 32, 16);
+    st::RunOptions opt;
+    opt.layout = layout;
+    check(ctx(), p, sparge_policy(32, 16, 0.3, 0.7), opt);
+  }
+}
+
+TEST_P(Sparge, DeltaOnTopOfSparge) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {256}, {256}, true);
+  fill_smooth(p, rng, 32, 16);
+  sparsa_policy pol = sparge_policy(32, 16, 0.3, 0.6);
+  const ref::SpargeResult sparse = ref::sparge(p, std::vector<ref::SpargeParams>(2, params_from(pol)));
+  ASSERT_TRUE(decisions_are_robust(sparse));
+  pol.flags |= SPARSA_POLICY_FLAG_DELTA;
+  pol.delta_gamma = 16;
+  pol.delta_tail_min = 32;
+  st::RunOptions opt;
+  opt.lse = false;
+  st::run_and_compare(ctx(), p, pol, ref::delta(p, sparse.out, 16, 32), opt);
+}
+
+}  // namespace

@@ -251,3 +251,63 @@ TEST_P(TokenSelect, CacheSmallerThanTheRunIsAShapeMismatch) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_P(TokenSelect, PerKvHeadSelectionWithTheCacheAndAChunk) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(2, 4, 2, 64, {12}, {220}, true);
+  st::fill(p, Pattern::kNeedles, rng);
+  ref::TokenSelectParams tp = small_params();
+  tp.per_kv_head = true;
+  st::SelectionCache cache(ctx(), 2, 4, 2, 64, kTopK);
+  ref::SelectionCache ref_cache(2);
+  st::RunOptions opt;
+  opt.cache = cache.get();
+  for (int call = 0; call < 2; ++call) {
+    SCOPED_TRACE(::testing::Message() << "call " << call);
+    check(ctx(), p, tp, ref::token_select(p, tp, &ref_cache), opt);
+  }
+}
+
+TEST_P(TokenSelect, CacheRowsHitAndMissIndependently) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(2, 4, 1, 64, {1}, {180}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  const ref::TokenSelectParams tp = small_params();
+  st::SelectionCache cache(ctx(), 2, 4, 1, 64, kTopK);
+  ref::SelectionCache ref_cache(2);
+  st::RunOptions opt;
+  opt.cache = cache.get();
+  check(ctx(), p, tp, ref::token_select(p, tp, &ref_cache), opt);
+  for (double& x : p.q[1]) x = rng.normal();  // sequence 1 changes its query, sequence 0 does not
+  const ref::TokenSelectResult want = ref::token_select(p, tp, &ref_cache);
+  ASSERT_EQ(want.hits, 1);
+  ASSERT_EQ(want.misses, 1);
+  check(ctx(), p, tp, want, opt);
+}
+
+TEST_P(TokenSelect, RaggedBatchWhereOneSequenceFallsBackToDense) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(2, 4, 2, 64, {1}, {150, kInit + kTopK + kLocal}, true);
+  st::fill(p, Pattern::kSinks, rng);
+  const ref::TokenSelectResult want = ref::token_select(p, small_params(), nullptr);
+  ASSERT_FALSE(want.ran_dense[0]);
+  ASSERT_TRUE(want.ran_dense[1]);
+  st::RunOptions opt;
+  opt.layout = st::Layout::kPaged;
+  opt.page_size = 16;
+  check(ctx(), p, small_params(), want, opt);
+}
+
+TEST_P(TokenSelect, ScaleScoresUsesTheCallersSoftmaxScale) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 8, 2, 64, {1}, {240}, true);
+  st::fill(p, Pattern::kNeedles, rng);
+  p.scale = 0.02;
+  ref::TokenSelectParams tp = small_params();
+  tp.scale_scores = true;
+  check(ctx(), p, tp);
+}
+
+}  // namespace

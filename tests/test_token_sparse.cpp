@@ -174,3 +174,40 @@ TEST_P(TokenSparse, RequiresSqEqualsSkv) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_P(TokenSparse, PaddedBatchOfEqualLengths) {
+  ST_RNG(rng, 0);
+  ref::Problem p = causal_problem(2, 2, 2, 64, {160});
+  st::fill(p, Pattern::kNeedles, rng);
+  check(ctx(), p, small_params(coverage_for_count(p, 40)));
+}
+
+TEST_P(TokenSparse, DeltaOnTopOfTokenSparseCorrectsDroppedRowsToo) {
+  // Dropped rows are 0 in the sparse output, so a corrected dropped row is O_dense[r] - O_sparse[r].
+  ST_RNG(rng, 0);
+  ref::Problem p = causal_problem(1, 2, 1, 64, {220});
+  st::fill(p, Pattern::kRandom, rng);
+  const ref::TokenSparseParams tp = small_params(coverage_for_count(p, 120));
+  const ref::TokenSparseResult sparse = ref::token_sparse(p, tp);
+  sparsa_policy pol = token_sparse_policy(tp);
+  pol.flags |= SPARSA_POLICY_FLAG_DELTA;
+  pol.delta_gamma = 16;
+  pol.delta_tail_min = 32;
+  st::RunOptions opt;
+  opt.lse = false;
+  st::run_and_compare(ctx(), p, pol, ref::delta(p, sparse.out, 16, 32), opt);
+}
+
+TEST_P(TokenSparse, Fp16MatchesTheRoundedReference) {
+  ST_RNG(rng, 0);
+  ref::Problem p = causal_problem(1, 2, 1, 64, {200});
+  st::fill(p, Pattern::kSinks, rng);
+  p = st::rounded(p, SPARSA_DTYPE_F16);
+  st::RunOptions opt;
+  opt.dtype = SPARSA_DTYPE_F16;
+  check(ctx(), p, small_params(coverage_for_count(p, 60)), opt);
+}
+
+}  // namespace

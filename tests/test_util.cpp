@@ -266,14 +266,16 @@ Buffer::Buffer(const Context& ctx, int32_t dtype, std::vector<int64_t> shape, st
 
 sparsa_tensor Buffer::tensor() const {
   sparsa_tensor t;
-  EXPECT_EQ(sparsa_tensor_init(&t, const_cast<uint8_t*>(host_.data()), dtype_, int32_t(shape_.size()), shape_.data()),
-            SPARSA_STATUS_SUCCESS);
+  void* data = device_data_ ? device_data_ : const_cast<uint8_t*>(host_.data());
+  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype_, int32_t(shape_.size()), shape_.data()), SPARSA_STATUS_SUCCESS);
   for (size_t i = 0; i < strides_.size(); ++i) t.strides[i] = strides_[i];
   t.device_type = ctx_.device_type() == SPARSA_DEVICE_CPU ? SPARSA_DEVICE_CPU : ctx_.device_type();
   return t;
 }
 
-// Device seam: CPU tensors are the host mirror itself. (GPU: allocate device memory, copy host_ there and back.)
+// Device seam: CPU tensors are the host mirror itself. (GPU: allocate device_data_, copy host_ there and back,
+// free it in the destructor.)
+Buffer::~Buffer() {}
 void Buffer::upload() {}
 void Buffer::download() {}
 bool device_memory_supported(int32_t device_type) { return device_type == SPARSA_DEVICE_CPU; }
@@ -575,8 +577,16 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
   args.softmax_scale = float(p.scale);
   args.selection_cache = opt.cache;
 
+  if (opt.plan_first) {
+    r.plan_status = sparsa_attention_plan(ctx.get(), &args, &policy);
+    EXPECT_EQ(r.plan_status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+    sparsa_context_scratch_bytes(ctx.get(), &r.scratch_after_plan);
+    for (Buffer* b : {out.buf.get(), lse.get(), stats.get(), selected.get(), mask_out.get()})
+      if (b && !all_poison(*b)) ADD_FAILURE() << "sparsa_attention_plan wrote an output";
+  }
   r.status = sparsa_attention_run(ctx.get(), &args, &policy);
   r.message = sparsa_last_error_message();
+  if (opt.plan_first) sparsa_context_scratch_bytes(ctx.get(), &r.scratch_after_run);
   for (Buffer* b : {out.buf.get(), lse.get(), stats.get(), selected.get(), mask_out.get()})
     if (b) b->download();
 

@@ -96,12 +96,17 @@ class SelectionCache {
   sparsa_selection_cache* cache_ = nullptr;
 };
 
-// A tensor whose host mirror the test fills and reads; tensor() describes it on the context's device. The device
-// seam is upload()/download(): a plain no-op on CPU; the GPU engineer makes them copy for CUDA/HIP contexts.
+// A tensor whose host mirror the test fills and reads; tensor() describes it on the context's device.
+// Device seam (the only place that knows about device memory): on CPU the host mirror *is* the tensor and
+// upload()/download() do nothing. For a GPU context, upload() allocates device_data_ (same byte size) and copies
+// the host mirror there, download() copies it back, the destructor frees it, and device_memory_supported() returns
+// true for that device type; tensor() then points at device_data_. Utility tests that pass host pointers directly
+// (host_tensor) stay CPU-only by design.
 class Buffer {
  public:
   // strides empty = contiguous; otherwise in elements. The host mirror covers every element the strides can reach.
   Buffer(const Context& ctx, int32_t dtype, std::vector<int64_t> shape, std::vector<int64_t> strides = {});
+  ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   sparsa_tensor tensor() const;
@@ -124,6 +129,7 @@ class Buffer {
   size_t elem_size_;
   std::vector<int64_t> shape_, strides_;
   std::vector<uint8_t> host_;
+  void* device_data_ = nullptr;  // GPU contexts only (see the seam above)
 };
 // True when the backend's device memory can be filled by the seam above (CPU today).
 bool device_memory_supported(int32_t device_type);
@@ -173,6 +179,7 @@ struct RunOptions {
   int h_idx = 0, k = 0;
   std::vector<int32_t> head_map;             // [Hq]
   uint64_t page_shuffle_seed = 1;
+  bool plan_first = false;  // call sparsa_attention_plan before the run and record the scratch sizes
 };
 
 struct RunResult {
@@ -184,6 +191,8 @@ struct RunResult {
   std::vector<uint8_t> block_mask;     // [B, Hq, nqb, nkb]
   std::vector<std::string> unwritten;  // outputs (or gaps) whose poison was left / overwritten wrongly
   bool untouched = true;               // every output still holds its poison exactly
+  sparsa_status plan_status = SPARSA_STATUS_SUCCESS;
+  uint64_t scratch_after_plan = 0, scratch_after_run = 0;  // with plan_first
 };
 
 RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& policy, const RunOptions& opt = {});

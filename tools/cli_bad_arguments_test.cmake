@@ -2,25 +2,26 @@
 # Usage: cmake -DSPARSA=<path to the sparsa tool> -P cli_bad_arguments_test.cmake
 cmake_minimum_required(VERSION 3.25)
 set(missing_file /nonexistent/sparsa-cli-test.npy)
+# One case per line, arguments separated by "|" (a ";" would flatten the list).
 set(cases
   "<none>"
   "frobnicate"
-  "demo;--n;abc"
-  "demo;--n;12"
-  "demo;--bogus"
-  "demo;--heads;8:3"
-  "run;--q;q.npy"
-  "run;--policy;nope;--q;q.npy"
-  "run;--policy;dense"
-  "run;--policy;sparge;--theta;2;--q;q.npy"
-  "run;--policy;dense;--q;${missing_file};--k;${missing_file};--v;${missing_file}"
-  "run;--policy;dense;--causal=1")
+  "demo|--n|abc"
+  "demo|--n|12"
+  "demo|--bogus"
+  "demo|--heads|8:3"
+  "run|--q|q.npy"
+  "run|--policy|nope|--q|q.npy"
+  "run|--policy|dense"
+  "run|--policy|sparge|--theta|2|--q|q.npy"
+  "run|--policy|dense|--q|${missing_file}|--k|${missing_file}|--v|${missing_file}"
+  "run|--policy|dense|--causal=1")
 set(failures 0)
 foreach(case IN LISTS cases)
   if(case STREQUAL "<none>")
     set(args "")
   else()
-    set(args ${case})
+    string(REPLACE "|" ";" args "${case}")
   endif()
   execute_process(COMMAND ${SPARSA} ${args} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   string(STRIP "${err}" err_stripped)

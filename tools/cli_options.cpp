@@ -12,8 +12,7 @@
 
 namespace sparsa_cli {
 
-void parse_options(const std::vector<std::string>& args, const std::vector<Option>& table,
-                   const std::string& command) {
+void parse_options(const std::vector<std::string>& args, const std::vector<Option>& table, const std::string& command) {
   for (size_t i = 0; i < args.size(); ++i) {
     std::string name = args[i];
     std::string value;
@@ -25,8 +24,7 @@ void parse_options(const std::vector<std::string>& args, const std::vector<Optio
     }
     const auto option = std::find_if(table.begin(), table.end(), [&](const Option& o) { return o.name == name; });
     if (option == table.end()) {
-      throw UsageError(command + ": unknown argument '" + args[i] + "' (see sparsa " + command +
-                       " --help)");
+      throw UsageError(command + ": unknown argument '" + args[i] + "' (see sparsa " + command + " --help)");
     }
     if (option->value_name.empty()) {
       if (inline_value) throw UsageError(command + ": " + name + " takes no value");

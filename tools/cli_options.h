@@ -11,9 +11,9 @@
 namespace sparsa_cli {
 
 struct Option {
-  std::string name;        // "--n"
-  std::string value_name;  // "N"; empty for a flag, which takes no value
-  std::string help;        // one line
+  std::string name;                                     // "--n"
+  std::string value_name;                               // "N"; empty for a flag, which takes no value
+  std::string help;                                     // one line
   std::function<void(const std::string& value)> apply;  // flags get ""
 };
 

@@ -13,10 +13,12 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli_common.h"
 #include "cli_options.h"
+#include "npy.h"
 #include "policy_eval.h"
 
 namespace sparsa_cli {
@@ -31,22 +33,27 @@ struct DemoSettings {
   int64_t chunk = 64;  // rows of the decode-style runs
   int32_t threads = 0;
   uint64_t seed = 20261121;
+  std::string save_dir;  // write q/k/v .npy here, to replay with `sparsa run`
   EvalSettings eval;
 };
 
 // Shape of the planted structure.
-constexpr int kSinkKeys = 4;             // keys every query attends to
-constexpr double kSinkKeyNorm = 8.0;     // |sink direction| in sink keys
-constexpr double kSinkQueryNorm = 6.0;   // |sink direction| in every query
-constexpr int kPositionalPairs = 16;     // cos/sin feature pairs in dims [0, 32)
-constexpr double kPositionalAmp = 1.6;   // q·k of a key at distance 0 gains 16·1.6² ≈ 41
+constexpr int kSinkKeys = 4;            // keys every query attends to
+constexpr double kSinkKeyNorm = 16.0;   // |sink direction| in sink keys
+constexpr double kSinkQueryNorm = 6.0;  // |sink direction| in every query
+constexpr int kPositionalPairs = 16;    // cos/sin feature pairs in dims [0, 32)
+constexpr double kPositionalAmp = 2.2;  // q·k of a key at distance 0 gains 16·2.2² ≈ 77
 constexpr double kSlowestPeriod = 2048.0;
 constexpr double kFastestPeriod = 8.0;
 constexpr int kNeedles = 8;
-constexpr double kNeedleKeyNorm = 9.0;
-constexpr double kNeedleQueryNorm = 7.0;
-constexpr int64_t kNeedleQueryRows = 256;  // the last rows carry needle queries
-constexpr double kKeyNoise = 0.5;          // key noise std; queries and values have std 1
+constexpr double kNeedleKeyNorm = 14.0;
+constexpr double kNeedleQueryNorm = 8.0;
+constexpr int64_t kNeedleQueryRows = 64;  // the last rows (the decode-style chunk) carry needle queries
+// SpargeAttn's default theta (0.6) finds no self-similar key block in this input (noise dominates a block's mean),
+// which makes it dense; 0.2 lets the prediction work.
+constexpr float kDemoSpargeTheta = 0.2f;
+constexpr double kKeyNoise = 0.3;    // key noise std
+constexpr double kQueryNoise = 0.5;  // query noise std; values have std 1
 
 // Deterministic normal numbers (splitmix64 + Box–Muller), identical on every platform.
 class NormalRng {
@@ -92,7 +99,8 @@ std::vector<double> unit_vector(NormalRng& rng, int64_t dim) {
 // Adds the positional features of token t to a row (dims [0, 2·kPositionalPairs)).
 void add_positional(float* row, int64_t t) {
   for (int c = 0; c < kPositionalPairs; ++c) {
-    const double period = kFastestPeriod * std::pow(kSlowestPeriod / kFastestPeriod, double(c) / (kPositionalPairs - 1));
+    const double period =
+        kFastestPeriod * std::pow(kSlowestPeriod / kFastestPeriod, double(c) / (kPositionalPairs - 1));
     const double angle = 2.0 * M_PI * double(t) / period;
     row[2 * c] += float(kPositionalAmp * std::cos(angle));
     row[2 * c + 1] += float(kPositionalAmp * std::sin(angle));
@@ -114,7 +122,7 @@ AttentionInputs make_structured_input(const DemoSettings& s) {
   in.q = HostTensor(SPARSA_DTYPE_F32, {s.batch, s.seq_len, s.num_q_heads, s.head_dim});
   in.k = HostTensor(SPARSA_DTYPE_F32, {s.batch, s.seq_len, s.num_kv_heads, s.head_dim});
   in.v = HostTensor(SPARSA_DTYPE_F32, {s.batch, s.seq_len, s.num_kv_heads, s.head_dim});
-  for (int64_t i = 0; i < in.q.element_count(); ++i) in.q.data<float>()[i] = float(rng.next());
+  for (int64_t i = 0; i < in.q.element_count(); ++i) in.q.data<float>()[i] = float(kQueryNoise * rng.next());
   for (int64_t i = 0; i < in.k.element_count(); ++i) in.k.data<float>()[i] = float(kKeyNoise * rng.next());
   for (int64_t i = 0; i < in.v.element_count(); ++i) in.v.data<float>()[i] = float(rng.next());
 
@@ -128,7 +136,8 @@ AttentionInputs make_structured_input(const DemoSettings& s) {
         float* q = in.q.data<float>() + ((b * s.seq_len + t) * s.num_q_heads + h) * s.head_dim;
         add_positional(q, t);
         add_scaled(q, sink, kSinkQueryNorm);
-        if (t >= s.seq_len - kNeedleQueryRows) add_scaled(q, needles[size_t((t + h) % kNeedles)], kNeedleQueryNorm);
+        // Each head of the last rows looks for its own needle (a retrieval head).
+        if (t >= s.seq_len - kNeedleQueryRows) add_scaled(q, needles[size_t(h % kNeedles)], kNeedleQueryNorm);
       }
       for (int64_t h = 0; h < s.num_kv_heads; ++h) {
         float* k = in.k.data<float>() + ((b * s.seq_len + t) * s.num_kv_heads + h) * s.head_dim;
@@ -138,8 +147,8 @@ AttentionInputs make_structured_input(const DemoSettings& s) {
     }
     for (int n = 0; n < kNeedles; ++n) {
       for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-        float* k = in.k.data<float>() + ((b * s.seq_len + needle_position(n, s.seq_len)) * s.num_kv_heads + h) *
-                                            s.head_dim;
+        float* k =
+            in.k.data<float>() + ((b * s.seq_len + needle_position(n, s.seq_len)) * s.num_kv_heads + h) * s.head_dim;
         add_scaled(k, needles[size_t(n)], kNeedleKeyNorm);
       }
     }
@@ -175,37 +184,49 @@ HostTensor banded_block_mask(const DemoSettings& s, int32_t block_q, int32_t blo
   return mask;
 }
 
-// A cheap draft of each kv head's attention for the chunk: softmax over keys of (mean query of its group)·k.
+// A cheap draft of each kv head's attention for the chunk (STS: a draft model's attention, known in advance): the
+// softmax attention of every kDraftRowStride-th query row of its group, summed.
+constexpr int64_t kDraftRowStride = 4;
+
 HostTensor draft_scores(const AttentionInputs& chunk) {
   const int64_t batch = chunk.k.shape[0], seq = chunk.k.shape[1], hkv = chunk.k.shape[2], dim = chunk.k.shape[3];
   const int64_t rows = chunk.q.shape[1], hq = chunk.q.shape[2], group = hq / hkv;
   HostTensor scores(SPARSA_DTYPE_F32, {batch, hkv, seq});
   const double scale = 1.0 / std::sqrt(double(dim));
+  std::vector<double> logits(static_cast<size_t>(seq));
   for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t hk = 0; hk < hkv; ++hk) {
-      std::vector<double> mean(static_cast<size_t>(dim), 0.0);
-      for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-          const float* q = chunk.q.data<float>() + ((b * rows + i) * hq + h) * dim;
-          for (int64_t c = 0; c < dim; ++c) mean[size_t(c)] += q[c] / double(rows * group);
-        }
-      }
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t hk = h / group;
       float* out = scores.data<float>() + (b * hkv + hk) * seq;
-      double max_logit = -INFINITY;
-      std::vector<double> logits(static_cast<size_t>(seq));
-      for (int64_t t = 0; t < seq; ++t) {
-        const float* k = chunk.k.data<float>() + ((b * seq + t) * hkv + hk) * dim;
-        double dot = 0.0;
-        for (int64_t c = 0; c < dim; ++c) dot += mean[size_t(c)] * k[c];
-        logits[size_t(t)] = scale * dot;
-        max_logit = std::max(max_logit, logits[size_t(t)]);
+      for (int64_t i = 0; i < rows; i += kDraftRowStride) {
+        const float* q = chunk.q.data<float>() + ((b * rows + i) * hq + h) * dim;
+        const int64_t visible = seq - rows + i + 1;  // causal, bottom-right
+        double max_logit = -INFINITY;
+        for (int64_t t = 0; t < visible; ++t) {
+          const float* k = chunk.k.data<float>() + ((b * seq + t) * hkv + hk) * dim;
+          double dot = 0.0;
+          for (int64_t c = 0; c < dim; ++c) dot += double(q[c]) * k[c];
+          logits[size_t(t)] = scale * dot;
+          max_logit = std::max(max_logit, logits[size_t(t)]);
+        }
+        double total = 0.0;
+        for (int64_t t = 0; t < visible; ++t) total += (logits[size_t(t)] = std::exp(logits[size_t(t)] - max_logit));
+        for (int64_t t = 0; t < visible; ++t) out[t] += float(logits[size_t(t)] / total);
       }
-      double total = 0.0;
-      for (double& l : logits) total += (l = std::exp(l - max_logit));
-      for (int64_t t = 0; t < seq; ++t) out[t] = float(logits[size_t(t)] / total);
     }
   }
   return scores;
+}
+
+void save_inputs(const AttentionInputs& in, const std::string& dir) {
+  const std::pair<const char*, const HostTensor*> files[] = {{"q.npy", &in.q}, {"k.npy", &in.k}, {"v.npy", &in.v}};
+  for (const auto& [name, tensor] : files) {
+    NpyArray array;
+    array.descr = "<f4";
+    array.shape = tensor->shape;
+    array.bytes = tensor->bytes;
+    write_npy(dir + "/" + name, array);
+  }
 }
 
 sparsa_policy make_policy(int32_t kind) {
@@ -235,6 +256,8 @@ DemoSettings parse_demo_args(const std::vector<std::string>& args, std::vector<O
        [&](const std::string& v) { s.eval.repeat = int(parse_int("--repeat", v, 1, 1000)); }},
       {"--seed", "S", "seed of the synthetic input (default 20261121)",
        [&](const std::string& v) { s.seed = uint64_t(parse_int("--seed", v, 0, INT64_MAX)); }},
+      {"--save", "DIR", "also write the input as DIR/q.npy, k.npy, v.npy (replay with sparsa run)",
+       [&](const std::string& v) { s.save_dir = v; }},
       {"--quiet", "", "no progress lines on stderr", [&](const std::string&) { s.eval.progress = false; }},
   };
   parse_options(args, table, "demo");
@@ -262,6 +285,7 @@ int run_demo(const std::vector<std::string>& args) {
 
   if (s.eval.progress) std::cerr << "sparsa: building the structured input (N=" << n << ") ...\n";
   const AttentionInputs prefill = make_structured_input(s);
+  if (!s.save_dir.empty()) save_inputs(prefill, s.save_dir);
   const AttentionInputs chunk = last_rows(prefill, s.chunk);
   const std::string all_rows = "all " + std::to_string(n), chunk_rows = "last " + std::to_string(s.chunk);
 
@@ -303,6 +327,7 @@ int run_demo(const std::vector<std::string>& args) {
 
   sparsa_policy sparge = make_policy(SPARSA_POLICY_SPARGE);
   sparge.sparge_attention_sink = 1;
+  sparge.sparge_theta = kDemoSpargeTheta;
   prefill_case("SPARGE", sparge, false);
 
   sparsa_policy token_sparse = make_policy(SPARSA_POLICY_TOKEN_SPARSE);
@@ -329,12 +354,12 @@ int run_demo(const std::vector<std::string>& args) {
   token_indices.index_block_size = kIndexBlock;
   token_indices.index_n_init = sinks;
   token_indices.index_n_local = 256;
-  results.push_back(evaluate_policy(ctx.get(), chunk, chunk_dense, "TOKEN_INDICES (draft)", chunk_rows,
-                                    token_indices, false, s.eval));
+  results.push_back(evaluate_policy(ctx.get(), chunk, chunk_dense, "TOKEN_INDICES (draft)", chunk_rows, token_indices,
+                                    false, s.eval));
 
   std::cout << "sparsa " << sparsa_version_string() << " demo: B=" << s.batch << " N=" << n << " Hq=" << s.num_q_heads
-            << " Hkv=" << s.num_kv_heads << " D=" << s.head_dim << " f32 causal, threads="
-            << (s.threads ? std::to_string(s.threads) : std::string("auto")) << "\n";
+            << " Hkv=" << s.num_kv_heads << " D=" << s.head_dim
+            << " f32 causal, threads=" << (s.threads ? std::to_string(s.threads) : std::string("auto")) << "\n";
   print_results(std::cout, results);
   return 0;
 }

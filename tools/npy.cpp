@@ -109,8 +109,9 @@ NpyArray read_npy(const std::string& path) {
   if (descr_text.empty() || descr_text[0] != '\'') throw UsageError(path + ": .npy descr is not a simple dtype");
   array.descr = normalise_descr(descr_text.substr(1, descr_text.find('\'', 1) - 1));
   if (array.element_size() == 0) {
-    throw UsageError(path + ": dtype '" + array.descr +
-                     "' is not supported (expected <f4, <f2, <u2 for bfloat16, <i4, <i8, <f8, u1 or i1, little-endian)");
+    throw UsageError(
+        path + ": dtype '" + array.descr +
+        "' is not supported (expected <f4, <f2, <u2 for bfloat16, <i4, <i8, <f8, u1 or i1, little-endian)");
   }
   if (dict_value(header, "fortran_order", path).rfind("False", 0) != 0) {
     throw UsageError(path + ": Fortran-order array; save it in C order (numpy.ascontiguousarray)");
@@ -120,8 +121,8 @@ NpyArray read_npy(const std::string& path) {
   const size_t payload = static_cast<size_t>(array.element_count()) * array.element_size();
   const size_t offset = prelude + header_size;
   if (content.size() - offset < payload) {
-    throw UsageError(path + ": payload has " + std::to_string(content.size() - offset) + " bytes, the header promises " +
-                     std::to_string(payload));
+    throw UsageError(path + ": payload has " + std::to_string(content.size() - offset) +
+                     " bytes, the header promises " + std::to_string(payload));
   }
   array.bytes.assign(content.begin() + static_cast<std::ptrdiff_t>(offset),
                      content.begin() + static_cast<std::ptrdiff_t>(offset + payload));

@@ -9,9 +9,9 @@
 namespace sparsa_cli {
 
 struct NpyArray {
-  std::string descr;            // NumPy dtype string as written in the header, normalised: "<f4", "|u1", ...
-  std::vector<int64_t> shape;   // extents, C order
-  std::vector<uint8_t> bytes;   // the elements, C order
+  std::string descr;           // NumPy dtype string as written in the header, normalised: "<f4", "|u1", ...
+  std::vector<int64_t> shape;  // extents, C order
+  std::vector<uint8_t> bytes;  // the elements, C order
 
   int64_t element_count() const;
   size_t element_size() const;  // from descr

@@ -16,8 +16,7 @@ int64_t rows_of(const HostTensor& q) { return q.shape[0] * q.shape[1] * q.shape[
 }  // namespace
 
 HostTensor run_policy(sparsa_context* ctx, const AttentionInputs& inputs, const sparsa_policy& policy,
-                      const EvalSettings& settings, const std::string& label, double* ms,
-                      std::vector<int64_t>* stats) {
+                      const EvalSettings& settings, const std::string& label, double* ms, std::vector<int64_t>* stats) {
   HostTensor out(inputs.q.dtype, inputs.q.shape);
   HostTensor counters(SPARSA_DTYPE_I64, {SPARSA_STAT_COUNT});
   const sparsa_tensor q = inputs.q.view(), k = inputs.k.view(), v = inputs.v.view();
@@ -53,8 +52,8 @@ DenseReference run_dense_reference(sparsa_context* ctx, const AttentionInputs& i
   check(sparsa_policy_init(&dense, SPARSA_POLICY_DENSE), "sparsa_policy_init");
   DenseReference reference;
   std::vector<int64_t> stats;
-  reference.native_out = run_policy(ctx, inputs, dense, settings, "DENSE reference (" + rows + ")", &reference.ms,
-                                    &stats);
+  reference.native_out =
+      run_policy(ctx, inputs, dense, settings, "DENSE reference (" + rows + ")", &reference.ms, &stats);
   reference.out = to_floats(reference.native_out);
   return reference;
 }
@@ -114,12 +113,12 @@ void print_results(std::ostream& os, const std::vector<PolicyResult>& results) {
   os << line;
   for (const PolicyResult& r : results) {
     const std::string zero = std::to_string(r.zero_rows) + (r.zero_rows_excluded && r.zero_rows ? "*" : "");
-    std::snprintf(line, sizeof line, "%-22s %-12s %8.1f%% %10.2e %12s %10.1f %7.2fx\n", r.label.c_str(),
-                  r.rows.c_str(), 100.0 * r.sparsity, r.rel_error, zero.c_str(), r.ms, r.speedup);
+    std::snprintf(line, sizeof line, "%-22s %-12s %8.1f%% %10.2e %12s %10.1f %7.2fx\n", r.label.c_str(), r.rows.c_str(),
+                  100.0 * r.sparsity, r.rel_error, zero.c_str(), r.ms, r.speedup);
     os << line;
   }
-  const bool any_excluded =
-      std::any_of(results.begin(), results.end(), [](const PolicyResult& r) { return r.zero_rows_excluded && r.zero_rows; });
+  const bool any_excluded = std::any_of(results.begin(), results.end(),
+                                        [](const PolicyResult& r) { return r.zero_rows_excluded && r.zero_rows; });
   if (any_excluded) {
     os << "* rows TOKEN_SPARSE leaves at 0 by design (its §5.8: the residual carries them); rel.err is over the rows "
           "it computes\n";

@@ -22,8 +22,8 @@ struct AttentionInputs {
 };
 
 struct EvalSettings {
-  int repeat = 1;         // timed runs per policy; the fastest counts
-  bool progress = true;   // one line per run on stderr
+  int repeat = 1;        // timed runs per policy; the fastest counts
+  bool progress = true;  // one line per run on stderr
 };
 
 // What dense attention gives on the inputs: the reference of every policy run on the same inputs.
@@ -34,22 +34,21 @@ struct DenseReference {
 };
 
 struct PolicyResult {
-  std::string label;       // e.g. "SINK_WINDOW+DELTA"
-  std::string rows;        // which query rows ran, e.g. "all 4096" or "last 64"
-  double sparsity = 0.0;   // 1 − PAIRS_COMPUTED / PAIRS_DENSE
-  double rel_error = 0.0;  // over the rows the policy computes
-  int64_t zero_rows = 0;   // (b, i, h) rows the policy left exactly 0 where dense is not
-  int64_t rows_total = 0;  // (b, i, h) rows of the output
+  std::string label;                // e.g. "SINK_WINDOW+DELTA"
+  std::string rows;                 // which query rows ran, e.g. "all 4096" or "last 64"
+  double sparsity = 0.0;            // 1 − PAIRS_COMPUTED / PAIRS_DENSE
+  double rel_error = 0.0;           // over the rows the policy computes
+  int64_t zero_rows = 0;            // (b, i, h) rows the policy left exactly 0 where dense is not
+  int64_t rows_total = 0;           // (b, i, h) rows of the output
   bool zero_rows_excluded = false;  // TOKEN_SPARSE: zero rows are by design, not counted in rel_error
   double ms = 0.0;
-  double speedup = 0.0;    // dense ms / ms
-  HostTensor out;          // the policy's output, inputs.q's dtype and shape
+  double speedup = 0.0;  // dense ms / ms
+  HostTensor out;        // the policy's output, inputs.q's dtype and shape
 };
 
 // Runs `policy` (plan, then settings.repeat timed runs) and returns its output and the run's stats counters.
 HostTensor run_policy(sparsa_context* ctx, const AttentionInputs& inputs, const sparsa_policy& policy,
-                      const EvalSettings& settings, const std::string& label, double* ms,
-                      std::vector<int64_t>* stats);
+                      const EvalSettings& settings, const std::string& label, double* ms, std::vector<int64_t>* stats);
 
 // Dense attention on `inputs` (the reference).
 DenseReference run_dense_reference(sparsa_context* ctx, const AttentionInputs& inputs, const EvalSettings& settings,

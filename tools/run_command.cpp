@@ -106,8 +106,7 @@ std::vector<Option> run_options(RunSettings& s, sparsa_policy& p) {
       {"--head-map", "FILE", "TOKEN_INDICES: <i4 .npy [Hq]", path(s.head_map_path)},
       {"--index-block-size", "N", "TOKEN_INDICES: 1 = token ids, > 1 = block ids",
        int_field(p.index_block_size, "--index-block-size", 1)},
-      {"--index-n-init", "N", "TOKEN_INDICES: leading tokens included",
-       int_field(p.index_n_init, "--index-n-init", 0)},
+      {"--index-n-init", "N", "TOKEN_INDICES: leading tokens included", int_field(p.index_n_init, "--index-n-init", 0)},
       {"--index-n-local", "N", "TOKEN_INDICES: trailing tokens included",
        int_field(p.index_n_local, "--index-n-local", 0)},
       // DELTA (§8)
@@ -157,9 +156,12 @@ std::optional<HostTensor> load_policy_tensor(const std::string& path, const std:
 
 std::string npy_descr(int32_t dtype) {
   switch (dtype) {
-    case SPARSA_DTYPE_F16: return "<f2";
-    case SPARSA_DTYPE_BF16: return "<u2";
-    default: return "<f4";
+    case SPARSA_DTYPE_F16:
+      return "<f2";
+    case SPARSA_DTYPE_BF16:
+      return "<u2";
+    default:
+      return "<f4";
   }
 }
 
@@ -222,11 +224,11 @@ int run_command(const std::vector<std::string>& args) {
   const int64_t rows_total = inputs.q.shape[0] * inputs.q.shape[1] * inputs.q.shape[2];
   const DenseReference dense = run_dense_reference(ctx.get(), inputs, s.eval, rows);
   std::vector<PolicyResult> results = {dense_result(dense, rows, rows_total)};
-  const std::string label = std::string(sparsa_policy_kind_name(kind)) +
-                            ((policy.flags & SPARSA_POLICY_FLAG_DELTA) ? "+DELTA" : "");
+  const std::string label =
+      std::string(sparsa_policy_kind_name(kind)) + ((policy.flags & SPARSA_POLICY_FLAG_DELTA) ? "+DELTA" : "");
   if (kind != SPARSA_POLICY_DENSE || policy.flags != 0) {
-    results.push_back(evaluate_policy(ctx.get(), inputs, dense, label, rows, policy,
-                                      kind == SPARSA_POLICY_TOKEN_SPARSE, s.eval));
+    results.push_back(
+        evaluate_policy(ctx.get(), inputs, dense, label, rows, policy, kind == SPARSA_POLICY_TOKEN_SPARSE, s.eval));
   }
 
   if (!s.out_path.empty()) {
@@ -241,8 +243,7 @@ int run_command(const std::vector<std::string>& args) {
   std::cout << "sparsa " << sparsa_version_string() << " run: q [" << inputs.q.shape[0] << ", " << inputs.q.shape[1]
             << ", " << inputs.q.shape[2] << ", " << inputs.q.shape[3] << "], k/v [" << inputs.k.shape[0] << ", "
             << inputs.k.shape[1] << ", " << inputs.k.shape[2] << ", " << inputs.k.shape[3] << "] "
-            << npy_descr(inputs.q.dtype) << (s.bf16 ? " (bf16)" : "") << (s.causal ? " causal" : " non-causal")
-            << "\n";
+            << npy_descr(inputs.q.dtype) << (s.bf16 ? " (bf16)" : "") << (s.causal ? " causal" : " non-causal") << "\n";
   print_results(std::cout, results);
   if (!s.out_path.empty()) std::cout << "wrote " << s.out_path << "\n";
   return 0;

@@ -101,12 +101,13 @@ class RowTile {
   RowTile(const AttentionProblem& problem, int32_t b, int32_t h, Positions rows, int nr, int max_keys,
           const BlockWalk* quantized_walk, float* out_rows, ThreadScratch& scratch)
       : problem_(problem), b_(b), h_(h), hk_(kv_head_of(problem, h)), d_(problem.head_dim), rows_(rows), nr_(nr),
-        nr_pad_(round_up(std::max(nr, 1), kRowAlign)), max_keys_(std::max(max_keys, 1)),
+        nr_pad_(round_up(std::max(nr, 1), kRowAlign)), row_stride_(nr_pad_ + kStridePad),
+        kv_stride_(d_ + kStridePad), max_keys_(std::max(max_keys, 1)),
         kernels_(select_microkernels()), quant_(quantized_walk), o_(out_rows) {
     // Carve every buffer from one reservation so the scratch vector is resized at most once per call.
-    const size_t qt_floats = size_t(d_) * nr_pad_;
-    const size_t st_floats = size_t(max_keys_) * nr_pad_;
-    const size_t kv_floats = size_t(max_keys_) * d_;
+    const size_t qt_floats = size_t(d_) * row_stride_;
+    const size_t st_floats = size_t(max_keys_) * row_stride_;
+    const size_t kv_floats = size_t(max_keys_) * kv_stride_;
     const size_t row_state_floats = 5 * size_t(nr_pad_);
     const size_t quant_floats = quant_ ? (size_t(nr) * d_ + 2 * size_t(nr) + d_ +
                                           scratch_floats<int8_t>(size_t(nr) * d_) + scratch_floats<int8_t>(kv_floats))
@@ -162,12 +163,12 @@ class RowTile {
       scores_quantized(keys, nk);
     } else {
       const KvRows k = kv_rows(problem_.k, keys, nk, k_tile_);
-      kernels_.qk_tile(k.base, k.stride, nk, qt_, nr_pad_, d_, st_, nr_pad_);
+      kernels_.qk_tile(k.base, k.stride, nk, qt_, row_stride_, nr_pad_, d_, st_, row_stride_);
     }
     if (coverage == TileCoverage::kPartial) apply_mask(vis, keys, nk);
 
     // 2. Block row maxima; the λ test compares them with the running maxima after this block (§4.7).
-    kernels_.column_max(st_, nr_pad_, nk, nr_pad_, local_max_);
+    kernels_.column_max(st_, row_stride_, nk, nr_pad_, local_max_);
     if (pv_skip_test) {
       float best_gain = kNegInf;  // max over rows of (m_local − m_new)
       for (int r = 0; r < nr_; ++r) {
@@ -185,7 +186,7 @@ class RowTile {
       const float m_new = std::max(m_[r], local_max_[r]);
       shift_[r] = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet: every P is exp(−inf) = 0
     }
-    kernels_.exp_columns(st_, nr_pad_, nk, nr_pad_, shift_, block_sum_);
+    kernels_.exp_columns(st_, row_stride_, nk, nr_pad_, shift_, block_sum_);
     for (int r = 0; r < nr_; ++r) {
       if (local_max_[r] == kNegInf) continue;  // nothing visible in this tile: state unchanged
       const SoftmaxState state{m_[r], l_[r]};
@@ -197,7 +198,7 @@ class RowTile {
 
     // 4. O += P · V.
     const KvRows v = kv_rows(problem_.v, keys, nk, v_tile_);
-    kernels_.pv_tile(st_, nr_pad_, nr_, nk, v.base, v.stride, d_, o_);
+    kernels_.pv_tile(st_, row_stride_, nr_, nk, v.base, v.stride, d_, o_);
     return true;
   }
 
@@ -240,11 +241,11 @@ class RowTile {
       float* q_row = quant_ ? q_rows_ + size_t(r) * d_ : row;
       load_row_f32(problem_.dtype, problem_.q.t.data, problem_.q_offset(problem_.q, b_, rows_.at(r), h_), d_,
                    q_row);
-      for (int c = 0; c < d_; ++c) qt_[size_t(c) * nr_pad_ + r] = q_row[c] * problem_.scale;
+      for (int c = 0; c < d_; ++c) qt_[size_t(c) * row_stride_ + r] = q_row[c] * problem_.scale;
       std::memset(o_ + size_t(r) * d_, 0, sizeof(float) * size_t(d_));
     }
     for (int c = 0; c < d_; ++c)
-      for (int r = nr_; r < nr_pad_; ++r) qt_[size_t(c) * nr_pad_ + r] = 0.f;
+      for (int r = nr_; r < nr_pad_; ++r) qt_[size_t(c) * row_stride_ + r] = 0.f;
     if (quant_) quantize_queries();
   }
 
@@ -254,13 +255,13 @@ class RowTile {
   KvRows kv_rows(const TensorArg& kv, Positions keys, int nk, float* tile) const {
     for (int j = 0; j < nk; ++j)
       load_row_f32(problem_.dtype, kv.t.data, problem_.kv_offset(kv, b_, keys.at(j), hk_), d_,
-                   tile + size_t(j) * d_);
-    return {tile, d_};
+                   tile + size_t(j) * kv_stride_);
+    return {tile, kv_stride_};
   }
 
   void apply_mask(const RowVisibility& vis, Positions keys, int nk) {
     for (int j = 0; j < nk; ++j) {
-      float* st_row = st_ + size_t(j) * nr_pad_;
+      float* st_row = st_ + size_t(j) * row_stride_;
       const int64_t key = keys.at(j);
       for (int r = 0; r < nr_; ++r)
         if (!visible(vis, rows_.at(r), key)) st_row[r] = kNegInf;
@@ -315,7 +316,7 @@ class RowTile {
     for (size_t e = 0; e < size_t(nk) * d_; ++e) k_i8_[e] = quantize(centred[e], k_scale);
     for (int j = 0; j < nk; ++j) {
       const int8_t* k_row = k_i8_ + size_t(j) * d_;
-      float* st_row = st_ + size_t(j) * nr_pad_;
+      float* st_row = st_ + size_t(j) * row_stride_;
       for (int r = 0; r < nr_; ++r) {
         const int8_t* q_row = q_i8_ + size_t(r) * d_;
         int32_t dot = 0;
@@ -330,7 +331,10 @@ class RowTile {
   int32_t b_, h_, hk_;
   int d_;
   Positions rows_;
-  int nr_, nr_pad_, max_keys_;
+  int nr_, nr_pad_;
+  int row_stride_;  // floats between rows of Qᵀ and Sᵀ (nr_pad + kStridePad)
+  int kv_stride_;   // floats between rows of the K and V tiles (D + kStridePad)
+  int max_keys_;
   const Microkernels& kernels_;
   const BlockWalk* quant_;
   float* o_;  // the caller's out_rows [nr, D], used as the unnormalised accumulator
@@ -345,9 +349,10 @@ class RowTile {
 
 size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized) {
   const size_t nr_pad = size_t(round_up(std::max(rows, 1), kRowAlign));
+  const size_t row_stride = nr_pad + kStridePad;
   const size_t d = size_t(head_dim);
-  const size_t kv = size_t(std::max(keys, 1)) * d;
-  size_t floats = d * nr_pad + size_t(std::max(keys, 1)) * nr_pad + 2 * kv + 5 * nr_pad;
+  const size_t kv = size_t(std::max(keys, 1)) * (d + kStridePad);
+  size_t floats = d * row_stride + size_t(std::max(keys, 1)) * row_stride + 2 * kv + 5 * nr_pad;
   if (quantized) floats += size_t(rows) * d + 2 * size_t(rows) + d + scratch_floats<int8_t>(size_t(rows) * d) +
                            scratch_floats<int8_t>(kv);
   return floats;

@@ -86,6 +86,7 @@ class CpuBackend final : public Backend {
       run_scratch(exec_, kRunScratchDeltaStaging).reserve(slots * (d + 1));
       run_scratch(exec_, kRunScratchDeltaKeys).reserve(2 * size_t(problem.max_seq_k));
     }
+    equalise_worker_scratch();
   }
 
   void run(const AttentionProblem& problem, const PolicyParams& policy) override {
@@ -100,6 +101,7 @@ class CpuBackend final : public Backend {
       entry(problem, policy, direct, exec_);
     }
     if (problem.stats.present) write_stats(problem, policy);
+    equalise_worker_scratch();
   }
 
   void merge_states(const MergeProblem& problem) override { cpu_merge_states(problem, exec_); }
@@ -113,6 +115,18 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // Work items go to whichever worker is free, so after a run only some workers' scratch may have grown for a
+  // given item size. Growing every worker's buffers to the largest capacity makes the next run of the same problem
+  // allocate nothing, whichever worker picks up which item.
+  void equalise_worker_scratch() {
+    using SlotOf = ThreadScratch& (*)(const ExecContext&, int);
+    for (const SlotOf slot_of : {SlotOf(loop_scratch), SlotOf(policy_scratch)}) {
+      size_t largest = 0;
+      for (int w = 0; w < pool_.size(); ++w) largest = std::max(largest, slot_of(exec_, w).buffer.capacity());
+      for (int w = 0; w < pool_.size(); ++w) slot_of(exec_, w).buffer.reserve(largest);
+    }
+  }
+
   void write_stats(const AttentionProblem& problem, const PolicyParams& policy) const {
     RunCounters total;
     for (const RunCounters& c : counters_) total.add(c);

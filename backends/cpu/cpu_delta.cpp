@@ -8,6 +8,7 @@
 // writes every row through the caller's sink. LSE is undefined for corrected rows (the core forbids asking for it).
 #include <algorithm>
 #include <limits>
+#include <functional>
 
 #include "attention_loop.h"
 #include "cpu_engine.h"
@@ -46,7 +47,8 @@ void run_delta(PolicyEntry base, const AttentionProblem& problem, const PolicyPa
 
   const float undefined_lse = std::numeric_limits<float>::quiet_NaN();
   const int64_t items = int64_t(problem.batch) * problem.num_q_heads;
-  exec.parallel_for(items, [&](int64_t item, int worker) {
+  // Passed by std::ref so that std::function stores a pointer instead of allocating a copy of the captures.
+  const auto work_item = [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / problem.num_q_heads);
     const int32_t h = int32_t(item % problem.num_q_heads);
     const int64_t seq_q = problem.seq_len_q(b);
@@ -80,7 +82,8 @@ void run_delta(PolicyEntry base, const AttentionProblem& problem, const PolicyPa
     }
     for (int64_t i = s_p; i < seq_q; ++i)
       sink.write_row(problem, b, i, h, dense_out + (anchors + i - s_p) * d, dense_lse[anchors + i - s_p]);
-  });
+  };
+  exec.parallel_for(items, std::ref(work_item));
 }
 
 }  // namespace sparsa::cpu

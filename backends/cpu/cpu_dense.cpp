@@ -1,5 +1,6 @@
 // §1 DENSE, and the query-block driver shared by the block policies (cpu_engine.h).
 #include <algorithm>
+#include <functional>
 
 #include "attention_loop.h"
 #include "cpu_engine.h"
@@ -19,7 +20,8 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
   const int64_t max_q_blocks = (problem.max_seq_q + block_q - 1) / block_q;
   const int64_t max_key_blocks = (problem.max_seq_k + block_k - 1) / block_k;
   const int64_t items = int64_t(problem.batch) * problem.num_q_heads * max_q_blocks;
-  exec.parallel_for(items, [&](int64_t item, int worker) {
+  // Passed by std::ref so that std::function stores a pointer instead of allocating a copy of the captures.
+  const auto work_item = [&](int64_t item, int worker) {
     // Item order: the last query blocks first (under a causal mask they carry the most keys).
     const int64_t q_block = max_q_blocks - 1 - item % max_q_blocks;
     const int32_t h = int32_t(item / max_q_blocks % problem.num_q_heads);
@@ -46,7 +48,8 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
     attend_block_walk(problem, b, h, row_begin, row_end, walk, seq_vis, rows, lse, &(*exec.counters)[worker],
                       loop_scratch(exec, worker));
     for (int64_t r = 0; r < nr; ++r) sink.write_row(problem, b, row_begin + r, h, rows + r * d, lse[r]);
-  });
+  };
+  exec.parallel_for(items, std::ref(work_item));
 }
 
 void run_dense(const AttentionProblem& problem, const PolicyParams&, const OutputSink& sink,

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <functional>
 
 #include "attention_loop.h"
 #include "cpu_engine.h"
@@ -43,7 +44,8 @@ void run_sparge(const AttentionProblem& problem, const PolicyParams& policy, con
   const int32_t block_k = policy.p.block_k;
   const bool quantized = policy.p.sparge_quantized != 0;
   const int64_t items = int64_t(problem.batch) * problem.num_q_heads;
-  exec.parallel_for(items, [&](int64_t item, int worker) {
+  // Passed by std::ref so that std::function stores a pointer instead of allocating a copy of the captures.
+  const auto work_item = [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / problem.num_q_heads);
     const int32_t h = int32_t(item % problem.num_q_heads);
     const int64_t seq_q = problem.seq_len_q(b);
@@ -90,7 +92,8 @@ void run_sparge(const AttentionProblem& problem, const PolicyParams& policy, con
       for (int64_t r = 0; r < row_end - row_begin; ++r)
         sink.write_row(problem, b, row_begin + r, h, rows + r * d, lse[r]);
     }
-  });
+  };
+  exec.parallel_for(items, std::ref(work_item));
 }
 
 }  // namespace sparsa::cpu

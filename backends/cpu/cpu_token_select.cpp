@@ -5,7 +5,8 @@
 //   0. per sequence: sizes, dense fallback, every check that can fail (nothing is written before it ends);
 //   1. q̄_h = mean of the call's query rows, float64, per (b, h);
 //   2. selection-cache lookups per sequence (serial, O(B·Hq·D));
-//   3. per (b, set) without a cache hit: scores, per-head softmax over the candidates, vote, top-k → T;
+//   3. sequences without a cache hit: scores, per-head softmax over the candidates, vote, top-k → T (three steps,
+//      parallel over kv heads, then candidate chunks, then sets);
 //   4. cache stores and counts (serial);
 //   5. selected_indices per (b, set);
 //   6. attention per (b, h) over I = sinks ∪ T ∪ local, causal (bottom-right).
@@ -146,6 +147,7 @@ struct SequencePlan {
   bool cache_miss = false;   // T computed and stored into the cache afterwards
   int64_t candidate_begin = 0;  // C = [n_init, N - n_local)
   int64_t candidate_end = 0;
+  int64_t n_candidates() const { return candidate_end - candidate_begin; }
   bool has_rows() const { return seq_q > 0; }
   bool selects() const { return has_rows() && !dense; }
 };
@@ -170,46 +172,97 @@ int64_t build_index_set(const SequencePlan& plan, const SelectParams& params, co
   return n;
 }
 
-// Phase 3 for one (b, set): vote[t] = Σ_h softmax_{t∈C}(s[h, :])[t] over the set's heads in ascending order, then
-// T = the top_k candidates by vote (ties: smaller id), ascending. Buffers come from the worker's policy scratch.
-void select_top_candidates(const AttentionProblem& problem, const SelectParams& params, const SequencePlan& plan,
-                           int32_t b, int32_t set, const double* concat_qbar, ThreadScratch& scratch,
-                           int64_t* selection) {
+// Candidates one vote work item covers: gives the pool parallel work even for one decode sequence.
+constexpr int64_t kCandidatesPerVoteItem = 2048;
+
+// Query heads whose dot products share one loaded key row and run interleaved.
+constexpr int32_t kInterleavedHeads = 8;
+
+// scores[l] = score_scale · Σ_c qbars[l·d + c]·key[c] for l < n_heads, each sum taken in c order (as dot_f64), so
+// the result does not depend on how heads are grouped; interleaving heads overlaps their independent sums.
+void score_heads(const double* qbars, int32_t n_heads, const float* key, int32_t d, double score_scale,
+                 double* scores) {
+  for (int32_t first = 0; first < n_heads; first += kInterleavedHeads) {
+    const int32_t lanes = std::min(kInterleavedHeads, n_heads - first);
+    const double* q = qbars + int64_t(first) * d;
+    double sums[kInterleavedHeads] = {};
+    for (int32_t c = 0; c < d; ++c) {
+      const double k = key[c];
+      for (int32_t l = 0; l < lanes; ++l) sums[l] += q[int64_t(l) * d + c] * k;
+    }
+    for (int32_t l = 0; l < lanes; ++l) scores[first + l] = score_scale * sums[l];
+  }
+}
+
+// Phase 3 works on s[h, t] = q̄_h·K[t, h/g] (· scale when asked) over the candidates t ∈ C, in three steps:
+//   3a per (b, kv head): the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head of the group;
+//   3b per (b, set, chunk of C): vote[t] = Σ_h exp(s[h, t] − m_h) / Z_h over the set's heads, ascending;
+//   3c per (b, set): T = the top_k candidates by vote (ties: smaller id), ascending.
+// 3b recomputes the scores 3a saw (bit-identical) instead of keeping an [Hq, |C|] matrix per sequence.
+struct VoteInputs {
+  const AttentionProblem& problem;
+  const SelectParams& params;
+  double score_scale;
+};
+
+// 3a for kv head hk of sequence b: writes m_h, Z_h of its g query heads to head_max/head_sum (indexed by h).
+void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t b, int32_t hk,
+                        const double* concat_qbar, ThreadScratch& scratch, double* head_max, double* head_sum) {
+  const AttentionProblem& problem = in.problem;
   const int32_t d = problem.head_dim;
+  const int32_t group = problem.num_q_heads / problem.num_kv_heads;
+  const int32_t first_head = hk * group;
   const int64_t n_candidates = plan.candidate_end - plan.candidate_begin;
-  const double score_scale = params.scale_scores ? double(problem.scale) : 1.0;
   ScratchLayout layout;
   const size_t row_at = layout.add<float>(size_t(d));
-  const size_t scores_at = layout.add<double>(size_t(n_candidates));
-  const size_t votes_at = layout.add<double>(size_t(n_candidates));
-  const size_t order_at = layout.add<int64_t>(size_t(n_candidates));
+  const size_t scores_at = layout.add<double>(size_t(group) * size_t(n_candidates));  // [C, g]
   layout.bind(scratch);
   float* key_row = layout.get<float>(row_at, size_t(d));
-  double* scores = layout.get<double>(scores_at, size_t(n_candidates));
-  double* votes = layout.get<double>(votes_at, size_t(n_candidates));
-  int64_t* order = layout.get<int64_t>(order_at, size_t(n_candidates));
-
-  std::fill(votes, votes + n_candidates, 0.0);
-  const int32_t first_head = set * params.heads_per_set;
-  for (int32_t h = first_head; h < first_head + params.heads_per_set; ++h) {
-    const int32_t hk = kv_head_of(problem, h);
-    const double* qbar = concat_qbar + int64_t(h) * d;
+  double* scores = layout.get<double>(scores_at, size_t(group) * size_t(n_candidates));
+  for (int64_t c = 0; c < n_candidates; ++c) {
+    load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk), d,
+                 key_row);
+    score_heads(concat_qbar + int64_t(first_head) * d, group, key_row, d, in.score_scale, scores + c * group);
+  }
+  for (int32_t l = 0; l < group; ++l) {
     double max_score = -INFINITY;
-    for (int64_t c = 0; c < n_candidates; ++c) {
+    for (int64_t c = 0; c < n_candidates; ++c) max_score = std::max(max_score, scores[c * group + l]);
+    double total = 0.0;
+    for (int64_t c = 0; c < n_candidates; ++c) total += std::exp(scores[c * group + l] - max_score);
+    head_max[first_head + l] = max_score;
+    head_sum[first_head + l] = total;
+  }
+}
+
+// 3b for candidates [first, last) (offsets into C) of (b, set): votes[c] for each.
+void vote_candidates(const VoteInputs& in, const SequencePlan& plan, int32_t b, int32_t set, int64_t first,
+                     int64_t last, const double* concat_qbar, const double* head_max, const double* head_sum,
+                     ThreadScratch& scratch, double* votes) {
+  const AttentionProblem& problem = in.problem;
+  const int32_t d = problem.head_dim;
+  const int32_t group = problem.num_q_heads / problem.num_kv_heads;
+  const int32_t first_head = set * in.params.heads_per_set;
+  const int32_t n_heads = in.params.heads_per_set;
+  ScratchLayout layout;
+  const size_t row_at = layout.add<float>(size_t(d));
+  const size_t scores_at = layout.add<double>(size_t(n_heads));
+  layout.bind(scratch);
+  float* key_row = layout.get<float>(row_at, size_t(d));
+  double* scores = layout.get<double>(scores_at, size_t(n_heads));
+  for (int64_t c = first; c < last; ++c) {
+    for (int32_t hk = first_head / group; hk < (first_head + n_heads) / group; ++hk) {
       load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk),
                    d, key_row);
-      scores[c] = score_scale * dot_f64(qbar, key_row, d);
-      max_score = std::max(max_score, scores[c]);
+      score_heads(concat_qbar + int64_t(hk) * group * d, group, key_row, d, in.score_scale,
+                  scores + (hk * group - first_head));
     }
-    double total = 0.0;
-    for (int64_t c = 0; c < n_candidates; ++c) {
-      scores[c] = std::exp(scores[c] - max_score);
-      total += scores[c];
+    double vote = 0.0;
+    for (int32_t l = 0; l < n_heads; ++l) {
+      const int32_t h = first_head + l;
+      vote += std::exp(scores[l] - head_max[h]) / head_sum[h];
     }
-    for (int64_t c = 0; c < n_candidates; ++c) votes[c] += scores[c] / total;
+    votes[c] = vote;
   }
-  top_k_ids_ascending(votes, n_candidates, params.top_k, order, selection);
-  for (int64_t i = 0; i < params.top_k; ++i) selection[i] += plan.candidate_begin;
 }
 
 SelectParams resolve_params(const AttentionProblem& problem, const PolicyParams& policy) {
@@ -274,9 +327,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     plan.dense = kept_always + params.top_k >= plan.seq_k;
     plan.candidate_begin = params.n_init;
     plan.candidate_end = plan.seq_k - params.n_local;
-    if (plan.has_rows()) {
-      require_selected_capacity(problem, plan.dense ? plan.seq_k : kept_always + params.top_k, b, "TOKEN_SELECT");
-    }
+    if (plan.has_rows()) require_selected_capacity(problem, index_set_size(plan, params), b, "TOKEN_SELECT");
   }
 
   // Phase 1: q̄_h per (b, h) in float64, laid out as concat_h q̄_h per sequence (the cache's key).
@@ -310,14 +361,52 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     if (plan.cache_hit) cache->load(b, params.n_sets, params.top_k, selections.data() + b * selection_len);
   }
 
-  // Phase 3: head soft vote and top-k for every selecting sequence without a hit.
+  // Phase 3: head soft vote and top-k for every selecting sequence without a hit (see head_softmax_stats).
+  const VoteInputs vote_inputs{problem, params, params.scale_scores ? double(problem.scale) : 1.0};
+  const auto computes_selection = [&](int32_t b) { return plans[size_t(b)].selects() && !plans[size_t(b)].cache_hit; };
+  int64_t max_candidates = 0;
+  for (int32_t b = 0; b < batch; ++b) {
+    if (computes_selection(b)) max_candidates = std::max(max_candidates, plans[size_t(b)].n_candidates());
+  }
+  std::vector<double> head_max(size_t(batch) * size_t(n_heads));
+  std::vector<double> head_sum(size_t(batch) * size_t(n_heads));
+  std::vector<double> votes(size_t(batch) * size_t(params.n_sets) * size_t(max_candidates));
+  const auto votes_of = [&](int32_t b, int32_t set) {
+    return votes.data() + (int64_t(b) * params.n_sets + set) * max_candidates;
+  };
+  const int32_t n_kv_heads = problem.num_kv_heads;
+  exec.parallel_for(int64_t(batch) * n_kv_heads, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / n_kv_heads);
+    if (!computes_selection(b)) return;
+    head_softmax_stats(vote_inputs, plans[size_t(b)], b, int32_t(item % n_kv_heads),
+                       concat_qbars.data() + b * qbar_len, policy_scratch(exec, worker),
+                       head_max.data() + int64_t(b) * n_heads, head_sum.data() + int64_t(b) * n_heads);
+  });
+  const int64_t chunks = (max_candidates + kCandidatesPerVoteItem - 1) / kCandidatesPerVoteItem;
+  exec.parallel_for(int64_t(batch) * params.n_sets * chunks, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / (int64_t(params.n_sets) * chunks));
+    const int32_t set = int32_t(item / chunks % params.n_sets);
+    const SequencePlan& plan = plans[size_t(b)];
+    const int64_t first = item % chunks * kCandidatesPerVoteItem;
+    const int64_t last = std::min(plan.n_candidates(), first + kCandidatesPerVoteItem);
+    if (!computes_selection(b) || first >= last) return;
+    vote_candidates(vote_inputs, plan, b, set, first, last, concat_qbars.data() + b * qbar_len,
+                    head_max.data() + int64_t(b) * n_heads, head_sum.data() + int64_t(b) * n_heads,
+                    policy_scratch(exec, worker), votes_of(b, set));
+  });
   exec.parallel_for(int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / params.n_sets);
     const int32_t set = int32_t(item % params.n_sets);
     const SequencePlan& plan = plans[size_t(b)];
-    if (!plan.selects() || plan.cache_hit) return;
-    select_top_candidates(problem, params, plan, b, set, concat_qbars.data() + b * qbar_len,
-                          policy_scratch(exec, worker), selections.data() + b * selection_len + set * params.top_k);
+    if (!computes_selection(b)) return;
+    const int64_t n_candidates = plan.n_candidates();
+    ScratchLayout layout;
+    const size_t order_at = layout.add<int64_t>(size_t(n_candidates));
+    layout.bind(policy_scratch(exec, worker));
+    int64_t* selection = selections.data() + b * selection_len + set * params.top_k;
+    top_k_ids_ascending(votes_of(b, set), n_candidates, params.top_k,
+                        layout.get<int64_t>(order_at, size_t(n_candidates)), selection);
+    for (int64_t i = 0; i < params.top_k; ++i) selection[i] += plan.candidate_begin;
   });
 
   // Phase 4: store what was computed and count.

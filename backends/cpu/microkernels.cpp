@@ -7,14 +7,14 @@
 namespace sparsa::cpu {
 namespace {
 
-void qk_tile_portable(const float* k, int64_t k_stride, int nk, const float* qt, int nr_pad, int d, float* st,
-                      int st_stride) {
+void qk_tile_portable(const float* k, int64_t k_stride, int nk, const float* qt, int qt_stride, int nr_pad, int d,
+                      float* st, int st_stride) {
   for (int j = 0; j < nk; ++j) {
     float* st_row = st + int64_t(j) * st_stride;
     for (int r = 0; r < nr_pad; ++r) st_row[r] = 0.f;
     for (int c = 0; c < d; ++c) {
       const float k_jc = k[j * k_stride + c];
-      const float* qt_row = qt + int64_t(c) * nr_pad;
+      const float* qt_row = qt + int64_t(c) * qt_stride;
       for (int r = 0; r < nr_pad; ++r) st_row[r] += k_jc * qt_row[r];
     }
   }

@@ -26,14 +26,14 @@ constexpr int kColBlock = 16;  // columns of the loaded operand per register til
 
 // kKeys keys × 16 query rows of Sᵀ: per step c, two loads of Qᵀ[c] and kKeys broadcasts of K[j][c].
 template <int kKeys>
-inline void qk_register_tile(const float* k, int64_t k_stride, const float* qt, int nr_pad, int d, float* st,
+inline void qk_register_tile(const float* k, int64_t k_stride, const float* qt, int qt_stride, int d, float* st,
                              int st_stride) {
   __m256 acc_lo[kKeys], acc_hi[kKeys];
 #pragma GCC unroll 8
   for (int j = 0; j < kKeys; ++j) acc_lo[j] = acc_hi[j] = _mm256_setzero_ps();
   for (int c = 0; c < d; ++c) {
-    const __m256 q_lo = _mm256_loadu_ps(qt + int64_t(c) * nr_pad);
-    const __m256 q_hi = _mm256_loadu_ps(qt + int64_t(c) * nr_pad + kLanes);
+    const __m256 q_lo = _mm256_loadu_ps(qt + int64_t(c) * qt_stride);
+    const __m256 q_hi = _mm256_loadu_ps(qt + int64_t(c) * qt_stride + kLanes);
 #pragma GCC unroll 8
     for (int j = 0; j < kKeys; ++j) {
       const __m256 k_jc = _mm256_broadcast_ss(k + j * k_stride + c);
@@ -48,21 +48,21 @@ inline void qk_register_tile(const float* k, int64_t k_stride, const float* qt, 
   }
 }
 
-void qk_tile_avx2(const float* k, int64_t k_stride, int nk, const float* qt, int nr_pad, int d, float* st,
-                  int st_stride) {
+void qk_tile_avx2(const float* k, int64_t k_stride, int nk, const float* qt, int qt_stride, int nr_pad, int d,
+                  float* st, int st_stride) {
   for (int r0 = 0; r0 < nr_pad; r0 += kColBlock) {
     int j0 = 0;
     for (; j0 + kRowBlock <= nk; j0 += kRowBlock)
-      qk_register_tile<kRowBlock>(k + j0 * k_stride, k_stride, qt + r0, nr_pad, d,
+      qk_register_tile<kRowBlock>(k + j0 * k_stride, k_stride, qt + r0, qt_stride, d,
                                   st + int64_t(j0) * st_stride + r0, st_stride);
     const float* k_rest = k + j0 * k_stride;
     float* st_rest = st + int64_t(j0) * st_stride + r0;
     switch (nk - j0) {
-      case 5: qk_register_tile<5>(k_rest, k_stride, qt + r0, nr_pad, d, st_rest, st_stride); break;
-      case 4: qk_register_tile<4>(k_rest, k_stride, qt + r0, nr_pad, d, st_rest, st_stride); break;
-      case 3: qk_register_tile<3>(k_rest, k_stride, qt + r0, nr_pad, d, st_rest, st_stride); break;
-      case 2: qk_register_tile<2>(k_rest, k_stride, qt + r0, nr_pad, d, st_rest, st_stride); break;
-      case 1: qk_register_tile<1>(k_rest, k_stride, qt + r0, nr_pad, d, st_rest, st_stride); break;
+      case 5: qk_register_tile<5>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
+      case 4: qk_register_tile<4>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
+      case 3: qk_register_tile<3>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
+      case 2: qk_register_tile<2>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
+      case 1: qk_register_tile<1>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
       default: break;
     }
   }

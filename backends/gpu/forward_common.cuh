@@ -115,6 +115,29 @@ __device__ __forceinline__ bool tile_has_visible_key(const ForwardParams& p, con
   return true;
 }
 
+// Does the policy's rule (sink/window or mask, not the causal bound) admit every (row, key) of a tile that
+// tile_has_visible_key accepted? Then only the sequence end and the causal bound need checking per element.
+__device__ __forceinline__ bool tile_rule_uniform(const ForwardParams& p, const SequenceView& s, int32_t row_begin,
+                                                  int32_t row_end, int32_t key_begin, int32_t key_end) {
+  switch (p.rule) {
+    case VisibilityRule::kDense:
+      return true;
+    case VisibilityRule::kSinkWindow: {
+      if (key_end <= p.sink_tokens) return true;
+      const int64_t first_diagonal = int64_t(row_begin) + s.causal_offset;
+      const int64_t last_diagonal = int64_t(row_end - 1) + s.causal_offset;
+      const int64_t farthest_behind = last_diagonal - key_begin;
+      if (p.causal) return farthest_behind < p.sink_window;  // keys ahead of the diagonal fail the causal test
+      const int64_t farthest_ahead = int64_t(key_end - 1) - first_diagonal;
+      return farthest_behind < p.sink_window && farthest_ahead < p.sink_window;
+    }
+    case VisibilityRule::kBlockMask:
+      return row_begin / p.mask_block_q == (row_end - 1) / p.mask_block_q &&
+             key_begin / p.mask_block_k == (key_end - 1) / p.mask_block_k;
+  }
+  return false;
+}
+
 // Is every key of the tile visible to every row (so the element predicate can be skipped)? Conservative.
 __device__ __forceinline__ bool tile_fully_visible(const ForwardParams& p, const SequenceView& s, int32_t row_begin,
                                                    int32_t key_end, int32_t tile_key_end) {

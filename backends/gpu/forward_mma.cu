@@ -92,6 +92,13 @@ __device__ __forceinline__ uint32_t pack_pair(BFloat16Tag, float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
+// 2^x in one MUFU op (flush-to-zero; 2^-inf = 0), as the softmax needs no more accuracy than fp16/bf16 P carries.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- Shared-memory tiles: [rows][kHeadDim] 2-byte elements, 16-byte chunks swizzled per row ----
 
 template <int kHeadDim>
@@ -179,6 +186,10 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
   const int warp_row0 = warp * 16;
   const int32_t my_rows[2] = {row_begin + warp_row0 + lane / 4, row_begin + warp_row0 + lane / 4 + 8};
 
+  const bool warp_active = row_begin + warp_row0 < row_end;
+  uint32_t q_frag[kHeadDim / 16][4];
+  bool q_in_registers = false;
+
   int buffer = 0;
   while (tile < tile_count) {
     const int32_t next = next_visible_tile(tile + 1);
@@ -194,80 +205,97 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
     const uint16_t* v_tile = v_tiles + buffer * kTileElems;
     const int32_t key_begin = tile * kBlockKeys;
 
-    // S = Q·Kᵀ for this warp's 16 rows × 64 keys.
-    float s_acc[kKeyBlocks8][4];
+    if (warp_active) {  // a warp whose 16 rows all lie past the sequence end only helps load tiles
+      if (!q_in_registers) {  // Q fragments stay in registers for the whole walk (A operand of every S mma)
 #pragma unroll
-    for (int nb = 0; nb < kKeyBlocks8; ++nb) s_acc[nb][0] = s_acc[nb][1] = s_acc[nb][2] = s_acc[nb][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, shared_address(q_tile + swizzled_offset<kHeadDim>(warp_row0 + lane % 16, 2 * kk + lane / 16)));
-#pragma unroll
-      for (int nb = 0; nb < kKeyBlocks8; nb += 2) {
-        uint32_t b[4];
-        const int key_row = nb * 8 + lane % 8 + (lane / 16) * 8;
-        ldmatrix_x4(b, shared_address(k_tile + swizzled_offset<kHeadDim>(key_row, 2 * kk + (lane / 8) % 2)));
-        mma_16816(Tag{}, s_acc[nb], a, b[0], b[1]);
-        mma_16816(Tag{}, s_acc[nb + 1], a, b[2], b[3]);
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          ldmatrix_x4(q_frag[kk],
+                      shared_address(q_tile + swizzled_offset<kHeadDim>(warp_row0 + lane % 16, 2 * kk + lane / 16)));
+        }
+        q_in_registers = true;
       }
-    }
 
-    // Mask and scale into the base-2 domain.
-    const bool full = tile_fully_visible(p, seq, row_begin, seq.seq_k, key_begin + kBlockKeys);
+      // S = Q·Kᵀ for this warp's 16 rows × 64 keys.
+      float s_acc[kKeyBlocks8][4];
 #pragma unroll
-    for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+      for (int nb = 0; nb < kKeyBlocks8; ++nb) s_acc[nb][0] = s_acc[nb][1] = s_acc[nb][2] = s_acc[nb][3] = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int32_t row = my_rows[e / 2];
-        const int32_t key = key_begin + nb * 8 + 2 * (lane % 4) + e % 2;
-        const bool visible = full || (key < seq.seq_k && key_visible(p, seq, row, key));
-        s_acc[nb][e] = visible ? s_acc[nb][e] * p.scale_log2 : -INFINITY;
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+#pragma unroll
+        for (int nb = 0; nb < kKeyBlocks8; nb += 2) {
+          uint32_t b[4];
+          const int key_row = nb * 8 + lane % 8 + (lane / 16) * 8;
+          ldmatrix_x4(b, shared_address(k_tile + swizzled_offset<kHeadDim>(key_row, 2 * kk + (lane / 8) % 2)));
+          mma_16816(Tag{}, s_acc[nb], q_frag[kk], b[0], b[1]);
+          mma_16816(Tag{}, s_acc[nb + 1], q_frag[kk], b[2], b[3]);
+        }
       }
-    }
 
-    // Online softmax: new maxima, rescale, P = exp2(S - m).
+      // Mask (raw scores; the scale is folded into the exponent below). Fully visible tiles skip this; rule-uniform
+      // tiles (inside one mask cell, the sinks or the window) check only the sequence end and the causal bound.
+      if (!tile_fully_visible(p, seq, row_begin, seq.seq_k, key_begin + kBlockKeys)) {
+        const int32_t tile_key_end = min(key_begin + kBlockKeys, key_end);
+        const bool uniform = tile_rule_uniform(p, seq, row_begin, row_end, key_begin, tile_key_end);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float tile_max = -INFINITY;
+        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
 #pragma unroll
-      for (int nb = 0; nb < kKeyBlocks8; ++nb) tile_max = fmaxf(tile_max, fmaxf(s_acc[nb][2 * r], s_acc[nb][2 * r + 1]));
-      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 1));
-      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 2));
-      const float new_max = fmaxf(row_max[r], tile_max);
-      const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
-      const float rescale = exp2f(row_max[r] - reference);
-      row_max[r] = new_max;
-      float tile_sum = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < kKeyBlocks8; ++nb) {
-        s_acc[nb][2 * r] = exp2f(s_acc[nb][2 * r] - reference);
-        s_acc[nb][2 * r + 1] = exp2f(s_acc[nb][2 * r + 1] - reference);
-        tile_sum += s_acc[nb][2 * r] + s_acc[nb][2 * r + 1];
+          for (int e = 0; e < 4; ++e) {
+            const int32_t row = my_rows[e / 2];
+            const int32_t key = key_begin + nb * 8 + 2 * (lane % 4) + e % 2;
+            const bool visible = key < seq.seq_k &&
+                                 (!p.causal || int64_t(key) <= int64_t(row) + seq.causal_offset) &&
+                                 (uniform || key_visible(p, seq, row, key));
+            if (!visible) s_acc[nb][e] = -INFINITY;
+          }
+        }
       }
-      row_sum[r] = row_sum[r] * rescale + tile_sum;
-#pragma unroll
-      for (int nd = 0; nd < kDimBlocks8; ++nd) {
-        o_acc[nd][2 * r] *= rescale;
-        o_acc[nd][2 * r + 1] *= rescale;
-      }
-    }
 
-    // O += P·V: the S accumulators of key blocks (2kk, 2kk+1) are exactly the A fragment of k-step kk.
+      // Online softmax in base 2: m = max(m, scale·log2e·max S), rescale O and l, P = 2^(S·scale·log2e - m).
 #pragma unroll
-    for (int kk = 0; kk < kBlockKeys / 16; ++kk) {
-      const uint32_t a[4] = {pack_pair(Tag{}, s_acc[2 * kk][0], s_acc[2 * kk][1]),
-                             pack_pair(Tag{}, s_acc[2 * kk][2], s_acc[2 * kk][3]),
-                             pack_pair(Tag{}, s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
-                             pack_pair(Tag{}, s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+      for (int r = 0; r < 2; ++r) {
+        float tile_max = -INFINITY;
 #pragma unroll
-      for (int nd = 0; nd < kDimBlocks8; nd += 2) {
-        uint32_t b[4];
-        const int key_row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
-        ldmatrix_x4_trans(b, shared_address(v_tile + swizzled_offset<kHeadDim>(key_row, nd + lane / 16)));
-        mma_16816(Tag{}, o_acc[nd], a, b[0], b[1]);
-        mma_16816(Tag{}, o_acc[nd + 1], a, b[2], b[3]);
+        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+          tile_max = fmaxf(tile_max, fmaxf(s_acc[nb][2 * r], s_acc[nb][2 * r + 1]));
+        }
+        tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 1));
+        tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 2));
+        const float new_max = fmaxf(row_max[r], tile_max * p.scale_log2);  // scale > 0 keeps the arg max
+        const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
+        const float rescale = fast_exp2(row_max[r] - reference);
+        row_max[r] = new_max;
+        float tile_sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+          s_acc[nb][2 * r] = fast_exp2(fmaf(s_acc[nb][2 * r], p.scale_log2, -reference));
+          s_acc[nb][2 * r + 1] = fast_exp2(fmaf(s_acc[nb][2 * r + 1], p.scale_log2, -reference));
+          tile_sum += s_acc[nb][2 * r] + s_acc[nb][2 * r + 1];
+        }
+        row_sum[r] = row_sum[r] * rescale + tile_sum;
+#pragma unroll
+        for (int nd = 0; nd < kDimBlocks8; ++nd) {
+          o_acc[nd][2 * r] *= rescale;
+          o_acc[nd][2 * r + 1] *= rescale;
+        }
       }
-    }
+
+      // O += P·V: the S accumulators of key blocks (2kk, 2kk+1) are exactly the A fragment of k-step kk.
+#pragma unroll
+      for (int kk = 0; kk < kBlockKeys / 16; ++kk) {
+        const uint32_t a[4] = {pack_pair(Tag{}, s_acc[2 * kk][0], s_acc[2 * kk][1]),
+                               pack_pair(Tag{}, s_acc[2 * kk][2], s_acc[2 * kk][3]),
+                               pack_pair(Tag{}, s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
+                               pack_pair(Tag{}, s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+#pragma unroll
+        for (int nd = 0; nd < kDimBlocks8; nd += 2) {
+          uint32_t b[4];
+          const int key_row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+          ldmatrix_x4_trans(b, shared_address(v_tile + swizzled_offset<kHeadDim>(key_row, nd + lane / 16)));
+          mma_16816(Tag{}, o_acc[nd], a, b[0], b[1]);
+          mma_16816(Tag{}, o_acc[nd + 1], a, b[2], b[3]);
+        }
+      }
+    }  // warp_active
     __syncthreads();  // every warp is done with this buffer before it is refilled
     buffer ^= 1;
     tile = next;
@@ -408,7 +436,9 @@ cudaError_t forward_mma_prepare() {
 cudaError_t forward_mma_launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
 #if SPARSA_GPU_HAS_MMA_SYNC
   const bool bf16 = p.element_type == ElementType::kBF16;
-  if (p.head_dim == 64) return bf16 ? launch<BFloat16Tag, 64>(p, max_seq_q, stream) : launch<HalfTag, 64>(p, max_seq_q, stream);
+  if (p.head_dim == 64) {
+    return bf16 ? launch<BFloat16Tag, 64>(p, max_seq_q, stream) : launch<HalfTag, 64>(p, max_seq_q, stream);
+  }
   return bf16 ? launch<BFloat16Tag, 128>(p, max_seq_q, stream) : launch<HalfTag, 128>(p, max_seq_q, stream);
 #else
   (void)p;

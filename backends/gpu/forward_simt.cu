@@ -63,9 +63,9 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
 
   for (int index = threadIdx.x; index < kRows * dim; index += kThreads) {
     const int r = index / dim, d = index % dim;
+    const bool inside = row_begin + r < row_end;
     q_tile[r * pitch + d] =
-        row_begin + r < row_end ? load_element(p.q, query_row_offset(p.q_strides, seq, row_begin + r) + d, p.element_type)
-                                : 0.f;
+        inside ? load_element(p.q, query_row_offset(p.q_strides, seq, row_begin + r) + d, p.element_type) : 0.f;
   }
   if (threadIdx.x < kRows) {
     row_max[threadIdx.x] = -INFINITY;
@@ -81,9 +81,9 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
     __syncthreads();  // the previous tile's V is consumed
     for (int index = threadIdx.x; index < kKeys * dim; index += kThreads) {
       const int c = index / dim, d = index % dim;
+      const bool inside = key_begin + c < seq.seq_k;
       kv_tile[c * pitch + d] =
-          key_begin + c < seq.seq_k ? load_element(p.k, key_row_offset(p, p.k_strides, seq, key_begin + c) + d, p.element_type)
-                                    : 0.f;
+          inside ? load_element(p.k, key_row_offset(p, p.k_strides, seq, key_begin + c) + d, p.element_type) : 0.f;
     }
     __syncthreads();
     for (int index = threadIdx.x; index < kRows * kKeys; index += kThreads) {
@@ -117,9 +117,9 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
     }
     for (int index = threadIdx.x; index < kKeys * dim; index += kThreads) {  // V over K: S no longer needs K
       const int c = index / dim, d = index % dim;
+      const bool inside = key_begin + c < seq.seq_k;
       kv_tile[c * pitch + d] =
-          key_begin + c < seq.seq_k ? load_element(p.v, key_row_offset(p, p.v_strides, seq, key_begin + c) + d, p.element_type)
-                                    : 0.f;
+          inside ? load_element(p.v, key_row_offset(p, p.v_strides, seq, key_begin + c) + d, p.element_type) : 0.f;
     }
     __syncthreads();
 #pragma unroll

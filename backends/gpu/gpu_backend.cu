@@ -12,6 +12,7 @@
 #include "../../src/registry.h"
 #include "forward_mma.h"
 #include "forward_params.h"
+#include "forward_decode.h"
 #include "forward_simt.h"
 #include "gpu_runtime.h"
 #include "merge_states.h"
@@ -44,6 +45,9 @@ constexpr int32_t kMinTilesPerSplit = 8;      // a split-KV share below this cos
 constexpr int32_t kMaxSplits = 64;
 constexpr int32_t kBlocksPerSmTarget = 2;     // split until about this many thread blocks per multiprocessor
 constexpr uint64_t kMaxSplitScratchBytes = uint64_t(256) << 20;
+constexpr int32_t kDecodeKeysPerTile = 256;       // a decode split walks at least this many keys (2 chunks a warp)
+constexpr int32_t kDecodeBlocksPerSmTarget = 4;
+constexpr int32_t kDecodeMaxSplits = 128;
 
 // Every runtime call goes through here: a failure becomes SPARSA_STATUS_DEVICE_ERROR naming the call.
 void check(cudaError_t status, const char* call) {
@@ -101,8 +105,9 @@ ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyP
   p.v_strides = row_strides(problem.v);
   if (problem.lse.present) {
     p.lse = problem.lse.ptr<float>();
-    p.lse_strides = problem.q_packed ? TensorStrides{0, problem.lse.stride(1), problem.lse.stride(0)}
-                                     : TensorStrides{problem.lse.stride(0), problem.lse.stride(2), problem.lse.stride(1)};
+    const TensorArg& lse = problem.lse;  // [B, Hq, Sq] or packed [Hq, Tq]; TensorStrides is (b, s, h)
+    p.lse_strides = problem.q_packed ? TensorStrides{0, lse.stride(1), lse.stride(0)}
+                                     : TensorStrides{lse.stride(0), lse.stride(2), lse.stride(1)};
   }
   p.element_type = element_type_of(problem.dtype);
   p.batch = problem.batch;
@@ -160,7 +165,8 @@ bool rows_aligned_for_mma(const TensorArg& t) {
   return true;
 }
 
-enum class ForwardKernel { kNone, kTensorCore, kPortable };
+// Fastest first (oneDNN-style list): decode for a few rows per kv head, tensor cores, then the portable kernel.
+enum class ForwardKernel { kNone, kDecode, kTensorCore, kPortable };
 
 // The one place that answers "can this backend run it?" and "with which kernel?" (STYLE.md point 7).
 ForwardKernel choose_kernel(const AttentionProblem& problem, const PolicyParams& policy, std::string* reason) {
@@ -193,6 +199,7 @@ ForwardKernel choose_kernel(const AttentionProblem& problem, const PolicyParams&
     return refuse("sequence lengths must stay below 2^30");
   }
   const ForwardParams params = make_forward_params(problem, policy);
+  if (forward_decode_supports(params, problem.max_seq_q)) return ForwardKernel::kDecode;
   const char* mma_reason = nullptr;
   if (forward_mma_supports(params, &mma_reason) && rows_aligned_for_mma(problem.q) &&
       rows_aligned_for_mma(problem.k) && rows_aligned_for_mma(problem.v) && rows_aligned_for_mma(problem.out)) {
@@ -208,14 +215,28 @@ struct SplitPlan {
   uint64_t scratch_bytes = 0;
 };
 
-SplitPlan plan_splits(const AttentionProblem& problem, int32_t multiprocessors) {
+SplitPlan plan_splits(ForwardKernel kernel, const AttentionProblem& problem, int32_t multiprocessors) {
   SplitPlan plan;
-  const int64_t query_tiles = (problem.max_seq_q + kTensorCoreBlockRows - 1) / kTensorCoreBlockRows;
-  const int64_t blocks = query_tiles * problem.num_q_heads * problem.batch;
-  const int64_t key_tiles = (problem.max_seq_k + kTensorCoreBlockKeys - 1) / kTensorCoreBlockKeys;
-  if (blocks == 0 || blocks >= multiprocessors || key_tiles < 2 * kMinTilesPerSplit) return plan;
-  const int64_t wanted = (int64_t(kBlocksPerSmTarget) * multiprocessors + blocks - 1) / blocks;
-  const int64_t splits = std::min<int64_t>({wanted, key_tiles / kMinTilesPerSplit, kMaxSplits});
+  int64_t blocks = 0, key_tiles = 0, min_tiles_per_split = 0, blocks_per_sm = 0, max_splits = 0;
+  if (kernel == ForwardKernel::kTensorCore) {
+    const int64_t query_tiles = (problem.max_seq_q + kTensorCoreBlockRows - 1) / kTensorCoreBlockRows;
+    blocks = query_tiles * problem.num_q_heads * problem.batch;
+    key_tiles = (problem.max_seq_k + kTensorCoreBlockKeys - 1) / kTensorCoreBlockKeys;
+    min_tiles_per_split = kMinTilesPerSplit;
+    blocks_per_sm = kBlocksPerSmTarget;
+    max_splits = kMaxSplits;
+  } else if (kernel == ForwardKernel::kDecode) {
+    blocks = int64_t(problem.num_kv_heads) * problem.batch;
+    key_tiles = (problem.max_seq_k + kDecodeKeysPerTile - 1) / kDecodeKeysPerTile;
+    min_tiles_per_split = 1;
+    blocks_per_sm = kDecodeBlocksPerSmTarget;
+    max_splits = kDecodeMaxSplits;
+  } else {
+    return plan;
+  }
+  if (blocks == 0 || blocks >= blocks_per_sm * multiprocessors || key_tiles < 2 * min_tiles_per_split) return plan;
+  const int64_t wanted = (blocks_per_sm * multiprocessors + blocks - 1) / blocks;
+  const int64_t splits = std::min<int64_t>({wanted, key_tiles / min_tiles_per_split, max_splits});
   if (splits < 2) return plan;
   const int64_t flat_rows = problem.q_packed ? problem.q.extent(0) : int64_t(problem.batch) * problem.max_seq_q;
   const uint64_t bytes = uint64_t(splits) * flat_rows * problem.num_q_heads * (problem.head_dim + 1) * sizeof(float);
@@ -266,7 +287,7 @@ class GpuBackend final : public Backend {
     std::string reason;
     const ForwardKernel kernel = choose_kernel(problem, policy, &reason);
     if (kernel == ForwardKernel::kNone) fail(SPARSA_STATUS_UNSUPPORTED, reason);
-    if (kernel == ForwardKernel::kTensorCore) grow_scratch(plan_splits(problem, multiprocessors_).scratch_bytes);
+    grow_scratch(plan_splits(kernel, problem, multiprocessors_).scratch_bytes);
   }
 
   void run(const AttentionProblem& problem, const PolicyParams& policy) override {
@@ -276,15 +297,18 @@ class GpuBackend final : public Backend {
     if (problem.batch == 0 || problem.num_q_heads == 0 || problem.max_seq_q == 0) return;
     ForwardParams params = make_forward_params(problem, policy);
     DeviceGuard guard(device_);
-    if (kernel == ForwardKernel::kTensorCore) {
-      const SplitPlan split = plan_splits(problem, multiprocessors_);
-      if (split.num_splits > 1) {
-        grow_scratch(split.scratch_bytes);  // allocates only on a first, unplanned run
-        params.num_splits = split.num_splits;
-        params.flat_rows = split.flat_rows;
-        params.partial_lse = static_cast<float*>(scratch_);
-        params.partial_out = params.partial_lse + int64_t(split.num_splits) * split.flat_rows * problem.num_q_heads;
-      }
+    const SplitPlan split = plan_splits(kernel, problem, multiprocessors_);
+    if (split.num_splits > 1) {
+      grow_scratch(split.scratch_bytes);  // allocates only on a first, unplanned run
+      params.num_splits = split.num_splits;
+      params.flat_rows = split.flat_rows;
+      params.partial_out = static_cast<float*>(scratch_);  // first: its float2 stores need 8-byte alignment
+      params.partial_lse =
+          params.partial_out + int64_t(split.num_splits) * split.flat_rows * problem.num_q_heads * problem.head_dim;
+    }
+    if (kernel == ForwardKernel::kDecode) {
+      check(forward_decode_launch(params, int32_t(problem.max_seq_q), stream_), "forward_decode_kernel launch");
+    } else if (kernel == ForwardKernel::kTensorCore) {
       check(forward_mma_launch(params, int32_t(problem.max_seq_q), stream_), "forward_mma_kernel launch");
     } else {
       check(forward_simt_launch(params, int32_t(problem.max_seq_q), stream_), "forward_simt_kernel launch");

@@ -22,7 +22,8 @@ __device__ __forceinline__ void store_value(void* base, int64_t index, ElementTy
     static_cast<float*>(base)[index] = value;
     return;
   }
-  static_cast<uint16_t*>(base)[index] = type == ElementType::kF16 ? float_to_f16_bits(value) : float_to_bf16_bits(value);
+  static_cast<uint16_t*>(base)[index] =
+      type == ElementType::kF16 ? float_to_f16_bits(value) : float_to_bf16_bits(value);
 }
 
 __device__ __forceinline__ int64_t o_offset(const TensorStrides& st, int64_t b, int64_t s, int64_t h) {

@@ -2,7 +2,7 @@
 # Everything the GPU work needs in ONE device call: build (sm_90a + sm_80), the GPU tests, compute-sanitizer
 # (memcheck on all GPU tests, racecheck on a small case), and the benchmark against the peers. Logs go under $OUT.
 #
-#   bash bench/gpu/run_device.sh [tests|bench|all]        (default all)
+#   bash bench/gpu/run_device.sh [tests|bench|profile|all]        (default all = tests + bench)
 #
 # GoogleTest: uses the machine's if present, else builds the source carried in .peers/googletest (a copy of
 # /usr/src/googletest; the device image has none). FlexAttention/SDPA peers come from the image's torch.
@@ -47,12 +47,21 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
   echo "=== compute-sanitizer racecheck (small cases) ==="
   timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 $TESTS \
-    --gtest_filter='*dense_f16_d64_noncausal*:*dense_f32_d64*:*paged_ps1*:*block_sparse_bf16*' > "$OUT/racecheck.log" 2>&1
+    --gtest_filter='*dense_f16_d64_noncausal*:*dense_f32_d64*:*paged_ps1*:*block_sparse_bf16*:*decode_split_kv*:*decode_f32*' > "$OUT/racecheck.log" 2>&1
   echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1)"
   echo "=== compute-sanitizer synccheck (small cases) ==="
   timeout 120 compute-sanitizer --tool synccheck --error-exitcode 3 $TESTS \
     --gtest_filter='*dense_f16_d64_noncausal*:*dense_f32_d64*' > "$OUT/synccheck.log" 2>&1
   echo "synccheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/synccheck.log" | tail -1)"
+fi
+
+if [ "$STEPS" = profile ]; then  # not part of "all": ncu costs device time
+  echo "=== ncu (one dense prefill launch, one split-KV decode launch) ==="
+  timeout 180 ncu --clock-control none -k regex:forward_mma --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis python3 "$ROOT/bench/gpu/bench_gpu.py" "$LIB" --profile > "$OUT/ncu.log" 2>&1
+  echo "ncu exit $?"
+  grep -E "forward_mma|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Stall|Warp Cycles Per Issued|Bank|Issue Slots Busy|L1/TEX Hit|Executed Ipc" "$OUT/ncu.log" | head -40
 fi
 
 if [ "$STEPS" = all ] || [ "$STEPS" = bench ]; then

@@ -176,7 +176,8 @@ SPARSA_API sparsa_status sparsa_context_options_init(sparsa_context_options* opt
  */
 SPARSA_API sparsa_status sparsa_context_create(const sparsa_context_options* options, sparsa_context** out);
 
-/** Destroys a context and its scratch memory. NULL is a no-op. Waits for nothing: synchronise the stream first. */
+/** Destroys a context and its scratch memory. NULL is a no-op. Waits for nothing: synchronise the stream first.
+    Selection caches created with it must be destroyed before it. */
 SPARSA_API void sparsa_context_destroy(sparsa_context* ctx);
 
 /** Changes the stream later runs enqueue on (GPU backends); ignored by the CPU backend. */
@@ -210,7 +211,7 @@ SPARSA_API sparsa_status sparsa_selection_cache_create(sparsa_context* ctx, int3
                                                        sparsa_selection_cache** out);
 /** Empties every slot (next run of each row is a miss) and zeroes the hit/miss counts. */
 SPARSA_API sparsa_status sparsa_selection_cache_reset(sparsa_selection_cache* cache);
-/** Destroys the cache. NULL is a no-op. */
+/** Destroys the cache. NULL is a no-op. Destroy every cache before the context it was created with. */
 SPARSA_API void sparsa_selection_cache_destroy(sparsa_selection_cache* cache);
 /** Hits and misses counted since creation or the last reset, over all rows (either pointer may be NULL). */
 SPARSA_API sparsa_status sparsa_selection_cache_counts(const sparsa_selection_cache* cache, int64_t* hits,
@@ -443,6 +444,7 @@ SPARSA_API sparsa_status sparsa_kv_prefetch(sparsa_context* ctx, const sparsa_te
  * SpargeAttn's Hilbert permutation (§4): for a T×H×W token grid (token id t*H*W + h*W + w), the order of a 3-D
  * Hilbert curve over the enclosing power-of-two cube, skipping cells outside the grid. Writes n = T*H*W entries to
  * `perm` (perm[i] = token id visited i-th) and `inverse` (inverse[perm[i]] = i); either may be NULL. Host memory.
+ * INVALID_ARGUMENT for an extent < 1 or a grid of more than INT32_MAX cells.
  */
 SPARSA_API sparsa_status sparsa_hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm,
                                                     int32_t* inverse);

@@ -47,7 +47,8 @@ message(STATUS "${LIBRARY}: ${exported_count} sparsa_* symbols exported; the hea
 set(problems "")
 if(foreign)
   list(JOIN foreign "\n  " foreign_text)
-  string(APPEND problems "exported symbols outside sparsa_* (hide them: hidden visibility, cmake/sparsa.map):\n  ${foreign_text}\n")
+  string(APPEND problems
+    "exported symbols outside sparsa_* (hide them: hidden visibility, cmake/sparsa.map):\n  ${foreign_text}\n")
 endif()
 if(missing)
   list(JOIN missing "\n  " missing_text)

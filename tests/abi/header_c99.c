@@ -1,7 +1,6 @@
 /* The public header compiles alone as strict C99 (built with -std=c99 -pedantic -Wall -Wextra -Werror) and the
    library it declares links and answers from plain C. */
 #include <sparsa/sparsa.h>
-
 #include <stdio.h>
 #include <string.h>
 

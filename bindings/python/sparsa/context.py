@@ -1,5 +1,6 @@
 """Context and SelectionCache: owners of native handles, closed explicitly, by `with`, or when collected."""
 import ctypes
+import weakref
 
 from . import _library as L
 from .errors import InvalidArgumentError
@@ -26,6 +27,7 @@ class Context:
         L.call("sparsa_context_create", ctypes.byref(options), ctypes.byref(handle))
         self._handle = handle.value
         self.stream = stream
+        self._caches = weakref.WeakSet()  # closed before the context (sparsa.h: caches go first)
 
     @property
     def handle(self):
@@ -55,8 +57,11 @@ class Context:
         return not self._handle
 
     def close(self):
+        """Destroys the context, closing its selection caches first. Safe to call twice."""
         handle, self._handle = getattr(self, "_handle", None), None
         if handle:
+            for cache in list(self._caches):
+                cache.close()
             L.lib.sparsa_context_destroy(handle)
 
     def __enter__(self):
@@ -71,7 +76,7 @@ class Context:
 
 class SelectionCache:
     """TokenSelect's per-layer selection cache (§6.5) for up to `max_batch` sequences. Keep one per layer, pass
-    sequences in the same order every call. It belongs to `ctx`'s device; close it before the context."""
+    sequences in the same order every call. It belongs to `ctx`'s device; closing the context closes it too."""
 
     def __init__(self, ctx, max_batch, num_q_heads, num_kv_heads, head_dim, max_top_k):
         handle = ctypes.c_void_p()
@@ -79,6 +84,7 @@ class SelectionCache:
                max_top_k, ctypes.byref(handle))
         self._handle = handle.value
         self._ctx = ctx  # the context must outlive the cache
+        ctx._caches.add(self)
 
     @property
     def handle(self):

@@ -209,6 +209,15 @@ def test_closing_a_context_twice_is_safe():
         sparsa.attention(context, q, k, v)
 
 
+def test_closing_the_context_closes_its_caches_first():
+    context = sparsa.Context()
+    cache = sparsa.SelectionCache(context, 1, 4, 2, 8, 4)
+    context.close()
+    with pytest.raises(sparsa.Error):
+        cache.counts()
+    cache.close()
+
+
 def test_with_block_closes():
     with sparsa.Context() as context:
         assert context.device_type == L.DEVICE_CPU

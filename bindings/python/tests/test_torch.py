@@ -97,3 +97,23 @@ def test_cuda_context_runs_or_reports_backend_unavailable():
         with sparsa.Context() as cpu:
             expected = sparsa.attention(cpu, *(x.cpu() for x in (q, k, v)), causal=True)
         torch.testing.assert_close(out.cpu(), expected, rtol=2e-3, atol=2e-3)
+
+
+@needs_cuda
+@needs_custom_op
+def test_custom_op_on_cuda_under_compile_uses_the_current_stream():
+    try:
+        sparsa.Context("cuda").close()
+    except sparsa.BackendUnavailableError as err:
+        pytest.skip(f"library built without CUDA: {err.message}")
+    q, k, v = _qkv("cuda")
+    policy = sparsa.SinkWindow(sink_tokens=2, window=4)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()  # inputs were made on the default stream
+    with torch.cuda.stream(side):
+        compiled = torch.compile(lambda a, b, c: sparsa.torch_ops.attention(a, b, c, policy=policy, causal=True),
+                                 fullgraph=True)
+        out = compiled(q, k, v)
+    side.synchronize()
+    expected = sparsa.torch_ops.attention(q.cpu(), k.cpu(), v.cpu(), policy=policy, causal=True)
+    torch.testing.assert_close(out.cpu(), expected, rtol=2e-3, atol=2e-3)

@@ -1,8 +1,7 @@
 /* A downstream program that knows sparsa only through an installed prefix: built once with find_package(sparsa)
    and once with pkg-config. It runs one small dense attention call on the CPU and checks the output. */
-#include <sparsa/sparsa.h>
-
 #include <math.h>
+#include <sparsa/sparsa.h>
 #include <stdio.h>
 
 enum { kSeq = 4, kHeads = 2, kDim = 8 };

@@ -396,6 +396,7 @@ extern "C" {
 }
 extern "C" {
     #[doc = " Destroys a context and its scratch memory. NULL is a no-op. Waits for nothing: synchronise the stream first."]
+    #[doc = "Selection caches created with it must be destroyed before it."]
     pub fn sparsa_context_destroy(ctx: *mut sparsa_context);
 }
 extern "C" {
@@ -443,7 +444,7 @@ extern "C" {
     pub fn sparsa_selection_cache_reset(cache: *mut sparsa_selection_cache) -> sparsa_status;
 }
 extern "C" {
-    #[doc = " Destroys the cache. NULL is a no-op."]
+    #[doc = " Destroys the cache. NULL is a no-op. Destroy every cache before the context it was created with."]
     pub fn sparsa_selection_cache_destroy(cache: *mut sparsa_selection_cache);
 }
 extern "C" {
@@ -1555,6 +1556,7 @@ extern "C" {
     #[doc = " SpargeAttn's Hilbert permutation (§4): for a T×H×W token grid (token id t*H*W + h*W + w), the order of a 3-D"]
     #[doc = " Hilbert curve over the enclosing power-of-two cube, skipping cells outside the grid. Writes n = T*H*W entries to"]
     #[doc = " `perm` (perm[i] = token id visited i-th) and `inverse` (inverse[perm[i]] = i); either may be NULL. Host memory."]
+    #[doc = " INVALID_ARGUMENT for an extent < 1 or a grid of more than INT32_MAX cells."]
     pub fn sparsa_hilbert_permutation(
         t: i32,
         h: i32,

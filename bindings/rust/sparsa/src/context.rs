@@ -98,13 +98,26 @@ pub struct SelectionCache<'ctx> {
 
 impl<'ctx> SelectionCache<'ctx> {
     /// An empty cache for up to `max_batch` sequences of these sizes (`max_top_k` tokens per selection).
-    pub fn new(ctx: &'ctx Context, max_batch: i32, num_q_heads: i32, num_kv_heads: i32, head_dim: i32,
-               max_top_k: i32) -> Result<Self> {
+    pub fn new(
+        ctx: &'ctx Context,
+        max_batch: i32,
+        num_q_heads: i32,
+        num_kv_heads: i32,
+        head_dim: i32,
+        max_top_k: i32,
+    ) -> Result<Self> {
         let mut raw = ptr::null_mut();
         // SAFETY: live context, valid out-pointer written only on success.
         check(unsafe {
-            sys::sparsa_selection_cache_create(ctx.raw(), max_batch, num_q_heads, num_kv_heads, head_dim, max_top_k,
-                                               &mut raw)
+            sys::sparsa_selection_cache_create(
+                ctx.raw(),
+                max_batch,
+                num_q_heads,
+                num_kv_heads,
+                head_dim,
+                max_top_k,
+                &mut raw,
+            )
         })?;
         Ok(SelectionCache { raw, _context: PhantomData })
     }

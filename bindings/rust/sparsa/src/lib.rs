@@ -47,8 +47,10 @@ pub use context::{Context, ContextOptions, SelectionCache};
 pub use error::{Error, Result, Status};
 pub use policy::{Policy, PolicyKind};
 pub use tensor::{Device, Dtype, Element, TensorMut, TensorRef};
-pub use utilities::{drift_select_layers, head_mapping, hilbert_permutation, kv_prefetch, merge_states,
-                    topk_from_scores, PrefetchOutputs};
+pub use utilities::{
+    drift_select_layers, head_mapping, hilbert_permutation, kv_prefetch, merge_states, topk_from_scores,
+    PrefetchOutputs,
+};
 
 /// The loaded library's version as (major, minor, patch).
 pub fn version() -> (u32, u32, u32) {

@@ -39,7 +39,9 @@ impl PolicyKind {
 
     pub fn from_code(code: i32) -> Option<PolicyKind> {
         use PolicyKind::*;
-        [Dense, SinkWindow, BlockSparse, Sparge, TokenSparse, TokenSelect, TokenIndices].into_iter().find(|k| k.code() == code)
+        [Dense, SinkWindow, BlockSparse, Sparge, TokenSparse, TokenSelect, TokenIndices]
+            .into_iter()
+            .find(|k| k.code() == code)
     }
 }
 

@@ -105,19 +105,26 @@ fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
 
 /// Builds the C descriptor after checking rank, extents, strides and (for slices) that every addressed element
 /// lies inside the `available` elements.
-fn describe(data: *mut c_void, dtype: Dtype, shape: &[i64], strides: Option<&[i64]>, available: Option<usize>,
-            device: Device) -> Result<sys::sparsa_tensor> {
+fn describe(
+    data: *mut c_void,
+    dtype: Dtype,
+    shape: &[i64],
+    strides: Option<&[i64]>,
+    available: Option<usize>,
+    device: Device,
+) -> Result<sys::sparsa_tensor> {
     if shape.is_empty() || shape.len() > MAX_DIMS {
-        return Err(Error::new(Status::ShapeMismatch,
-                              format!("tensor: rank {} outside 1..={MAX_DIMS}", shape.len())));
+        return Err(Error::new(Status::ShapeMismatch, format!("tensor: rank {} outside 1..={MAX_DIMS}", shape.len())));
     }
     if shape.iter().any(|&e| e < 0) {
         return Err(Error::new(Status::ShapeMismatch, format!("tensor: negative extent in shape {shape:?}")));
     }
     let strides = match strides {
         Some(s) if s.len() != shape.len() => {
-            return Err(Error::new(Status::ShapeMismatch,
-                                  format!("tensor: {} strides for shape {shape:?} of rank {}", s.len(), shape.len())))
+            return Err(Error::new(
+                Status::ShapeMismatch,
+                format!("tensor: {} strides for shape {shape:?} of rank {}", s.len(), shape.len()),
+            ))
         }
         Some(s) if s.iter().any(|&x| x < 0) => {
             return Err(Error::new(Status::ShapeMismatch, format!("tensor: negative stride in {s:?}")))
@@ -126,12 +133,16 @@ fn describe(data: *mut c_void, dtype: Dtype, shape: &[i64], strides: Option<&[i6
         None => contiguous_strides(shape),
     };
     if let Some(available) = available {
-        let empty = shape.iter().any(|&e| e == 0);
+        let empty = shape.contains(&0);
         let needed: i64 = if empty { 0 } else { 1 + shape.iter().zip(&strides).map(|(e, s)| (e - 1) * s).sum::<i64>() };
         if needed as u128 > available as u128 {
-            return Err(Error::new(Status::ShapeMismatch,
-                                  format!("tensor: shape {shape:?} with strides {strides:?} reaches {needed} \
-                                           elements but the slice holds {available}")));
+            return Err(Error::new(
+                Status::ShapeMismatch,
+                format!(
+                    "tensor: shape {shape:?} with strides {strides:?} reaches {needed} \
+                                           elements but the slice holds {available}"
+                ),
+            ));
         }
     }
     // SAFETY: sparsa_tensor is plain data; every field is set below.
@@ -148,9 +159,14 @@ fn describe(data: *mut c_void, dtype: Dtype, shape: &[i64], strides: Option<&[i6
 
 fn check_element_size<T>(dtype: Dtype) -> Result<()> {
     if std::mem::size_of::<T>() != dtype.size() {
-        return Err(Error::new(Status::DtypeMismatch,
-                              format!("tensor: {}-byte elements cannot hold {dtype:?} ({} bytes)",
-                                      std::mem::size_of::<T>(), dtype.size())));
+        return Err(Error::new(
+            Status::DtypeMismatch,
+            format!(
+                "tensor: {}-byte elements cannot hold {dtype:?} ({} bytes)",
+                std::mem::size_of::<T>(),
+                dtype.size()
+            ),
+        ));
     }
     Ok(())
 }
@@ -169,7 +185,8 @@ impl<'a> TensorRef<'a> {
     }
     /// A strided CPU tensor over `data` (strides in elements).
     pub fn strided<T: Element>(data: &'a [T], shape: &[i64], strides: &[i64]) -> Result<Self> {
-        let raw = describe(data.as_ptr() as *mut c_void, T::DTYPE, shape, Some(strides), Some(data.len()), Device::Cpu)?;
+        let raw =
+            describe(data.as_ptr() as *mut c_void, T::DTYPE, shape, Some(strides), Some(data.len()), Device::Cpu)?;
         Ok(TensorRef { raw, _borrow: PhantomData })
     }
     /// Contiguous IEEE half-precision data given as bits.
@@ -190,8 +207,13 @@ impl<'a> TensorRef<'a> {
     ///
     /// # Safety
     /// `data` must address every element the shape and strides reach, on `device`, for as long as the view is used.
-    pub unsafe fn from_raw(data: *const c_void, dtype: Dtype, shape: &[i64], strides: Option<&[i64]>,
-                           device: Device) -> Result<Self> {
+    pub unsafe fn from_raw(
+        data: *const c_void,
+        dtype: Dtype,
+        shape: &[i64],
+        strides: Option<&[i64]>,
+        device: Device,
+    ) -> Result<Self> {
         let raw = describe(data as *mut c_void, dtype, shape, strides, None, device)?;
         Ok(TensorRef { raw, _borrow: PhantomData })
     }
@@ -219,8 +241,8 @@ impl<'a> TensorMut<'a> {
     }
     /// A strided CPU tensor over `data` (strides in elements).
     pub fn strided<T: Element>(data: &'a mut [T], shape: &[i64], strides: &[i64]) -> Result<Self> {
-        let raw = describe(data.as_mut_ptr() as *mut c_void, T::DTYPE, shape, Some(strides), Some(data.len()),
-                           Device::Cpu)?;
+        let raw =
+            describe(data.as_mut_ptr() as *mut c_void, T::DTYPE, shape, Some(strides), Some(data.len()), Device::Cpu)?;
         Ok(TensorMut { raw, _borrow: PhantomData })
     }
     /// Contiguous IEEE half-precision output given as bits.
@@ -242,8 +264,13 @@ impl<'a> TensorMut<'a> {
     /// # Safety
     /// `data` must address every element the shape and strides reach, on `device`, writable and not otherwise
     /// accessed for as long as the view is used.
-    pub unsafe fn from_raw(data: *mut c_void, dtype: Dtype, shape: &[i64], strides: Option<&[i64]>,
-                           device: Device) -> Result<Self> {
+    pub unsafe fn from_raw(
+        data: *mut c_void,
+        dtype: Dtype,
+        shape: &[i64],
+        strides: Option<&[i64]>,
+        device: Device,
+    ) -> Result<Self> {
         let raw = describe(data, dtype, shape, strides, None, device)?;
         Ok(TensorMut { raw, _borrow: PhantomData })
     }

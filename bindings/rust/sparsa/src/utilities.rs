@@ -13,20 +13,38 @@ fn optional_mut(t: &Option<&mut TensorMut<'_>>) -> *const sys::sparsa_tensor {
 
 /// Merges two partial attention states over disjoint key sets (§0): o [B, S, H, D] (or [T, H, D]), lse f32
 /// [B, H, S] (or [H, T]). `out_lse` may be None.
-pub fn merge_states(ctx: &Context, o_a: &TensorRef<'_>, lse_a: &TensorRef<'_>, o_b: &TensorRef<'_>,
-                    lse_b: &TensorRef<'_>, out: &mut TensorMut<'_>, out_lse: Option<&mut TensorMut<'_>>)
-                    -> Result<()> {
+pub fn merge_states(
+    ctx: &Context,
+    o_a: &TensorRef<'_>,
+    lse_a: &TensorRef<'_>,
+    o_b: &TensorRef<'_>,
+    lse_b: &TensorRef<'_>,
+    out: &mut TensorMut<'_>,
+    out_lse: Option<&mut TensorMut<'_>>,
+) -> Result<()> {
     // SAFETY: every descriptor is borrowed for the call; optional ones may be null.
     check(unsafe {
-        sys::sparsa_merge_states(ctx.raw(), o_a.raw(), lse_a.raw(), o_b.raw(), lse_b.raw(), out.raw(),
-                                 optional_mut(&out_lse))
+        sys::sparsa_merge_states(
+            ctx.raw(),
+            o_a.raw(),
+            lse_a.raw(),
+            o_b.raw(),
+            lse_b.raw(),
+            out.raw(),
+            optional_mut(&out_lse),
+        )
     })
 }
 
 /// The `k` best token ids (block_size 1) or block ids of f32 scores [B, H, N] into int32 `out` [B, H, k],
 /// each row ascending; ties go to the smaller id.
-pub fn topk_from_scores(ctx: &Context, scores: &TensorRef<'_>, k: i32, block_size: i32, out: &mut TensorMut<'_>)
-                        -> Result<()> {
+pub fn topk_from_scores(
+    ctx: &Context,
+    scores: &TensorRef<'_>,
+    k: i32,
+    block_size: i32,
+    out: &mut TensorMut<'_>,
+) -> Result<()> {
     // SAFETY: descriptors borrowed for the call.
     check(unsafe { sys::sparsa_topk_from_scores(ctx.raw(), scores.raw(), k, block_size, out.raw()) })
 }
@@ -51,8 +69,13 @@ pub fn hilbert_permutation(t: i32, h: i32, w: i32) -> Result<(Vec<i32>, Vec<i32>
 
 /// Drift-based layer selection (host memory): h_in/h_out [L, T, D] → ratio f32 [L] and sparse u8 [L] (either
 /// optional).
-pub fn drift_select_layers(h_in: &TensorRef<'_>, h_out: &TensorRef<'_>, delta: f32,
-                           ratio: Option<&mut TensorMut<'_>>, sparse: Option<&mut TensorMut<'_>>) -> Result<()> {
+pub fn drift_select_layers(
+    h_in: &TensorRef<'_>,
+    h_out: &TensorRef<'_>,
+    delta: f32,
+    ratio: Option<&mut TensorMut<'_>>,
+    sparse: Option<&mut TensorMut<'_>>,
+) -> Result<()> {
     // SAFETY: descriptors borrowed for the call; optional ones may be null.
     check(unsafe {
         sys::sparsa_drift_select_layers(h_in.raw(), h_out.raw(), delta, optional_mut(&ratio), optional_mut(&sparse))
@@ -74,12 +97,25 @@ pub struct PrefetchOutputs<'o, 'a> {
 
 /// Copies the K/V rows `indices` [B, H_idx, k] selects from host k_src/v_src [B, N, Hkv, D] into compact buffers
 /// on the context's device (asynchronously on its stream; a plain gather on CPU).
-pub fn kv_prefetch(ctx: &Context, k_src: &TensorRef<'_>, v_src: &TensorRef<'_>, indices: &TensorRef<'_>,
-                   outputs: PrefetchOutputs<'_, '_>) -> Result<()> {
+pub fn kv_prefetch(
+    ctx: &Context,
+    k_src: &TensorRef<'_>,
+    v_src: &TensorRef<'_>,
+    indices: &TensorRef<'_>,
+    outputs: PrefetchOutputs<'_, '_>,
+) -> Result<()> {
     // SAFETY: descriptors borrowed for the call; counts may be null.
     check(unsafe {
-        sys::sparsa_kv_prefetch(ctx.raw(), k_src.raw(), v_src.raw(), indices.raw(), outputs.k_dst.raw(),
-                                outputs.v_dst.raw(), outputs.positions.raw(), outputs.remapped.raw(),
-                                optional_mut(&outputs.counts))
+        sys::sparsa_kv_prefetch(
+            ctx.raw(),
+            k_src.raw(),
+            v_src.raw(),
+            indices.raw(),
+            outputs.k_dst.raw(),
+            outputs.v_dst.raw(),
+            outputs.positions.raw(),
+            outputs.remapped.raw(),
+            optional_mut(&outputs.counts),
+        )
     })
 }

@@ -1,6 +1,7 @@
 //! The safe API beyond the shared vectors: error statuses and messages, slice checks, handles, builders.
-use sparsa::{Attention, Context, ContextOptions, Device, Dtype, Policy, PolicyKind, SelectionCache, Status,
-             TensorMut, TensorRef};
+use sparsa::{
+    Attention, Context, ContextOptions, Device, Dtype, Policy, PolicyKind, SelectionCache, Status, TensorMut, TensorRef,
+};
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n as u32).map(|i| ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 16) % 200) as f32 / 100.0 - 1.0).collect()
@@ -24,8 +25,11 @@ fn qkv() -> Qkv {
 fn dense_run_succeeds_and_writes_out() {
     let ctx = Context::cpu().unwrap();
     let mut t = qkv();
-    let (q, k, v) = (TensorRef::new(&t.q, &SHAPE_Q).unwrap(), TensorRef::new(&t.k, &SHAPE_KV).unwrap(),
-                     TensorRef::new(&t.v, &SHAPE_KV).unwrap());
+    let (q, k, v) = (
+        TensorRef::new(&t.q, &SHAPE_Q).unwrap(),
+        TensorRef::new(&t.k, &SHAPE_KV).unwrap(),
+        TensorRef::new(&t.v, &SHAPE_KV).unwrap(),
+    );
     let mut out = TensorMut::new(&mut t.out, &SHAPE_Q).unwrap();
     Attention::new(&q, &k, &v, &mut out).causal(true).run(&ctx, &Policy::dense()).unwrap();
     // Row 0 of a causal run sees only key 0: out equals v[0] of its kv head.
@@ -37,8 +41,11 @@ fn dtype_mismatch_is_reported_with_the_c_message() {
     let ctx = Context::cpu().unwrap();
     let mut t = qkv();
     let half = vec![0u16; 256];
-    let (q, k, v) = (TensorRef::new(&t.q, &SHAPE_Q).unwrap(), TensorRef::f16(&half, &SHAPE_KV).unwrap(),
-                     TensorRef::new(&t.v, &SHAPE_KV).unwrap());
+    let (q, k, v) = (
+        TensorRef::new(&t.q, &SHAPE_Q).unwrap(),
+        TensorRef::f16(&half, &SHAPE_KV).unwrap(),
+        TensorRef::new(&t.v, &SHAPE_KV).unwrap(),
+    );
     let mut out = TensorMut::new(&mut t.out, &SHAPE_Q).unwrap();
     let err = Attention::new(&q, &k, &v, &mut out).run(&ctx, &Policy::dense()).unwrap_err();
     assert_eq!(err.status, Status::DtypeMismatch);
@@ -51,8 +58,11 @@ fn index_out_of_range_and_wrong_shape() {
     let ctx = Context::cpu().unwrap();
     let mut t = qkv();
     let ids = [0i32, 5, 16];
-    let (q, k, v) = (TensorRef::new(&t.q, &SHAPE_Q).unwrap(), TensorRef::new(&t.k, &SHAPE_KV).unwrap(),
-                     TensorRef::new(&t.v, &SHAPE_KV).unwrap());
+    let (q, k, v) = (
+        TensorRef::new(&t.q, &SHAPE_Q).unwrap(),
+        TensorRef::new(&t.k, &SHAPE_KV).unwrap(),
+        TensorRef::new(&t.v, &SHAPE_KV).unwrap(),
+    );
     let indices = TensorRef::new(&ids, &[1, 1, 3]).unwrap();
     {
         let mut out = TensorMut::new(&mut t.out, &SHAPE_Q).unwrap();
@@ -70,8 +80,11 @@ fn invalid_argument_and_unsupported() {
     let ctx = Context::cpu().unwrap();
     let mut t = qkv();
     let mut sel = vec![0i32; 64];
-    let (q, k, v) = (TensorRef::new(&t.q, &SHAPE_Q).unwrap(), TensorRef::new(&t.k, &SHAPE_KV).unwrap(),
-                     TensorRef::new(&t.v, &SHAPE_KV).unwrap());
+    let (q, k, v) = (
+        TensorRef::new(&t.q, &SHAPE_Q).unwrap(),
+        TensorRef::new(&t.k, &SHAPE_KV).unwrap(),
+        TensorRef::new(&t.v, &SHAPE_KV).unwrap(),
+    );
     {
         let mut out = TensorMut::new(&mut t.out, &SHAPE_Q).unwrap();
         let err = Attention::new(&q, &k, &v, &mut out).run(&ctx, &Policy::sink_window().sink_tokens(-1)).unwrap_err();
@@ -79,8 +92,8 @@ fn invalid_argument_and_unsupported() {
     }
     let mut out = TensorMut::new(&mut t.out, &SHAPE_Q).unwrap();
     let mut selected = TensorMut::new(&mut sel, &[1, 4, 16]).unwrap();
-    let err = Attention::new(&q, &k, &v, &mut out).selected_indices(&mut selected).run(&ctx, &Policy::dense())
-        .unwrap_err();
+    let err =
+        Attention::new(&q, &k, &v, &mut out).selected_indices(&mut selected).run(&ctx, &Policy::dense()).unwrap_err();
     assert_eq!(err.status, Status::Unsupported, "{err}");
 }
 
@@ -112,8 +125,11 @@ fn selection_cache_counts_across_runs() {
     let ctx = Context::cpu().unwrap();
     let (qd, kd, vd) = (values(32, 1), values(64 * 16, 2), values(64 * 16, 3));
     let mut od = vec![0f32; 32];
-    let (q, k, v) = (TensorRef::new(&qd, &[1, 1, 4, 8]).unwrap(), TensorRef::new(&kd, &[1, 64, 2, 8]).unwrap(),
-                     TensorRef::new(&vd, &[1, 64, 2, 8]).unwrap());
+    let (q, k, v) = (
+        TensorRef::new(&qd, &[1, 1, 4, 8]).unwrap(),
+        TensorRef::new(&kd, &[1, 64, 2, 8]).unwrap(),
+        TensorRef::new(&vd, &[1, 64, 2, 8]).unwrap(),
+    );
     let policy = Policy::token_select().select_n_init(2).select_n_local(4).select_top_k(4);
     let mut cache = SelectionCache::new(&ctx, 1, 4, 2, 8, 4).unwrap();
     for _ in 0..3 {

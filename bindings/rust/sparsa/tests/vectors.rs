@@ -3,8 +3,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use sparsa::{Attention, Context, Dtype, Policy, PolicyKind, PrefetchOutputs, SelectionCache, Status, TensorMut,
-             TensorRef};
+use sparsa::{
+    Attention, Context, Dtype, Policy, PolicyKind, PrefetchOutputs, SelectionCache, Status, TensorMut, TensorRef,
+};
 
 const MAGIC: &[u8; 8] = b"SPARSAV1";
 const POISON: u8 = 0xA5;
@@ -181,7 +182,7 @@ fn vector_paths() -> Vec<PathBuf> {
     let mut paths: Vec<PathBuf> = std::fs::read_dir(vectors_dir())
         .expect("tests/vectors readable")
         .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().map_or(false, |e| e == "spv"))
+        .filter(|p| p.extension().is_some_and(|e| e == "spv"))
         .collect();
     paths.sort();
     paths
@@ -277,22 +278,37 @@ fn run(ctx: &Context, case: &mut Case) -> sparsa::Result<Option<(i64, i64)>> {
         "attention" => run_attention(ctx, case, &mut o),
         "merge_states" => {
             let (mut out, mut out_lse) = (o.remove("out").unwrap(), o.remove("out_lse").unwrap());
-            let r = sparsa::merge_states(ctx, &i["o_a"].view(), &i["lse_a"].view(), &i["o_b"].view(),
-                                         &i["lse_b"].view(), &mut out.view_mut(), Some(&mut out_lse.view_mut()));
+            let r = sparsa::merge_states(
+                ctx,
+                &i["o_a"].view(),
+                &i["lse_a"].view(),
+                &i["o_b"].view(),
+                &i["lse_b"].view(),
+                &mut out.view_mut(),
+                Some(&mut out_lse.view_mut()),
+            );
             o.insert("out".into(), out);
             o.insert("out_lse".into(), out_lse);
             r.map(|_| None)
         }
         "topk_from_scores" => {
             let out = o.get_mut("indices").unwrap();
-            sparsa::topk_from_scores(ctx, &i["scores"].view(), case.int("arg.k").unwrap() as i32,
-                                     case.int("arg.block_size").unwrap() as i32, &mut out.view_mut())
-                .map(|_| None)
+            sparsa::topk_from_scores(
+                ctx,
+                &i["scores"].view(),
+                case.int("arg.k").unwrap() as i32,
+                case.int("arg.block_size").unwrap() as i32,
+                &mut out.view_mut(),
+            )
+            .map(|_| None)
         }
-        "head_mapping" => sparsa::head_mapping(&i["draft"].view(), &i["target"].view(),
-                                               case.int("arg.k").unwrap() as i32,
-                                               &mut o.get_mut("map").unwrap().view_mut())
-            .map(|_| None),
+        "head_mapping" => sparsa::head_mapping(
+            &i["draft"].view(),
+            &i["target"].view(),
+            case.int("arg.k").unwrap() as i32,
+            &mut o.get_mut("map").unwrap().view_mut(),
+        )
+        .map(|_| None),
         "hilbert_permutation" => {
             let (t, h, w) = (case.int("arg.t").unwrap(), case.int("arg.h").unwrap(), case.int("arg.w").unwrap());
             sparsa::hilbert_permutation(t as i32, h as i32, w as i32).map(|(perm, inverse)| {
@@ -303,9 +319,13 @@ fn run(ctx: &Context, case: &mut Case) -> sparsa::Result<Option<(i64, i64)>> {
         }
         "drift_select_layers" => {
             let (mut ratio, mut sparse) = (o.remove("ratio").unwrap(), o.remove("sparse").unwrap());
-            let r = sparsa::drift_select_layers(&i["h_in"].view(), &i["h_out"].view(),
-                                                case.float("arg.delta").unwrap() as f32,
-                                                Some(&mut ratio.view_mut()), Some(&mut sparse.view_mut()));
+            let r = sparsa::drift_select_layers(
+                &i["h_in"].view(),
+                &i["h_out"].view(),
+                case.float("arg.delta").unwrap() as f32,
+                Some(&mut ratio.view_mut()),
+                Some(&mut sparse.view_mut()),
+            );
             o.insert("ratio".into(), ratio);
             o.insert("sparse".into(), sparse);
             r.map(|_| None)
@@ -314,14 +334,19 @@ fn run(ctx: &Context, case: &mut Case) -> sparsa::Result<Option<(i64, i64)>> {
             let mut taken: Vec<Tensor> =
                 ["k_dst", "v_dst", "positions", "remapped", "counts"].iter().map(|n| o.remove(*n).unwrap()).collect();
             let [k_dst, v_dst, positions, remapped, counts] = &mut taken[..] else { unreachable!() };
-            let r = sparsa::kv_prefetch(ctx, &i["k_src"].view(), &i["v_src"].view(), &i["indices"].view(),
-                                        PrefetchOutputs {
-                                            k_dst: &mut k_dst.view_mut(),
-                                            v_dst: &mut v_dst.view_mut(),
-                                            positions: &mut positions.view_mut(),
-                                            remapped: &mut remapped.view_mut(),
-                                            counts: Some(&mut counts.view_mut()),
-                                        });
+            let r = sparsa::kv_prefetch(
+                ctx,
+                &i["k_src"].view(),
+                &i["v_src"].view(),
+                &i["indices"].view(),
+                PrefetchOutputs {
+                    k_dst: &mut k_dst.view_mut(),
+                    v_dst: &mut v_dst.view_mut(),
+                    positions: &mut positions.view_mut(),
+                    remapped: &mut remapped.view_mut(),
+                    counts: Some(&mut counts.view_mut()),
+                },
+            );
             for (name, t) in ["k_dst", "v_dst", "positions", "remapped", "counts"].iter().zip(taken) {
                 o.insert(name.to_string(), t);
             }
@@ -400,7 +425,8 @@ fn compare(case: &Case) {
         let (got, want) = (case.outputs[name].bytes(), expected.bytes());
         if got != want {
             let size = expected.dtype.size();
-            let first = (0..want.len() / size).find(|j| got[j * size..(j + 1) * size] != want[j * size..(j + 1) * size]);
+            let first =
+                (0..want.len() / size).find(|j| got[j * size..(j + 1) * size] != want[j * size..(j + 1) * size]);
             panic!("{}: out.{name} differs; first differing element {first:?}", case.name);
         }
     }
@@ -447,8 +473,15 @@ fn vectors_cover_every_op_and_policy() {
             kinds.insert(kind);
         }
     }
-    for op in ["attention", "merge_states", "topk_from_scores", "head_mapping", "hilbert_permutation",
-               "drift_select_layers", "kv_prefetch"] {
+    for op in [
+        "attention",
+        "merge_states",
+        "topk_from_scores",
+        "head_mapping",
+        "hilbert_permutation",
+        "drift_select_layers",
+        "kv_prefetch",
+    ] {
         assert!(ops.contains(op), "no vector for {op}");
     }
     assert_eq!(kinds.len(), 7, "policy kinds covered: {kinds:?}");
