@@ -39,20 +39,20 @@ struct HeadChoice {
 struct OwnedTensor {
   std::vector<unsigned char> bytes;
   sparsa_tensor t{};
-  OwnedTensor(int32_t dtype, const std::vector<int64_t>& shape) {
+  OwnedTensor(int32_t dtype, const ShapeSpec& shape) {
     int64_t n = 1;
-    for (int64_t e : shape) n *= e;
+    for (int i = 0; i < shape.rank; ++i) n *= shape.dims[i];
     bytes.assign(static_cast<size_t>(n) * dtype_size(dtype) + 1, 0);  // +1: never a NULL data pointer
     t.struct_size = sizeof(sparsa_tensor);
     t.dtype = dtype;
     t.device_type = SPARSA_DEVICE_CPU;
-    t.ndim = static_cast<int32_t>(shape.size());
+    t.ndim = shape.rank;
     t.data = bytes.data();
     int64_t stride = 1;
     for (int i = t.ndim - 1; i >= 0; --i) {
-      t.shape[i] = shape[size_t(i)];
+      t.shape[i] = shape.dims[i];
       t.strides[i] = stride;
-      stride *= shape[size_t(i)];
+      stride *= shape.dims[i];
     }
   }
 };
@@ -185,7 +185,7 @@ void sparge_tune(sparsa_context& ctx, const sparsa_attention_args* args_in, cons
   if (!is_attention_dtype(q.t.dtype)) {
     fail(SPARSA_STATUS_DTYPE_MISMATCH, "q: dtype ", dtype_name(q.t.dtype), ", expected F32, F16 or BF16");
   }
-  OwnedTensor out(q.t.dtype, std::vector<int64_t>(q.t.shape, q.t.shape + q.t.ndim));
+  OwnedTensor out(q.t.dtype, ShapeSpec::of(q.t));
   args.out = &out.t;
   args.lse = nullptr;
   args.selected_indices = nullptr;

@@ -67,12 +67,12 @@ void expect_rank(const TensorArg& a, const char* name, int rank, const char* lay
   }
 }
 
-void expect_shape(const TensorArg& a, const char* name, const std::vector<int64_t>& shape, const std::string& why) {
-  bool same = a.t.ndim == static_cast<int>(shape.size());
-  for (int i = 0; same && i < a.t.ndim; ++i) same = a.t.shape[i] == shape[size_t(i)];
+void expect_shape(const TensorArg& a, const char* name, const ShapeSpec& shape, const char* why) {
+  bool same = a.t.ndim == shape.rank;
+  for (int i = 0; same && i < a.t.ndim; ++i) same = a.t.shape[i] == shape.dims[i];
   if (!same) {
-    fail(SPARSA_STATUS_SHAPE_MISMATCH, name, ": expected shape ", shape_string(shape), " (", why, "), got ",
-         shape_string(a.t));
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, name, ": expected shape ", shape_string(shape.dims, shape.rank), " (", why,
+         "), got ", shape_string(a.t));
   }
 }
 
@@ -191,7 +191,7 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
   }
   if (pr.num_q_heads < 1) fail(SPARSA_STATUS_SHAPE_MISMATCH, "q: shape ", shape_string(pr.q.t), " has Hq = 0");
   pr.head_dim = static_cast<int32_t>(head_dim);
-  expect_shape(pr.out, "out", std::vector<int64_t>(pr.q.t.shape, pr.q.t.shape + q_rank), "q's shape");
+  expect_shape(pr.out, "out", ShapeSpec::of(pr.q.t), "q's shape");
   expect_last_stride_one(pr.out, "out");
 
   if (pr.q_packed) {
@@ -224,7 +224,7 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
                           : pr.kv_layout == KvLayout::kPaged ? "[P, page_size, Hkv, D] (paged, page_table given)"
                                                              : "[B, Skv, Hkv, D]";
   expect_rank(pr.k, "k", kv_rank, kv_layout);
-  expect_shape(pr.v, "v", std::vector<int64_t>(pr.k.t.shape, pr.k.t.shape + kv_rank), "k's shape");
+  expect_shape(pr.v, "v", ShapeSpec::of(pr.k.t), "k's shape");
   expect_last_stride_one(pr.k, "k");
   expect_last_stride_one(pr.v, "v");
   pr.num_kv_heads = static_cast<int32_t>(pr.k.extent(kv_rank - 2));
@@ -342,22 +342,23 @@ void validate_block_sizes(const sparsa_policy& p) {
   if (p.block_k <= 0) fail(SPARSA_STATUS_INVALID_ARGUMENT, "policy.block_k: expected > 0, got ", p.block_k);
 }
 
-void validate_sparge_values(float theta, float tau, float topk_fraction, float lambda, const std::string& where) {
-  expect_in_closed(theta, -1.f, 1.f, (where + "theta").c_str());
-  if (!(tau > 0.f && tau <= 1.f)) {
-    fail(SPARSA_STATUS_INVALID_ARGUMENT, where, "tau: expected a value in (0, 1], got ", tau);
-  }
-  expect_in_closed(topk_fraction, 0.f, 1.f, (where + "topk_fraction").c_str());
-  if (!(lambda <= 0.f)) {
-    fail(SPARSA_STATUS_INVALID_ARGUMENT, where, "lambda: expected <= 0 (natural-log units; -INFINITY = off), got ",
-         lambda);
-  }
+// Domains of SPARGE's four per-head values; `head` >= 0 names a row of policy.sparge_head_params, -1 the scalars.
+void validate_sparge_values(float theta, float tau, float topk_fraction, float lambda, int32_t head) {
+  auto reject = [head](const char* field, const char* expected, float got) {
+    if (head < 0) fail(SPARSA_STATUS_INVALID_ARGUMENT, "policy.sparge_", field, ": expected ", expected, ", got ", got);
+    fail(SPARSA_STATUS_INVALID_ARGUMENT, "policy.sparge_head_params[", head, "]: ", field, " expected ", expected,
+         ", got ", got);
+  };
+  if (!(theta >= -1.f && theta <= 1.f)) reject("theta", "a value in [-1, 1]", theta);
+  if (!(tau > 0.f && tau <= 1.f)) reject("tau", "a value in (0, 1]", tau);
+  if (!(topk_fraction >= 0.f && topk_fraction <= 1.f)) reject("topk_fraction", "a value in [0, 1]", topk_fraction);
+  if (!(lambda <= 0.f)) reject("lambda", "<= 0 (natural-log units; -INFINITY = off)", lambda);
 }
 
 void validate_sparge(const AttentionProblem& pr, const DeviceRule& rule, PolicyParams& pp) {
   const sparsa_policy& p = pp.p;
   validate_block_sizes(p);
-  validate_sparge_values(p.sparge_theta, p.sparge_tau, p.sparge_topk_fraction, p.sparge_lambda, "policy.sparge_");
+  validate_sparge_values(p.sparge_theta, p.sparge_tau, p.sparge_topk_fraction, p.sparge_lambda, -1);
   expect_flag(p.sparge_attention_sink, "policy.sparge_attention_sink");
   expect_flag(p.sparge_quantized, "policy.sparge_quantized");
   pp.sparge_head_params = read_tensor(p.sparge_head_params, "policy.sparge_head_params", false);
@@ -374,7 +375,7 @@ void validate_sparge(const AttentionProblem& pr, const DeviceRule& rule, PolicyP
     const float tau = std::isnan(at(1)) ? p.sparge_tau : at(1);
     const float topk = std::isnan(at(2)) ? p.sparge_topk_fraction : at(2);
     const float lambda = std::isnan(at(3)) ? p.sparge_lambda : at(3);
-    validate_sparge_values(theta, tau, topk, lambda, "policy.sparge_head_params[" + std::to_string(h) + "]: ");
+    validate_sparge_values(theta, tau, topk, lambda, h);
   }
 }
 

@@ -6,8 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
-#include <string>
-#include <vector>
+#include <initializer_list>
 
 #include "backend.h"
 #include "error.h"
@@ -57,8 +56,23 @@ struct DeviceRule {
 TensorArg read_tensor(const sparsa_tensor* t, const char* name, bool required);
 void expect_dtype(const TensorArg& a, const char* name, int32_t dtype);
 void expect_rank(const TensorArg& a, const char* name, int rank, const char* layout);
+// An expected shape, held inline so that validating a run allocates nothing.
+struct ShapeSpec {
+  int64_t dims[SPARSA_MAX_DIMS] = {};
+  int rank = 0;
+  ShapeSpec(std::initializer_list<int64_t> extents) {
+    for (int64_t e : extents) {
+      if (rank < SPARSA_MAX_DIMS) dims[rank++] = e;
+    }
+  }
+  static ShapeSpec of(const sparsa_tensor& t) {
+    ShapeSpec s({});
+    for (int i = 0; i < t.ndim; ++i) s.dims[s.rank++] = t.shape[i];
+    return s;
+  }
+};
 // Shape must equal `shape`; `why` says where the expectation comes from (e.g. "q's shape").
-void expect_shape(const TensorArg& a, const char* name, const std::vector<int64_t>& shape, const std::string& why);
+void expect_shape(const TensorArg& a, const char* name, const ShapeSpec& shape, const char* why);
 void expect_last_stride_one(const TensorArg& a, const char* name);
 // On the context's device (CPU contexts also accept pinned CUDA_HOST memory).
 void expect_on_device(const TensorArg& a, const char* name, const DeviceRule& rule);

@@ -22,7 +22,7 @@ void expect_same_dtype_as(const TensorArg& a, const char* name, const TensorArg&
   }
 }
 
-std::vector<int64_t> shape_of(const TensorArg& a) { return std::vector<int64_t>(a.t.shape, a.t.shape + a.t.ndim); }
+ShapeSpec shape_of(const TensorArg& a) { return ShapeSpec::of(a.t); }
 
 }  // namespace
 
@@ -60,8 +60,7 @@ MergeProblem validate_merge(const DeviceRule& rule, const sparsa_tensor* o_a, co
   expect_last_stride_one(m.o_b, "o_b");
   expect_last_stride_one(m.out, "out");
   const auto& s = m.o_a.t.shape;
-  const std::vector<int64_t> lse_shape =
-      m.packed ? std::vector<int64_t>{s[1], s[0]} : std::vector<int64_t>{s[0], s[2], s[1]};
+  const ShapeSpec lse_shape = m.packed ? ShapeSpec{s[1], s[0]} : ShapeSpec{s[0], s[2], s[1]};
   const char* why = m.packed ? "[H, T] from o_a" : "[B, H, S] from o_a";
   expect_shape(m.lse_a, "lse_a", lse_shape, why);
   expect_shape(m.lse_b, "lse_b", lse_shape, why);

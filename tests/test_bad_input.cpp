@@ -46,13 +46,14 @@ struct Baseline {
   std::vector<int64_t> stats = std::vector<int64_t>(4);
   std::vector<float> scores = std::vector<float>(2 * kDraftN, 1.f);
   std::vector<int32_t> topk_out = std::vector<int32_t>(2 * kDraftN);
+  std::vector<float> head_params = std::vector<float>(kHq * 4, std::numeric_limits<float>::quiet_NaN());
   std::vector<float> lse_in = std::vector<float>(kB * kHq * kS, 0.f);  // merge inputs
   std::vector<float> v_dst = std::vector<float>(kB * kS * kHkv * kD);  // prefetch outputs (k_dst = out)
   std::vector<int32_t> positions = std::vector<int32_t>(kB * kS);
   std::vector<int32_t> remapped = std::vector<int32_t>(kB * kHkv * 4);
 
   sparsa_tensor tq, tk, tv, tout, tlse, tcu_q, tpage, tseq, tidx, thead_map, tmask, tmask_out, tstats, tscores, ttopk,
-      tlse_in, tk_dst, tv_dst, tpositions, tremapped;
+      thead_params, tlse_in, tk_dst, tv_dst, tpositions, tremapped;
   sparsa_attention_args args;
   sparsa_policy policy;
   int32_t topk_k = 2;
@@ -77,6 +78,7 @@ struct Baseline {
     tstats = make_tensor(stats.data(), SPARSA_DTYPE_I64, {4});
     tscores = make_tensor(scores.data(), SPARSA_DTYPE_F32, {1, 2, kDraftN});
     ttopk = make_tensor(topk_out.data(), SPARSA_DTYPE_I32, {1, 2, topk_k});
+    thead_params = make_tensor(head_params.data(), SPARSA_DTYPE_F32, {kHq, 4});
     tlse_in = make_tensor(lse_in.data(), SPARSA_DTYPE_F32, {kB, kHq, kS});
     tk_dst = make_tensor(out.data(), SPARSA_DTYPE_F32, {kB, kS, kHkv, kD});
     tv_dst = make_tensor(v_dst.data(), SPARSA_DTYPE_F32, {kB, kS, kHkv, kD});
@@ -314,6 +316,13 @@ std::vector<Row> bad_input_rows() {
          b.policy.sparge_theta = 2.f;
        },
        SPARSA_STATUS_INVALID_ARGUMENT, "policy.sparge_theta"},
+      {"sparge_head_params row outside its domain",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_SPARGE);
+         b.policy.sparge_head_params = &b.thead_params;
+         b.head_params[1 * 4 + 1] = 0.f;  // head 1's tau
+       },
+       SPARSA_STATUS_INVALID_ARGUMENT, "policy.sparge_head_params[1]: tau"},
       {"block_k = 0",
        [](Baseline& b) {
          b.use_policy(SPARSA_POLICY_SPARGE);

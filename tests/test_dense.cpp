@@ -192,3 +192,50 @@ TEST_P(Common, ErrorsWriteNothingAndNameTheArgument) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_P(Dense, LongSequencesAcrossManyTiles) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 128, {600}, {600}, true);
+  st::fill(p, Pattern::kBand, rng);
+  st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), ref::attend(p, ref::dense(p)));
+}
+
+TEST_P(Common, ResultsDoNotDependOnTheThreadCount) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(2, 4, 2, 64, {130}, {130}, true);
+  st::fill(p, Pattern::kNeedles, rng);
+  sparsa_policy select = st::make_policy(SPARSA_POLICY_TOKEN_SELECT);
+  select.select_n_init = 4;
+  select.select_top_k = 16;
+  select.select_n_local = 8;
+  for (const sparsa_policy& pol : {st::make_policy(SPARSA_POLICY_DENSE), select}) {
+    SCOPED_TRACE(sparsa_policy_kind_name(pol.kind));
+    std::vector<std::vector<double>> outputs;
+    for (int threads : {1, 2, 3}) {
+      st::Context c(GetParam(), threads);
+      ASSERT_EQ(c.status(), SPARSA_STATUS_SUCCESS);
+      const st::RunResult r = st::run(c, p, pol);
+      st::expect_ok(r);
+      outputs.push_back(r.out.o[0]);
+    }
+    EXPECT_EQ(outputs[0], outputs[1]);
+    EXPECT_EQ(outputs[0], outputs[2]);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+TEST_P(Common, LargeScoresDoNotOverflow) {
+  // Scaled scores in the hundreds: a softmax without max subtraction overflows exp.
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {40}, {90}, true);
+  st::fill(p, Pattern::kNeedles, rng);
+  p.scale = 8.0;
+  st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), ref::attend(p, ref::dense(p)));
+}
+
+}  // namespace

@@ -161,3 +161,75 @@ TEST_P(Invariants, OptionalOutputsDoNotChangeTheResult) {
 }
 
 }  // namespace
+
+namespace {
+
+// Every parameter outside the domain the header documents is INVALID_ARGUMENT, and nothing is written.
+TEST_P(Invariants, ParametersOutsideTheirDocumentedDomainAreInvalidArguments) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {64}, {64}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  struct Bad {
+    const char* what;
+    int32_t kind;
+    void (*edit)(sparsa_policy&);
+  };
+  const Bad bad[] = {
+      {"block_q 0", SPARSA_POLICY_SPARGE, [](sparsa_policy& q) { q.block_q = 0; }},
+      {"block_k -1", SPARSA_POLICY_SPARGE, [](sparsa_policy& q) { q.block_k = -1; }},
+      {"sparge_theta 1.5", SPARSA_POLICY_SPARGE, [](sparsa_policy& q) { q.sparge_theta = 1.5f; }},
+      {"sparge_theta NaN", SPARSA_POLICY_SPARGE, [](sparsa_policy& q) { q.sparge_theta = NAN; }},
+      {"sparge_tau 0", SPARSA_POLICY_SPARGE, [](sparsa_policy& q) { q.sparge_tau = 0.0f; }},
+      {"sparge_tau 1.5", SPARSA_POLICY_SPARGE, [](sparsa_policy& q) { q.sparge_tau = 1.5f; }},
+      {"sparge_topk_fraction 2", SPARSA_POLICY_SPARGE, [](sparsa_policy& q) { q.sparge_topk_fraction = 2.0f; }},
+      {"sparge_lambda 0.5", SPARSA_POLICY_SPARGE, [](sparsa_policy& q) { q.sparge_lambda = 0.5f; }},
+      {"token_sparse_window 0", SPARSA_POLICY_TOKEN_SPARSE, [](sparsa_policy& q) { q.token_sparse_window = 0; }},
+      {"token_sparse_pool_kernel 4", SPARSA_POLICY_TOKEN_SPARSE, [](sparsa_policy& q) { q.token_sparse_pool_kernel = 4; }},
+      {"token_sparse_coverage -0.1", SPARSA_POLICY_TOKEN_SPARSE, [](sparsa_policy& q) { q.token_sparse_coverage = -0.1f; }},
+      {"token_sparse_coverage 1.5", SPARSA_POLICY_TOKEN_SPARSE, [](sparsa_policy& q) { q.token_sparse_coverage = 1.5f; }},
+      {"token_sparse_min_tokens -1", SPARSA_POLICY_TOKEN_SPARSE, [](sparsa_policy& q) { q.token_sparse_min_tokens = -1; }},
+      {"select_top_k 0", SPARSA_POLICY_TOKEN_SELECT, [](sparsa_policy& q) { q.select_top_k = 0; }},
+      {"select_n_init -1", SPARSA_POLICY_TOKEN_SELECT, [](sparsa_policy& q) { q.select_n_init = -1; }},
+      {"select_n_local -1", SPARSA_POLICY_TOKEN_SELECT, [](sparsa_policy& q) { q.select_n_local = -1; }},
+      {"delta_tail_min -1", SPARSA_POLICY_SINK_WINDOW,
+       [](sparsa_policy& q) { q.flags |= SPARSA_POLICY_FLAG_DELTA; q.delta_tail_min = -1; }},
+      {"unknown flag bit", SPARSA_POLICY_DENSE, [](sparsa_policy& q) { q.flags = 1u << 7; }},
+      {"unknown kind", SPARSA_POLICY_DENSE, [](sparsa_policy& q) { q.kind = 99; }},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.what);
+    sparsa_policy pol = st::make_policy(b.kind);
+    b.edit(pol);
+    st::RunOptions opt;
+    opt.lse = (pol.flags & SPARSA_POLICY_FLAG_DELTA) == 0;
+    const st::RunResult r = st::run(ctx(), p, pol, opt);
+    EXPECT_EQ(r.status, SPARSA_STATUS_INVALID_ARGUMENT) << sparsa_status_string(r.status) << ": " << r.message;
+    EXPECT_TRUE(r.untouched);
+  }
+  // softmax_scale: 0 means default; negative, NaN and infinite are invalid.
+  for (double scale : {-1.0, double(NAN), double(INFINITY)}) {
+    SCOPED_TRACE(::testing::Message() << "softmax_scale " << scale);
+    ref::Problem q = p;
+    q.scale = scale;
+    const st::RunResult r = st::run(ctx(), q, st::make_policy(SPARSA_POLICY_DENSE));
+    EXPECT_EQ(r.status, SPARSA_STATUS_INVALID_ARGUMENT) << sparsa_status_string(r.status) << ": " << r.message;
+    EXPECT_TRUE(r.untouched);
+  }
+}
+
+TEST_P(Invariants, IndexBlockSizeBelowOneIsInvalid) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {1}, {64}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  sparsa_policy pol = st::make_policy(SPARSA_POLICY_TOKEN_INDICES);
+  pol.index_block_size = 0;
+  st::RunOptions opt;
+  opt.indices = {0, 1, 2};
+  opt.h_idx = 1;
+  opt.k = 3;
+  const st::RunResult r = st::run(ctx(), p, pol, opt);
+  EXPECT_EQ(r.status, SPARSA_STATUS_INVALID_ARGUMENT) << sparsa_status_string(r.status) << ": " << r.message;
+  EXPECT_TRUE(r.untouched);
+}
+
+}  // namespace

@@ -73,6 +73,7 @@ void run_cases(const st::Context& ctx, const ref::Problem& p, const st::RunOptio
     opt.page_size = layout.page_size;
     opt.seq_lens_k = layout.seq_lens_k;
     opt.gap = layout.gap;
+    opt.head_major = layout.head_major;
     opt.dtype = layout.dtype;
     const ref::Output want = c.want;
     const st::RunResult r = st::run_and_compare(ctx, p, c.policy, want, opt);
@@ -87,7 +88,8 @@ TEST_P(Layouts, VarlenPackedEqualsPerSequenceResults) {
   for (bool causal : {false, true}) {
     ST_RNG(rng, counter++);
     SCOPED_TRACE(::testing::Message() << "causal=" << causal);
-    ref::Problem p = st::make_problem(3, 4, 2, 64, {50, 17, 80}, {60, 17, 120}, causal);
+    // Sequence 1 has more queries than keys (negative causal offset: its first rows see nothing).
+    ref::Problem p = st::make_problem(3, 4, 2, 64, {50, 30, 80}, {60, 17, 120}, causal);
     st::fill(p, Pattern::kNeedles, rng);
     st::RunOptions opt;
     opt.layout = Layout::kVarlen;
@@ -252,6 +254,27 @@ TEST_P(Layouts, PageIdOutsideTheCacheIsAnIndexError) {
   args.seq_lens_k = &tl;
   EXPECT_EQ(sparsa_attention_run(ctx().get(), &args, nullptr), SPARSA_STATUS_INDEX_OUT_OF_RANGE) << sparsa_last_error_message();
   for (float x : out) ASSERT_TRUE(std::isnan(x));
+}
+
+}  // namespace
+
+namespace {
+
+TEST_P(Layouts, HeadMajorStridesAreJustStrides) {
+  int counter = 0;
+  for (Layout layout : {Layout::kPadded, Layout::kVarlen, Layout::kPaged})
+    for (int64_t gap : {0, 5}) {
+      ST_RNG(rng, counter++);
+      SCOPED_TRACE(::testing::Message() << "layout=" << int(layout) << " gap=" << gap);
+      const bool padded_q = layout != Layout::kVarlen;
+      ref::Problem p = st::make_problem(2, 4, 2, 64, {padded_q ? 7 : 11, 7}, {66, 40}, true);
+      st::fill(p, Pattern::kNeedles, rng);
+      st::RunOptions opt;
+      opt.layout = layout;
+      opt.gap = gap;
+      opt.head_major = true;
+      run_cases(ctx(), p, opt, layout != Layout::kVarlen);
+    }
 }
 
 }  // namespace

@@ -364,3 +364,21 @@ TEST_P(Sparge, DeltaOnTopOfSparge) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_P(Sparge, Bf16AndFp16PredictOnTheRoundedInputs) {
+  int counter = 0;
+  for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16}) {
+    ST_RNG(rng, counter++);
+    SCOPED_TRACE(::testing::Message() << "dtype=" << dtype);
+    ref::Problem p = st::make_problem(1, 2, 1, 64, {256}, {256}, true);
+    fill_smooth(p, rng, 32, 16);
+    p = st::rounded(p, dtype);
+    st::RunOptions opt;
+    opt.dtype = dtype;
+    check(ctx(), p, sparge_policy(32, 16, 0.3, 0.8), opt);
+  }
+}
+
+}  // namespace

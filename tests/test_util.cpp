@@ -58,12 +58,17 @@ int64_t storage_span(const std::vector<int64_t>& shape, const std::vector<int64_
 }
 
 // Strides of an [outer..., H, D] view with `gap` extra elements after each head, row and outer entry.
-std::vector<int64_t> gapped_strides(const std::vector<int64_t>& shape, int64_t gap) {
+// With `head_major`, the storage order of an [outer..., S, H, D] view swaps S and H (the head axis, second to last,
+// becomes outer to the token axis), which a caller gets from a [B, H, S, D] tensor.
+std::vector<int64_t> gapped_strides(const std::vector<int64_t>& shape, int64_t gap, bool head_major = false) {
+  std::vector<size_t> order(shape.size());  // dims from innermost to outermost
+  for (size_t i = 0; i < shape.size(); ++i) order[i] = shape.size() - 1 - i;
+  if (head_major && shape.size() >= 3) std::swap(order[1], order[2]);
   std::vector<int64_t> strides(shape.size());
   int64_t s = 1;
-  for (size_t i = shape.size(); i-- > 0;) {
-    strides[i] = s;
-    s = s * shape[i] + gap;
+  for (size_t dim : order) {
+    strides[dim] = s;
+    s = s * shape[dim] + gap;
   }
   return strides;
 }
@@ -240,11 +245,11 @@ double round_to_dtype(double x, int32_t dtype) {
 }
 
 // ------------------------------------------------------------------------------------------------------ C API
-Context::Context(int32_t device_type) : device_type_(device_type) {
+Context::Context(int32_t device_type, int num_threads) : device_type_(device_type) {
   sparsa_context_options options;
   sparsa_context_options_init(&options);
   options.device_type = device_type;
-  options.num_threads = kTestThreads;
+  options.num_threads = num_threads > 0 ? num_threads : kTestThreads;
   status_ = sparsa_context_create(&options, &ctx_);
 }
 
@@ -355,7 +360,7 @@ struct AttentionView {
 };
 
 AttentionView make_view(const Context& ctx, int32_t dtype, bool packed, const std::vector<int>& lens, int padded_len,
-                        int H, int D, int64_t gap) {
+                        int H, int D, int64_t gap, bool head_major) {
   AttentionView v;
   v.packed = packed;
   std::vector<int64_t> shape;
@@ -366,7 +371,7 @@ AttentionView make_view(const Context& ctx, int32_t dtype, bool packed, const st
   } else {
     shape = {int64_t(lens.size()), padded_len, H, D};
   }
-  v.buf = std::make_unique<Buffer>(ctx, dtype, shape, gapped_strides(shape, gap));
+  v.buf = std::make_unique<Buffer>(ctx, dtype, shape, gapped_strides(shape, gap, head_major));
   return v;
 }
 
@@ -417,7 +422,7 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
   const bool ragged_k = std::any_of(p.skv.begin(), p.skv.end(), [&](int s) { return s != skv_max; });
 
   // Inputs, with NaN in every stride gap (never to be read) and finite garbage in in-bounds padding.
-  AttentionView q = make_view(ctx, opt.dtype, q_packed, p.sq, sq_max, Hq, D, opt.gap);
+  AttentionView q = make_view(ctx, opt.dtype, q_packed, p.sq, sq_max, Hq, D, opt.gap, opt.head_major);
   poison(*q.buf);
   for (int b = 0; b < B; ++b)
     for (int i = 0; i < p.sq[b]; ++i)
@@ -445,8 +450,8 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
         page_table->as<int32_t>()[b * (max_pages + 1) + pg] = used ? order[next++] : order[P - 1];
       }
     std::vector<int64_t> shape = {P, ps, Hkv, D};
-    k_buf = std::make_unique<Buffer>(ctx, opt.dtype, shape, gapped_strides(shape, opt.gap));
-    v_buf = std::make_unique<Buffer>(ctx, opt.dtype, shape, gapped_strides(shape, opt.gap));
+    k_buf = std::make_unique<Buffer>(ctx, opt.dtype, shape, gapped_strides(shape, opt.gap, opt.head_major));
+    v_buf = std::make_unique<Buffer>(ctx, opt.dtype, shape, gapped_strides(shape, opt.gap, opt.head_major));
     for (Buffer* buf : {k_buf.get(), v_buf.get()}) {
       poison(*buf);
       const auto& s = buf->strides();
@@ -467,7 +472,7 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
   } else {
     const bool packed = opt.layout == Layout::kVarlen;
     for (int which = 0; which < 2; ++which) {
-      kv_view[which] = make_view(ctx, opt.dtype, packed, p.skv, skv_max, Hkv, D, opt.gap);
+      kv_view[which] = make_view(ctx, opt.dtype, packed, p.skv, skv_max, Hkv, D, opt.gap, opt.head_major);
       Buffer& buf = *kv_view[which].buf;
       poison(buf);
       for (int b = 0; b < B; ++b)
@@ -493,7 +498,7 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
   }
 
   // Outputs, poisoned.
-  AttentionView out = make_view(ctx, opt.dtype, q_packed, p.sq, sq_max, Hq, D, opt.gap);
+  AttentionView out = make_view(ctx, opt.dtype, q_packed, p.sq, sq_max, Hq, D, opt.gap, opt.head_major);
   poison(*out.buf);
   std::unique_ptr<Buffer> lse, stats, selected, mask_out;
   if (opt.lse) {

@@ -69,7 +69,8 @@ double round_to_dtype(double x, int32_t dtype);
 // RAII over the C API.
 class Context {
  public:
-  explicit Context(int32_t device_type);  // status() says whether creation worked
+  // status() says whether creation worked; num_threads 0 = the test default.
+  explicit Context(int32_t device_type, int num_threads = 0);
   ~Context() { sparsa_context_destroy(ctx_); }
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -166,6 +167,7 @@ struct RunOptions {
   int page_size = 16;
   bool seq_lens_k = false;  // padded k/v with a seq_lens_k tensor (forced when key lengths differ)
   int64_t gap = 0;          // extra elements after each head, row and batch entry (strided, non-contiguous views)
+  bool head_major = false;  // q/k/v/out stored head-major ([B, H, S, D] memory viewed as [B, S, H, D] by strides)
   bool lse = true;
   bool stats = true;
   int selected_sets = 0;    // H_sel of selected_indices; 0 = not requested

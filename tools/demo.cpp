@@ -281,7 +281,8 @@ void print_demo_help(std::ostream& os) {
 int run_demo(const std::vector<std::string>& args) {
   const DemoSettings s = parse_demo_args(args, nullptr);
   const int64_t n = s.seq_len;
-  const int32_t sinks = 64, window = int32_t(n / 8), block_q = 128, block_k = 64;
+  // Policy sizes scale with N: a window of N/8 keys, 64 sink tokens, a local tail of 256 tokens for decode policies.
+  const int32_t sinks = 64, local = 256, window = int32_t(n / 8), block_q = 128, block_k = 64;
 
   if (s.eval.progress) std::cerr << "sparsa: building the structured input (N=" << n << ") ...\n";
   const AttentionInputs prefill = make_structured_input(s);
@@ -344,7 +345,7 @@ int run_demo(const std::vector<std::string>& args) {
 
   sparsa_policy token_select = make_policy(SPARSA_POLICY_TOKEN_SELECT);
   token_select.select_n_init = sinks;
-  token_select.select_n_local = 256;
+  token_select.select_n_local = local;
   token_select.select_top_k = window;
   results.push_back(
       evaluate_policy(ctx.get(), chunk, chunk_dense, "TOKEN_SELECT", chunk_rows, token_select, false, s.eval));
@@ -353,7 +354,7 @@ int run_demo(const std::vector<std::string>& args) {
   token_indices.indices = &indices_view;
   token_indices.index_block_size = kIndexBlock;
   token_indices.index_n_init = sinks;
-  token_indices.index_n_local = 256;
+  token_indices.index_n_local = local;
   results.push_back(evaluate_policy(ctx.get(), chunk, chunk_dense, "TOKEN_INDICES (draft)", chunk_rows, token_indices,
                                     false, s.eval));
 

@@ -53,8 +53,7 @@ bool visible(const RowVisibility& vis, int64_t row, int64_t key) {
 enum class TileCoverage { kNone, kAll, kPartial };
 
 // Classifies every (row, key) pair of a tile from the bounds of its positions; kPartial means "look closer".
-TileCoverage classify(const RowVisibility& vis, int64_t row_min, int64_t row_max, int64_t key_min,
-                      int64_t key_max) {
+TileCoverage classify(const RowVisibility& vis, int64_t row_min, int64_t row_max, int64_t key_min, int64_t key_max) {
   const int64_t first_aligned = row_min + vis.offset;
   const int64_t last_aligned = row_max + vis.offset;
   if (vis.causal && key_min > last_aligned) return TileCoverage::kNone;
@@ -69,8 +68,8 @@ TileCoverage classify(const RowVisibility& vis, int64_t row_min, int64_t row_max
     if (key_min >= vis.sink_tokens && signed_min >= vis.window) return TileCoverage::kNone;
     return (causal_all && signed_max < vis.window) ? TileCoverage::kAll : TileCoverage::kPartial;
   }
-  const int64_t near_abs = (signed_min <= 0 && signed_max >= 0) ? 0 : std::min(std::llabs(signed_min),
-                                                                               std::llabs(signed_max));
+  const int64_t near_abs =
+      (signed_min <= 0 && signed_max >= 0) ? 0 : std::min(std::llabs(signed_min), std::llabs(signed_max));
   if (key_min >= vis.sink_tokens && near_abs >= vis.window) return TileCoverage::kNone;
   return far_abs < vis.window ? TileCoverage::kAll : TileCoverage::kPartial;
 }
@@ -100,10 +99,20 @@ class RowTile {
  public:
   RowTile(const AttentionProblem& problem, int32_t b, int32_t h, Positions rows, int nr, int max_keys,
           const BlockWalk* quantized_walk, float* out_rows, ThreadScratch& scratch)
-      : problem_(problem), b_(b), h_(h), hk_(kv_head_of(problem, h)), d_(problem.head_dim), rows_(rows), nr_(nr),
-        nr_pad_(round_up(std::max(nr, 1), kRowAlign)), row_stride_(nr_pad_ + kStridePad),
-        kv_stride_(d_ + kStridePad), max_keys_(std::max(max_keys, 1)),
-        kernels_(select_microkernels()), quant_(quantized_walk), o_(out_rows) {
+      : problem_(problem),
+        b_(b),
+        h_(h),
+        hk_(kv_head_of(problem, h)),
+        d_(problem.head_dim),
+        rows_(rows),
+        nr_(nr),
+        nr_pad_(round_up(std::max(nr, 1), kRowAlign)),
+        row_stride_(nr_pad_ + kStridePad),
+        kv_stride_(d_ + kStridePad),
+        max_keys_(std::max(max_keys, 1)),
+        kernels_(select_microkernels()),
+        quant_(quantized_walk),
+        o_(out_rows) {
     // Carve every buffer from one reservation so the scratch vector is resized at most once per call.
     const size_t qt_floats = size_t(d_) * row_stride_;
     const size_t st_floats = size_t(max_keys_) * row_stride_;
@@ -153,8 +162,7 @@ class RowTile {
                     RunCounters* counters) {
     const TileCoverage coverage = classify(vis, row_min_, row_max_, keys.at(0), keys.at(nk - 1));
     if (coverage == TileCoverage::kNone) return false;
-    const int64_t pairs =
-        coverage == TileCoverage::kAll ? int64_t(nr_) * nk : count_visible(vis, rows_, nr_, keys, nk);
+    const int64_t pairs = coverage == TileCoverage::kAll ? int64_t(nr_) * nk : count_visible(vis, rows_, nr_, keys, nk);
     if (pairs == 0) return false;
     if (counters) counters->pairs_computed += pairs;
 
@@ -239,8 +247,7 @@ class RowTile {
     }
     for (int r = 0; r < nr_; ++r) {
       float* q_row = quant_ ? q_rows_ + size_t(r) * d_ : row;
-      load_row_f32(problem_.dtype, problem_.q.t.data, problem_.q_offset(problem_.q, b_, rows_.at(r), h_), d_,
-                   q_row);
+      load_row_f32(problem_.dtype, problem_.q.t.data, problem_.q_offset(problem_.q, b_, rows_.at(r), h_), d_, q_row);
       for (int c = 0; c < d_; ++c) qt_[size_t(c) * row_stride_ + r] = q_row[c] * problem_.scale;
       std::memset(o_ + size_t(r) * d_, 0, sizeof(float) * size_t(d_));
     }
@@ -305,8 +312,7 @@ class RowTile {
     float max_abs = 0.f;
     for (int j = 0; j < nk; ++j) {
       float* row = centred + size_t(j) * d_;
-      load_row_f32(problem_.dtype, problem_.k.t.data, problem_.kv_offset(problem_.k, b_, keys.at(j), hk_), d_,
-                   row);
+      load_row_f32(problem_.dtype, problem_.k.t.data, problem_.kv_offset(problem_.k, b_, keys.at(j), hk_), d_, row);
       for (int c = 0; c < d_; ++c) {
         row[c] -= quant_->k_mean[c];
         max_abs = std::max(max_abs, std::fabs(row[c]));
@@ -319,8 +325,7 @@ class RowTile {
       float* st_row = st_ + size_t(j) * row_stride_;
       for (int r = 0; r < nr_; ++r) {
         const int8_t* q_row = q_i8_ + size_t(r) * d_;
-        int32_t dot = 0;
-        for (int c = 0; c < d_; ++c) dot += int32_t(q_row[c]) * int32_t(k_row[c]);
+        const int32_t dot = kernels_.dot_i8(q_row, k_row, d_);
         st_row[r] = float(dot) * (q_scale_[r] * k_scale * problem_.scale);
       }
       for (int r = nr_; r < nr_pad_; ++r) st_row[r] = 0.f;
@@ -353,8 +358,9 @@ size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized) {
   const size_t d = size_t(head_dim);
   const size_t kv = size_t(std::max(keys, 1)) * (d + kStridePad);
   size_t floats = d * row_stride + size_t(std::max(keys, 1)) * row_stride + 2 * kv + 5 * nr_pad;
-  if (quantized) floats += size_t(rows) * d + 2 * size_t(rows) + d + scratch_floats<int8_t>(size_t(rows) * d) +
-                           scratch_floats<int8_t>(kv);
+  if (quantized)
+    floats +=
+        size_t(rows) * d + 2 * size_t(rows) + d + scratch_floats<int8_t>(size_t(rows) * d) + scratch_floats<int8_t>(kv);
   return floats;
 }
 
@@ -367,8 +373,8 @@ void attend_block_walk(const AttentionProblem& problem, int32_t b, int32_t h, in
   if (walk.quantized_qk && !walk.k_mean)
     fail(SPARSA_STATUS_INTERNAL, "attend_block_walk: quantized walk needs k_mean, got null");
   const int64_t seq_k = problem.seq_len_k(b);
-  RowTile tile(problem, b, h, Positions{nullptr, row_begin}, nr, walk.block_k,
-               walk.quantized_qk ? &walk : nullptr, out_rows, scratch);
+  RowTile tile(problem, b, h, Positions{nullptr, row_begin}, nr, walk.block_k, walk.quantized_qk ? &walk : nullptr,
+               out_rows, scratch);
   const bool pv_skip = walk.pv_skip_lambda > -std::numeric_limits<float>::infinity();
   bool first_computed = true;
   auto block_keys = [&](int64_t n) {
@@ -393,13 +399,13 @@ void attend_block_walk(const AttentionProblem& problem, int32_t b, int32_t h, in
 }
 
 void attend_index_list(const AttentionProblem& problem, int32_t b, int32_t h, const int64_t* rows, int64_t n_rows,
-                       const int64_t* keys, int64_t n_keys, const RowVisibility& vis, float* out_rows,
-                       float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
+                       const int64_t* keys, int64_t n_keys, const RowVisibility& vis, float* out_rows, float* lse_rows,
+                       RunCounters* counters, ThreadScratch& scratch) {
   const int d = problem.head_dim;
   for (int64_t row0 = 0; row0 < n_rows; row0 += kIndexTileRows) {
     const int nr = int(std::min(kIndexTileRows, n_rows - row0));
-    RowTile tile(problem, b, h, Positions{rows + row0, 0}, nr, int(kIndexTileKeys), nullptr,
-                 out_rows + row0 * d, scratch);
+    RowTile tile(problem, b, h, Positions{rows + row0, 0}, nr, int(kIndexTileKeys), nullptr, out_rows + row0 * d,
+                 scratch);
     // Keys are ascending: with a causal predicate nothing past the last row's horizon is visible.
     int64_t key_end = n_keys;
     if (vis.causal) {

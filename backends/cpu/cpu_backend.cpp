@@ -75,8 +75,8 @@ class CpuBackend final : public Backend {
     const int rows = std::max<int32_t>(bq, kDefaultBlockQ);
     const int keys = std::max<int32_t>(bk, kDefaultBlockK);
     const size_t d = size_t(problem.head_dim);
-    const size_t tile_floats =
-        attention_tile_floats(problem.head_dim, rows, keys, policy.p.kind == SPARSA_POLICY_SPARGE && policy.p.sparge_quantized);
+    const size_t tile_floats = attention_tile_floats(
+        problem.head_dim, rows, keys, policy.p.kind == SPARSA_POLICY_SPARGE && policy.p.sparge_quantized);
     for (int w = 0; w < pool_.size(); ++w) {
       loop_scratch(exec_, w).reserve(tile_floats);
       policy_scratch(exec_, w).reserve(size_t(rows) * (d + 1) + size_t(problem.max_seq_k) + 2);
@@ -105,8 +105,7 @@ class CpuBackend final : public Backend {
   }
 
   void merge_states(const MergeProblem& problem) override { cpu_merge_states(problem, exec_); }
-  void topk_from_scores(const TensorArg& scores, int32_t k, int32_t block_size,
-                        const TensorArg& out_indices) override {
+  void topk_from_scores(const TensorArg& scores, int32_t k, int32_t block_size, const TensorArg& out_indices) override {
     cpu_topk_from_scores(scores, k, block_size, out_indices, exec_);
   }
   void kv_prefetch(const PrefetchProblem& problem) override { cpu_kv_prefetch(problem, exec_); }

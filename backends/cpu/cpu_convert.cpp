@@ -7,9 +7,7 @@ namespace sparsa::cpu {
 
 void convert_to_f32(int32_t dtype, const void* src, int64_t n, float* dst) {
   switch (dtype) {
-    case SPARSA_DTYPE_F32:
-      std::memcpy(dst, src, size_t(n) * sizeof(float));
-      return;
+    case SPARSA_DTYPE_F32: std::memcpy(dst, src, size_t(n) * sizeof(float)); return;
     case SPARSA_DTYPE_F16: {
       const uint16_t* h = static_cast<const uint16_t*>(src);
       for (int64_t c = 0; c < n; ++c) dst[c] = f16_to_float(h[c]);
@@ -20,16 +18,13 @@ void convert_to_f32(int32_t dtype, const void* src, int64_t n, float* dst) {
       for (int64_t c = 0; c < n; ++c) dst[c] = bf16_to_float(h[c]);
       return;
     }
-    default:
-      fail(SPARSA_STATUS_INTERNAL, "cpu convert: dtype ", dtype, " is not F32/F16/BF16");
+    default: fail(SPARSA_STATUS_INTERNAL, "cpu convert: dtype ", dtype, " is not F32/F16/BF16");
   }
 }
 
 void convert_from_f32(int32_t dtype, const float* src, int64_t n, void* dst) {
   switch (dtype) {
-    case SPARSA_DTYPE_F32:
-      std::memcpy(dst, src, size_t(n) * sizeof(float));
-      return;
+    case SPARSA_DTYPE_F32: std::memcpy(dst, src, size_t(n) * sizeof(float)); return;
     case SPARSA_DTYPE_F16: {
       uint16_t* h = static_cast<uint16_t*>(dst);
       for (int64_t c = 0; c < n; ++c) h[c] = float_to_f16(src[c]);
@@ -40,8 +35,7 @@ void convert_from_f32(int32_t dtype, const float* src, int64_t n, void* dst) {
       for (int64_t c = 0; c < n; ++c) h[c] = float_to_bf16(src[c]);
       return;
     }
-    default:
-      fail(SPARSA_STATUS_INTERNAL, "cpu convert: dtype ", dtype, " is not F32/F16/BF16");
+    default: fail(SPARSA_STATUS_INTERNAL, "cpu convert: dtype ", dtype, " is not F32/F16/BF16");
   }
 }
 

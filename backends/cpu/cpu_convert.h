@@ -26,7 +26,7 @@ inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16)
 inline uint16_t float_to_bf16(float f) {
   const uint32_t bits = float_to_bits(f);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x0040u);  // quiet NaN, sign kept
-  const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);                      // ties to even
+  const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);                     // ties to even
   return uint16_t((bits + rounding_bias) >> 16);
 }
 

@@ -7,8 +7,8 @@
 // anchor rows {0, gamma, 2·gamma, ... < s_p} and the tail densely (one attend_index_list call over every key) and
 // writes every row through the caller's sink. LSE is undefined for corrected rows (the core forbids asking for it).
 #include <algorithm>
-#include <limits>
 #include <functional>
+#include <limits>
 
 #include "attention_loop.h"
 #include "cpu_engine.h"
@@ -23,8 +23,8 @@ int64_t sparse_prefix(int64_t seq_q, int64_t gamma, int64_t tail_min) {
 
 }  // namespace
 
-void run_delta(PolicyEntry base, const AttentionProblem& problem, const PolicyParams& policy,
-               const OutputSink& sink, const ExecContext& exec) {
+void run_delta(PolicyEntry base, const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
+               const ExecContext& exec) {
   const int d = problem.head_dim;
   const int64_t gamma = policy.p.delta_gamma;
   const int64_t tail_min = policy.p.delta_tail_min;

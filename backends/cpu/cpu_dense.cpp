@@ -14,8 +14,8 @@ RowVisibility causal_visibility(const AttentionProblem& problem, int32_t b) {
   return vis;
 }
 
-void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec,
-                      int32_t block_q, int32_t block_k, const RowVisibility& vis, const KeyBlockLister& lister) {
+void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec, int32_t block_q,
+                      int32_t block_k, const RowVisibility& vis, const KeyBlockLister& lister) {
   const int d = problem.head_dim;
   const int64_t max_q_blocks = (problem.max_seq_q + block_q - 1) / block_q;
   const int64_t max_key_blocks = (problem.max_seq_k + block_k - 1) / block_k;
@@ -52,23 +52,23 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
   exec.parallel_for(items, std::ref(work_item));
 }
 
-void run_dense(const AttentionProblem& problem, const PolicyParams&, const OutputSink& sink,
-               const ExecContext& exec) {
+void run_dense(const AttentionProblem& problem, const PolicyParams&, const OutputSink& sink, const ExecContext& exec) {
   const int32_t block_q = kDefaultBlockQ;
   const int32_t block_k = kDefaultBlockK;
+  const auto list_blocks = [&](int32_t b, int32_t, int64_t q_block, int32_t* ids) {
+    const int64_t seq_q = problem.seq_len_q(b);
+    const int64_t seq_k = problem.seq_len_k(b);
+    int64_t key_end = seq_k;
+    if (problem.causal) {
+      const int64_t last_row = std::min(seq_q, (q_block + 1) * block_q) - 1;
+      key_end = std::clamp<int64_t>(last_row + seq_k - seq_q + 1, 0, seq_k);
+    }
+    const int64_t n = (key_end + block_k - 1) / block_k;
+    for (int64_t j = 0; j < n; ++j) ids[j] = int32_t(j);
+    return n;
+  };
   run_query_blocks(problem, sink, exec, block_q, block_k, RowVisibility{problem.causal, 0, -1, 0},
-                   [&](int32_t b, int32_t, int64_t q_block, int32_t* ids) {
-                     const int64_t seq_q = problem.seq_len_q(b);
-                     const int64_t seq_k = problem.seq_len_k(b);
-                     int64_t key_end = seq_k;
-                     if (problem.causal) {
-                       const int64_t last_row = std::min(seq_q, (q_block + 1) * block_q) - 1;
-                       key_end = std::clamp<int64_t>(last_row + seq_k - seq_q + 1, 0, seq_k);
-                     }
-                     const int64_t n = (key_end + block_k - 1) / block_k;
-                     for (int64_t j = 0; j < n; ++j) ids[j] = int32_t(j);
-                     return n;
-                   });
+                   std::ref(list_blocks));
 }
 
 }  // namespace sparsa::cpu

@@ -28,9 +28,7 @@ constexpr int32_t kDefaultBlockQ = 128;
 constexpr int32_t kDefaultBlockK = 64;
 
 inline size_t scratch_slots_for(int num_workers) { return 2 * size_t(num_workers) + kRunScratchSlots; }
-inline int worker_count(const ExecContext& exec) {
-  return int((exec.scratch->size() - kRunScratchSlots) / 2);
-}
+inline int worker_count(const ExecContext& exec) { return int((exec.scratch->size() - kRunScratchSlots) / 2); }
 inline ThreadScratch& loop_scratch(const ExecContext& exec, int worker) { return (*exec.scratch)[size_t(worker)]; }
 inline ThreadScratch& policy_scratch(const ExecContext& exec, int worker) {
   return (*exec.scratch)[size_t(worker_count(exec) + worker)];
@@ -82,8 +80,8 @@ using KeyBlockLister = std::function<int64_t(int32_t b, int32_t h, int64_t q_blo
 // The shared driver of the block policies: for every (b, h, query block of block_q rows) — heaviest causal blocks
 // first, spread over the pool — walks the listed key blocks with visibility `vis` (its offset set per sequence)
 // and hands the rows to `sink`.
-void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec,
-                      int32_t block_q, int32_t block_k, const RowVisibility& vis, const KeyBlockLister& lister);
+void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec, int32_t block_q,
+                      int32_t block_k, const RowVisibility& vis, const KeyBlockLister& lister);
 
 // Visibility of the problem's causal flag for sequence b (bottom-right offset).
 RowVisibility causal_visibility(const AttentionProblem& problem, int32_t b);

@@ -1,7 +1,7 @@
 // sparsa_merge_states on the CPU (§0 merge): each (row, head) of the two partial states is read into fp32, merged
 // with SoftmaxState::merge and normalised. A row is read completely before it is written, so out may alias o_a.
-#include <limits>
 #include <functional>
+#include <limits>
 
 #include "../../src/common/softmax_state.h"
 #include "attention_loop.h"

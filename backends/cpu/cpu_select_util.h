@@ -9,8 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
-#include <utility>
-#include <vector>
 
 #include "../../src/error.h"
 #include "../../src/problem.h"
@@ -90,16 +88,41 @@ inline void require_selected_capacity(const AttentionProblem& problem, int64_t n
   }
 }
 
-// Σ_d a[d]·b[d] in float64 over fp32 inputs: the selection scores are float64 so the CPU backend is an exact oracle.
-inline double dot_f64(const float* a, const float* b, int32_t d) {
-  double sum = 0.0;
-  for (int32_t i = 0; i < d; ++i) sum += double(a[i]) * double(b[i]);
-  return sum;
+// Many float64 dot products against one key row (TOKEN_SELECT's heads, TOKEN_SPARSE's window rows). Selection scores
+// are float64 so the CPU backend is an exact oracle. The vectors are stored in blocks of kInterleavedDots, each block
+// [d][kInterleavedDots] (zero-padded), so a block's independent sums overlap in the pipeline; every sum is still a
+// plain sequential Σ_c in c order, so a result does not depend on which vectors share its block.
+constexpr int32_t kInterleavedDots = 8;
+
+// Doubles the interleaved layout of n_vectors vectors of length d takes.
+inline size_t interleaved_size(int64_t n_vectors, int32_t d) {
+  const size_t blocks = size_t((n_vectors + kInterleavedDots - 1) / kInterleavedDots);
+  return blocks * size_t(kInterleavedDots) * size_t(d);
 }
-inline double dot_f64(const double* a, const float* b, int32_t d) {
-  double sum = 0.0;
-  for (int32_t i = 0; i < d; ++i) sum += a[i] * double(b[i]);
-  return sum;
+
+// Stores vector `index` (d values of any arithmetic type) into the interleaved layout. Zero the layout first
+// (std::fill over interleaved_size) so the padding lanes stay 0.
+template <typename T>
+void interleave_vector(double* interleaved, int64_t index, const T* values, int32_t d) {
+  double* block = interleaved + (index / kInterleavedDots) * kInterleavedDots * d;
+  const int64_t lane = index % kInterleavedDots;
+  for (int32_t c = 0; c < d; ++c) block[c * kInterleavedDots + lane] = double(values[c]);
+}
+
+// dots[i] = scale · Σ_c v_i[c]·key[c] for i < n_vectors.
+inline void interleaved_dots(const double* interleaved, int64_t n_vectors, const float* key, int32_t d, double scale,
+                             double* dots) {
+  for (int64_t first = 0; first < n_vectors; first += kInterleavedDots) {
+    const double* block = interleaved + first * d;
+    double sums[kInterleavedDots] = {};
+    for (int32_t c = 0; c < d; ++c) {
+      const double k = key[c];
+      const double* v = block + int64_t(c) * kInterleavedDots;
+      for (int32_t l = 0; l < kInterleavedDots; ++l) sums[l] += v[l] * k;
+    }
+    const int64_t lanes = std::min<int64_t>(kInterleavedDots, n_vectors - first);
+    for (int64_t l = 0; l < lanes; ++l) dots[first + l] = scale * sums[l];
+  }
 }
 
 // Sizes of the output buffers attend_rows_over_keys needs.

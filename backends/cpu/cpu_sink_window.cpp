@@ -14,7 +14,7 @@ void run_sink_window(const AttentionProblem& problem, const PolicyParams& policy
   const int64_t sink_tokens = policy.p.sink_tokens;
   const int64_t window = policy.p.sink_window;
   RowVisibility vis{problem.causal, 0, sink_tokens, window};
-  run_query_blocks(problem, sink, exec, block_q, block_k, vis, [&](int32_t b, int32_t, int64_t q_block, int32_t* ids) {
+  const auto list_blocks = [&](int32_t b, int32_t, int64_t q_block, int32_t* ids) {
     const int64_t seq_q = problem.seq_len_q(b);
     const int64_t seq_k = problem.seq_len_k(b);
     const int64_t offset = seq_k - seq_q;
@@ -23,8 +23,8 @@ void run_sink_window(const AttentionProblem& problem, const PolicyParams& policy
     // Keys any row of the block may see: [0, sink) ∪ (first − window, last + window) (causal: up to last).
     const int64_t window_begin = std::max<int64_t>(0, first_aligned - window + 1);
     const int64_t window_end = std::min<int64_t>(seq_k, problem.causal ? last_aligned + 1 : last_aligned + window);
-    const int64_t sink_end = std::min<int64_t>(seq_k, problem.causal ? std::min(sink_tokens, last_aligned + 1)
-                                                                     : sink_tokens);
+    const int64_t sink_end =
+        std::min<int64_t>(seq_k, problem.causal ? std::min(sink_tokens, last_aligned + 1) : sink_tokens);
     const int64_t key_blocks = (seq_k + block_k - 1) / block_k;
     int64_t n = 0;
     for (int64_t j = 0; j < key_blocks; ++j) {
@@ -35,7 +35,8 @@ void run_sink_window(const AttentionProblem& problem, const PolicyParams& policy
       if (has_sink || has_window) ids[n++] = int32_t(j);
     }
     return n;
-  });
+  };
+  run_query_blocks(problem, sink, exec, block_q, block_k, vis, std::ref(list_blocks));
 }
 
 }  // namespace sparsa::cpu

@@ -175,25 +175,6 @@ int64_t build_index_set(const SequencePlan& plan, const SelectParams& params, co
 // Candidates one vote work item covers: gives the pool parallel work even for one decode sequence.
 constexpr int64_t kCandidatesPerVoteItem = 2048;
 
-// Query heads whose dot products share one loaded key row and run interleaved.
-constexpr int32_t kInterleavedHeads = 8;
-
-// scores[l] = score_scale · Σ_c qbars[l·d + c]·key[c] for l < n_heads, each sum taken in c order (as dot_f64), so
-// the result does not depend on how heads are grouped; interleaving heads overlaps their independent sums.
-void score_heads(const double* qbars, int32_t n_heads, const float* key, int32_t d, double score_scale,
-                 double* scores) {
-  for (int32_t first = 0; first < n_heads; first += kInterleavedHeads) {
-    const int32_t lanes = std::min(kInterleavedHeads, n_heads - first);
-    const double* q = qbars + int64_t(first) * d;
-    double sums[kInterleavedHeads] = {};
-    for (int32_t c = 0; c < d; ++c) {
-      const double k = key[c];
-      for (int32_t l = 0; l < lanes; ++l) sums[l] += q[int64_t(l) * d + c] * k;
-    }
-    for (int32_t l = 0; l < lanes; ++l) scores[first + l] = score_scale * sums[l];
-  }
-}
-
 // Phase 3 works on s[h, t] = q̄_h·K[t, h/g] (· scale when asked) over the candidates t ∈ C, in three steps:
 //   3a per (b, kv head): the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head of the group;
 //   3b per (b, set, chunk of C): vote[t] = Σ_h exp(s[h, t] − m_h) / Z_h over the set's heads, ascending;
@@ -215,14 +196,18 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   const int64_t n_candidates = plan.candidate_end - plan.candidate_begin;
   ScratchLayout layout;
   const size_t row_at = layout.add<float>(size_t(d));
+  const size_t qbars_at = layout.add<double>(interleaved_size(group, d));
   const size_t scores_at = layout.add<double>(size_t(group) * size_t(n_candidates));  // [C, g]
   layout.bind(scratch);
   float* key_row = layout.get<float>(row_at, size_t(d));
+  double* qbars = layout.get<double>(qbars_at, interleaved_size(group, d));
   double* scores = layout.get<double>(scores_at, size_t(group) * size_t(n_candidates));
+  std::fill(qbars, qbars + interleaved_size(group, d), 0.0);
+  for (int32_t l = 0; l < group; ++l) interleave_vector(qbars, l, concat_qbar + int64_t(first_head + l) * d, d);
   for (int64_t c = 0; c < n_candidates; ++c) {
     load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk), d,
                  key_row);
-    score_heads(concat_qbar + int64_t(first_head) * d, group, key_row, d, in.score_scale, scores + c * group);
+    interleaved_dots(qbars, group, key_row, d, in.score_scale, scores + c * group);
   }
   for (int32_t l = 0; l < group; ++l) {
     double max_score = -INFINITY;
@@ -243,18 +228,26 @@ void vote_candidates(const VoteInputs& in, const SequencePlan& plan, int32_t b, 
   const int32_t group = problem.num_q_heads / problem.num_kv_heads;
   const int32_t first_head = set * in.params.heads_per_set;
   const int32_t n_heads = in.params.heads_per_set;
+  const int32_t first_kv_head = first_head / group;
+  const int32_t n_kv_heads = n_heads / group;
+  const size_t group_qbars = interleaved_size(group, d);
   ScratchLayout layout;
   const size_t row_at = layout.add<float>(size_t(d));
+  const size_t qbars_at = layout.add<double>(group_qbars * size_t(n_kv_heads));
   const size_t scores_at = layout.add<double>(size_t(n_heads));
   layout.bind(scratch);
   float* key_row = layout.get<float>(row_at, size_t(d));
+  double* qbars = layout.get<double>(qbars_at, group_qbars * size_t(n_kv_heads));
   double* scores = layout.get<double>(scores_at, size_t(n_heads));
+  std::fill(qbars, qbars + group_qbars * size_t(n_kv_heads), 0.0);
+  for (int32_t l = 0; l < n_heads; ++l) {
+    interleave_vector(qbars + (l / group) * group_qbars, l % group, concat_qbar + int64_t(first_head + l) * d, d);
+  }
   for (int64_t c = first; c < last; ++c) {
-    for (int32_t hk = first_head / group; hk < (first_head + n_heads) / group; ++hk) {
-      load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk),
-                   d, key_row);
-      score_heads(concat_qbar + int64_t(hk) * group * d, group, key_row, d, in.score_scale,
-                  scores + (hk * group - first_head));
+    for (int32_t g = 0; g < n_kv_heads; ++g) {
+      load_row_f32(problem.dtype, problem.k.t.data,
+                   problem.kv_offset(problem.k, b, plan.candidate_begin + c, first_kv_head + g), d, key_row);
+      interleaved_dots(qbars + g * group_qbars, group, key_row, d, in.score_scale, scores + g * group);
     }
     double vote = 0.0;
     for (int32_t l = 0; l < n_heads; ++l) {
@@ -263,6 +256,63 @@ void vote_candidates(const VoteInputs& in, const SequencePlan& plan, int32_t b, 
     }
     votes[c] = vote;
   }
+}
+
+// Phase 3 of a run (see head_softmax_stats): T for every sequence that selects without a cache hit, written to
+// selections [B, n_sets, top_k]. concat_qbars: [B, Hq·D].
+void compute_selections(const AttentionProblem& problem, const SelectParams& params,
+                        const std::vector<SequencePlan>& plans, const double* concat_qbars, const ExecContext& exec,
+                        int64_t* selections) {
+  const int32_t batch = problem.batch;
+  const int32_t n_heads = problem.num_q_heads;
+  const int64_t qbar_len = int64_t(n_heads) * problem.head_dim;
+  const int64_t selection_len = int64_t(params.n_sets) * params.top_k;
+  const VoteInputs vote_inputs{problem, params, params.scale_scores ? double(problem.scale) : 1.0};
+  const auto computes_selection = [&](int32_t b) { return plans[size_t(b)].selects() && !plans[size_t(b)].cache_hit; };
+  int64_t max_candidates = 0;
+  for (int32_t b = 0; b < batch; ++b) {
+    if (computes_selection(b)) max_candidates = std::max(max_candidates, plans[size_t(b)].n_candidates());
+  }
+  std::vector<double> head_max(size_t(batch) * size_t(n_heads));
+  std::vector<double> head_sum(size_t(batch) * size_t(n_heads));
+  std::vector<double> votes(size_t(batch) * size_t(params.n_sets) * size_t(max_candidates));
+  const auto votes_of = [&](int32_t b, int32_t set) {
+    return votes.data() + (int64_t(b) * params.n_sets + set) * max_candidates;
+  };
+  const int32_t n_kv_heads = problem.num_kv_heads;
+  exec.parallel_for(int64_t(batch) * n_kv_heads, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / n_kv_heads);
+    if (!computes_selection(b)) return;
+    head_softmax_stats(vote_inputs, plans[size_t(b)], b, int32_t(item % n_kv_heads),
+                       concat_qbars + b * qbar_len, policy_scratch(exec, worker),
+                       head_max.data() + int64_t(b) * n_heads, head_sum.data() + int64_t(b) * n_heads);
+  });
+  const int64_t chunks = (max_candidates + kCandidatesPerVoteItem - 1) / kCandidatesPerVoteItem;
+  exec.parallel_for(int64_t(batch) * params.n_sets * chunks, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / (int64_t(params.n_sets) * chunks));
+    const int32_t set = int32_t(item / chunks % params.n_sets);
+    const SequencePlan& plan = plans[size_t(b)];
+    const int64_t first = item % chunks * kCandidatesPerVoteItem;
+    const int64_t last = std::min(plan.n_candidates(), first + kCandidatesPerVoteItem);
+    if (!computes_selection(b) || first >= last) return;
+    vote_candidates(vote_inputs, plan, b, set, first, last, concat_qbars + b * qbar_len,
+                    head_max.data() + int64_t(b) * n_heads, head_sum.data() + int64_t(b) * n_heads,
+                    policy_scratch(exec, worker), votes_of(b, set));
+  });
+  exec.parallel_for(int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / params.n_sets);
+    const int32_t set = int32_t(item % params.n_sets);
+    const SequencePlan& plan = plans[size_t(b)];
+    if (!computes_selection(b)) return;
+    const int64_t n_candidates = plan.n_candidates();
+    ScratchLayout layout;
+    const size_t order_at = layout.add<int64_t>(size_t(n_candidates));
+    layout.bind(policy_scratch(exec, worker));
+    int64_t* selection = selections + b * selection_len + set * params.top_k;
+    top_k_ids_ascending(votes_of(b, set), n_candidates, params.top_k,
+                        layout.get<int64_t>(order_at, size_t(n_candidates)), selection);
+    for (int64_t i = 0; i < params.top_k; ++i) selection[i] += plan.candidate_begin;
+  });
 }
 
 SelectParams resolve_params(const AttentionProblem& problem, const PolicyParams& policy) {
@@ -361,53 +411,8 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     if (plan.cache_hit) cache->load(b, params.n_sets, params.top_k, selections.data() + b * selection_len);
   }
 
-  // Phase 3: head soft vote and top-k for every selecting sequence without a hit (see head_softmax_stats).
-  const VoteInputs vote_inputs{problem, params, params.scale_scores ? double(problem.scale) : 1.0};
-  const auto computes_selection = [&](int32_t b) { return plans[size_t(b)].selects() && !plans[size_t(b)].cache_hit; };
-  int64_t max_candidates = 0;
-  for (int32_t b = 0; b < batch; ++b) {
-    if (computes_selection(b)) max_candidates = std::max(max_candidates, plans[size_t(b)].n_candidates());
-  }
-  std::vector<double> head_max(size_t(batch) * size_t(n_heads));
-  std::vector<double> head_sum(size_t(batch) * size_t(n_heads));
-  std::vector<double> votes(size_t(batch) * size_t(params.n_sets) * size_t(max_candidates));
-  const auto votes_of = [&](int32_t b, int32_t set) {
-    return votes.data() + (int64_t(b) * params.n_sets + set) * max_candidates;
-  };
-  const int32_t n_kv_heads = problem.num_kv_heads;
-  exec.parallel_for(int64_t(batch) * n_kv_heads, [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / n_kv_heads);
-    if (!computes_selection(b)) return;
-    head_softmax_stats(vote_inputs, plans[size_t(b)], b, int32_t(item % n_kv_heads),
-                       concat_qbars.data() + b * qbar_len, policy_scratch(exec, worker),
-                       head_max.data() + int64_t(b) * n_heads, head_sum.data() + int64_t(b) * n_heads);
-  });
-  const int64_t chunks = (max_candidates + kCandidatesPerVoteItem - 1) / kCandidatesPerVoteItem;
-  exec.parallel_for(int64_t(batch) * params.n_sets * chunks, [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / (int64_t(params.n_sets) * chunks));
-    const int32_t set = int32_t(item / chunks % params.n_sets);
-    const SequencePlan& plan = plans[size_t(b)];
-    const int64_t first = item % chunks * kCandidatesPerVoteItem;
-    const int64_t last = std::min(plan.n_candidates(), first + kCandidatesPerVoteItem);
-    if (!computes_selection(b) || first >= last) return;
-    vote_candidates(vote_inputs, plan, b, set, first, last, concat_qbars.data() + b * qbar_len,
-                    head_max.data() + int64_t(b) * n_heads, head_sum.data() + int64_t(b) * n_heads,
-                    policy_scratch(exec, worker), votes_of(b, set));
-  });
-  exec.parallel_for(int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / params.n_sets);
-    const int32_t set = int32_t(item % params.n_sets);
-    const SequencePlan& plan = plans[size_t(b)];
-    if (!computes_selection(b)) return;
-    const int64_t n_candidates = plan.n_candidates();
-    ScratchLayout layout;
-    const size_t order_at = layout.add<int64_t>(size_t(n_candidates));
-    layout.bind(policy_scratch(exec, worker));
-    int64_t* selection = selections.data() + b * selection_len + set * params.top_k;
-    top_k_ids_ascending(votes_of(b, set), n_candidates, params.top_k,
-                        layout.get<int64_t>(order_at, size_t(n_candidates)), selection);
-    for (int64_t i = 0; i < params.top_k; ++i) selection[i] += plan.candidate_begin;
-  });
+  // Phase 3: head soft vote and top-k for every selecting sequence without a hit.
+  compute_selections(problem, params, plans, concat_qbars.data(), exec, selections.data());
 
   // Phase 4: store what was computed and count.
   for (int32_t b = 0; b < batch; ++b) {
@@ -455,7 +460,8 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     layout.bind(policy_scratch(exec, worker));
     int64_t* ids = layout.get<int64_t>(ids_at, size_t(max_ids));
     int64_t* rows = layout.get<int64_t>(rows_at, size_t(plan.seq_q));
-    const int64_t n_ids = build_index_set(plan, params, selections.data() + b * selection_len + set * params.top_k, ids);
+    const int64_t* selection = selections.data() + b * selection_len + set * params.top_k;
+    const int64_t n_ids = build_index_set(plan, params, selection, ids);
     std::iota(rows, rows + plan.seq_q, int64_t{0});
     RowVisibility visibility;
     visibility.causal = true;

@@ -21,9 +21,6 @@
 namespace sparsa::cpu {
 namespace {
 
-// Keys converted to fp32 together while scoring: bounds the per-worker tile buffer.
-constexpr int64_t kScoreKeyTile = 64;
-
 struct SparseParams {
   int64_t window = 0;       // W
   int64_t pool_kernel = 0;  // odd; padding pool_kernel / 2, zeros counted
@@ -41,35 +38,26 @@ struct SequencePlan {
 
 // Phase 1 buffers of one (b, h), carved from the worker's policy scratch.
 struct ScoringBuffers {
-  float* queries = nullptr;   // [W, D] of the scoring window
-  float* key_tile = nullptr;  // [kScoreKeyTile, D]
+  double* queries = nullptr;  // the W window rows, interleaved (interleave_vector)
+  float* key_row = nullptr;   // [D]
+  double* scores = nullptr;   // [W] scores of one key against every window row
   double* row_max = nullptr;  // [W] softmax max of each window row
   double* row_sum = nullptr;  // [W] softmax denominator of each window row
   double* attention = nullptr;  // [L − W] p_h
 };
 
-// Calls visit(w, j, score) for every window row r = L − W + w and key j in [key_begin, min(key_end, r + 1)), where
-// score = scale · q_r·k_j in float64, one fp32 key tile at a time, keys ascending within each row of a tile.
+// Calls visit(w, j, score) for every key j in [0, key_end) (ascending) and every window row r = L − W + w >= j
+// (ascending), where score = scale · q_r·k_j in float64. Each key row is converted once per call.
 template <typename Visit>
 void for_each_window_score(const AttentionProblem& problem, int32_t b, int32_t h, const SequencePlan& plan,
                            const SparseParams& params, int64_t key_end, const ScoringBuffers& buffers, Visit visit) {
   const int32_t d = problem.head_dim;
   const int32_t hk = kv_head_of(problem, h);
   const int64_t first_row = plan.length - params.window;
-  const double scale = problem.scale;
-  for (int64_t tile_begin = 0; tile_begin < key_end; tile_begin += kScoreKeyTile) {
-    const int64_t tile_end = std::min(key_end, tile_begin + kScoreKeyTile);
-    for (int64_t j = tile_begin; j < tile_end; ++j) {
-      load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, j, hk), d,
-                   buffers.key_tile + (j - tile_begin) * d);
-    }
-    for (int64_t w = 0; w < params.window; ++w) {
-      const float* query = buffers.queries + w * d;
-      const int64_t visible_end = std::min(tile_end, first_row + w + 1);
-      for (int64_t j = tile_begin; j < visible_end; ++j) {
-        visit(w, j, scale * dot_f64(query, buffers.key_tile + (j - tile_begin) * d, d));
-      }
-    }
+  for (int64_t j = 0; j < key_end; ++j) {
+    load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, j, hk), d, buffers.key_row);
+    interleaved_dots(buffers.queries, params.window, buffers.key_row, d, problem.scale, buffers.scores);
+    for (int64_t w = std::max<int64_t>(0, j - first_row); w < params.window; ++w) visit(w, j, buffers.scores[w]);
   }
 }
 
@@ -81,22 +69,28 @@ void score_candidates(const AttentionProblem& problem, int32_t b, int32_t h, con
   const int64_t n_candidates = plan.n_candidates;
   const int64_t first_row = length - params.window;
   const size_t window = size_t(params.window);
+  const size_t queries_size = interleaved_size(params.window, d);
   ScratchLayout layout;
-  const size_t queries_at = layout.add<float>(window * size_t(d));
-  const size_t tile_at = layout.add<float>(size_t(kScoreKeyTile) * size_t(d));
+  const size_t queries_at = layout.add<double>(queries_size);
+  const size_t key_at = layout.add<float>(size_t(d));
+  const size_t query_at = layout.add<float>(size_t(d));
+  const size_t scores_at = layout.add<double>(window);
   const size_t max_at = layout.add<double>(window);
   const size_t sum_at = layout.add<double>(window);
   const size_t attention_at = layout.add<double>(size_t(n_candidates));
   layout.bind(scratch);
   ScoringBuffers buffers;
-  buffers.queries = layout.get<float>(queries_at, window * size_t(d));
-  buffers.key_tile = layout.get<float>(tile_at, size_t(kScoreKeyTile) * size_t(d));
+  buffers.queries = layout.get<double>(queries_at, queries_size);
+  buffers.key_row = layout.get<float>(key_at, size_t(d));
+  buffers.scores = layout.get<double>(scores_at, window);
   buffers.row_max = layout.get<double>(max_at, window);
   buffers.row_sum = layout.get<double>(sum_at, window);
   buffers.attention = layout.get<double>(attention_at, size_t(n_candidates));
+  float* query_row = layout.get<float>(query_at, size_t(d));
+  std::fill(buffers.queries, buffers.queries + queries_size, 0.0);
   for (int64_t w = 0; w < params.window; ++w) {
-    load_row_f32(problem.dtype, problem.q.t.data, problem.q_offset(problem.q, b, first_row + w, h), d,
-                 buffers.queries + w * d);
+    load_row_f32(problem.dtype, problem.q.t.data, problem.q_offset(problem.q, b, first_row + w, h), d, query_row);
+    interleave_vector(buffers.queries, w, query_row, d);
   }
 
   // §5.2: P_h[r, j] = causal softmax over keys j <= r, as max, then denominator, then the averaged probabilities

@@ -56,8 +56,14 @@ void scale_row_portable(float* x, int n, float a) {
   for (int j = 0; j < n; ++j) x[j] *= a;
 }
 
+int32_t dot_i8_portable(const int8_t* a, const int8_t* b, int n) {
+  int32_t sum = 0;
+  for (int c = 0; c < n; ++c) sum += int32_t(a[c]) * int32_t(b[c]);
+  return sum;
+}
+
 constexpr Microkernels kPortable = {qk_tile_portable,     pv_tile_portable,   column_max_portable,
-                                    exp_columns_portable, scale_row_portable, "portable"};
+                                    exp_columns_portable, scale_row_portable, dot_i8_portable, "portable"};
 
 }  // namespace
 

@@ -1,12 +1,11 @@
 // The CPU backend's tile microkernels: the stages of one attention tile, in a transposed score layout.
 //
-// Scores are kept as Sᵀ [keys, query rows] (row stride = the padded row count): the online-softmax bookkeeping is
-// then vertical SIMD across query rows (no horizontal reductions), K and V rows are read in place from the
-// caller's tensors (fp32 with a constant token stride) or from a converted tile, and only the query tile — loaded
-// once per call and reused for every key tile — is transposed.
+// Scores are kept as Sᵀ [keys, query rows]: the online-softmax bookkeeping is then vertical SIMD across query rows
+// (no horizontal reductions), K and V tiles stay row-major as converted, and only the query tile — loaded once per
+// call and reused for every key tile — is transposed.
 //   Sᵀ = K · Qᵀ      (qk_tile)
 //   softmax          (column_max, exp_columns, scale_row)
-//   O += Pᵀᵀ · V     (pv_tile)
+//   O += P · V       (pv_tile, reading P from Sᵀ)
 // Each stage has a portable version and an AVX2+FMA version (microkernels_avx2.cpp); select_microkernels() picks one
 // at run time with __builtin_cpu_supports, so the library is built for plain x86-64 and still uses AVX2 where
 // present. The tables are constant data.
@@ -35,6 +34,8 @@ struct Microkernels {
   void (*exp_columns)(float* st, int st_stride, int nk, int nr_pad, const float* shift, float* col_sum);
   // x[j] *= a for j < n.
   void (*scale_row)(float* x, int n, float a);
+  // Σ_c a[c] · b[c] over n int8 values, exact in int32 (SPARGE's quantized path).
+  int32_t (*dot_i8)(const int8_t* a, const int8_t* b, int n);
   const char* name;  // "avx2+fma" or "portable"
 };
 

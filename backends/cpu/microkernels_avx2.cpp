@@ -53,8 +53,8 @@ void qk_tile_avx2(const float* k, int64_t k_stride, int nk, const float* qt, int
   for (int r0 = 0; r0 < nr_pad; r0 += kColBlock) {
     int j0 = 0;
     for (; j0 + kRowBlock <= nk; j0 += kRowBlock)
-      qk_register_tile<kRowBlock>(k + j0 * k_stride, k_stride, qt + r0, qt_stride, d,
-                                  st + int64_t(j0) * st_stride + r0, st_stride);
+      qk_register_tile<kRowBlock>(k + j0 * k_stride, k_stride, qt + r0, qt_stride, d, st + int64_t(j0) * st_stride + r0,
+                                  st_stride);
     const float* k_rest = k + j0 * k_stride;
     float* st_rest = st + int64_t(j0) * st_stride + r0;
     switch (nk - j0) {
@@ -113,8 +113,7 @@ void pv_columns(const float* pt, int pt_stride, int nr, int nk, const float* v, 
   }
 }
 
-void pv_tile_avx2(const float* pt, int pt_stride, int nr, int nk, const float* v, int64_t v_stride, int d,
-                  float* o) {
+void pv_tile_avx2(const float* pt, int pt_stride, int nr, int nk, const float* v, int64_t v_stride, int d, float* o) {
   int c0 = 0;
   for (; c0 + kColBlock <= d; c0 += kColBlock) pv_columns<2>(pt, pt_stride, nr, nk, v + c0, v_stride, d, o + c0);
   for (; c0 + kLanes <= d; c0 += kLanes) pv_columns<1>(pt, pt_stride, nr, nk, v + c0, v_stride, d, o + c0);
@@ -180,8 +179,25 @@ void scale_row_avx2(float* x, int n, float a) {
   for (; j < n; ++j) x[j] *= a;
 }
 
+int32_t dot_i8_avx2(const int8_t* a, const int8_t* b, int n) {
+  constexpr int kBytes = 16;  // int8 values widened to one register of int16 per step
+  __m256i sum = _mm256_setzero_si256();
+  int c = 0;
+  for (; c + kBytes <= n; c += kBytes) {
+    const __m256i a16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + c)));
+    const __m256i b16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + c)));
+    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(a16, b16));  // |a·b| <= 2·127² per lane: no overflow
+  }
+  __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+  half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1));
+  int32_t total = _mm_cvtsi128_si32(half);
+  for (; c < n; ++c) total += int32_t(a[c]) * int32_t(b[c]);
+  return total;
+}
+
 constexpr Microkernels kAvx2 = {qk_tile_avx2,     pv_tile_avx2,   column_max_avx2,
-                                exp_columns_avx2, scale_row_avx2, "avx2+fma"};
+                                exp_columns_avx2, scale_row_avx2, dot_i8_avx2, "avx2+fma"};
 
 }  // namespace
 

@@ -3,8 +3,8 @@
 // uneven items (causal query blocks, sparse heads) balance themselves. No global state, no OpenMP.
 #pragma once
 
-#include <condition_variable>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -41,7 +41,7 @@ class ThreadPool {
   std::condition_variable work_done_;
   uint64_t generation_ = 0;  // bumped for every parallel_for, so workers know a new job arrived
   bool stopping_ = false;
-  int busy_workers_ = 0;     // background workers still inside the current job
+  int busy_workers_ = 0;  // background workers still inside the current job
 
   // The current job (valid while a parallel_for is in progress).
   const std::function<void(int64_t, int)>* job_ = nullptr;

@@ -95,6 +95,13 @@ __global__ void __launch_bounds__(kThreads) forward_decode_kernel(const ForwardP
   const int32_t split_begin = min(key_end, split * keys_per_split);
   const int32_t split_end = min(key_end, split_begin + keys_per_split);
 
+  // 2-byte K rows on 16-byte boundaries are read 16 bytes at a time (head_dim is a multiple of 64).
+  constexpr int kElemsPer16B = 8;
+  constexpr int kLoadsInFlight = 8;
+  constexpr int kValueBatch = 4;  // V rows in flight per lane in P·V
+  const bool bf16 = p.element_type == ElementType::kBF16;
+  const bool vector_loads = p.kv_rows_aligned16 && p.element_type != ElementType::kF32;
+
   float row_max[kDecodeMaxRows], row_sum[kDecodeMaxRows], out[kDecodeMaxRows][kDimsPerLane];
 #pragma unroll
   for (int r = 0; r < kDecodeMaxRows; ++r) {
@@ -111,7 +118,29 @@ __global__ void __launch_bounds__(kThreads) forward_decode_kernel(const ForwardP
     float score[kDecodeMaxRows];
 #pragma unroll
     for (int r = 0; r < kDecodeMaxRows; ++r) score[r] = 0.f;
-    if (key_inside) {
+    if (key_inside && vector_loads) {
+      // 16-byte loads, kLoadsInFlight at a time, so each lane's K row streams instead of one element per trip.
+      const uint4* k_row = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.k) + k_offset);
+      for (int32_t chunk16 = 0; chunk16 < dim / kElemsPer16B; chunk16 += kLoadsInFlight) {
+        uint4 loaded[kLoadsInFlight];
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u) loaded[u] = k_row[chunk16 + u];
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u) {
+          const uint32_t words[4] = {loaded[u].x, loaded[u].y, loaded[u].z, loaded[u].w};
+#pragma unroll
+          for (int e = 0; e < kElemsPer16B; ++e) {
+            const uint16_t bits = static_cast<uint16_t>(e % 2 == 0 ? words[e / 2] & 0xffffu : words[e / 2] >> 16);
+            const float k_value = bf16 ? bf16_bits_to_float(bits) : f16_bits_to_float(bits);
+            const int32_t d = (chunk16 + u) * kElemsPer16B + e;
+#pragma unroll
+            for (int r = 0; r < kDecodeMaxRows; ++r) {
+              if (r < rows) score[r] = fmaf(q_rows[r * kDecodeMaxHeadDim + d], k_value, score[r]);
+            }
+          }
+        }
+      }
+    } else if (key_inside) {
       for (int32_t d = 0; d < dim; ++d) {
         const float k_value = load_value(p.k, k_offset + d, p.element_type);
 #pragma unroll
@@ -138,15 +167,38 @@ __global__ void __launch_bounds__(kThreads) forward_decode_kernel(const ForwardP
     }
     warp_sync();
     const int32_t chunk_keys = min(kWarpLanes, split_end - chunk);
-    for (int32_t c = 0; c < chunk_keys; ++c) {
-      const int64_t v_offset = key_row_offset(p, p.v_strides, seq0, chunk + c) + lane * dims_per_lane;
+    // P·V, kValueBatch keys at a time: their V loads are all issued before the first FMA needs one.
+    const bool value_pairs = vector_loads && dims_per_lane % 2 == 0;  // 4-byte pairs stay aligned on an even share
+    for (int32_t c0 = 0; c0 < chunk_keys; c0 += kValueBatch) {
+      float values[kValueBatch][kDimsPerLane];
 #pragma unroll
-      for (int j = 0; j < kDimsPerLane; ++j) {
-        if (j >= dims_per_lane) continue;
-        const float v_value = load_value(p.v, v_offset + j, p.element_type);
+      for (int u = 0; u < kValueBatch; ++u) {
+        const bool inside = c0 + u < chunk_keys;
+        const int64_t v_offset =
+            inside ? key_row_offset(p, p.v_strides, seq0, chunk + c0 + u) + lane * dims_per_lane : 0;
+        const uint32_t* v_pairs = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.v) + v_offset);
+#pragma unroll
+        for (int j = 0; j < kDimsPerLane; ++j) {
+          values[u][j] = 0.f;
+          if (!inside || j >= dims_per_lane) continue;
+          if (value_pairs) {
+            const uint32_t pair = v_pairs[j / 2];
+            const uint16_t bits = static_cast<uint16_t>(j % 2 == 0 ? pair & 0xffffu : pair >> 16);
+            values[u][j] = bf16 ? bf16_bits_to_float(bits) : f16_bits_to_float(bits);
+          } else {
+            values[u][j] = load_value(p.v, v_offset + j, p.element_type);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kValueBatch; ++u) {
+        if (c0 + u >= chunk_keys) continue;
 #pragma unroll
         for (int r = 0; r < kDecodeMaxRows; ++r) {
-          if (r < rows) out[r][j] = fmaf(probabilities[warp][r][c], v_value, out[r][j]);
+          if (r >= rows) continue;
+          const float probability = probabilities[warp][r][c0 + u];
+#pragma unroll
+          for (int j = 0; j < kDimsPerLane; ++j) out[r][j] = fmaf(probability, values[u][j], out[r][j]);
         }
       }
     }

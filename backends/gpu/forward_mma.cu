@@ -161,6 +161,15 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
   auto issue_key_tile = [&](int32_t tile, int buffer) {
     const int32_t key_begin = tile * kBlockKeys;
     const int valid = min(kBlockKeys, seq.seq_k - key_begin);
+    if (p.page_table == nullptr) {  // padded/packed rows are evenly spaced: one offset, then a stride
+      const int64_t k_first = key_row_offset(p, p.k_strides, seq, key_begin);
+      const int64_t v_first = key_row_offset(p, p.v_strides, seq, key_begin);
+      load_tile_async<kHeadDim, kBlockKeys>(
+          k_tiles + buffer * kTileElems, k_base, [&](int r) { return k_first + r * p.k_strides.s; }, valid);
+      load_tile_async<kHeadDim, kBlockKeys>(
+          v_tiles + buffer * kTileElems, v_base, [&](int r) { return v_first + r * p.v_strides.s; }, valid);
+      return;
+    }
     load_tile_async<kHeadDim, kBlockKeys>(
         k_tiles + buffer * kTileElems, k_base,
         [&](int r) { return key_row_offset(p, p.k_strides, seq, key_begin + r); }, valid);
@@ -170,9 +179,9 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
   };
 
   // Stage 0: Q tile and the first key tile in one cp.async group.
+  const int64_t q_first = query_row_offset(p.q_strides, seq, row_begin);
   load_tile_async<kHeadDim, kBlockRows>(
-      q_tile, q_base, [&](int r) { return query_row_offset(p.q_strides, seq, row_begin + r); },
-      row_end - row_begin);
+      q_tile, q_base, [&](int r) { return q_first + r * p.q_strides.s; }, row_end - row_begin);
   int32_t tile = next_visible_tile(first_tile);
   if (tile < tile_count) issue_key_tile(tile, 0);
   cp_async_commit();

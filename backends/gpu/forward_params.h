@@ -39,6 +39,7 @@ struct ForwardParams {
   float* lse = nullptr;  // null: not requested
   TensorStrides q_strides, k_strides, v_strides, out_strides, lse_strides;
   ElementType element_type = ElementType::kF16;
+  bool kv_rows_aligned16 = false;  // k/v base pointers 16-byte aligned and every row stride a multiple of 8 elements
 
   // Sizes.
   int32_t batch = 0;

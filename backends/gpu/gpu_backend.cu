@@ -93,6 +93,15 @@ TensorStrides row_strides(const TensorArg& t) {
   return TensorStrides{t.stride(0), t.stride(1), t.stride(2)};
 }
 
+// Does every row of `t` start on a 16-byte boundary (base aligned, every non-last stride a multiple of 8)?
+bool rows_aligned_16(const TensorArg& t) {
+  if (reinterpret_cast<uintptr_t>(t.t.data) % kRowAlignmentBytes != 0) return false;
+  for (int d = 0; d + 1 < t.t.ndim; ++d) {
+    if (t.stride(d) % kRowAlignmentElems != 0) return false;
+  }
+  return true;
+}
+
 ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyParams& policy) {
   ForwardParams p;
   p.q = problem.q.t.data;
@@ -110,6 +119,7 @@ ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyP
                                      : TensorStrides{lse.stride(0), lse.stride(2), lse.stride(1)};
   }
   p.element_type = element_type_of(problem.dtype);
+  p.kv_rows_aligned16 = rows_aligned_16(problem.k) && rows_aligned_16(problem.v);
   p.batch = problem.batch;
   p.num_q_heads = problem.num_q_heads;
   p.group_size = problem.num_q_heads / problem.num_kv_heads;
@@ -157,13 +167,6 @@ ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyP
   return p;
 }
 
-bool rows_aligned_for_mma(const TensorArg& t) {
-  if (reinterpret_cast<uintptr_t>(t.t.data) % kRowAlignmentBytes != 0) return false;
-  for (int d = 0; d + 1 < t.t.ndim; ++d) {
-    if (t.stride(d) % kRowAlignmentElems != 0) return false;
-  }
-  return true;
-}
 
 // Fastest first (oneDNN-style list): decode for a few rows per kv head, tensor cores, then the portable kernel.
 enum class ForwardKernel { kNone, kDecode, kTensorCore, kPortable };
@@ -201,8 +204,8 @@ ForwardKernel choose_kernel(const AttentionProblem& problem, const PolicyParams&
   const ForwardParams params = make_forward_params(problem, policy);
   if (forward_decode_supports(params, problem.max_seq_q)) return ForwardKernel::kDecode;
   const char* mma_reason = nullptr;
-  if (forward_mma_supports(params, &mma_reason) && rows_aligned_for_mma(problem.q) &&
-      rows_aligned_for_mma(problem.k) && rows_aligned_for_mma(problem.v) && rows_aligned_for_mma(problem.out)) {
+  if (forward_mma_supports(params, &mma_reason) && rows_aligned_16(problem.q) &&
+      rows_aligned_16(problem.k) && rows_aligned_16(problem.v) && rows_aligned_16(problem.out)) {
     return ForwardKernel::kTensorCore;
   }
   return ForwardKernel::kPortable;

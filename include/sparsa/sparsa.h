@@ -90,8 +90,9 @@ SPARSA_API const char* sparsa_status_string(sparsa_status status);
 
 /**
  * The detailed message of the last failed call on this thread (e.g. "k: shape [2, 4096, 8, 128] but q has
- * head_dim 64"). Empty string when the last call on this thread succeeded. Valid until the next sparsa call on this
- * thread.
+ * head_dim 64"). Every fallible call clears it on entry, so it is empty after a success. The getters that cannot
+ * fail (sparsa_version, sparsa_version_string, sparsa_status_string, sparsa_dtype_size, sparsa_policy_kind_name and
+ * this function) leave it alone. Valid until the next fallible sparsa call on this thread.
  */
 SPARSA_API const char* sparsa_last_error_message(void);
 
@@ -313,10 +314,13 @@ SPARSA_API const char* sparsa_policy_kind_name(int32_t kind);
 
 /** Indices into the optional `stats` output of a run (int64 counters). */
 typedef enum sparsa_stat_index {
-  SPARSA_STAT_PAIRS_COMPUTED = 0,  /**< query·key pairs whose score was computed */
+  SPARSA_STAT_PAIRS_COMPUTED = 0,  /**< query·key pairs whose score was computed (incl. λ-skipped tiles; with Δ,
+                                        plus the pairs of its dense anchor and tail rows) */
   SPARSA_STAT_PAIRS_DENSE = 1,     /**< pairs dense attention with the same causal flag would compute */
-  SPARSA_STAT_BLOCKS_COMPUTED = 2, /**< (query block, key block) tiles computed (block policies; else 0) */
-  SPARSA_STAT_BLOCKS_TOTAL = 3,    /**< tiles dense attention would compute at the same block sizes (else 0) */
+  /** (query block, key block) tiles with at least one visible pair: BLOCK_SPARSE and SPARGE at block_q × block_k,
+      DENSE and SINK_WINDOW at the 128 × 64 tiling they run at; 0 for the token policies */
+  SPARSA_STAT_BLOCKS_COMPUTED = 2,
+  SPARSA_STAT_BLOCKS_TOTAL = 3,    /**< tiles dense attention would compute at the same tiling (else 0) */
   SPARSA_STAT_PV_BLOCKS_SKIPPED = 4, /**< tiles whose PV product the SPARGE λ test skipped */
   SPARSA_STAT_CACHE_HITS = 5,      /**< selection-cache hits in this run (TOKEN_SELECT) */
   SPARSA_STAT_CACHE_MISSES = 6,    /**< selection-cache misses in this run (TOKEN_SELECT with a cache) */

@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cmath>
-#include <limits>
 
 #ifndef SPARSA_HOST_DEVICE
 #if defined(__CUDACC__) || defined(__HIPCC__)
@@ -22,20 +21,18 @@ namespace sparsa {
 // Scalar part of one row's state; the D-float vector `o` lives with the caller (registers, a tile, a staging row)
 // so that the same type serves every tile shape.
 struct SoftmaxState {
-  float m = -std::numeric_limits<float>::infinity();  // running maximum of the scores seen
-  float l = 0.f;                                       // Σ exp(s − m) over the scores seen
+  float m = -INFINITY;  // running maximum of the scores seen
+  float l = 0.f;                                      // Σ exp(s − m) over the scores seen
 
   SPARSA_HOST_DEVICE bool empty() const { return !(l > 0.f); }
 
   // Natural-log LSE of the scores seen; −inf when none was.
-  SPARSA_HOST_DEVICE float lse() const {
-    return empty() ? -std::numeric_limits<float>::infinity() : m + logf(l);
-  }
+  SPARSA_HOST_DEVICE float lse() const { return empty() ? -INFINITY : m + logf(l); }
 
   // Factor by which o and l must be multiplied when the running maximum moves from m to new_max (>= m).
   // exp(−inf − x) is 0, and a state that has seen nothing keeps factor 0 instead of exp(NaN).
   SPARSA_HOST_DEVICE float rescale_to(float new_max) const {
-    if (m == -std::numeric_limits<float>::infinity()) return 0.f;
+    if (m == -INFINITY) return 0.f;
     return expf(m - new_max);
   }
 
@@ -60,7 +57,7 @@ struct SoftmaxState {
   SPARSA_HOST_DEVICE float finalize(float* o, int d) const {
     if (empty()) {
       for (int c = 0; c < d; ++c) o[c] = 0.f;
-      return -std::numeric_limits<float>::infinity();
+      return -INFINITY;
     }
     const float inv_l = 1.f / l;
     for (int c = 0; c < d; ++c) o[c] *= inv_l;
@@ -70,7 +67,7 @@ struct SoftmaxState {
   // A normalised row with its LSE seen as a state: m = lse, l = 1, o = the row (so merge() applies unchanged).
   SPARSA_HOST_DEVICE static SoftmaxState from_lse(float lse_value) {
     SoftmaxState s;
-    if (lse_value == -std::numeric_limits<float>::infinity() || lse_value != lse_value) return s;
+    if (lse_value == -INFINITY || lse_value != lse_value) return s;
     s.m = lse_value;
     s.l = 1.f;
     return s;
