@@ -99,10 +99,7 @@ TEST_P(BlockSparse, MaskIsRequiredAndMustHaveTheBlockGridShape) {
   EXPECT_EQ(missing.status, SPARSA_STATUS_NULL_POINTER) << missing.message;
   EXPECT_TRUE(missing.untouched);
   // A mask built for block_q = 16 (4 query blocks) passed with block_q = 32 (2 expected).
-  st::RunOptions opt;
-  opt.block_mask.assign(2 * 4 * 4, 1);
   sparsa_policy wrong = block_policy(16, 16);
-  // The harness sizes the mask tensor from the policy's block sizes; change block_q after building it.
   std::vector<uint8_t> data(2 * 4 * 4, 1);
   sparsa_tensor mask = st::host_tensor(data.data(), SPARSA_DTYPE_U8, {1, 2, 4, 4});
   wrong.block_q = 32;
@@ -125,6 +122,14 @@ TEST_P(BlockSparse, SparsityStatsCountComputedTiles) {
   ref::Problem p = st::make_problem(2, 4, 1, 64, {256}, {256}, true);
   st::fill(p, Pattern::kSinks, rng);
   check(ctx(), p, 64, 64, random_mask(rng, p, 64, 64, 0.3));
+}
+
+
+TEST_P(BlockSparse, BlocksLargerThanTheSequence) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 1, 64, {20}, {45}, true);
+  st::fill(p, Pattern::kBand, rng);
+  check(ctx(), p, 64, 128, {1, 1});
 }
 
 }  // namespace

@@ -191,9 +191,6 @@ TEST_P(Common, ErrorsWriteNothingAndNameTheArgument) {
   EXPECT_STREQ(sparsa_last_error_message(), "");
 }
 
-}  // namespace
-
-namespace {
 
 TEST_P(Dense, LongSequencesAcrossManyTiles) {
   ST_RNG(rng, 0);
@@ -225,9 +222,6 @@ TEST_P(Common, ResultsDoNotDependOnTheThreadCount) {
   }
 }
 
-}  // namespace
-
-namespace {
 
 TEST_P(Common, LargeScoresDoNotOverflow) {
   // Scaled scores in the hundreds: a softmax without max subtraction overflows exp.

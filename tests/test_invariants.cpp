@@ -160,9 +160,6 @@ TEST_P(Invariants, OptionalOutputsDoNotChangeTheResult) {
   }
 }
 
-}  // namespace
-
-namespace {
 
 // Every parameter outside the domain the header documents is INVALID_ARGUMENT, and nothing is written.
 TEST_P(Invariants, ParametersOutsideTheirDocumentedDomainAreInvalidArguments) {

@@ -256,9 +256,6 @@ TEST_P(Layouts, PageIdOutsideTheCacheIsAnIndexError) {
   for (float x : out) ASSERT_TRUE(std::isnan(x));
 }
 
-}  // namespace
-
-namespace {
 
 TEST_P(Layouts, HeadMajorStridesAreJustStrides) {
   int counter = 0;

@@ -87,14 +87,18 @@ TEST_P(SinkWindow, NegativeParametersAreInvalidArguments) {
   }
 }
 
-}  // namespace
-
-namespace {
 
 TEST_P(SinkWindow, CausalWithSqExceedingSkvLeavesEarlyRowsEmpty) {
   ST_RNG(rng, 0);
   ref::Problem p = st::make_problem(1, 2, 1, 64, {80}, {50}, true);
   check(ctx(), p, 4, 10, rng, Pattern::kBand);
+}
+
+
+TEST_P(SinkWindow, MoreSinksThanKeys) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 2, 2, 64, {30}, {30}, true);
+  check(ctx(), p, 100, 3, rng, Pattern::kRandom);
 }
 
 }  // namespace

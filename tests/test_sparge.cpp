@@ -311,9 +311,6 @@ TEST_P(Sparge, IntrospectionMaskIsUnsupportedForOtherPolicies) {
   EXPECT_TRUE(r.untouched);
 }
 
-}  // namespace
-
-namespace {
 
 TEST_P(Sparge, CausalWithSqExceedingSkvLeavesEarlyQueryBlocksEmpty) {
   // o = 96 - 160 = -64: query blocks 0 and 1 see no key at all; their rows are 0 with LSE -inf.
@@ -363,9 +360,6 @@ TEST_P(Sparge, DeltaOnTopOfSparge) {
   st::run_and_compare(ctx(), p, pol, ref::delta(p, sparse.out, 16, 32), opt);
 }
 
-}  // namespace
-
-namespace {
 
 TEST_P(Sparge, Bf16AndFp16PredictOnTheRoundedInputs) {
   int counter = 0;

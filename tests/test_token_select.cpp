@@ -250,9 +250,6 @@ TEST_P(TokenSelect, CacheSmallerThanTheRunIsAShapeMismatch) {
   EXPECT_TRUE(r.untouched);
 }
 
-}  // namespace
-
-namespace {
 
 TEST_P(TokenSelect, PerKvHeadSelectionWithTheCacheAndAChunk) {
   ST_RNG(rng, 0);
@@ -308,6 +305,30 @@ TEST_P(TokenSelect, ScaleScoresUsesTheCallersSoftmaxScale) {
   ref::TokenSelectParams tp = small_params();
   tp.scale_scores = true;
   check(ctx(), p, tp);
+}
+
+
+TEST_P(TokenSelect, NoSinksNoLocalWindowChunkRowsMaySeeNothing) {
+  // n_init = n_local = 0: I = T only; early rows of a chunk may see no selected key (0 and LSE -inf).
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(1, 4, 2, 64, {24}, {64}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  // Make the chunk's own keys (40..63) the strongest matches of the mean query.
+  for (int j = 40; j < 64; ++j)
+    for (int h = 0; h < 2; ++h)
+      for (int d = 0; d < 64; ++d) p.k[0][(j * 2 + h) * 64 + d] += 0.5 * p.q[0][(23 * 4 + h * 2) * 64 + d];
+  ref::TokenSelectParams tp;
+  tp.n_init = 0;
+  tp.n_local = 0;
+  tp.top_k = 8;
+  check(ctx(), p, tp);
+}
+
+TEST_P(TokenSelect, SingleKeySequence) {
+  ST_RNG(rng, 0);
+  ref::Problem p = st::make_problem(2, 2, 1, 64, {1}, {1}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  check(ctx(), p, small_params());
 }
 
 }  // namespace

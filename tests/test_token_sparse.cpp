@@ -173,9 +173,6 @@ TEST_P(TokenSparse, RequiresSqEqualsSkv) {
   EXPECT_TRUE(r.untouched);
 }
 
-}  // namespace
-
-namespace {
 
 TEST_P(TokenSparse, PaddedBatchOfEqualLengths) {
   ST_RNG(rng, 0);
@@ -208,6 +205,26 @@ TEST_P(TokenSparse, Fp16MatchesTheRoundedReference) {
   st::RunOptions opt;
   opt.dtype = SPARSA_DTYPE_F16;
   check(ctx(), p, small_params(coverage_for_count(p, 60)), opt);
+}
+
+
+TEST_P(TokenSparse, ZeroMinTokensCanLeaveOnlyTheWindow) {
+  // min_tokens 0: budget = max(0, (L - W) - n_drop) reaches 0 when every candidate is dropped but one
+  // (count m = L - W - 1, n_drop = L - W), leaving only the window.
+  int counter = 0;
+  for (int m : {10, 23}) {
+    ST_RNG(rng, counter++);
+    SCOPED_TRACE(::testing::Message() << "m=" << m);
+    ref::Problem p = causal_problem(1, 2, 1, 64, {40});  // 24 candidates
+    st::fill(p, Pattern::kRandom, rng);
+    ref::TokenSparseParams tp = small_params(0.5);
+    tp.min_tokens = 0;
+    const ref::TokenSparseResult probe = ref::token_sparse(p, tp);
+    const std::vector<double>& c = probe.cumsum[0];
+    tp.coverage = double(float((c[m - 1] + c[m]) / 2));
+    const ref::TokenSparseResult want = check(ctx(), p, tp);
+    EXPECT_EQ(want.budget[0], std::max(0, 24 - (m + 1))) << "oracle";
+  }
 }
 
 }  // namespace

@@ -4,7 +4,7 @@
 // Phases, each parallel over independent items (results never depend on the thread count):
 //   0. per sequence: length L, dense fallback (§5.1), the selected_indices capacity check (nothing is written
 //      before it ends);
-//   1. per (b, h): ŝ_h over the candidates [0, L − W) (§5.2–4), float64, O(W·D + L) memory per item;
+//   1. per (b, h): ŝ_h over the candidates [0, L − W) (§5.2–4), float64, O(W·L) memory per worker;
 //   2. per sequence: layer score, n_drop and the budget (§5.4–5);
 //   3. per (b, h): S_h = top-budget candidates ∪ the window (§5.6), selected_indices, zero rows for the dropped
 //      positions and attention of rows S_h over keys S_h, causal by position (§5.7–8).
@@ -36,79 +36,63 @@ struct SequencePlan {
   int64_t scores_offset = 0;  // start of this sequence's [Hq, n_candidates] block in the score buffer
 };
 
-// Phase 1 buffers of one (b, h), carved from the worker's policy scratch.
-struct ScoringBuffers {
-  double* queries = nullptr;  // the W window rows, interleaved (interleave_vector)
-  float* key_row = nullptr;   // [D]
-  double* scores = nullptr;   // [W] scores of one key against every window row
-  double* row_max = nullptr;  // [W] softmax max of each window row
-  double* row_sum = nullptr;  // [W] softmax denominator of each window row
-  double* attention = nullptr;  // [L − W] p_h
-};
-
-// Calls visit(w, j, score) for every key j in [0, key_end) (ascending) and every window row r = L − W + w >= j
-// (ascending), where score = scale · q_r·k_j in float64. Each key row is converted once per call.
-template <typename Visit>
-void for_each_window_score(const AttentionProblem& problem, int32_t b, int32_t h, const SequencePlan& plan,
-                           const SparseParams& params, int64_t key_end, const ScoringBuffers& buffers, Visit visit) {
-  const int32_t d = problem.head_dim;
-  const int32_t hk = kv_head_of(problem, h);
-  const int64_t first_row = plan.length - params.window;
-  for (int64_t j = 0; j < key_end; ++j) {
-    load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, j, hk), d, buffers.key_row);
-    interleaved_dots(buffers.queries, params.window, buffers.key_row, d, problem.scale, buffers.scores);
-    for (int64_t w = std::max<int64_t>(0, j - first_row); w < params.window; ++w) visit(w, j, buffers.scores[w]);
-  }
-}
-
-// Phase 1 for one (b, h): writes ŝ_h[0 .. L − W) to `normalised` (§5.2–4).
+// Phase 1 for one (b, h): writes ŝ_h[0 .. L − W) to `normalised` (§5.2–4). Keeps the W × L score matrix of the
+// window rows (O(W·L) per worker) so every score is computed once.
 void score_candidates(const AttentionProblem& problem, int32_t b, int32_t h, const SequencePlan& plan,
                       const SparseParams& params, ThreadScratch& scratch, double* normalised) {
   const int32_t d = problem.head_dim;
+  const int32_t hk = kv_head_of(problem, h);
   const int64_t length = plan.length;
   const int64_t n_candidates = plan.n_candidates;
-  const int64_t first_row = length - params.window;
-  const size_t window = size_t(params.window);
-  const size_t queries_size = interleaved_size(params.window, d);
+  const int64_t window = params.window;
+  const int64_t first_row = length - window;
+  const size_t queries_size = interleaved_size(window, d);
+  const size_t matrix_size = size_t(length) * size_t(window);
   ScratchLayout layout;
   const size_t queries_at = layout.add<double>(queries_size);
-  const size_t key_at = layout.add<float>(size_t(d));
-  const size_t query_at = layout.add<float>(size_t(d));
-  const size_t scores_at = layout.add<double>(window);
-  const size_t max_at = layout.add<double>(window);
-  const size_t sum_at = layout.add<double>(window);
+  const size_t row_at = layout.add<float>(size_t(d));
+  const size_t matrix_at = layout.add<double>(matrix_size);
+  const size_t max_at = layout.add<double>(size_t(window));
+  const size_t sum_at = layout.add<double>(size_t(window));
   const size_t attention_at = layout.add<double>(size_t(n_candidates));
   layout.bind(scratch);
-  ScoringBuffers buffers;
-  buffers.queries = layout.get<double>(queries_at, queries_size);
-  buffers.key_row = layout.get<float>(key_at, size_t(d));
-  buffers.scores = layout.get<double>(scores_at, window);
-  buffers.row_max = layout.get<double>(max_at, window);
-  buffers.row_sum = layout.get<double>(sum_at, window);
-  buffers.attention = layout.get<double>(attention_at, size_t(n_candidates));
-  float* query_row = layout.get<float>(query_at, size_t(d));
-  std::fill(buffers.queries, buffers.queries + queries_size, 0.0);
-  for (int64_t w = 0; w < params.window; ++w) {
-    load_row_f32(problem.dtype, problem.q.t.data, problem.q_offset(problem.q, b, first_row + w, h), d, query_row);
-    interleave_vector(buffers.queries, w, query_row, d);
-  }
+  double* queries = layout.get<double>(queries_at, queries_size);  // the window rows, interleaved
+  float* row = layout.get<float>(row_at, size_t(d));
+  double* matrix = layout.get<double>(matrix_at, matrix_size);  // [L, W]: key j's scores against every window row
+  double* row_max = layout.get<double>(max_at, size_t(window));
+  double* row_sum = layout.get<double>(sum_at, size_t(window));
+  double* attention = layout.get<double>(attention_at, size_t(n_candidates));  // p_h
+  // Window row r = L − W + w sees key j iff j <= r, i.e. w >= first_visible(j).
+  const auto first_visible = [first_row](int64_t j) { return std::max<int64_t>(0, j - first_row); };
 
-  // §5.2: P_h[r, j] = causal softmax over keys j <= r, as max, then denominator, then the averaged probabilities
-  // of the candidates (three passes recompute the scores instead of keeping a W × L matrix).
-  double* row_max = buffers.row_max;
-  double* row_sum = buffers.row_sum;
+  // §5.2: scale · q_r·k_j in float64 for every window row and key, then the causal softmax of each row (max,
+  // denominator, probabilities) and p_h[j] = (1/W) Σ_r P_h[r, j] over the candidates.
+  std::fill(queries, queries + queries_size, 0.0);
+  for (int64_t w = 0; w < window; ++w) {
+    load_row_f32(problem.dtype, problem.q.t.data, problem.q_offset(problem.q, b, first_row + w, h), d, row);
+    interleave_vector(queries, w, row, d);
+  }
+  for (int64_t j = 0; j < length; ++j) {
+    load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, j, hk), d, row);
+    interleaved_dots(queries, window, row, d, problem.scale, matrix + j * window);
+  }
   std::fill(row_max, row_max + window, -INFINITY);
   std::fill(row_sum, row_sum + window, 0.0);
-  for_each_window_score(problem, b, h, plan, params, length, buffers,
-                        [&](int64_t w, int64_t, double s) { row_max[w] = std::max(row_max[w], s); });
-  for_each_window_score(problem, b, h, plan, params, length, buffers,
-                        [&](int64_t w, int64_t, double s) { row_sum[w] += std::exp(s - row_max[w]); });
-  double* attention = buffers.attention;
-  std::fill(attention, attention + n_candidates, 0.0);
-  for_each_window_score(problem, b, h, plan, params, n_candidates, buffers, [&](int64_t w, int64_t j, double s) {
-    attention[j] += std::exp(s - row_max[w]) / row_sum[w];
-  });
-  for (int64_t j = 0; j < n_candidates; ++j) attention[j] /= double(params.window);
+  for (int64_t j = 0; j < length; ++j) {
+    for (int64_t w = first_visible(j); w < window; ++w) row_max[w] = std::max(row_max[w], matrix[j * window + w]);
+  }
+  for (int64_t j = 0; j < length; ++j) {
+    for (int64_t w = first_visible(j); w < window; ++w) {
+      double& score = matrix[j * window + w];
+      score = std::exp(score - row_max[w]);  // from here on the matrix holds exp(s − m_r)
+      row_sum[w] += score;
+    }
+  }
+  for (int64_t j = 0; j < n_candidates; ++j) {  // candidates are visible to every window row
+    double sum = 0.0;
+    for (int64_t w = 0; w < window; ++w) sum += matrix[j * window + w] / row_sum[w];
+    attention[j] = sum / double(window);
+  }
 
   // §5.3: avg_pool1d(kernel, stride 1, padding kernel/2), zero padding counted in the divisor.
   const int64_t half = params.pool_kernel / 2;

@@ -3,6 +3,7 @@
 #   1. CMake:       find_package(sparsa) -> sparsa::sparsa (and find_package(sparsa 1.0) must fail: SameMajorVersion);
 #   2. pkg-config:  the installed lib/pkgconfig/sparsa.pc (run with LD_LIBRARY_PATH, as a system install would be);
 #   3. pkg-config:  the uninstalled <build>/pkgconfig/sparsa.pc the Go binding uses (runs through its rpath alone).
+# and checks that an installed bin/sparsa runs through its own rpath.
 # Usage: consumer_test.sh <build dir> <consumer source dir> <C compiler> <libdir name> <version> [C flags]
 set -euo pipefail
 build_dir=$1 consumer_dir=$2 cc=$3 libdir=$4 version=$5 cflags=${6:-}
@@ -20,6 +21,11 @@ for f in include/sparsa/sparsa.h "$libdir/libsparsa.so" "$libdir/libsparsa.so.${
          "$libdir/cmake/sparsa/sparsaTargets.cmake" "$libdir/pkgconfig/sparsa.pc"; do
   [[ -e $prefix/$f ]] || fail "the install has no $f"
 done
+
+if [[ -x $prefix/bin/sparsa ]]; then
+  step "installed bin/sparsa finds its library through its rpath"
+  env -u LD_LIBRARY_PATH "$prefix/bin/sparsa" version || fail "installed bin/sparsa does not run"
+fi
 
 step "find_package(sparsa) consumer"
 cmake -S "$consumer_dir" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_COMPILER="$cc" \
