@@ -79,6 +79,8 @@ if(SPARSA_HIP)
   foreach(_arch IN LISTS SPARSA_HIP_ARCHITECTURES)
     list(APPEND _hip_flags --offload-arch=${_arch})
   endforeach()
+  file(GLOB _hip_headers CONFIGURE_DEPENDS ${SPARSA_GPU_DIR}/*.h ${SPARSA_GPU_DIR}/*.cuh
+       ${PROJECT_SOURCE_DIR}/src/*.h ${PROJECT_SOURCE_DIR}/include/sparsa/sparsa.h)
   set(_hip_objects)
   foreach(_name IN LISTS SPARSA_GPU_SOURCE_NAMES)
     set(_object ${CMAKE_CURRENT_BINARY_DIR}/sparsa_hip/${_name}.o)
@@ -86,8 +88,7 @@ if(SPARSA_HIP)
       OUTPUT ${_object}
       COMMAND ${CMAKE_COMMAND} -E make_directory ${CMAKE_CURRENT_BINARY_DIR}/sparsa_hip
       COMMAND ${SPARSA_HIPCC} ${_hip_flags} -c ${SPARSA_GPU_DIR}/hip/${_name}.hip -o ${_object}
-      DEPENDS ${SPARSA_GPU_DIR}/hip/${_name}.hip ${SPARSA_GPU_DIR}/${_name}.cu ${SPARSA_GPU_DIR}/gpu_runtime.h
-              ${SPARSA_GPU_DIR}/forward_common.cuh ${SPARSA_GPU_DIR}/forward_params.h
+      DEPENDS ${SPARSA_GPU_DIR}/hip/${_name}.hip ${SPARSA_GPU_DIR}/${_name}.cu ${_hip_headers}
       COMMENT "hipcc ${_name}.hip"
       VERBATIM)
     list(APPEND _hip_objects ${_object})
@@ -101,5 +102,6 @@ endif()
 
 # ---- GPU tests ----
 if(SPARSA_BUILD_TESTS AND (SPARSA_CUDA OR SPARSA_HIP) AND EXISTS ${PROJECT_SOURCE_DIR}/tests/gpu/CMakeLists.txt)
+  enable_testing()  # this file is included before the top level enables testing; ctest must see tests/gpu
   add_subdirectory(${PROJECT_SOURCE_DIR}/tests/gpu ${CMAKE_CURRENT_BINARY_DIR}/tests/gpu)
 endif()

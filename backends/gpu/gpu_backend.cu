@@ -211,7 +211,8 @@ ForwardKernel choose_kernel(const AttentionProblem& problem, const PolicyParams&
   return ForwardKernel::kPortable;
 }
 
-// How many key splits a tensor-core launch uses (1 = none) and the fp32 scratch its partial states need.
+// How many key splits a decode or tensor-core launch uses (1 = none) and the fp32 scratch its partial states need:
+// split only when the launch has fewer blocks than the GPU holds, and never below a useful share of keys.
 struct SplitPlan {
   int32_t num_splits = 1;
   int32_t flat_rows = 0;
@@ -243,7 +244,7 @@ SplitPlan plan_splits(ForwardKernel kernel, const AttentionProblem& problem, int
   if (splits < 2) return plan;
   const int64_t flat_rows = problem.q_packed ? problem.q.extent(0) : int64_t(problem.batch) * problem.max_seq_q;
   const uint64_t bytes = uint64_t(splits) * flat_rows * problem.num_q_heads * (problem.head_dim + 1) * sizeof(float);
-  if (bytes > kMaxSplitScratchBytes || flat_rows > kMaxGridZ * kMaxGridZ) return plan;
+  if (bytes > kMaxSplitScratchBytes) return plan;  // (also keeps flat_rows far inside int32)
   plan.num_splits = int32_t(splits);
   plan.flat_rows = int32_t(flat_rows);
   plan.scratch_bytes = bytes;

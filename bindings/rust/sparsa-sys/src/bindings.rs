@@ -52,8 +52,9 @@ extern "C" {
 }
 extern "C" {
     #[doc = " The detailed message of the last failed call on this thread (e.g. \"k: shape [2, 4096, 8, 128] but q has"]
-    #[doc = " head_dim 64\"). Empty string when the last call on this thread succeeded. Valid until the next sparsa call on this"]
-    #[doc = " thread."]
+    #[doc = " head_dim 64\"). Every fallible call clears it on entry, so it is empty after a success. The getters that cannot"]
+    #[doc = " fail (sparsa_version, sparsa_version_string, sparsa_status_string, sparsa_dtype_size, sparsa_policy_kind_name and"]
+    #[doc = " this function) leave it alone. Valid until the next fallible sparsa call on this thread."]
     pub fn sparsa_last_error_message() -> *const ::std::os::raw::c_char;
 }
 pub const SPARSA_DTYPE_INVALID: sparsa_dtype = 0;
@@ -1115,13 +1116,15 @@ extern "C" {
     #[doc = " A static name for a policy kind (\"DENSE\", \"SPARGE\", ...); \"unknown\" otherwise."]
     pub fn sparsa_policy_kind_name(kind: i32) -> *const ::std::os::raw::c_char;
 }
-#[doc = "< query·key pairs whose score was computed"]
+#[doc = "< query·key pairs whose score was computed (incl. λ-skipped tiles; with Δ,"]
+#[doc = "plus the pairs of its dense anchor and tail rows)"]
 pub const SPARSA_STAT_PAIRS_COMPUTED: sparsa_stat_index = 0;
 #[doc = "< pairs dense attention with the same causal flag would compute"]
 pub const SPARSA_STAT_PAIRS_DENSE: sparsa_stat_index = 1;
-#[doc = "< (query block, key block) tiles computed (block policies; else 0)"]
+#[doc = " (query block, key block) tiles with at least one visible pair: BLOCK_SPARSE and SPARGE at block_q × block_k,"]
+#[doc = "DENSE and SINK_WINDOW at the 128 × 64 tiling they run at; 0 for the token policies"]
 pub const SPARSA_STAT_BLOCKS_COMPUTED: sparsa_stat_index = 2;
-#[doc = "< tiles dense attention would compute at the same block sizes (else 0)"]
+#[doc = "< tiles dense attention would compute at the same tiling (else 0)"]
 pub const SPARSA_STAT_BLOCKS_TOTAL: sparsa_stat_index = 3;
 #[doc = "< tiles whose PV product the SPARGE λ test skipped"]
 pub const SPARSA_STAT_PV_BLOCKS_SKIPPED: sparsa_stat_index = 4;
