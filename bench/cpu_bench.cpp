@@ -4,7 +4,8 @@
 //      pairs = N² non-causal) and the ratio to the measured peak.
 //   3. Every policy at a moderate size (causal prefill N=2048, decode for TOKEN_SELECT): milliseconds and achieved
 //      sparsity from the run's stats.
-// Usage: sparsa_cpu_bench [--threads T] [--n N] [--policy-n N] [--repeats R]. Times are the best of R runs after
+//   4. GQA decode at long context (Sq=1, Skv=32768, Hq=32, Hkv=8): DENSE, SINK_WINDOW, TOKEN_SELECT.
+// Usage: sparsa_cpu_bench [--threads T] [--n N] [--policy-n N] [--decode-n N] [--repeats R]. Times are the best of R runs after
 // one warm-up run. No assertion: numbers are for docs/performance.md.
 #include <immintrin.h>
 #include <sparsa/sparsa.h>
@@ -178,6 +179,7 @@ int main(int argc, char** argv) {
   const int n = int_option(argc, argv, "--n", 4096);
   const int policy_n = int_option(argc, argv, "--policy-n", 2048);
   const int repeats = int_option(argc, argv, "--repeats", 3);
+  const int decode_n = int_option(argc, argv, "--decode-n", 32768);  // 0 skips the long decode cases
   constexpr int kHeads = 8;
   constexpr int kDim = 128;
 
@@ -288,6 +290,35 @@ int main(int argc, char** argv) {
     std::printf("%-34s %9.2f ms   sparsity %.3f   blocks %lld/%lld   pv skipped %lld\n", c.name, t.seconds * 1e3,
                 sparsity(t), (long long)t.stats[SPARSA_STAT_BLOCKS_COMPUTED],
                 (long long)t.stats[SPARSA_STAT_BLOCKS_TOTAL], (long long)t.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED]);
+  }
+
+  // ---- 4. GQA decode at long context: one query row per sequence, Hq = 32 over Hkv = 8 ----
+  constexpr int kDecodeHeadsQ = 32;
+  constexpr int kDecodeHeadsKv = 8;
+  if (decode_n > 0) {
+    std::printf("\ndecode, f32, B=1, Sq=1, Skv=%d, Hq=%d, Hkv=%d, D=%d\n", decode_n, kDecodeHeadsQ, kDecodeHeadsKv,
+                kDim);
+    Problem long_decode = make_problem(1, 1, decode_n, kDecodeHeadsQ, kDecodeHeadsKv, kDim);
+    const Case decode_cases[] = {
+        {"DENSE decode", SPARSA_POLICY_DENSE, true, nullptr},
+        {"SINK_WINDOW decode (128 + 4096)", SPARSA_POLICY_SINK_WINDOW, true,
+         [](sparsa_policy* p) { p->sink_window = 4096; }},
+        {"TOKEN_SELECT decode (top_k 2048)", SPARSA_POLICY_TOKEN_SELECT, true,
+         [](sparsa_policy* p) { p->select_top_k = 2048; }},
+    };
+    for (const Case& c : decode_cases) {
+      sparsa_policy policy;
+      sparsa_policy_init(&policy, c.kind);
+      if (c.tweak) c.tweak(&policy);
+      const Timing t = time_run(ctx, long_decode, true, policy, repeats);
+      if (!t.ok) {
+        std::printf("%-34s failed\n", c.name);
+        continue;
+      }
+      const double bytes = 2.0 * double(decode_n) * kDecodeHeadsKv * kDim * sizeof(float);
+      std::printf("%-34s %9.2f ms   pairs %lld   (K+V once: %.1f GB/s)\n", c.name, t.seconds * 1e3,
+                  (long long)t.stats[SPARSA_STAT_PAIRS_COMPUTED], bytes / t.seconds * 1e-9);
+    }
   }
   sparsa_context_destroy(ctx);
   return 0;

@@ -9,7 +9,8 @@
 include_guard(GLOBAL)
 include(CheckLanguage)
 
-set(SPARSA_GPU_SOURCE_NAMES forward_mma forward_simt forward_decode merge_states gpu_backend)
+set(SPARSA_GPU_SOURCE_NAMES forward_mma forward_simt forward_decode merge_states attention_stats token_indices
+                            gpu_backend)
 set(SPARSA_GPU_DIR ${PROJECT_SOURCE_DIR}/backends/gpu)
 
 # ---- CUDA ----

@@ -641,7 +641,9 @@ void validate_attention(const sparsa_context& ctx, const sparsa_attention_args* 
 
   validate_layout(rule, pr);
   pr.contents_validated = contents_readable(rule);
-  pr.causal = args.causal == 1 || p.kind == SPARSA_POLICY_TOKEN_SPARSE || p.kind == SPARSA_POLICY_TOKEN_SELECT;
+  // §5, §6 and §7 define TOKEN_SPARSE, TOKEN_SELECT and TOKEN_INDICES as causal: the flag cannot turn that off.
+  pr.causal = args.causal == 1 || p.kind == SPARSA_POLICY_TOKEN_SPARSE || p.kind == SPARSA_POLICY_TOKEN_SELECT ||
+              p.kind == SPARSA_POLICY_TOKEN_INDICES;
   pr.scale = args.softmax_scale != 0.f ? args.softmax_scale : 1.f / std::sqrt(static_cast<float>(pr.head_dim));
 
   switch (p.kind) {

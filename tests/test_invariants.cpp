@@ -37,13 +37,13 @@ std::vector<KeepAll> keep_all_policies(const ref::Problem& p) {
   sparge.policy.sparge_theta = 1.0f;
   sparge.policy.sparge_tau = 0.5f;
   all.push_back(sparge);
-  KeepAll token_indices{"TOKEN_INDICES all tokens", st::make_policy(SPARSA_POLICY_TOKEN_INDICES), {}};
-  token_indices.opt.h_idx = 1;
-  token_indices.opt.k = N;
-  for (int b = 0; b < p.B; ++b)
-    for (int t = 0; t < N; ++t) token_indices.opt.indices.push_back(t < p.skv[b] ? t : -1);
-  all.push_back(token_indices);
-  if (p.causal) {  // the always-causal policies
+  if (p.causal) {  // the always-causal policies (§5–§7)
+    KeepAll token_indices{"TOKEN_INDICES all tokens", st::make_policy(SPARSA_POLICY_TOKEN_INDICES), {}};
+    token_indices.opt.h_idx = 1;
+    token_indices.opt.k = N;
+    for (int b = 0; b < p.B; ++b)
+      for (int t = 0; t < N; ++t) token_indices.opt.indices.push_back(t < p.skv[b] ? t : -1);
+    all.push_back(token_indices);
     KeepAll select{"TOKEN_SELECT n_init+top_k+n_local >= N", st::make_policy(SPARSA_POLICY_TOKEN_SELECT), {}};
     select.policy.select_n_init = 4;
     select.policy.select_top_k = 16;

@@ -331,4 +331,35 @@ TEST_P(TokenSelect, SingleKeySequence) {
   check(ctx(), p, small_params());
 }
 
+
+TEST_P(TokenSelect, CacheHitOnAShorterSequenceStaysInBounds) {
+  // The spec leaves a cached T that reaches past a shorter sequence's N undefined; it must still not read past the
+  // keys (run under ASan) and must either succeed with finite outputs or fail with a message.
+  ST_RNG(rng, 0);
+  ref::Problem long_seq = st::make_problem(1, 4, 2, 64, {1}, {240}, true);
+  st::fill(long_seq, Pattern::kRandom, rng);
+  // Keys near the end match the query, so the cached T holds large token ids.
+  for (int j = 200; j < 230; ++j)
+    for (int h = 0; h < 2; ++h)
+      for (int d = 0; d < 64; ++d) long_seq.k[0][(j * 2 + h) * 64 + d] += 2.0 * long_seq.q[0][(h * 2) * 64 + d];
+  ref::Problem short_seq = long_seq;
+  short_seq.skv = {100};
+  short_seq.k[0].resize(100 * 2 * 64);
+  short_seq.v[0].resize(100 * 2 * 64);
+  const ref::TokenSelectParams tp = small_params();
+  st::SelectionCache cache(ctx(), 1, 4, 2, 64, kTopK);
+  st::RunOptions opt;
+  opt.cache = cache.get();
+  const st::RunResult first = st::run(ctx(), long_seq, select_policy(tp), opt);
+  st::expect_ok(first);
+  const st::RunResult second = st::run(ctx(), short_seq, select_policy(tp), opt);
+  if (second.status == SPARSA_STATUS_SUCCESS) {
+    EXPECT_TRUE(second.unwritten.empty());
+    for (double x : second.out.o[0]) ASSERT_TRUE(std::isfinite(x));
+  } else {
+    EXPECT_FALSE(second.message.empty());
+    EXPECT_TRUE(second.untouched);
+  }
+}
+
 }  // namespace

@@ -7,6 +7,12 @@
 #include <numeric>
 #include <sstream>
 
+#include <gtest/gtest-spi.h>
+
+#ifdef SPARSA_TESTS_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace st {
 
 namespace {
@@ -255,6 +261,10 @@ Context::Context(int32_t device_type, int num_threads) : device_type_(device_typ
 
 SelectionCache::SelectionCache(const Context& ctx, int max_batch, int hq, int hkv, int d, int max_top_k) {
   const sparsa_status s = sparsa_selection_cache_create(ctx.get(), max_batch, hq, hkv, d, max_top_k, &cache_);
+  if (s == SPARSA_STATUS_UNSUPPORTED && ctx.device_type() != SPARSA_DEVICE_CPU) {
+    skip_unsupported(sparsa_last_error_message());
+    return;
+  }
   EXPECT_EQ(s, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
 }
 
@@ -278,12 +288,38 @@ sparsa_tensor Buffer::tensor() const {
   return t;
 }
 
-// Device seam: CPU tensors are the host mirror itself. (GPU: allocate device_data_, copy host_ there and back,
-// free it in the destructor.)
+// Device seam: CPU tensors are the host mirror itself; CUDA tensors get a cudaMalloc'd copy (synchronous copies:
+// the library runs on the default stream of the test's contexts, so a copy after the run sees its results).
+#ifdef SPARSA_TESTS_WITH_CUDA
+namespace {
+void check_cuda(cudaError_t status, const char* call) {
+  if (status != cudaSuccess) ADD_FAILURE() << call << " failed: " << cudaGetErrorString(status);
+}
+}  // namespace
+
+Buffer::~Buffer() {
+  if (device_data_ != nullptr) check_cuda(cudaFree(device_data_), "cudaFree");
+}
+void Buffer::upload() {
+  if (ctx_.device_type() != SPARSA_DEVICE_CUDA) return;
+  if (device_data_ == nullptr) check_cuda(cudaMalloc(&device_data_, host_.size()), "cudaMalloc");
+  if (device_data_ != nullptr)
+    check_cuda(cudaMemcpy(device_data_, host_.data(), host_.size(), cudaMemcpyHostToDevice), "cudaMemcpy (upload)");
+}
+void Buffer::download() {
+  if (device_data_ == nullptr) return;
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check_cuda(cudaMemcpy(host_.data(), device_data_, host_.size(), cudaMemcpyDeviceToHost), "cudaMemcpy (download)");
+}
+bool device_memory_supported(int32_t device_type) {
+  return device_type == SPARSA_DEVICE_CPU || device_type == SPARSA_DEVICE_CUDA;
+}
+#else
 Buffer::~Buffer() {}
 void Buffer::upload() {}
 void Buffer::download() {}
 bool device_memory_supported(int32_t device_type) { return device_type == SPARSA_DEVICE_CPU; }
+#endif
 
 double Buffer::get(size_t e) const {
   const uint8_t* at = host_.data() + e * elem_size_;
@@ -319,6 +355,20 @@ sparsa_tensor host_tensor(void* data, int32_t dtype, std::vector<int64_t> shape)
   return t;
 }
 
+// Holds a non-CPU test's assertion results back (see BackendTest in test_util.h).
+class UnsupportedFilter : public ::testing::ScopedFakeTestPartResultReporter {
+ public:
+  UnsupportedFilter()
+      : ::testing::ScopedFakeTestPartResultReporter(INTERCEPT_ONLY_CURRENT_THREAD, &results_) {}
+  const ::testing::TestPartResultArray& results() const { return results_; }
+
+ private:
+  ::testing::TestPartResultArray results_;
+};
+
+BackendTest::BackendTest() = default;
+BackendTest::~BackendTest() = default;
+
 void BackendTest::SetUp() {
   ctx_ = std::make_unique<Context>(GetParam());
   if (GetParam() == SPARSA_DEVICE_CPU) {
@@ -327,7 +377,24 @@ void BackendTest::SetUp() {
   }
   if (ctx_->status() != SPARSA_STATUS_SUCCESS) GTEST_SKIP() << "no context for this backend: " << sparsa_last_error_message();
   if (!device_memory_supported(GetParam())) GTEST_SKIP() << "test device-memory seam not wired for this backend yet";
+  filter_ = std::make_unique<UnsupportedFilter>();
 }
+
+void BackendTest::TearDown() {
+  if (!filter_) return;
+  ::testing::TestPartResultArray held;
+  for (int i = 0; i < filter_->results().size(); ++i) held.Append(filter_->results().GetTestPartResult(i));
+  filter_.reset();  // restores the real reporter
+  for (int i = 0; i < held.size(); ++i) {
+    const ::testing::TestPartResult& r = held.GetTestPartResult(i);
+    if (r.skipped()) GTEST_SKIP() << r.message();
+    if (r.failed()) {
+      ADD_FAILURE_AT(r.file_name() ? r.file_name() : "unknown", r.line_number()) << r.message();
+    }
+  }
+}
+
+void skip_unsupported(const std::string& reason) { GTEST_SKIP() << "unsupported on this backend: " << reason; }
 
 std::string backend_name(const ::testing::TestParamInfo<int32_t>& info) {
   switch (info.param) {
@@ -584,6 +651,8 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
 
   if (opt.plan_first) {
     r.plan_status = sparsa_attention_plan(ctx.get(), &args, &policy);
+    if (r.plan_status == SPARSA_STATUS_UNSUPPORTED && ctx.device_type() != SPARSA_DEVICE_CPU)
+      skip_unsupported(sparsa_last_error_message());
     EXPECT_EQ(r.plan_status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
     sparsa_context_scratch_bytes(ctx.get(), &r.scratch_after_plan);
     for (Buffer* b : {out.buf.get(), lse.get(), stats.get(), selected.get(), mask_out.get()})
@@ -591,6 +660,7 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
   }
   r.status = sparsa_attention_run(ctx.get(), &args, &policy);
   r.message = sparsa_last_error_message();
+  if (r.status == SPARSA_STATUS_UNSUPPORTED && ctx.device_type() != SPARSA_DEVICE_CPU) skip_unsupported(r.message);
   if (opt.plan_first) sparsa_context_scratch_bytes(ctx.get(), &r.scratch_after_run);
   for (Buffer* b : {out.buf.get(), lse.get(), stats.get(), selected.get(), mask_out.get()})
     if (b) b->download();

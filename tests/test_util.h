@@ -132,7 +132,8 @@ class Buffer {
   std::vector<uint8_t> host_;
   void* device_data_ = nullptr;  // GPU contexts only (see the seam above)
 };
-// True when the backend's device memory can be filled by the seam above (CPU today).
+// True when the backend's device memory can be filled by the seam above (CPU; CUDA when the library and the tests
+// were built with it: SPARSA_TESTS_WITH_CUDA, set by tests/CMakeLists.txt).
 bool device_memory_supported(int32_t device_type);
 
 // Fills `t` for a host pointer (utilities that take host memory).
@@ -141,12 +142,25 @@ sparsa_tensor host_tensor(void* data, int32_t dtype, std::vector<int64_t> shape)
 // ---------------------------------------------------------------------------------------------------------------
 // Backend-parameterised fixture: the same TEST_P runs on every backend; a backend whose context cannot be created
 // (or whose device memory the seam cannot fill yet) is skipped.
+// On a non-CPU backend a run answered SPARSA_STATUS_UNSUPPORTED (or a selection cache the backend cannot create)
+// skips the test with the backend's reason: the fixture holds the test's assertion results back while it runs and,
+// in TearDown, re-reports the failures that came before the first unsupported call and then skips (so the checks
+// of a result that was never computed do not count as failures).
+class UnsupportedFilter;
 class BackendTest : public ::testing::TestWithParam<int32_t> {
+ public:
+  BackendTest();
+  ~BackendTest() override;
+
  protected:
   void SetUp() override;
+  void TearDown() override;
   const Context& ctx() const { return *ctx_; }
   std::unique_ptr<Context> ctx_;
+  std::unique_ptr<UnsupportedFilter> filter_;
 };
+// Called by the harness when a non-CPU backend refuses a case; skips the current test (see BackendTest).
+void skip_unsupported(const std::string& reason);
 std::string backend_name(const ::testing::TestParamInfo<int32_t>& info);
 
 #define SPARSA_BACKEND_SUITE(Suite)                                                                      \

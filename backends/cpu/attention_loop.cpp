@@ -94,19 +94,25 @@ struct KvRows {
   int64_t stride = 0;  // floats between consecutive keys
 };
 
-// One tile of query rows of (b, h) and everything it accumulates. Scores live transposed, Sᵀ [keys, nr_pad].
+// One tile of query rows and everything it accumulates. Scores live transposed, Sᵀ [keys, nr_pad].
+// The tile stacks the same `rows_per_head` positions of `heads` consecutive query heads h, h+1, ... of one kv group
+// (tile row r = head (r / rows_per_head), position (r % rows_per_head)), so a decode step converts each K/V tile once
+// for the whole group. Every row's arithmetic is independent of the others in the tile, so a row's result is
+// bit-identical whether its head is stacked or not.
 class RowTile {
  public:
-  RowTile(const AttentionProblem& problem, int32_t b, int32_t h, Positions rows, int nr, int max_keys,
-          const BlockWalk* quantized_walk, float* out_rows, ThreadScratch& scratch)
+  RowTile(const AttentionProblem& problem, int32_t b, int32_t h, int heads, Positions rows, int rows_per_head,
+          int max_keys, const BlockWalk* quantized_walk, float* out_rows, ThreadScratch& scratch)
       : problem_(problem),
         b_(b),
         h_(h),
         hk_(kv_head_of(problem, h)),
         d_(problem.head_dim),
         rows_(rows),
-        nr_(nr),
-        nr_pad_(round_up(std::max(nr, 1), kRowAlign)),
+        heads_(heads),
+        nr_head_(rows_per_head),
+        nr_(heads * rows_per_head),
+        nr_pad_(round_up(std::max(nr_, 1), kRowAlign)),
         row_stride_(nr_pad_ + kStridePad),
         kv_stride_(d_ + kStridePad),
         max_keys_(std::max(max_keys, 1)),
@@ -118,8 +124,8 @@ class RowTile {
     const size_t st_floats = size_t(max_keys_) * row_stride_;
     const size_t kv_floats = size_t(max_keys_) * kv_stride_;
     const size_t row_state_floats = 5 * size_t(nr_pad_);
-    const size_t quant_floats = quant_ ? (size_t(nr) * d_ + 2 * size_t(nr) + d_ +
-                                          scratch_floats<int8_t>(size_t(nr) * d_) + scratch_floats<int8_t>(kv_floats))
+    const size_t quant_floats = quant_ ? (size_t(nr_) * d_ + 2 * size_t(nr_) + d_ +
+                                          scratch_floats<int8_t>(size_t(nr_) * d_) + scratch_floats<int8_t>(kv_floats))
                                        : 0;
     float* next = scratch.reserve(qt_floats + st_floats + 2 * kv_floats + row_state_floats + quant_floats);
     auto carve = [&next](size_t floats) {
@@ -137,16 +143,16 @@ class RowTile {
     shift_ = carve(nr_pad_);
     block_sum_ = carve(nr_pad_);
     if (quant_) {
-      q_rows_ = carve(size_t(nr) * d_);
-      q_scale_ = carve(nr);
-      qk_mean_ = carve(nr);
+      q_rows_ = carve(size_t(nr_) * d_);
+      q_scale_ = carve(nr_);
+      qk_mean_ = carve(nr_);
       row_tmp_ = carve(d_);
-      q_i8_ = reinterpret_cast<int8_t*>(carve(scratch_floats<int8_t>(size_t(nr) * d_)));
+      q_i8_ = reinterpret_cast<int8_t*>(carve(scratch_floats<int8_t>(size_t(nr_) * d_)));
       k_i8_ = reinterpret_cast<int8_t*>(carve(scratch_floats<int8_t>(kv_floats)));
     }
 
-    row_min_ = row_max_ = nr > 0 ? rows.at(0) : 0;
-    for (int r = 0; r < nr; ++r) {
+    row_min_ = row_max_ = rows_per_head > 0 ? rows.at(0) : 0;
+    for (int r = 0; r < rows_per_head; ++r) {
       row_min_ = std::min(row_min_, rows.at(r));
       row_max_ = std::max(row_max_, rows.at(r));
     }
@@ -162,7 +168,8 @@ class RowTile {
                     RunCounters* counters) {
     const TileCoverage coverage = classify(vis, row_min_, row_max_, keys.at(0), keys.at(nk - 1));
     if (coverage == TileCoverage::kNone) return false;
-    const int64_t pairs = coverage == TileCoverage::kAll ? int64_t(nr_) * nk : count_visible(vis, rows_, nr_, keys, nk);
+    const int64_t pairs = coverage == TileCoverage::kAll ? int64_t(nr_) * nk
+                                                         : heads_ * count_visible(vis, rows_, nr_head_, keys, nk);
     if (pairs == 0) return false;
     if (counters) counters->pairs_computed += pairs;
 
@@ -247,7 +254,8 @@ class RowTile {
     }
     for (int r = 0; r < nr_; ++r) {
       float* q_row = quant_ ? q_rows_ + size_t(r) * d_ : row;
-      load_row_f32(problem_.dtype, problem_.q.t.data, problem_.q_offset(problem_.q, b_, rows_.at(r), h_), d_, q_row);
+      load_row_f32(problem_.dtype, problem_.q.t.data, problem_.q_offset(problem_.q, b_, position(r), head(r)), d_,
+                   q_row);
       for (int c = 0; c < d_; ++c) qt_[size_t(c) * row_stride_ + r] = q_row[c] * problem_.scale;
       std::memset(o_ + size_t(r) * d_, 0, sizeof(float) * size_t(d_));
     }
@@ -271,7 +279,7 @@ class RowTile {
       float* st_row = st_ + size_t(j) * row_stride_;
       const int64_t key = keys.at(j);
       for (int r = 0; r < nr_; ++r)
-        if (!visible(vis, rows_.at(r), key)) st_row[r] = kNegInf;
+        if (!visible(vis, position(r), key)) st_row[r] = kNegInf;
     }
   }
 
@@ -332,10 +340,15 @@ class RowTile {
     }
   }
 
+  int64_t position(int r) const { return rows_.at(r % nr_head_); }
+  int32_t head(int r) const { return h_ + r / nr_head_; }
+
   const AttentionProblem& problem_;
   int32_t b_, h_, hk_;
   int d_;
-  Positions rows_;
+  Positions rows_;  // positions of one head's rows
+  int heads_;       // stacked query heads h_, h_ + 1, ...
+  int nr_head_;     // rows per head
   int nr_, nr_pad_;
   int row_stride_;  // floats between rows of Qᵀ and Sᵀ (nr_pad + kStridePad)
   int kv_stride_;   // floats between rows of the K and V tiles (D + kStridePad)
@@ -367,15 +380,24 @@ size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized) {
 void attend_block_walk(const AttentionProblem& problem, int32_t b, int32_t h, int64_t row_begin, int64_t row_end,
                        const BlockWalk& walk, const RowVisibility& vis, float* out_rows, float* lse_rows,
                        RunCounters* counters, ThreadScratch& scratch) {
+  attend_block_walk_heads(problem, b, h, 1, row_begin, row_end, walk, vis, out_rows, lse_rows, counters, scratch);
+}
+
+void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t h_first, int32_t n_heads,
+                             int64_t row_begin, int64_t row_end, const BlockWalk& walk, const RowVisibility& vis,
+                             float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
   const int nr = int(row_end - row_begin);
-  if (nr <= 0) return;
+  if (nr <= 0 || n_heads <= 0) return;
   if (walk.block_k <= 0) fail(SPARSA_STATUS_INTERNAL, "attend_block_walk: block_k must be > 0, got ", walk.block_k);
   if (walk.quantized_qk && !walk.k_mean)
     fail(SPARSA_STATUS_INTERNAL, "attend_block_walk: quantized walk needs k_mean, got null");
-  const int64_t seq_k = problem.seq_len_k(b);
-  RowTile tile(problem, b, h, Positions{nullptr, row_begin}, nr, walk.block_k, walk.quantized_qk ? &walk : nullptr,
-               out_rows, scratch);
   const bool pv_skip = walk.pv_skip_lambda > -std::numeric_limits<float>::infinity();
+  if (n_heads > 1 && (pv_skip || walk.quantized_qk))
+    fail(SPARSA_STATUS_INTERNAL, "attend_block_walk_heads: λ skip and int8 scoring are per head, got ", n_heads,
+         " stacked heads");
+  const int64_t seq_k = problem.seq_len_k(b);
+  RowTile tile(problem, b, h_first, n_heads, Positions{nullptr, row_begin}, nr, walk.block_k,
+               walk.quantized_qk ? &walk : nullptr, out_rows, scratch);
   bool first_computed = true;
   auto block_keys = [&](int64_t n) {
     const int64_t key_begin = int64_t(walk.key_blocks[n]) * walk.block_k;
@@ -392,7 +414,7 @@ void attend_block_walk(const AttentionProblem& problem, int32_t b, int32_t h, in
                                             walk.pv_skip_lambda, counters);
     if (computed) {
       first_computed = false;
-      if (counters) ++counters->blocks_computed;
+      if (counters) counters->blocks_computed += n_heads;
     }
   }
   tile.finish(lse_rows);
@@ -404,7 +426,7 @@ void attend_index_list(const AttentionProblem& problem, int32_t b, int32_t h, co
   const int d = problem.head_dim;
   for (int64_t row0 = 0; row0 < n_rows; row0 += kIndexTileRows) {
     const int nr = int(std::min(kIndexTileRows, n_rows - row0));
-    RowTile tile(problem, b, h, Positions{rows + row0, 0}, nr, int(kIndexTileKeys), nullptr, out_rows + row0 * d,
+    RowTile tile(problem, b, h, 1, Positions{rows + row0, 0}, nr, int(kIndexTileKeys), nullptr, out_rows + row0 * d,
                  scratch);
     // Keys are ascending: with a causal predicate nothing past the last row's horizon is visible.
     int64_t key_end = n_keys;

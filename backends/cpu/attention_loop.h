@@ -118,13 +118,14 @@ void run_delta(PolicyEntry base, const AttentionProblem&, const PolicyParams&, c
 
 // SPARGE prediction (§4 steps 1–6) for sequence b, query head h: writes the uint8 mask
 // [ceil(Sq/block_q), ceil(Skv/block_k)] (row stride n_key_blocks) using the effective per-head parameters.
-// Lives in cpu_sparge_predict.cpp; computed in float64 so the CPU backend is an exact oracle.
+// Lives in cpu_sparge_predict.cpp; computed in float64 so the CPU backend is an exact oracle. Its working arrays
+// (O((nkb + 1) · D)) come from `scratch`, which must not hold anything the caller needs afterwards.
 struct SpargeHeadParams {
   double theta, tau, topk_fraction, lambda;
 };
 SpargeHeadParams sparge_head_params(const PolicyParams& policy, int32_t h);
 void sparge_predict_mask(const AttentionProblem& problem, const PolicyParams& policy, int32_t b, int32_t h,
-                         uint8_t* mask);
+                         uint8_t* mask, ThreadScratch& scratch);
 
 // Element conversion helpers (cpu_convert.h) are used by both sides: load_row_f32 reads D elements of the
 // problem dtype into fp32.

@@ -77,8 +77,15 @@ class CpuBackend final : public Backend {
     const size_t d = size_t(problem.head_dim);
     const size_t tile_floats = attention_tile_floats(
         problem.head_dim, rows, keys, policy.p.kind == SPARSA_POLICY_SPARGE && policy.p.sparge_quantized);
+    size_t loop_floats = tile_floats;
+    if (policy.p.kind == SPARSA_POLICY_SPARGE && policy.p.block_k > 0) {
+      const int64_t key_blocks = (problem.max_seq_k + policy.p.block_k - 1) / policy.p.block_k;
+      loop_floats = std::max(loop_floats, sparge_predict_scratch_floats(problem.head_dim, key_blocks));
+    }
+    if (policy.p.kind == SPARSA_POLICY_TOKEN_SELECT) plan_token_select(problem, policy, exec_);
+    if (policy.p.kind == SPARSA_POLICY_TOKEN_SPARSE) plan_token_sparse(problem, policy, exec_);
     for (int w = 0; w < pool_.size(); ++w) {
-      loop_scratch(exec_, w).reserve(tile_floats);
+      loop_scratch(exec_, w).reserve(loop_floats);
       policy_scratch(exec_, w).reserve(size_t(rows) * (d + 1) + size_t(problem.max_seq_k) + 2);
     }
     if (policy.delta) {

@@ -19,9 +19,11 @@
 
 namespace sparsa::cpu {
 
-constexpr int kRunScratchSlots = 2;
+constexpr int kRunScratchSlots = 4;
 constexpr int kRunScratchDeltaStaging = 0;  // Δ: the base policy's fp32 output [rows, Hq, D] + lse
 constexpr int kRunScratchDeltaKeys = 1;     // Δ: the list 0..Skv−1 as int64, shared read-only by all workers
+constexpr int kRunScratchSelection = 2;     // selection policies: per-run plans, q̄, selections
+constexpr int kRunScratchSelectionVotes = 3;  // selection policies: softmax stats, kept scores, votes
 
 // Tiling DENSE and SINK_WINDOW run at (and report BLOCKS_* at): query rows per work item × keys per tile.
 constexpr int32_t kDefaultBlockQ = 128;
@@ -51,6 +53,20 @@ size_t scratch_floats(size_t count) {
   const size_t floats = (count * sizeof(T) + sizeof(float) - 1) / sizeof(float);
   return (floats + 1) & ~size_t(1);
 }
+
+// attend_block_walk for the same rows of n_heads consecutive query heads h_first, h_first + 1, ... of one kv group,
+// stacked into one tile so each K/V tile is converted once for all of them (decode). out_rows [n_heads · nr, D] and
+// lse_rows [n_heads · nr] are head-major; results are bit-identical to n_heads separate attend_block_walk calls.
+// Not for walks with the λ PV skip or int8 scoring (both decide per head).
+void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t h_first, int32_t n_heads,
+                             int64_t row_begin, int64_t row_end, const BlockWalk& walk, const RowVisibility& vis,
+                             float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
+
+// Grow the run scratch the selection policies use (cpu_token_select.cpp, cpu_token_sparse.cpp) for this problem,
+// so that the run after plan() allocates nothing; and the loop scratch sparge_predict_mask needs.
+void plan_token_select(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
+void plan_token_sparse(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
+size_t sparge_predict_scratch_floats(int32_t head_dim, int64_t n_key_blocks);
 
 // Floats of loop scratch one attend_* call needs for a tile of `rows` query rows and `keys` keys.
 size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized);

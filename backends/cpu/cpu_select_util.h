@@ -53,6 +53,7 @@ class ScratchLayout {
     floats_ += scratch_floats<T>(count);
     return offset;
   }
+  size_t floats() const { return floats_; }  // what bind() reserves
   void bind(ThreadScratch& scratch) {
     scratch.reserve(floats_);
     scratch_ = &scratch;
@@ -109,20 +110,18 @@ void interleave_vector(double* interleaved, int64_t index, const T* values, int3
   for (int32_t c = 0; c < d; ++c) block[c * kInterleavedDots + lane] = double(values[c]);
 }
 
+// Keys interleaved_dots_keys scores per pass over a block of vectors (their sums overlap in the pipeline).
+constexpr int kDotKeys = 4;
+
+// dots[k · dots_stride + i] = scale · Σ_c v_i[c]·keys[k][c] for i < n_vectors, k < n_keys: the sequential sum in c
+// order, bit-identical on every CPU (select_dots.cpp: AVX2 without FMA contraction where available).
+void interleaved_dots_keys(const double* interleaved, int64_t n_vectors, const float* const* keys, int n_keys,
+                           int32_t d, double scale, double* dots, int64_t dots_stride);
+
 // dots[i] = scale · Σ_c v_i[c]·key[c] for i < n_vectors.
 inline void interleaved_dots(const double* interleaved, int64_t n_vectors, const float* key, int32_t d, double scale,
                              double* dots) {
-  for (int64_t first = 0; first < n_vectors; first += kInterleavedDots) {
-    const double* block = interleaved + first * d;
-    double sums[kInterleavedDots] = {};
-    for (int32_t c = 0; c < d; ++c) {
-      const double k = key[c];
-      const double* v = block + int64_t(c) * kInterleavedDots;
-      for (int32_t l = 0; l < kInterleavedDots; ++l) sums[l] += v[l] * k;
-    }
-    const int64_t lanes = std::min<int64_t>(kInterleavedDots, n_vectors - first);
-    for (int64_t l = 0; l < lanes; ++l) dots[first + l] = scale * sums[l];
-  }
+  interleaved_dots_keys(interleaved, n_vectors, &key, 1, d, scale, dots, 0);
 }
 
 // Sizes of the output buffers attend_rows_over_keys needs.

@@ -69,7 +69,7 @@ void run_sparge(const AttentionProblem& problem, const PolicyParams& policy, con
     float* rows = mine.buffer.data() + head;
     float* lse = rows + size_t(block_q) * d;
 
-    if (nqb > 0 && nkb > 0) sparge_predict_mask(problem, policy, b, h, mask);
+    if (nqb > 0 && nkb > 0) sparge_predict_mask(problem, policy, b, h, mask, loop_scratch(exec, worker));
     if (problem.block_mask_out.present) write_block_mask(problem.block_mask_out, b, h, mask, nqb, nkb);
     if (quantized) key_mean(problem, b, kv_head_of(problem, h), k_row, sums, mean);
 

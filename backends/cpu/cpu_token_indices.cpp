@@ -1,5 +1,6 @@
 // TOKEN_INDICES (§7, STS) on the CPU: each query head attends to the deduplicated union of its row of the caller's
-// indices (token ids or blocks of ids), the first n_init and the last n_local tokens; causal per the run's flag.
+// indices (token ids or blocks of ids), the first n_init and the last n_local tokens; always causal (§7): the core
+// forces problem.causal on.
 //
 // Work items are (b, h): each builds its key set as merged id ranges (O(k log k + |I|), no O(N) mask), writes its
 // row of selected_indices and attends every query row. Checks that can fail run over the whole batch first.

@@ -179,7 +179,9 @@ constexpr int64_t kCandidatesPerVoteItem = 2048;
 //   3a per (b, kv head): the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head of the group;
 //   3b per (b, set, chunk of C): vote[t] = Σ_h exp(s[h, t] − m_h) / Z_h over the set's heads, ascending;
 //   3c per (b, set): T = the top_k candidates by vote (ties: smaller id), ascending.
-// 3b recomputes the scores 3a saw (bit-identical) instead of keeping an [Hq, |C|] matrix per sequence.
+// 3a keeps exp(s − m_h) ([|C|, g] per (b, kv head)) for 3b when the run's [B, Hq, |C|] float64 matrix fits
+// kMaxKeptScoreBytes, so every score and every exp is computed once; above that 3b recomputes them (bit-identical).
+constexpr size_t kMaxKeptScoreBytes = size_t(64) << 20;
 struct VoteInputs {
   const AttentionProblem& problem;
   const SelectParams& params;
@@ -187,42 +189,54 @@ struct VoteInputs {
 };
 
 // 3a for kv head hk of sequence b: writes m_h, Z_h of its g query heads to head_max/head_sum (indexed by h).
+// kept_scores: null, or where to write the [|C|, g] values exp(s − m_h) for 3b.
 void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t b, int32_t hk,
-                        const double* concat_qbar, ThreadScratch& scratch, double* head_max, double* head_sum) {
+                        const double* concat_qbar, ThreadScratch& scratch, double* kept_scores, double* head_max,
+                        double* head_sum) {
   const AttentionProblem& problem = in.problem;
   const int32_t d = problem.head_dim;
   const int32_t group = problem.num_q_heads / problem.num_kv_heads;
   const int32_t first_head = hk * group;
   const int64_t n_candidates = plan.candidate_end - plan.candidate_begin;
   ScratchLayout layout;
-  const size_t row_at = layout.add<float>(size_t(d));
+  const size_t row_at = layout.add<float>(size_t(kDotKeys) * size_t(d));
   const size_t qbars_at = layout.add<double>(interleaved_size(group, d));
-  const size_t scores_at = layout.add<double>(size_t(group) * size_t(n_candidates));  // [C, g]
+  const size_t scores_at = layout.add<double>(kept_scores ? 0 : size_t(group) * size_t(n_candidates));  // [C, g]
   layout.bind(scratch);
-  float* key_row = layout.get<float>(row_at, size_t(d));
+  float* key_rows = layout.get<float>(row_at, size_t(kDotKeys) * size_t(d));
   double* qbars = layout.get<double>(qbars_at, interleaved_size(group, d));
-  double* scores = layout.get<double>(scores_at, size_t(group) * size_t(n_candidates));
+  double* scores =
+      kept_scores ? kept_scores : layout.get<double>(scores_at, size_t(group) * size_t(n_candidates));
   std::fill(qbars, qbars + interleaved_size(group, d), 0.0);
   for (int32_t l = 0; l < group; ++l) interleave_vector(qbars, l, concat_qbar + int64_t(first_head + l) * d, d);
-  for (int64_t c = 0; c < n_candidates; ++c) {
-    load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk), d,
-                 key_row);
-    interleaved_dots(qbars, group, key_row, d, in.score_scale, scores + c * group);
+  const float* rows[kDotKeys];
+  for (int key = 0; key < kDotKeys; ++key) rows[key] = key_rows + int64_t(key) * d;
+  for (int64_t c0 = 0; c0 < n_candidates; c0 += kDotKeys) {
+    const int n_keys = int(std::min<int64_t>(kDotKeys, n_candidates - c0));
+    for (int key = 0; key < n_keys; ++key)
+      load_row_f32(problem.dtype, problem.k.t.data,
+                   problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk), d, key_rows + key * d);
+    interleaved_dots_keys(qbars, group, rows, n_keys, d, in.score_scale, scores + c0 * group, group);
   }
   for (int32_t l = 0; l < group; ++l) {
     double max_score = -INFINITY;
     for (int64_t c = 0; c < n_candidates; ++c) max_score = std::max(max_score, scores[c * group + l]);
     double total = 0.0;
-    for (int64_t c = 0; c < n_candidates; ++c) total += std::exp(scores[c * group + l] - max_score);
+    for (int64_t c = 0; c < n_candidates; ++c) {
+      const double e = std::exp(scores[c * group + l] - max_score);
+      total += e;
+      if (kept_scores) scores[c * group + l] = e;  // 3b needs exactly this exp(s − m_h): keep it, not s
+    }
     head_max[first_head + l] = max_score;
     head_sum[first_head + l] = total;
   }
 }
 
 // 3b for candidates [first, last) (offsets into C) of (b, set): votes[c] for each.
+// kept_scores: null (recompute), or 3a's exp(s − m_h) of sequence b, [Hkv][|C|, g] with kv head stride kept_stride.
 void vote_candidates(const VoteInputs& in, const SequencePlan& plan, int32_t b, int32_t set, int64_t first,
-                     int64_t last, const double* concat_qbar, const double* head_max, const double* head_sum,
-                     ThreadScratch& scratch, double* votes) {
+                     int64_t last, const double* concat_qbar, const double* kept_scores, int64_t kept_stride,
+                     const double* head_max, const double* head_sum, ThreadScratch& scratch, double* votes) {
   const AttentionProblem& problem = in.problem;
   const int32_t d = problem.head_dim;
   const int32_t group = problem.num_q_heads / problem.num_kv_heads;
@@ -245,6 +259,11 @@ void vote_candidates(const VoteInputs& in, const SequencePlan& plan, int32_t b, 
   }
   for (int64_t c = first; c < last; ++c) {
     for (int32_t g = 0; g < n_kv_heads; ++g) {
+      if (kept_scores) {
+        const double* kept = kept_scores + (first_kv_head + g) * kept_stride + c * group;
+        std::copy(kept, kept + group, scores + g * group);
+        continue;
+      }
       load_row_f32(problem.dtype, problem.k.t.data,
                    problem.kv_offset(problem.k, b, plan.candidate_begin + c, first_kv_head + g), d, key_row);
       interleaved_dots(qbars + g * group_qbars, group, key_row, d, in.score_scale, scores + g * group);
@@ -252,16 +271,51 @@ void vote_candidates(const VoteInputs& in, const SequencePlan& plan, int32_t b, 
     double vote = 0.0;
     for (int32_t l = 0; l < n_heads; ++l) {
       const int32_t h = first_head + l;
-      vote += std::exp(scores[l] - head_max[h]) / head_sum[h];
+      const double e = kept_scores ? scores[l] : std::exp(scores[l] - head_max[h]);
+      vote += e / head_sum[h];
     }
     votes[c] = vote;
   }
 }
 
+// Phase 3's run-scratch arrays (slot kRunScratchSelectionVotes): softmax stats [B, Hq] twice, votes
+// [B, n_sets, max |C|], and the kept scores [B, Hkv][|C|, g] when they fit kMaxKeptScoreBytes.
+struct VoteArrays {
+  ScratchLayout layout;
+  size_t stats_count, votes_count, kept_count;
+  size_t max_at, sum_at, votes_at, kept_at;
+  bool keep_scores;
+  VoteArrays(const AttentionProblem& problem, const SelectParams& params, int64_t max_candidates) {
+    stats_count = size_t(problem.batch) * size_t(problem.num_q_heads);
+    votes_count = size_t(problem.batch) * size_t(params.n_sets) * size_t(max_candidates);
+    kept_count = stats_count * size_t(max_candidates);
+    keep_scores = kept_count * sizeof(double) <= kMaxKeptScoreBytes;
+    max_at = layout.add<double>(stats_count);
+    sum_at = layout.add<double>(stats_count);
+    votes_at = layout.add<double>(votes_count);
+    kept_at = layout.add<double>(keep_scores ? kept_count : 0);
+  }
+};
+
+// The run's per-sequence arrays (slot kRunScratchSelection): plans [B], concat q̄ [B, Hq·D], T [B, n_sets, top_k].
+struct RunArrays {
+  ScratchLayout layout;
+  size_t batch, qbars_count, selections_count;
+  size_t plans_at, qbars_at, selections_at;
+  RunArrays(const AttentionProblem& problem, const SelectParams& params) {
+    batch = size_t(problem.batch);
+    qbars_count = batch * size_t(problem.num_q_heads) * size_t(problem.head_dim);
+    selections_count = batch * size_t(params.n_sets) * size_t(params.top_k);
+    plans_at = layout.add<SequencePlan>(batch);
+    qbars_at = layout.add<double>(qbars_count);
+    selections_at = layout.add<int64_t>(selections_count);
+  }
+};
+
 // Phase 3 of a run (see head_softmax_stats): T for every sequence that selects without a cache hit, written to
 // selections [B, n_sets, top_k]. concat_qbars: [B, Hq·D].
 void compute_selections(const AttentionProblem& problem, const SelectParams& params,
-                        const std::vector<SequencePlan>& plans, const double* concat_qbars, const ExecContext& exec,
+                        const SequencePlan* plans, const double* concat_qbars, const ExecContext& exec,
                         int64_t* selections) {
   const int32_t batch = problem.batch;
   const int32_t n_heads = problem.num_q_heads;
@@ -273,19 +327,26 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
   for (int32_t b = 0; b < batch; ++b) {
     if (computes_selection(b)) max_candidates = std::max(max_candidates, plans[size_t(b)].n_candidates());
   }
-  std::vector<double> head_max(size_t(batch) * size_t(n_heads));
-  std::vector<double> head_sum(size_t(batch) * size_t(n_heads));
-  std::vector<double> votes(size_t(batch) * size_t(params.n_sets) * size_t(max_candidates));
+  // Run scratch (kept run after run, grown by plan_token_select).
+  VoteArrays arrays(problem, params, max_candidates);
+  arrays.layout.bind(run_scratch(exec, kRunScratchSelectionVotes));
+  double* head_max = arrays.layout.get<double>(arrays.max_at, arrays.stats_count);
+  double* head_sum = arrays.layout.get<double>(arrays.sum_at, arrays.stats_count);
+  double* votes = arrays.layout.get<double>(arrays.votes_at, arrays.votes_count);
+  double* kept = arrays.keep_scores ? arrays.layout.get<double>(arrays.kept_at, arrays.kept_count) : nullptr;
+  const int64_t kept_stride = int64_t(n_heads / problem.num_kv_heads) * max_candidates;  // doubles per (b, kv head)
   const auto votes_of = [&](int32_t b, int32_t set) {
-    return votes.data() + (int64_t(b) * params.n_sets + set) * max_candidates;
+    return votes + (int64_t(b) * params.n_sets + set) * max_candidates;
   };
+  const auto kept_of = [&](int32_t b) { return kept ? kept + int64_t(b) * problem.num_kv_heads * kept_stride : kept; };
   const int32_t n_kv_heads = problem.num_kv_heads;
   exec.parallel_for(int64_t(batch) * n_kv_heads, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / n_kv_heads);
+    const int32_t hk = int32_t(item % n_kv_heads);
     if (!computes_selection(b)) return;
-    head_softmax_stats(vote_inputs, plans[size_t(b)], b, int32_t(item % n_kv_heads),
-                       concat_qbars + b * qbar_len, policy_scratch(exec, worker),
-                       head_max.data() + int64_t(b) * n_heads, head_sum.data() + int64_t(b) * n_heads);
+    head_softmax_stats(vote_inputs, plans[size_t(b)], b, hk, concat_qbars + b * qbar_len,
+                       policy_scratch(exec, worker), kept ? kept_of(b) + hk * kept_stride : nullptr,
+                       head_max + int64_t(b) * n_heads, head_sum + int64_t(b) * n_heads);
   });
   const int64_t chunks = (max_candidates + kCandidatesPerVoteItem - 1) / kCandidatesPerVoteItem;
   exec.parallel_for(int64_t(batch) * params.n_sets * chunks, [&](int64_t item, int worker) {
@@ -295,9 +356,9 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
     const int64_t first = item % chunks * kCandidatesPerVoteItem;
     const int64_t last = std::min(plan.n_candidates(), first + kCandidatesPerVoteItem);
     if (!computes_selection(b) || first >= last) return;
-    vote_candidates(vote_inputs, plan, b, set, first, last, concat_qbars + b * qbar_len,
-                    head_max.data() + int64_t(b) * n_heads, head_sum.data() + int64_t(b) * n_heads,
-                    policy_scratch(exec, worker), votes_of(b, set));
+    vote_candidates(vote_inputs, plan, b, set, first, last, concat_qbars + b * qbar_len, kept_of(b), kept_stride,
+                    head_max + int64_t(b) * n_heads, head_sum + int64_t(b) * n_heads, policy_scratch(exec, worker),
+                    votes_of(b, set));
   });
   exec.parallel_for(int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / params.n_sets);
@@ -358,6 +419,18 @@ SelectionCacheRunCounts selection_cache_run_counts(const SelectionCacheState* ca
   return cpu_cache ? cpu_cache->last_run() : SelectionCacheRunCounts{};
 }
 
+void plan_token_select(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec) {
+  const SelectParams params = resolve_params(problem, policy);
+  run_scratch(exec, kRunScratchSelection).reserve(RunArrays(problem, params).layout.floats());
+  // The largest candidate set any sequence can have, and the largest whose scores are still kept.
+  const int64_t worst = std::max<int64_t>(0, problem.max_seq_k - params.n_init - params.n_local);
+  const size_t per_candidate = size_t(problem.batch) * size_t(problem.num_q_heads) * sizeof(double);
+  const int64_t largest_kept = std::min<int64_t>(worst, int64_t(kMaxKeptScoreBytes / std::max<size_t>(per_candidate, 1)));
+  run_scratch(exec, kRunScratchSelectionVotes)
+      .reserve(std::max(VoteArrays(problem, params, worst).layout.floats(),
+                        VoteArrays(problem, params, largest_kept).layout.floats()));
+}
+
 void run_token_select(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
                       const ExecContext& exec) {
   const SelectParams params = resolve_params(problem, policy);
@@ -369,7 +442,15 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
 
   // Phase 0: plans and checks; nothing is written before this ends.
   CpuSelectionCache* cache = active_cache(problem, params);
-  std::vector<SequencePlan> plans(static_cast<size_t>(batch));
+  // Per-run arrays live in run scratch (kept run after run, grown by plan_token_select).
+  const int64_t selection_len = int64_t(params.n_sets) * params.top_k;
+  RunArrays arrays(problem, params);
+  arrays.layout.bind(run_scratch(exec, kRunScratchSelection));
+  SequencePlan* plans = arrays.layout.get<SequencePlan>(arrays.plans_at, arrays.batch);
+  double* concat_qbars = arrays.layout.get<double>(arrays.qbars_at, arrays.qbars_count);
+  int64_t* selections = arrays.layout.get<int64_t>(arrays.selections_at, arrays.selections_count);
+  std::fill(concat_qbars, concat_qbars + arrays.qbars_count, 0.0);
+  std::fill(selections, selections + arrays.selections_count, int64_t{0});
   for (int32_t b = 0; b < batch; ++b) {
     SequencePlan& plan = plans[size_t(b)];
     plan.seq_q = problem.seq_len_q(b);
@@ -381,7 +462,6 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
   }
 
   // Phase 1: q̄_h per (b, h) in float64, laid out as concat_h q̄_h per sequence (the cache's key).
-  std::vector<double> concat_qbars(size_t(batch) * size_t(qbar_len), 0.0);
   exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / n_heads);
     const int32_t h = int32_t(item % n_heads);
@@ -391,7 +471,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     const size_t row_at = layout.add<float>(size_t(d));
     layout.bind(policy_scratch(exec, worker));
     float* row = layout.get<float>(row_at, size_t(d));
-    double* qbar = concat_qbars.data() + b * qbar_len + int64_t(h) * d;
+    double* qbar = concat_qbars + b * qbar_len + int64_t(h) * d;
     for (int64_t i = 0; i < plan.seq_q; ++i) {
       load_row_f32(problem.dtype, problem.q.t.data, problem.q_offset(problem.q, b, i, h), d, row);
       for (int32_t c = 0; c < d; ++c) qbar[c] += double(row[c]);
@@ -400,27 +480,25 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
   });
 
   // Phase 2: cache lookups. T is [B, n_sets, top_k], ascending per set.
-  const int64_t selection_len = int64_t(params.n_sets) * params.top_k;
-  std::vector<int64_t> selections(size_t(batch) * size_t(selection_len));
   for (int32_t b = 0; b < batch; ++b) {
     SequencePlan& plan = plans[size_t(b)];
     if (!cache || !plan.selects()) continue;
-    plan.cache_hit = cache->can_reuse(b, concat_qbars.data() + b * qbar_len, qbar_len, params.n_sets, params.top_k,
+    plan.cache_hit = cache->can_reuse(b, concat_qbars + b * qbar_len, qbar_len, params.n_sets, params.top_k,
                                       params.cache_theta, plan.candidate_begin, plan.candidate_end);
     plan.cache_miss = !plan.cache_hit;
-    if (plan.cache_hit) cache->load(b, params.n_sets, params.top_k, selections.data() + b * selection_len);
+    if (plan.cache_hit) cache->load(b, params.n_sets, params.top_k, selections + b * selection_len);
   }
 
   // Phase 3: head soft vote and top-k for every selecting sequence without a hit.
-  compute_selections(problem, params, plans, concat_qbars.data(), exec, selections.data());
+  compute_selections(problem, params, plans, concat_qbars, exec, selections);
 
   // Phase 4: store what was computed and count.
   for (int32_t b = 0; b < batch; ++b) {
     const SequencePlan& plan = plans[size_t(b)];
     if (!cache || !plan.selects()) continue;
     if (plan.cache_miss) {
-      cache->store(b, concat_qbars.data() + b * qbar_len, qbar_len, params.n_sets, params.top_k,
-                   selections.data() + b * selection_len);
+      cache->store(b, concat_qbars + b * qbar_len, qbar_len, params.n_sets, params.top_k,
+                   selections + b * selection_len);
     }
     cache->count(plan.cache_hit);
   }
@@ -437,7 +515,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
       layout.bind(policy_scratch(exec, worker));
       int64_t* ids = layout.get<int64_t>(ids_at, size_t(max_ids));
       const int64_t n_ids =
-          plan.has_rows() ? build_index_set(plan, params, selections.data() + b * selection_len + set * params.top_k,
+          plan.has_rows() ? build_index_set(plan, params, selections + b * selection_len + set * params.top_k,
                                             ids)
                           : 0;
       write_selected_set(problem.selected_indices, b, set, ids, n_ids);
@@ -460,7 +538,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     layout.bind(policy_scratch(exec, worker));
     int64_t* ids = layout.get<int64_t>(ids_at, size_t(max_ids));
     int64_t* rows = layout.get<int64_t>(rows_at, size_t(plan.seq_q));
-    const int64_t* selection = selections.data() + b * selection_len + set * params.top_k;
+    const int64_t* selection = selections + b * selection_len + set * params.top_k;
     const int64_t n_ids = build_index_set(plan, params, selection, ids);
     std::iota(rows, rows + plan.seq_q, int64_t{0});
     RowVisibility visibility;

@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
-#include <vector>
 
 #include "../../src/error.h"
 #include "attention_loop.h"
@@ -50,14 +49,14 @@ void score_candidates(const AttentionProblem& problem, int32_t b, int32_t h, con
   const size_t matrix_size = size_t(length) * size_t(window);
   ScratchLayout layout;
   const size_t queries_at = layout.add<double>(queries_size);
-  const size_t row_at = layout.add<float>(size_t(d));
+  const size_t row_at = layout.add<float>(size_t(kDotKeys) * size_t(d));
   const size_t matrix_at = layout.add<double>(matrix_size);
   const size_t max_at = layout.add<double>(size_t(window));
   const size_t sum_at = layout.add<double>(size_t(window));
   const size_t attention_at = layout.add<double>(size_t(n_candidates));
   layout.bind(scratch);
   double* queries = layout.get<double>(queries_at, queries_size);  // the window rows, interleaved
-  float* row = layout.get<float>(row_at, size_t(d));
+  float* row = layout.get<float>(row_at, size_t(kDotKeys) * size_t(d));  // kDotKeys key rows
   double* matrix = layout.get<double>(matrix_at, matrix_size);  // [L, W]: key j's scores against every window row
   double* row_max = layout.get<double>(max_at, size_t(window));
   double* row_sum = layout.get<double>(sum_at, size_t(window));
@@ -72,9 +71,13 @@ void score_candidates(const AttentionProblem& problem, int32_t b, int32_t h, con
     load_row_f32(problem.dtype, problem.q.t.data, problem.q_offset(problem.q, b, first_row + w, h), d, row);
     interleave_vector(queries, w, row, d);
   }
-  for (int64_t j = 0; j < length; ++j) {
-    load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, j, hk), d, row);
-    interleaved_dots(queries, window, row, d, problem.scale, matrix + j * window);
+  const float* key_rows[kDotKeys];
+  for (int key = 0; key < kDotKeys; ++key) key_rows[key] = row + int64_t(key) * d;
+  for (int64_t j0 = 0; j0 < length; j0 += kDotKeys) {
+    const int n_keys = int(std::min<int64_t>(kDotKeys, length - j0));
+    for (int key = 0; key < n_keys; ++key)
+      load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, j0 + key, hk), d, row + key * d);
+    interleaved_dots_keys(queries, window, key_rows, n_keys, d, problem.scale, matrix + j0 * window, window);
   }
   std::fill(row_max, row_max + window, -INFINITY);
   std::fill(row_sum, row_sum + window, 0.0);
@@ -159,6 +162,14 @@ int64_t select_kept_tokens(const SequencePlan& plan, const double* head_scores, 
 
 }  // namespace
 
+void plan_token_sparse(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec) {
+  // Plans [B] and, at worst, ŝ_h of every sequence at the longest length: B · Hq · (max Skv − W) doubles.
+  const int64_t worst_candidates = std::max<int64_t>(0, problem.max_seq_k - policy.p.token_sparse_window);
+  run_scratch(exec, kRunScratchSelection).reserve(scratch_floats<SequencePlan>(size_t(problem.batch)));
+  run_scratch(exec, kRunScratchSelectionVotes)
+      .reserve(scratch_floats<double>(size_t(problem.batch) * size_t(problem.num_q_heads) * size_t(worst_candidates)));
+}
+
 void run_token_sparse(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
                       const ExecContext& exec) {
   SparseParams params;
@@ -169,8 +180,9 @@ void run_token_sparse(const AttentionProblem& problem, const PolicyParams& polic
   const int32_t batch = problem.batch;
   const int32_t n_heads = problem.num_q_heads;
 
-  // Phase 0: plans and checks; nothing is written before this ends.
-  std::vector<SequencePlan> plans(static_cast<size_t>(batch));
+  // Phase 0: plans and checks; nothing is written before this ends. Plans and scores live in run scratch (kept run
+  // after run, so a warmed-up run allocates nothing).
+  SequencePlan* plans = scratch_array<SequencePlan>(run_scratch(exec, kRunScratchSelection), 0, size_t(batch));
   int64_t scores_size = 0;
   for (int32_t b = 0; b < batch; ++b) {
     SequencePlan& plan = plans[size_t(b)];
@@ -187,7 +199,8 @@ void run_token_sparse(const AttentionProblem& problem, const PolicyParams& polic
     }
     require_selected_capacity(problem, plan.length, b, "TOKEN_SPARSE");
   }
-  std::vector<double> scores(static_cast<size_t>(scores_size));  // ŝ_h per sparse sequence: [Hq, L − W]
+  // ŝ_h per sparse sequence: [Hq, L − W]
+  double* scores = scratch_array<double>(run_scratch(exec, kRunScratchSelectionVotes), 0, size_t(scores_size));
 
   // Phase 1: ŝ_h per (b, h).
   exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
@@ -196,14 +209,14 @@ void run_token_sparse(const AttentionProblem& problem, const PolicyParams& polic
     const SequencePlan& plan = plans[size_t(b)];
     if (plan.dense) return;
     score_candidates(problem, b, h, plan, params, policy_scratch(exec, worker),
-                     scores.data() + plan.scores_offset + int64_t(h) * plan.n_candidates);
+                     scores + plan.scores_offset + int64_t(h) * plan.n_candidates);
   });
 
   // Phase 2: the budget per sequence.
   exec.parallel_for(batch, [&](int64_t item, int worker) {
     SequencePlan& plan = plans[size_t(item)];
     if (plan.dense) return;
-    plan.budget = budget_of(plan, params, n_heads, scores.data() + plan.scores_offset, policy_scratch(exec, worker));
+    plan.budget = budget_of(plan, params, n_heads, scores + plan.scores_offset, policy_scratch(exec, worker));
   });
 
   // Phase 3: S_h, selected_indices, dropped rows = 0, attention inside the compressed sequence.
@@ -220,7 +233,7 @@ void run_token_sparse(const AttentionProblem& problem, const PolicyParams& polic
     layout.bind(policy_scratch(exec, worker));
     int64_t* kept = layout.get<int64_t>(kept_at, length);
     const double* head_scores =
-        plan.dense ? nullptr : scores.data() + plan.scores_offset + int64_t(h) * plan.n_candidates;
+        plan.dense ? nullptr : scores + plan.scores_offset + int64_t(h) * plan.n_candidates;
     const int64_t n_kept =
         select_kept_tokens(plan, head_scores, layout.get<int64_t>(order_at, size_t(plan.n_candidates)), kept);
     if (problem.selected_indices.present) write_selected_set(problem.selected_indices, b, h, kept, n_kept);

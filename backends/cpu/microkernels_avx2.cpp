@@ -24,48 +24,68 @@ constexpr int kColBlock = 16;  // columns of the loaded operand per register til
 
 // ---- Sᵀ = K · Qᵀ ----
 
-// kKeys keys × 16 query rows of Sᵀ: per step c, two loads of Qᵀ[c] and kKeys broadcasts of K[j][c].
-template <int kKeys>
+// kKeys keys × 8·kVectors query rows of Sᵀ: per step c, kVectors loads of Qᵀ[c] and kKeys broadcasts of K[j][c].
+// Every score is the same FMA chain over c whatever the tile shape, so results do not depend on the blocking.
+template <int kKeys, int kVectors>
 inline void qk_register_tile(const float* k, int64_t k_stride, const float* qt, int qt_stride, int d, float* st,
                              int st_stride) {
-  __m256 acc_lo[kKeys], acc_hi[kKeys];
-#pragma GCC unroll 8
-  for (int j = 0; j < kKeys; ++j) acc_lo[j] = acc_hi[j] = _mm256_setzero_ps();
+  __m256 acc[kKeys][kVectors];
+#pragma GCC unroll 16
+  for (int j = 0; j < kKeys; ++j)
+#pragma GCC unroll 2
+    for (int x = 0; x < kVectors; ++x) acc[j][x] = _mm256_setzero_ps();
   for (int c = 0; c < d; ++c) {
-    const __m256 q_lo = _mm256_loadu_ps(qt + int64_t(c) * qt_stride);
-    const __m256 q_hi = _mm256_loadu_ps(qt + int64_t(c) * qt_stride + kLanes);
-#pragma GCC unroll 8
+    __m256 q[kVectors];
+#pragma GCC unroll 2
+    for (int x = 0; x < kVectors; ++x) q[x] = _mm256_loadu_ps(qt + int64_t(c) * qt_stride + x * kLanes);
+#pragma GCC unroll 16
     for (int j = 0; j < kKeys; ++j) {
       const __m256 k_jc = _mm256_broadcast_ss(k + j * k_stride + c);
-      acc_lo[j] = _mm256_fmadd_ps(k_jc, q_lo, acc_lo[j]);
-      acc_hi[j] = _mm256_fmadd_ps(k_jc, q_hi, acc_hi[j]);
+#pragma GCC unroll 2
+      for (int x = 0; x < kVectors; ++x) acc[j][x] = _mm256_fmadd_ps(k_jc, q[x], acc[j][x]);
     }
   }
-#pragma GCC unroll 8
-  for (int j = 0; j < kKeys; ++j) {
-    _mm256_storeu_ps(st + int64_t(j) * st_stride, acc_lo[j]);
-    _mm256_storeu_ps(st + int64_t(j) * st_stride + kLanes, acc_hi[j]);
+#pragma GCC unroll 16
+  for (int j = 0; j < kKeys; ++j)
+#pragma GCC unroll 2
+    for (int x = 0; x < kVectors; ++x) _mm256_storeu_ps(st + int64_t(j) * st_stride + x * kLanes, acc[j][x]);
+}
+
+// One column strip of 8·kVectors query rows, kKeysPerTile keys per register tile (the rest one switch away).
+template <int kVectors, int kKeysPerTile>
+void qk_strip(const float* k, int64_t k_stride, int nk, const float* qt, int qt_stride, int d, float* st,
+              int st_stride) {
+  int j0 = 0;
+  for (; j0 + kKeysPerTile <= nk; j0 += kKeysPerTile)
+    qk_register_tile<kKeysPerTile, kVectors>(k + j0 * k_stride, k_stride, qt, qt_stride, d,
+                                             st + int64_t(j0) * st_stride, st_stride);
+  const float* k_rest = k + j0 * k_stride;
+  float* st_rest = st + int64_t(j0) * st_stride;
+  for (int left = nk - j0; left > 0;) {  // at most two steps: 4 then the remaining 1–3 (or 1–5 directly)
+    switch (left) {
+      case 5: qk_register_tile<5, kVectors>(k_rest, k_stride, qt, qt_stride, d, st_rest, st_stride); return;
+      case 3: qk_register_tile<3, kVectors>(k_rest, k_stride, qt, qt_stride, d, st_rest, st_stride); return;
+      case 2: qk_register_tile<2, kVectors>(k_rest, k_stride, qt, qt_stride, d, st_rest, st_stride); return;
+      case 1: qk_register_tile<1, kVectors>(k_rest, k_stride, qt, qt_stride, d, st_rest, st_stride); return;
+      default:
+        qk_register_tile<4, kVectors>(k_rest, k_stride, qt, qt_stride, d, st_rest, st_stride);
+        k_rest += 4 * k_stride;
+        st_rest += int64_t(4) * st_stride;
+        left -= 4;
+    }
   }
 }
 
+// 16-row strips (6 keys per tile, 12 accumulators), then a last 8-row strip when nr_pad is an odd multiple of 8
+// (decode: 1–8 stacked rows need one vector of Qᵀ, not two). The 8-row strip takes 12 keys per tile.
+constexpr int kKeysPerNarrowTile = 12;
+
 void qk_tile_avx2(const float* k, int64_t k_stride, int nk, const float* qt, int qt_stride, int nr_pad, int d,
                   float* st, int st_stride) {
-  for (int r0 = 0; r0 < nr_pad; r0 += kColBlock) {
-    int j0 = 0;
-    for (; j0 + kRowBlock <= nk; j0 += kRowBlock)
-      qk_register_tile<kRowBlock>(k + j0 * k_stride, k_stride, qt + r0, qt_stride, d, st + int64_t(j0) * st_stride + r0,
-                                  st_stride);
-    const float* k_rest = k + j0 * k_stride;
-    float* st_rest = st + int64_t(j0) * st_stride + r0;
-    switch (nk - j0) {
-      case 5: qk_register_tile<5>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
-      case 4: qk_register_tile<4>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
-      case 3: qk_register_tile<3>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
-      case 2: qk_register_tile<2>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
-      case 1: qk_register_tile<1>(k_rest, k_stride, qt + r0, qt_stride, d, st_rest, st_stride); break;
-      default: break;
-    }
-  }
+  int r0 = 0;
+  for (; r0 + kColBlock <= nr_pad; r0 += kColBlock)
+    qk_strip<2, kRowBlock>(k, k_stride, nk, qt + r0, qt_stride, d, st + r0, st_stride);
+  if (r0 < nr_pad) qk_strip<1, kKeysPerNarrowTile>(k, k_stride, nk, qt + r0, qt_stride, d, st + r0, st_stride);
 }
 
 // ---- O += P · V ----

@@ -296,6 +296,10 @@ cudaError_t forward_decode_launch(const ForwardParams& p, int32_t max_seq_q, cud
   forward_decode_kernel<<<grid, kThreads, 0, stream>>>(p, max_seq_q * p.group_size);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
+  return combine_splits_launch(p, stream);
+}
+
+cudaError_t combine_splits_launch(const ForwardParams& p, cudaStream_t stream) {
   combine_decode_splits_kernel<<<dim3(p.flat_rows, p.num_q_heads), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

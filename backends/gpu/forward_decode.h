@@ -17,4 +17,8 @@ bool forward_decode_supports(const ForwardParams& p, int64_t max_seq_q);
 // Enqueues the kernel (and, with p.num_splits > 1, the combine kernel that merges the partial states).
 cudaError_t forward_decode_launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream);
 
+// Enqueues only the combine kernel: merges p.num_splits partial states (layout in forward_params.h) into out/lse.
+// Shared by every split-KV kernel (token_indices.cu too).
+cudaError_t combine_splits_launch(const ForwardParams& p, cudaStream_t stream);
+
 SPARSA_GPU_NAMESPACE_END

@@ -10,12 +10,14 @@
 #include "../../src/backend.h"
 #include "../../src/error.h"
 #include "../../src/registry.h"
+#include "attention_stats.h"
 #include "forward_mma.h"
 #include "forward_params.h"
 #include "forward_decode.h"
 #include "forward_simt.h"
 #include "gpu_runtime.h"
 #include "merge_states.h"
+#include "token_indices.h"
 
 #include <cmath>
 #include <algorithm>
@@ -48,6 +50,9 @@ constexpr uint64_t kMaxSplitScratchBytes = uint64_t(256) << 20;
 constexpr int32_t kDecodeKeysPerTile = 256;       // a decode split walks at least this many keys (2 chunks a warp)
 constexpr int32_t kDecodeBlocksPerSmTarget = 4;
 constexpr int32_t kDecodeMaxSplits = 128;
+constexpr int32_t kIndexRowsPerBlock = 4;         // query rows per index-attention thread block (CUDA: 4 warps)
+constexpr uint64_t kScratchAlignment = 256;
+constexpr uint64_t kMaxIndexListBytes = uint64_t(1) << 30;
 
 // Every runtime call goes through here: a failure becomes SPARSA_STATUS_DEVICE_ERROR naming the call.
 void check(cudaError_t status, const char* call) {
@@ -168,8 +173,9 @@ ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyP
 }
 
 
-// Fastest first (oneDNN-style list): decode for a few rows per kv head, tensor cores, then the portable kernel.
-enum class ForwardKernel { kNone, kDecode, kTensorCore, kPortable };
+// Fastest first (oneDNN-style list): decode for a few rows per kv head, tensor cores, then the portable kernel;
+// TOKEN_INDICES has its own index-driven pair of kernels (token_indices.cu).
+enum class ForwardKernel { kNone, kDecode, kTensorCore, kPortable, kTokenIndices };
 
 // The one place that answers "can this backend run it?" and "with which kernel?" (STYLE.md point 7).
 ForwardKernel choose_kernel(const AttentionProblem& problem, const PolicyParams& policy, std::string* reason) {
@@ -178,14 +184,15 @@ ForwardKernel choose_kernel(const AttentionProblem& problem, const PolicyParams&
     return ForwardKernel::kNone;
   };
   const int32_t kind = policy.p.kind;
-  if (kind != SPARSA_POLICY_DENSE && kind != SPARSA_POLICY_SINK_WINDOW && kind != SPARSA_POLICY_BLOCK_SPARSE) {
+  if (kind != SPARSA_POLICY_DENSE && kind != SPARSA_POLICY_SINK_WINDOW && kind != SPARSA_POLICY_BLOCK_SPARSE &&
+      kind != SPARSA_POLICY_TOKEN_INDICES) {
     return refuse(std::string("policy ") + sparsa_policy_kind_name(kind) +
-                  " is not implemented on this backend yet (DENSE, SINK_WINDOW and BLOCK_SPARSE are)");
+                  " is not implemented on this backend yet (DENSE, SINK_WINDOW, BLOCK_SPARSE and TOKEN_INDICES are)");
   }
   if (policy.delta) return refuse("the DELTA flag is not implemented on this backend yet");
-  if (problem.stats.present) return refuse("the stats output is not implemented on this backend yet");
-  if (problem.selected_indices.present || problem.block_mask_out.present) {
-    return refuse("introspection outputs (selected_indices, block_mask_out) are not implemented on this backend");
+  if (problem.block_mask_out.present) return refuse("block_mask_out (SPARGE) is not implemented on this backend");
+  if (problem.selected_indices.present && kind != SPARSA_POLICY_TOKEN_INDICES) {
+    return refuse("selected_indices is implemented for TOKEN_INDICES only on this backend");
   }
   if (problem.dtype != SPARSA_DTYPE_F32 && problem.dtype != SPARSA_DTYPE_F16 && problem.dtype != SPARSA_DTYPE_BF16) {
     return refuse("dtype must be F32, F16 or BF16");
@@ -200,6 +207,16 @@ ForwardKernel choose_kernel(const AttentionProblem& problem, const PolicyParams&
   if (problem.max_seq_q > std::numeric_limits<int32_t>::max() / 2 ||
       problem.max_seq_k > std::numeric_limits<int32_t>::max() / 2) {
     return refuse("sequence lengths must stay below 2^30");
+  }
+  if (kind == SPARSA_POLICY_TOKEN_INDICES) {
+    if (problem.max_seq_k > kIndexMaxKeys) {
+      return refuse("TOKEN_INDICES needs Skv <= " + std::to_string(kIndexMaxKeys) + " (shared-memory key bitmap)");
+    }
+    if (uint64_t(problem.batch) * problem.num_q_heads * uint64_t(problem.max_seq_k) * sizeof(int32_t) >
+        kMaxIndexListBytes) {
+      return refuse("TOKEN_INDICES key lists (B x Hq x Skv int32, Skv = Tk for packed k/v) exceed 1 GiB of scratch");
+    }
+    return ForwardKernel::kTokenIndices;
   }
   const ForwardParams params = make_forward_params(problem, policy);
   if (forward_decode_supports(params, problem.max_seq_q)) return ForwardKernel::kDecode;
@@ -229,6 +246,12 @@ SplitPlan plan_splits(ForwardKernel kernel, const AttentionProblem& problem, int
     min_tiles_per_split = kMinTilesPerSplit;
     blocks_per_sm = kBlocksPerSmTarget;
     max_splits = kMaxSplits;
+  } else if (kernel == ForwardKernel::kTokenIndices) {
+    blocks = (problem.max_seq_q + kIndexRowsPerBlock - 1) / kIndexRowsPerBlock * problem.num_q_heads * problem.batch;
+    key_tiles = (problem.max_seq_k + kDecodeKeysPerTile - 1) / kDecodeKeysPerTile;
+    min_tiles_per_split = 1;
+    blocks_per_sm = kDecodeBlocksPerSmTarget;
+    max_splits = kDecodeMaxSplits;
   } else if (kernel == ForwardKernel::kDecode) {
     blocks = int64_t(problem.num_kv_heads) * problem.batch;
     key_tiles = (problem.max_seq_k + kDecodeKeysPerTile - 1) / kDecodeKeysPerTile;
@@ -264,6 +287,7 @@ class GpuBackend final : public Backend {
     if (forward_simt_shared_bytes(kSimtMaxHeadDim) <= static_cast<size_t>(max_shared_optin_)) {
       check(forward_simt_prepare(), "cudaFuncSetAttribute (portable forward)");
     }
+    check(token_indices_prepare(size_t(max_shared_optin_)), "cudaFuncSetAttribute (TOKEN_INDICES key sets)");
   }
 
   int32_t device_type() const override { return kDeviceType; }
@@ -284,6 +308,14 @@ class GpuBackend final : public Backend {
       if (reason != nullptr) *reason = std::string(kBackendName) + " backend: head_dim too large for shared memory";
       return false;
     }
+    if (kernel == ForwardKernel::kTokenIndices &&
+        index_set_shared_bytes(problem.max_seq_k) > static_cast<size_t>(max_shared_optin_)) {
+      if (reason != nullptr) {
+        *reason = std::string(kBackendName) + " backend: TOKEN_INDICES key bitmap of Skv = " +
+                  std::to_string(problem.max_seq_k) + " keys exceeds this device's shared memory";
+      }
+      return false;
+    }
     return kernel != ForwardKernel::kNone;
   }
 
@@ -291,26 +323,41 @@ class GpuBackend final : public Backend {
     std::string reason;
     const ForwardKernel kernel = choose_kernel(problem, policy, &reason);
     if (kernel == ForwardKernel::kNone) fail(SPARSA_STATUS_UNSUPPORTED, reason);
-    grow_scratch(plan_splits(kernel, problem, multiprocessors_).scratch_bytes);
+    if (!supports(problem, policy, &reason)) fail(SPARSA_STATUS_UNSUPPORTED, reason);
+    grow_scratch(scratch_layout(kernel, problem, plan_splits(kernel, problem, multiprocessors_)).total);
   }
 
   void run(const AttentionProblem& problem, const PolicyParams& policy) override {
     std::string reason;
     const ForwardKernel kernel = choose_kernel(problem, policy, &reason);
-    if (kernel == ForwardKernel::kNone) fail(SPARSA_STATUS_UNSUPPORTED, reason);
+    if (kernel == ForwardKernel::kNone || !supports(problem, policy, &reason)) fail(SPARSA_STATUS_UNSUPPORTED, reason);
+    DeviceGuard guard(device_);
+    const StatsParams stats = stats_params(problem, policy);
+    if (stats.out != nullptr) {
+      check(stats_zero_launch(stats, stream_), "stats_zero_kernel launch");
+      if (problem.batch > 0 && problem.num_q_heads > 0) {
+        check(stats_count_launch(make_forward_params(problem, policy), stats, stream_), "stats_count_kernel launch");
+      }
+    }
     if (problem.batch == 0 || problem.num_q_heads == 0 || problem.max_seq_q == 0) return;
     ForwardParams params = make_forward_params(problem, policy);
-    DeviceGuard guard(device_);
     const SplitPlan split = plan_splits(kernel, problem, multiprocessors_);
+    const ScratchLayout layout = scratch_layout(kernel, problem, split);
+    grow_scratch(layout.total);  // allocates only on a first, unplanned run
+    char* scratch = static_cast<char*>(scratch_);
     if (split.num_splits > 1) {
-      grow_scratch(split.scratch_bytes);  // allocates only on a first, unplanned run
       params.num_splits = split.num_splits;
       params.flat_rows = split.flat_rows;
-      params.partial_out = static_cast<float*>(scratch_);  // first: its float2 stores need 8-byte alignment
+      params.partial_out = reinterpret_cast<float*>(scratch);  // first: its float2 stores need 8-byte alignment
       params.partial_lse =
           params.partial_out + int64_t(split.num_splits) * split.flat_rows * problem.num_q_heads * problem.head_dim;
     }
-    if (kernel == ForwardKernel::kDecode) {
+    if (kernel == ForwardKernel::kTokenIndices) {
+      IndexSetParams ix = index_set_params(problem, policy);
+      ix.key_lists = reinterpret_cast<int32_t*>(scratch + layout.key_lists_at);
+      ix.key_counts = reinterpret_cast<int32_t*>(scratch + layout.key_counts_at);
+      check(token_indices_launch(params, ix, stats, int32_t(problem.max_seq_q), stream_), "token_indices launch");
+    } else if (kernel == ForwardKernel::kDecode) {
       check(forward_decode_launch(params, int32_t(problem.max_seq_q), stream_), "forward_decode_kernel launch");
     } else if (kernel == ForwardKernel::kTensorCore) {
       check(forward_mma_launch(params, int32_t(problem.max_seq_q), stream_), "forward_mma_kernel launch");
@@ -359,6 +406,67 @@ class GpuBackend final : public Backend {
   }
 
  private:
+  // Byte offsets in the scratch buffer: split-KV partial states, then (TOKEN_INDICES) the key lists and counts.
+  struct ScratchLayout {
+    uint64_t key_lists_at = 0, key_counts_at = 0, total = 0;
+  };
+  static ScratchLayout scratch_layout(ForwardKernel kernel, const AttentionProblem& problem, const SplitPlan& split) {
+    ScratchLayout layout;
+    layout.total = split.num_splits > 1 ? split.scratch_bytes : 0;
+    if (kernel != ForwardKernel::kTokenIndices) return layout;
+    const uint64_t lists = uint64_t(problem.batch) * problem.num_q_heads;
+    layout.key_lists_at = (layout.total + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
+    layout.key_counts_at = layout.key_lists_at + lists * uint64_t(problem.max_seq_k) * sizeof(int32_t);
+    layout.total = layout.key_counts_at + lists * sizeof(int32_t);
+    return layout;
+  }
+
+  static IndexSetParams index_set_params(const AttentionProblem& problem, const PolicyParams& policy) {
+    IndexSetParams ix;
+    ix.indices = policy.indices.ptr<const int32_t>();
+    for (int d = 0; d < 3; ++d) ix.index_strides[d] = policy.indices.stride(d);
+    ix.index_heads = int32_t(policy.indices.extent(1));
+    ix.slots = int32_t(policy.indices.extent(2));
+    if (policy.head_map.present) {
+      ix.head_map = policy.head_map.ptr<const int32_t>();
+      ix.head_map_stride = policy.head_map.stride(0);
+    }
+    ix.block_size = policy.p.index_block_size;
+    ix.n_init = policy.p.index_n_init;
+    ix.n_local = policy.p.index_n_local;
+    ix.list_capacity = int32_t(problem.max_seq_k);
+    if (problem.selected_indices.present) {
+      ix.selected = problem.selected_indices.ptr<int32_t>();
+      for (int d = 0; d < 3; ++d) ix.selected_strides[d] = problem.selected_indices.stride(d);
+      ix.selected_cap = int32_t(problem.selected_indices.extent(2));
+    }
+    return ix;
+  }
+
+  // What the stats kernels count for this policy (sparsa_stat_index; out = null when stats were not asked for).
+  static StatsParams stats_params(const AttentionProblem& problem, const PolicyParams& policy) {
+    StatsParams st;
+    if (!problem.stats.present) return st;
+    st.out = problem.stats.ptr<int64_t>();
+    st.stride = problem.stats.stride(0);
+    st.count = int32_t(std::min<int64_t>(problem.stats.extent(0), SPARSA_STAT_COUNT));
+    switch (policy.p.kind) {
+      case SPARSA_POLICY_DENSE:
+      case SPARSA_POLICY_SINK_WINDOW:
+        st.tile_rows = kStatTileRows;
+        st.tile_keys = kStatTileKeys;
+        break;
+      case SPARSA_POLICY_BLOCK_SPARSE:
+        st.tile_rows = policy.p.block_q;
+        st.tile_keys = policy.p.block_k;
+        break;
+      default:
+        st.pairs_computed = false;  // TOKEN_INDICES: the key-set kernel adds its pairs
+        break;
+    }
+    return st;
+  }
+
   // Scratch only grows; plan() sizes it so that later runs allocate nothing.
   void grow_scratch(uint64_t bytes) {
     if (bytes <= scratch_bytes_) return;

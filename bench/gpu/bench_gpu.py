@@ -20,7 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 MAX_DIMS = 8
 DTYPE_BF16, DTYPE_U8, DTYPE_I32 = 3, 7, 5
 DEVICE_CUDA = 2
-POLICY_DENSE, POLICY_SINK_WINDOW, POLICY_BLOCK_SPARSE = 0, 1, 2
+POLICY_DENSE, POLICY_SINK_WINDOW, POLICY_BLOCK_SPARSE, POLICY_TOKEN_INDICES = 0, 1, 2, 6
+POLICY_INDICES_OFFSET = 112  # offsetof(sparsa_policy, indices); index_block_size follows head_map (+16)
 
 
 class Tensor(ctypes.Structure):
@@ -73,7 +74,8 @@ class Sparsa:
         if status != 0:
             raise RuntimeError(f"sparsa {what} failed ({status}): {self.lib.sparsa_last_error_message().decode()}")
 
-    def prepare(self, q, k, v, out, causal, kind=POLICY_DENSE, mask=None, block=(128, 128), sink=(128, 2048)):
+    def prepare(self, q, k, v, out, causal, kind=POLICY_DENSE, mask=None, block=(128, 128), sink=(128, 2048),
+                indices=None):
         """Returns a zero-argument callable that enqueues one run (descriptors built once, as a caller would)."""
         keep = [to_tensor(x, DTYPE_BF16) for x in (q, k, v, out)]
         args = Args()
@@ -87,6 +89,9 @@ class Sparsa:
         if mask is not None:
             keep.append(to_tensor(mask, DTYPE_U8))
             pol.block_mask = ctypes.pointer(keep[-1])
+        if indices is not None:  # TOKEN_INDICES: int32 [B, H_idx, k] token ids
+            keep.append(to_tensor(indices, DTYPE_I32))
+            ctypes.c_void_p.from_buffer(pol, POLICY_INDICES_OFFSET).value = ctypes.addressof(keep[-1])
         run = self.lib.sparsa_attention_run
         ctx = self.ctx
 
@@ -174,6 +179,37 @@ def main():
         record(kind="decode_gqa", N=N, rel_err=err, sparsa_ms=ms, KV_TBps=2 * N * Hkv * D * 2 / ms / 1e9,
                flash_ms=flash, cudnn_ms=cudnn, vs_flash=flash / ms, vs_cudnn=cudnn / ms)
         del q, k, v, out
+        torch.cuda.empty_cache()
+
+    # ---- TOKEN_INDICES decode (~90 % sparsity: 10 % of the keys, one index row per query head) vs dense decode ----
+    for N in ([32768] if quick else [32768, 131072]):
+        q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        out = torch.empty_like(q)
+        n_sel = N // 10
+        idx = torch.stack([torch.randperm(N, device="cuda")[:n_sel].sort().values for _ in range(H)])
+        idx = idx.to(torch.int32).unsqueeze(0).contiguous()  # [1, H, n_sel]
+        fn = sp.prepare(q, k, v, out, True, kind=POLICY_TOKEN_INDICES, indices=idx)
+        fn()
+        # Reference: dense attention over the gathered keys of each head.
+        g = H // Hkv
+        kh = k[0].transpose(0, 1).repeat_interleave(g, 0)  # [H, N, D]
+        vh = v[0].transpose(0, 1).repeat_interleave(g, 0)
+        sel = idx[0].long()
+        ks = torch.gather(kh, 1, sel.unsqueeze(-1).expand(-1, -1, D))
+        vs = torch.gather(vh, 1, sel.unsqueeze(-1).expand(-1, -1, D))
+        ref = F.scaled_dot_product_attention(q[0].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0))
+        err = rel_err(out[0].transpose(0, 1), ref[0])
+        ms = bench(fn)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            cudnn = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+        dense = sp.prepare(q, k, v, out, True)
+        dense_ms = bench(dense)
+        record(kind="indices_decode", N=N, rel_err=err, sparsa_ms=ms, sparsa_dense_ms=dense_ms, cudnn_ms=cudnn,
+               vs_cudnn_dense=cudnn / ms, vs_sparsa_dense=dense_ms / ms)
+        del q, k, v, out, kh, vh, ks, vs
         torch.cuda.empty_cache()
 
     # ---- block-sparse and sink+window vs FlexAttention ----

@@ -33,26 +33,40 @@ cmake -S "$ROOT" -B $BUILD -DCMAKE_BUILD_TYPE=Release ${GTEST_PREFIX:+-DCMAKE_PR
   "-DCMAKE_CUDA_ARCHITECTURES=90a;80" -DSPARSA_BUILD_BINDINGS=OFF -DSPARSA_BUILD_TOOLS=OFF -DSPARSA_BUILD_BENCH=OFF \
   > "$OUT/configure.log" 2>&1 || { echo "configure failed"; tail -30 "$OUT/configure.log"; exit 1; }
 grep "sparsa:" "$OUT/configure.log"
-cmake --build $BUILD -j "$JOBS" --target sparsa sparsa_gpu_tests > "$OUT/build.log" 2>&1 ||
+cmake --build $BUILD -j "$JOBS" --target sparsa sparsa_gpu_tests sparsa_tests > "$OUT/build.log" 2>&1 ||
   { echo "build failed"; grep -E -A3 "error" "$OUT/build.log" | head -40; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s; warnings: $(grep -c 'warning' "$OUT/build.log")"
 TESTS=$BUILD/tests/gpu/sparsa_gpu_tests
+SHARED=$BUILD/tests/sparsa_tests  # the backend-parameterised suite; its CUDA instances run here
 LIB=$(ls $BUILD/libsparsa.so.*.*.* | head -1)
 
 if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
+  summary() {  # pass/fail/skip counts of a gtest log, and the failed tests' names
+    echo "passed $(grep -c '^\[       OK \]' "$1") failed $(grep -c '^\[  FAILED  \].*(' "$1") skipped $(grep -c '^\[  SKIPPED \].*(' "$1")"
+    grep -E '^\[  FAILED  \].*\(' "$1" | head -30
+  }
   echo "=== GPU tests ==="
-  $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|max \||error" | head -40
-  echo "=== compute-sanitizer memcheck (all GPU tests) ==="
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 $TESTS > "$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+  timeout 150 $TESTS > "$OUT/gpu_tests.log" 2>&1; echo "exit $?"; summary "$OUT/gpu_tests.log"
+  grep -B2 -A10 "Failure" "$OUT/gpu_tests.log" | head -40
+  echo "=== shared suite, CUDA instances ==="
+  timeout 200 $SHARED --gtest_filter='*/CUDA' > "$OUT/shared_cuda.log" 2>&1; echo "exit $?"; summary "$OUT/shared_cuda.log"
+  grep -A8 "Failure" "$OUT/shared_cuda.log" | head -60
+  echo "--- skip reasons (distinct) ---"
+  grep -E "Skipped|unsupported on this backend" "$OUT/shared_cuda.log" | sed 's/.*backend: //' | sort | uniq -c | sort -rn | head -15
+  echo "=== compute-sanitizer memcheck (shared suite, CUDA instances) ==="
+  timeout ${MEMCHECK_S:-150} compute-sanitizer --tool memcheck --error-exitcode 3 $SHARED --gtest_filter='*/CUDA' > "$OUT/memcheck_shared.log" 2>&1
+  echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_shared.log" | tail -1); $(summary "$OUT/memcheck_shared.log" | head -1)"
+  echo "=== compute-sanitizer racecheck (TOKEN_INDICES, stats, sink/window) ==="
+  timeout 60 compute-sanitizer --tool racecheck --error-exitcode 3 $SHARED \
+    --gtest_filter='Backends/TokenIndices.*/CUDA:Backends/Common.Stats*/CUDA' > "$OUT/racecheck_shared.log" 2>&1
+  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck_shared.log" | tail -1)"
+  echo "=== compute-sanitizer memcheck (GPU tests) ==="
+  timeout ${MEMCHECK_S:-150} compute-sanitizer --tool memcheck --error-exitcode 3 $TESTS > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1); $(summary "$OUT/memcheck.log" | head -1)"
   echo "=== compute-sanitizer racecheck (small cases) ==="
-  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 $TESTS \
-    --gtest_filter='*dense_f16_d64_noncausal*:*dense_f32_d64*:*paged_ps1*:*block_sparse_bf16*:*decode_split_kv*:*decode_f32*' > "$OUT/racecheck.log" 2>&1
+  timeout 60 compute-sanitizer --tool racecheck --error-exitcode 3 $TESTS \
+    --gtest_filter='*dense_f16_d64_noncausal*:*paged_ps1*:*block_sparse_bf16*:*decode_split_kv*:GpuTokenIndices*' > "$OUT/racecheck.log" 2>&1
   echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1)"
-  echo "=== compute-sanitizer synccheck (small cases) ==="
-  timeout 120 compute-sanitizer --tool synccheck --error-exitcode 3 $TESTS \
-    --gtest_filter='*dense_f16_d64_noncausal*:*dense_f32_d64*' > "$OUT/synccheck.log" 2>&1
-  echo "synccheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/synccheck.log" | tail -1)"
 fi
 
 if [ "$STEPS" = profile ]; then  # not part of "all": ncu costs device time

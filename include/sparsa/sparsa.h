@@ -287,7 +287,7 @@ typedef struct sparsa_policy {
   float select_cache_theta;   /**< cosine threshold of the selection cache, in [-1, 1]; >= 1 disables; default 0.9 */
   int32_t select_per_kv_head; /**< 1 = one selection per kv head (vote over its group); default 0 = shared */
 
-  /* TOKEN_INDICES (§7). */
+  /* TOKEN_INDICES (§7). Always causal (bottom-right), like TOKEN_SELECT. */
   /** int32 [B, H_idx, k]: token ids (index_block_size == 1) or block ids, -1 = unused slot; any other value
       outside [0, N) (token ids) or [0, ceil(N/index_block_size)) (block ids) is SPARSA_STATUS_INDEX_OUT_OF_RANGE. */
   const sparsa_tensor* indices;
@@ -345,8 +345,8 @@ typedef struct sparsa_attention_args {
       Forbidden with SPARSA_POLICY_FLAG_DELTA (undefined for corrected rows, §8). */
   const sparsa_tensor* lse;
 
-  int32_t causal;      /**< 1 = bottom-right causal mask (§0); default 0. Ignored by TOKEN_SPARSE/TOKEN_SELECT,
-                            which are causal by definition */
+  int32_t causal;      /**< 1 = bottom-right causal mask (§0); default 0. TOKEN_SPARSE, TOKEN_SELECT and
+                            TOKEN_INDICES are causal by definition (§5–§7) and treat 0 as 1 */
   float softmax_scale; /**< score scale; 0 (default) = 1/sqrt(D); otherwise finite and > 0 */
 
   /** in, optional: int32 [B+1] prefix offsets of each sequence's rows in packed q/out (non-decreasing, from 0). */

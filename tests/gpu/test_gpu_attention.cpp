@@ -786,6 +786,105 @@ TEST(GpuAttentionSupport, UnimplementedPolicyIsUnsupported) {
   sparsa_context_destroy(ctx);
 }
 
+// TOKEN_INDICES (§7) at decode and short-chunk shapes with long sequences, so the index-driven kernel splits the
+// key list (split-KV + combine): the GPU against the CPU backend on the same bf16 inputs, with LSE, stats and
+// selected_indices. Indices hold duplicates and -1 slots; block ids and n_init/n_local are exercised too.
+TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  struct Shape { int sq, skv, block_size, n_init, n_local; };
+  for (const Shape shape : {Shape{1, 20000, 1, 0, 0}, Shape{3, 9000, 1, 4, 64}, Shape{1, 50000, 16, 16, 128}}) {
+    SCOPED_TRACE(::testing::Message() << "sq=" << shape.sq << " skv=" << shape.skv << " bs=" << shape.block_size);
+    const int B = 2, Hq = 8, Hkv = 2, D = 128, k = 600;
+    const int n_ids = (shape.skv + shape.block_size - 1) / shape.block_size;
+    std::vector<float> q(size_t(B) * shape.sq * Hq * D), kv(size_t(B) * shape.skv * Hkv * D), v(kv.size());
+    for (auto* x : {&q, &kv, &v})
+      for (float& e : *x) e = normal(rng);
+    std::vector<int32_t> ids(size_t(B) * Hq * k);
+    for (size_t e = 0; e < ids.size(); ++e) {
+      const int r = int(rng() % 100);
+      ids[e] = r < 10 ? -1 : (r < 20 && e > 0 ? ids[e - 1] : int32_t(rng() % n_ids));
+    }
+    const std::vector<uint8_t> qb = encode(q, SPARSA_DTYPE_BF16), kb = encode(kv, SPARSA_DTYPE_BF16),
+                               vb = encode(v, SPARSA_DTYPE_BF16);
+    const int64_t q_shape[4] = {B, shape.sq, Hq, D};
+    struct Result { std::vector<uint8_t> out; std::vector<float> lse; std::vector<int64_t> stats;
+                    std::vector<int32_t> selected; };
+    auto run = [&](int32_t device, Result* res) {
+      sparsa_context_options options;
+      sparsa_context_options_init(&options);
+      options.device_type = device;
+      sparsa_context* ctx = nullptr;
+      SPARSA_OK(sparsa_context_create(&options, &ctx));
+      const bool gpu = device == SPARSA_DEVICE_CUDA;
+      std::vector<uint8_t> out_host(qb.size(), 0xff);
+      std::vector<float> lse_host(size_t(B) * Hq * shape.sq, std::nanf(""));
+      std::vector<int64_t> stats_host(SPARSA_STAT_COUNT, -1);
+      std::vector<int32_t> sel_host(size_t(B) * Hq * shape.skv, 0x5a5a5a5a);
+      DeviceBuffer dq(qb.size()), dk(kb.size()), dv(vb.size()), dout(qb.size()), dlse(lse_host.size() * 4),
+          dstats(stats_host.size() * 8), dsel(sel_host.size() * 4), dids(ids.size() * 4);
+      auto place = [&](DeviceBuffer& d, const void* host, size_t bytes) -> void* {
+        if (!gpu) return const_cast<void*>(host);
+        d.upload(host, bytes);
+        return d.data();
+      };
+      sparsa_tensor tq = make_tensor(place(dq, qb.data(), qb.size()), SPARSA_DTYPE_BF16, {B, shape.sq, Hq, D}, device);
+      sparsa_tensor tk = make_tensor(place(dk, kb.data(), kb.size()), SPARSA_DTYPE_BF16, {B, shape.skv, Hkv, D}, device);
+      sparsa_tensor tv = make_tensor(place(dv, vb.data(), vb.size()), SPARSA_DTYPE_BF16, {B, shape.skv, Hkv, D}, device);
+      sparsa_tensor tout = make_tensor(place(dout, out_host.data(), out_host.size()), SPARSA_DTYPE_BF16,
+                                       {q_shape[0], q_shape[1], q_shape[2], q_shape[3]}, device);
+      sparsa_tensor tlse = make_tensor(place(dlse, lse_host.data(), lse_host.size() * 4), SPARSA_DTYPE_F32,
+                                       {B, Hq, shape.sq}, device);
+      sparsa_tensor tstats = make_tensor(place(dstats, stats_host.data(), stats_host.size() * 8), SPARSA_DTYPE_I64,
+                                         {SPARSA_STAT_COUNT}, device);
+      sparsa_tensor tsel = make_tensor(place(dsel, sel_host.data(), sel_host.size() * 4), SPARSA_DTYPE_I32,
+                                       {B, Hq, shape.skv}, device);
+      sparsa_tensor tids = make_tensor(place(dids, ids.data(), ids.size() * 4), SPARSA_DTYPE_I32, {B, Hq, k}, device);
+      sparsa_attention_args args;
+      sparsa_attention_args_init(&args);
+      args.q = &tq; args.k = &tk; args.v = &tv; args.out = &tout; args.lse = &tlse; args.stats = &tstats;
+      args.selected_indices = &tsel;
+      sparsa_policy policy;
+      sparsa_policy_init(&policy, SPARSA_POLICY_TOKEN_INDICES);
+      policy.indices = &tids;
+      policy.index_block_size = shape.block_size;
+      policy.index_n_init = shape.n_init;
+      policy.index_n_local = shape.n_local;
+      SPARSA_OK(sparsa_attention_run(ctx, &args, &policy));
+      if (gpu) {
+        CUDA_OK(cudaDeviceSynchronize());
+        out_host = dout.download<uint8_t>(out_host.size());
+        lse_host = dlse.download<float>(lse_host.size());
+        stats_host = dstats.download<int64_t>(stats_host.size());
+        sel_host = dsel.download<int32_t>(sel_host.size());
+      }
+      res->out = out_host;
+      res->lse = lse_host;
+      res->stats = stats_host;
+      res->selected = sel_host;
+      sparsa_context_destroy(ctx);
+    };
+    Result cpu, gpu;
+    run(SPARSA_DEVICE_CPU, &cpu);
+    run(SPARSA_DEVICE_CUDA, &gpu);
+    ASSERT_FALSE(HasFatalFailure());
+    EXPECT_EQ(gpu.selected, cpu.selected);
+    EXPECT_EQ(gpu.stats, cpu.stats);
+    const std::vector<float> og = decode(gpu.out, SPARSA_DTYPE_BF16), oc = decode(cpu.out, SPARSA_DTYPE_BF16);
+    double max_diff = 0, max_ref = 0;
+    for (size_t e = 0; e < og.size(); ++e) {
+      ASSERT_FALSE(std::isnan(og[e])) << "output element " << e << " not written";
+      max_diff = std::max(max_diff, double(std::fabs(og[e] - oc[e])));
+      max_ref = std::max(max_ref, double(std::fabs(oc[e])));
+    }
+    EXPECT_LE(max_diff, 1e-2 * max_ref) << "max |gpu - cpu| " << max_diff << ", max |cpu| " << max_ref;
+    for (size_t e = 0; e < gpu.lse.size(); ++e) {
+      EXPECT_NEAR(gpu.lse[e], cpu.lse[e], 1e-3 * std::max(1.f, std::fabs(cpu.lse[e]))) << "lse " << e;
+    }
+  }
+}
+
 // §0 merge on the device against the host formula.
 TEST(GpuMergeStates, MatchesFormula) {
   SKIP_WITHOUT_GPU();

@@ -548,7 +548,8 @@ TokenIndicesResult token_indices(const Problem& p, const TokenIndicesParams& tp)
     }
   }
   const Visibility vis = make_visibility(p, [&](int b, int h, int i, int j) {
-    return member[b][h][j] && (!p.causal || causal_allowed(i, j, p.sq[b], p.skv[b]));
+    // §7: "Each query head attends to the deduplicated union, causal" — causal by definition, like §6.
+    return member[b][h][j] && causal_allowed(i, j, p.sq[b], p.skv[b]);
   });
   r.out = attend(p, vis);
   r.pairs_computed = count_pairs(vis);

@@ -171,8 +171,8 @@ class TokenSelect(Policy):
 
 
 class TokenIndices(Policy):
-    """§7 STS: int32 `indices` [B, H_idx, k] known in advance (-1 = unused); `block_size` > 1 makes them block ids;
-    optional int32 `head_map` [Hq]."""
+    """§7 STS, always causal: int32 `indices` [B, H_idx, k] known in advance (-1 = unused); `block_size` > 1 makes
+    them block ids; optional int32 `head_map` [Hq]."""
     KIND = L.POLICY_TOKEN_INDICES
     _PARAMS = {"block_size": "index_block_size", "n_init": "index_n_init", "n_local": "index_n_local"}
     _TENSORS = {"indices": "indices", "head_map": "head_map"}

@@ -1,0 +1,253 @@
+// TOKEN_INDICES (§7) kernels; token_indices.h says what they do and what is not validated.
+//
+// Key-set kernel: one thread block per (query head, sequence). Bits of a shared bitmap are set for every key of the
+// union (atomicOr: duplicates and overlapping ranges cost nothing), then each thread counts the bits of a contiguous
+// run of words, a block scan gives each run its output offset, and the keys are written in ascending order.
+//
+// Attention kernel: one warp per query row (any warp width: dims are dealt round-robin to lanes, scores reduced by
+// xor shuffles over kWarpLanes), keys taken kKeysPerStep at a time for independent loads, online softmax in base 2.
+// A row sees the prefix of its list up to its causal horizon (binary search); with splits, split s takes the s-th
+// share of that prefix and writes a normalised partial state.
+#include "token_indices.h"
+
+#include "forward_common.cuh"
+#include "forward_decode.h"
+
+#include <cmath>
+
+SPARSA_GPU_NAMESPACE_BEGIN
+namespace {
+
+constexpr int kSetThreads = 256;
+constexpr int kAttendThreads = 128;
+constexpr int kKeysPerStep = 4;
+constexpr int kBitsPerWord = 32;
+constexpr int kMaxDimsPerLane = (kIndexMaxHeadDim + kWarpLanes - 1) / kWarpLanes;
+
+__device__ __forceinline__ float load_value(const void* base, int64_t index, ElementType type) {
+  if (type == ElementType::kF32) return static_cast<const float*>(base)[index];
+  const uint16_t bits = static_cast<const uint16_t*>(base)[index];
+  return type == ElementType::kF16 ? f16_bits_to_float(bits) : bf16_bits_to_float(bits);
+}
+
+__device__ __forceinline__ void store_value(void* base, int64_t index, ElementType type, float value) {
+  if (type == ElementType::kF32) {
+    static_cast<float*>(base)[index] = value;
+    return;
+  }
+  static_cast<uint16_t*>(base)[index] =
+      type == ElementType::kF16 ? float_to_f16_bits(value) : float_to_bf16_bits(value);
+}
+
+__device__ __forceinline__ void set_bits(uint32_t* bitmap, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) atomicOr(&bitmap[t / kBitsPerWord], 1u << (t % kBitsPerWord));
+}
+
+// Number of list entries <= horizon (the list is ascending).
+__device__ __forceinline__ int32_t keys_up_to(const int32_t* list, int32_t n, int64_t horizon) {
+  int32_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi) / 2;
+    if (list[mid] <= horizon) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kSetThreads) index_set_kernel(const ForwardParams p, const IndexSetParams ix,
+                                                                const StatsParams stats) {
+  extern __shared__ uint32_t bitmap[];
+  __shared__ int32_t run_offsets[kSetThreads + 1];
+  __shared__ unsigned long long pairs_sum;
+  const int32_t h = blockIdx.x, b = blockIdx.y;
+  const SequenceView s = make_sequence_view(p, b, h);
+  const int64_t n_keys = s.seq_k < ix.list_capacity ? s.seq_k : ix.list_capacity;
+  const int64_t words = (n_keys + kBitsPerWord - 1) / kBitsPerWord;
+  for (int64_t w = threadIdx.x; w < words; w += blockDim.x) bitmap[w] = 0;
+  if (threadIdx.x == 0) pairs_sum = 0;
+  __syncthreads();
+
+  // 1. Mark: always-included ranges, then every valid slot (ids out of range are ignored: token_indices.h).
+  if (threadIdx.x == 0) {
+    set_bits(bitmap, 0, ix.n_init < n_keys ? ix.n_init : n_keys);
+    set_bits(bitmap, n_keys - ix.n_local > 0 ? n_keys - ix.n_local : 0, n_keys);
+  }
+  const int32_t row = ix.head_map != nullptr ? ix.head_map[h * ix.head_map_stride]
+                                             : h / (p.num_q_heads / ix.index_heads);
+  if (row >= 0 && row < ix.index_heads) {
+    const int64_t n_ids = (n_keys + ix.block_size - 1) / ix.block_size;
+    const int32_t* ids = ix.indices + b * ix.index_strides[0] + row * ix.index_strides[1];
+    for (int32_t slot = threadIdx.x; slot < ix.slots; slot += blockDim.x) {
+      const int64_t id = ids[slot * ix.index_strides[2]];
+      if (id < 0 || id >= n_ids) continue;
+      const int64_t end = (id + 1) * ix.block_size;
+      set_bits(bitmap, id * ix.block_size, end < n_keys ? end : n_keys);
+    }
+  }
+  __syncthreads();
+
+  // 2. Compact: per-thread word runs, exclusive scan of their bit counts, ascending writes.
+  const int64_t words_per_run = (words + blockDim.x - 1) / blockDim.x;
+  const int64_t run_begin = threadIdx.x * words_per_run;
+  const int64_t run_end = run_begin + words_per_run < words ? run_begin + words_per_run : words;
+  int32_t count = 0;
+  for (int64_t w = run_begin; w < run_end; ++w) count += __popc(bitmap[w]);
+  run_offsets[threadIdx.x + 1] = count;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    run_offsets[0] = 0;
+    for (int t = 1; t <= int(blockDim.x); ++t) run_offsets[t] += run_offsets[t - 1];
+  }
+  __syncthreads();
+  const int64_t list_base = (int64_t(b) * p.num_q_heads + h) * ix.list_capacity;
+  int32_t* list = ix.key_lists + list_base;
+  int32_t* selected = ix.selected != nullptr ? ix.selected + b * ix.selected_strides[0] + h * ix.selected_strides[1]
+                                             : nullptr;
+  int32_t at = run_offsets[threadIdx.x];
+  for (int64_t w = run_begin; w < run_end; ++w) {
+    for (uint32_t bits = bitmap[w]; bits != 0; bits &= bits - 1) {
+      const int32_t key = int32_t(w * kBitsPerWord + __ffs(bits) - 1);
+      list[at] = key;
+      if (selected != nullptr && at < ix.selected_cap) selected[at * ix.selected_strides[2]] = key;
+      ++at;
+    }
+  }
+  const int32_t total = run_offsets[blockDim.x];
+  if (selected != nullptr) {
+    for (int32_t slot = total + threadIdx.x; slot < ix.selected_cap; slot += blockDim.x) {
+      selected[slot * ix.selected_strides[2]] = -1;
+    }
+  }
+  if (threadIdx.x == 0) ix.key_counts[int64_t(b) * p.num_q_heads + h] = total;
+  __syncthreads();  // the list is complete (global writes of this block are visible to it after the barrier)
+
+  // 3. PAIRS_COMPUTED: row i computes the list entries up to its causal horizon.
+  if (stats.out != nullptr) {
+    int64_t pairs = 0;
+    for (int64_t i = threadIdx.x; i < s.seq_q; i += blockDim.x) pairs += keys_up_to(list, total, i + s.causal_offset);
+    if (pairs != 0) atomicAdd(&pairs_sum, static_cast<unsigned long long>(pairs));
+    __syncthreads();
+    if (threadIdx.x == 0) stats_add(stats, 0, static_cast<int64_t>(pairs_sum));
+  }
+}
+
+__global__ void __launch_bounds__(kAttendThreads) index_attention_kernel(const ForwardParams p,
+                                                                         const IndexSetParams ix, int32_t row_tiles) {
+  constexpr int kWarps = kAttendThreads / kWarpLanes;
+  const int32_t split = blockIdx.x / row_tiles;
+  const int32_t i = (blockIdx.x % row_tiles) * kWarps + threadIdx.x / kWarpLanes;
+  const int32_t lane = threadIdx.x % kWarpLanes;
+  const int32_t h = blockIdx.y, b = blockIdx.z;
+  const SequenceView s = make_sequence_view(p, b, h);
+  if (i >= s.seq_q) return;  // no block-wide barrier below: a warp may leave alone
+
+  const int64_t list_at = int64_t(b) * p.num_q_heads + h;
+  const int32_t* list = ix.key_lists + list_at * ix.list_capacity;
+  const int32_t visible = keys_up_to(list, ix.key_counts[list_at], int64_t(i) + s.causal_offset);
+  const int32_t share = (visible + p.num_splits - 1) / p.num_splits;
+  const int32_t first = split * share;
+  const int32_t last = first + share < visible ? first + share : visible;
+
+  const int32_t dim = p.head_dim;
+  float q[kMaxDimsPerLane], acc[kMaxDimsPerLane];
+  const int64_t q_row = query_row_offset(p.q_strides, s, i);
+#pragma unroll
+  for (int t = 0; t < kMaxDimsPerLane; ++t) {
+    const int32_t d = lane + t * kWarpLanes;
+    q[t] = d < dim ? load_value(p.q, q_row + d, p.element_type) * p.scale_log2 : 0.f;
+    acc[t] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  for (int32_t pos = first; pos < last; pos += kKeysPerStep) {
+    int64_t k_rows[kKeysPerStep], v_rows[kKeysPerStep];
+    float score[kKeysPerStep];
+#pragma unroll
+    for (int u = 0; u < kKeysPerStep; ++u) {
+      const int32_t key = pos + u < last ? list[pos + u] : list[first];
+      k_rows[u] = key_row_offset(p, p.k_strides, s, key);
+      v_rows[u] = key_row_offset(p, p.v_strides, s, key);
+      float partial = 0.f;
+#pragma unroll
+      for (int t = 0; t < kMaxDimsPerLane; ++t) {
+        const int32_t d = lane + t * kWarpLanes;
+        if (d < dim) partial += q[t] * load_value(p.k, k_rows[u] + d, p.element_type);
+      }
+      score[u] = partial;
+    }
+#pragma unroll
+    for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int u = 0; u < kKeysPerStep; ++u) score[u] += warp_shfl_xor(score[u], offset);
+    }
+    float step_max = m;
+#pragma unroll
+    for (int u = 0; u < kKeysPerStep; ++u) {
+      if (pos + u >= last) score[u] = -INFINITY;
+      step_max = fmaxf(step_max, score[u]);
+    }
+    const float correction = exp2f(m - step_max);  // m = -inf on the first step: 0, and acc/l are 0 anyway
+    l *= correction;
+#pragma unroll
+    for (int t = 0; t < kMaxDimsPerLane; ++t) acc[t] *= correction;
+#pragma unroll
+    for (int u = 0; u < kKeysPerStep; ++u) {
+      const float weight = exp2f(score[u] - step_max);  // 0 for padded slots
+      l += weight;
+#pragma unroll
+      for (int t = 0; t < kMaxDimsPerLane; ++t) {
+        const int32_t d = lane + t * kWarpLanes;
+        if (d < dim) acc[t] += weight * load_value(p.v, v_rows[u] + d, p.element_type);
+      }
+    }
+    m = step_max;
+  }
+
+  const float inverse = l > 0.f ? 1.f / l : 0.f;
+  const float lse = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+  if (p.num_splits > 1) {
+    const int64_t flat_row = p.cu_seqlens_q != nullptr ? int64_t(s.q_row_base) + i : int64_t(b) * p.padded_seq_q + i;
+    const int64_t state = (int64_t(split) * p.flat_rows + flat_row) * p.num_q_heads + h;
+#pragma unroll
+    for (int t = 0; t < kMaxDimsPerLane; ++t) {
+      const int32_t d = lane + t * kWarpLanes;
+      if (d < dim) p.partial_out[state * dim + d] = acc[t] * inverse;
+    }
+    if (lane == 0) p.partial_lse[state] = lse;
+    return;
+  }
+  const int64_t out_row = query_row_offset(p.out_strides, s, i);
+#pragma unroll
+  for (int t = 0; t < kMaxDimsPerLane; ++t) {
+    const int32_t d = lane + t * kWarpLanes;
+    if (d < dim) store_value(p.out, out_row + d, p.element_type, acc[t] * inverse);
+  }
+  if (lane == 0 && p.lse != nullptr) {
+    p.lse[s.b * p.lse_strides.b + int64_t(h) * p.lse_strides.h + (s.q_row_base + i) * p.lse_strides.s] = lse;
+  }
+}
+
+}  // namespace
+
+size_t index_set_shared_bytes(int64_t list_capacity) {
+  return size_t((list_capacity + kBitsPerWord - 1) / kBitsPerWord) * sizeof(uint32_t);
+}
+
+cudaError_t token_indices_prepare(size_t max_shared_bytes) {
+  return cudaFuncSetAttribute(index_set_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(max_shared_bytes));
+}
+
+cudaError_t token_indices_launch(const ForwardParams& p, const IndexSetParams& ix, const StatsParams& stats,
+                                 int32_t max_seq_q, cudaStream_t stream) {
+  index_set_kernel<<<dim3(p.num_q_heads, p.batch), kSetThreads, index_set_shared_bytes(ix.list_capacity), stream>>>(
+      p, ix, stats);
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return status;
+  constexpr int kWarps = kAttendThreads / kWarpLanes;
+  const int32_t row_tiles = (max_seq_q + kWarps - 1) / kWarps;
+  index_attention_kernel<<<dim3(row_tiles * p.num_splits, p.num_q_heads, p.batch), kAttendThreads, 0, stream>>>(
+      p, ix, row_tiles);
+  status = cudaGetLastError();
+  if (status != cudaSuccess || p.num_splits == 1) return status;
+  return combine_splits_launch(p, stream);
+}
+
+SPARSA_GPU_NAMESPACE_END
