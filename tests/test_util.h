@@ -136,7 +136,8 @@ class Buffer {
 // were built with it: SPARSA_TESTS_WITH_CUDA, set by tests/CMakeLists.txt).
 bool device_memory_supported(int32_t device_type);
 
-// Fills `t` for a host pointer (utilities that take host memory).
+// Fills `t` for a host pointer (utilities that take host memory). CPU-only by design: a BackendTest instance on
+// another backend that calls it is skipped.
 sparsa_tensor host_tensor(void* data, int32_t dtype, std::vector<int64_t> shape);
 
 // ---------------------------------------------------------------------------------------------------------------

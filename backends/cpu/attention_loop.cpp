@@ -74,8 +74,29 @@ TileCoverage classify(const RowVisibility& vis, int64_t row_min, int64_t row_max
   return far_abs < vis.window ? TileCoverage::kAll : TileCoverage::kPartial;
 }
 
+// Under a plain causal predicate (no sink/window) the keys a row sees among a tile's ascending keys are a prefix:
+// its length by binary search.
+bool causal_prefix_only(const RowVisibility& vis) { return vis.causal && vis.sink_tokens < 0; }
+int visible_prefix(const RowVisibility& vis, int64_t row, Positions keys, int nk) {
+  const int64_t horizon = row + vis.offset;
+  int lo = 0, hi = nk;  // keys [0, lo) are visible, keys [hi, nk) are not
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (keys.at(mid) <= horizon) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 int64_t count_visible(const RowVisibility& vis, Positions rows, int nr, Positions keys, int nk) {
   int64_t count = 0;
+  if (causal_prefix_only(vis)) {
+    for (int r = 0; r < nr; ++r) count += visible_prefix(vis, rows.at(r), keys, nk);
+    return count;
+  }
   for (int r = 0; r < nr; ++r)
     for (int j = 0; j < nk; ++j) count += visible(vis, rows.at(r), keys.at(j)) ? 1 : 0;
   return count;
@@ -275,6 +296,11 @@ class RowTile {
   }
 
   void apply_mask(const RowVisibility& vis, Positions keys, int nk) {
+    if (causal_prefix_only(vis)) {
+      for (int r = 0; r < nr_; ++r)
+        for (int j = visible_prefix(vis, position(r), keys, nk); j < nk; ++j) st_[size_t(j) * row_stride_ + r] = kNegInf;
+      return;
+    }
     for (int j = 0; j < nk; ++j) {
       float* st_row = st_ + size_t(j) * row_stride_;
       const int64_t key = keys.at(j);
@@ -420,29 +446,52 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
   tile.finish(lse_rows);
 }
 
+namespace {
+
+// One RowTile of attend_index_list: rows_per_head positions of n_heads stacked heads over the listed keys.
+void attend_index_tile(const AttentionProblem& problem, int32_t b, int32_t h_first, int32_t n_heads, const int64_t* rows,
+                       int rows_per_head, const int64_t* keys, int64_t n_keys, const RowVisibility& vis,
+                       float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
+  RowTile tile(problem, b, h_first, n_heads, Positions{rows, 0}, rows_per_head, int(kIndexTileKeys), nullptr,
+               out_rows, scratch);
+  // Keys are ascending: with a causal predicate nothing past the last row's horizon is visible.
+  int64_t key_end = n_keys;
+  if (vis.causal) {
+    const int64_t horizon = tile.row_max_position() + vis.offset;
+    key_end = std::upper_bound(keys, keys + n_keys, horizon) - keys;
+  }
+  for (int64_t key0 = 0; key0 < key_end; key0 += kIndexTileKeys) {
+    const int nk = int(std::min(kIndexTileKeys, key_end - key0));
+    const int64_t next0 = key0 + kIndexTileKeys;
+    if (next0 < key_end) tile.prefetch_keys(Positions{keys + next0, 0}, int(std::min(kIndexTileKeys, key_end - next0)));
+    tile.process_keys(Positions{keys + key0, 0}, nk, vis, false, 0.f, counters);
+  }
+  tile.finish(lse_rows);
+}
+
+}  // namespace
+
 void attend_index_list(const AttentionProblem& problem, int32_t b, int32_t h, const int64_t* rows, int64_t n_rows,
                        const int64_t* keys, int64_t n_keys, const RowVisibility& vis, float* out_rows, float* lse_rows,
                        RunCounters* counters, ThreadScratch& scratch) {
   const int d = problem.head_dim;
   for (int64_t row0 = 0; row0 < n_rows; row0 += kIndexTileRows) {
     const int nr = int(std::min(kIndexTileRows, n_rows - row0));
-    RowTile tile(problem, b, h, 1, Positions{rows + row0, 0}, nr, int(kIndexTileKeys), nullptr, out_rows + row0 * d,
-                 scratch);
-    // Keys are ascending: with a causal predicate nothing past the last row's horizon is visible.
-    int64_t key_end = n_keys;
-    if (vis.causal) {
-      const int64_t horizon = tile.row_max_position() + vis.offset;
-      key_end = std::upper_bound(keys, keys + n_keys, horizon) - keys;
-    }
-    for (int64_t key0 = 0; key0 < key_end; key0 += kIndexTileKeys) {
-      const int nk = int(std::min(kIndexTileKeys, key_end - key0));
-      const int64_t next0 = key0 + kIndexTileKeys;
-      if (next0 < key_end)
-        tile.prefetch_keys(Positions{keys + next0, 0}, int(std::min(kIndexTileKeys, key_end - next0)));
-      tile.process_keys(Positions{keys + key0, 0}, nk, vis, false, 0.f, counters);
-    }
-    tile.finish(lse_rows ? lse_rows + row0 : nullptr);
+    attend_index_tile(problem, b, h, 1, rows + row0, nr, keys, n_keys, vis, out_rows + row0 * d,
+                      lse_rows ? lse_rows + row0 : nullptr, counters, scratch);
   }
+}
+
+void attend_index_list_heads(const AttentionProblem& problem, int32_t b, int32_t h_first, int32_t n_heads,
+                             const int64_t* rows, int64_t n_rows, const int64_t* keys, int64_t n_keys,
+                             const RowVisibility& vis, float* out_rows, float* lse_rows, RunCounters* counters,
+                             ThreadScratch& scratch) {
+  if (n_rows <= 0 || n_heads <= 0) return;
+  if (n_heads * n_rows > kIndexTileRows)
+    fail(SPARSA_STATUS_INTERNAL, "attend_index_list_heads: at most ", kIndexTileRows, " stacked rows, got ", n_heads,
+         " heads of ", n_rows, " rows");
+  attend_index_tile(problem, b, h_first, n_heads, rows, int(n_rows), keys, n_keys, vis, out_rows, lse_rows, counters,
+                    scratch);
 }
 
 void ExecContext::parallel_for(int64_t n, const std::function<void(int64_t item, int worker)>& fn) const {

@@ -14,14 +14,6 @@ RowVisibility causal_visibility(const AttentionProblem& problem, int32_t b) {
   return vis;
 }
 
-namespace {
-
-// Decode-sized query blocks of a GQA group are stacked into one tile (each K/V tile converted once for the group)
-// when the group's rows fit this many tile rows.
-constexpr int64_t kMaxStackedRows = 16;
-
-}  // namespace
-
 void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec, int32_t block_q,
                       int32_t block_k, const RowVisibility& vis, const KeyBlockLister& lister) {
   const int d = problem.head_dim;

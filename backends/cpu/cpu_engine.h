@@ -54,6 +54,10 @@ size_t scratch_floats(size_t count) {
   return (floats + 1) & ~size_t(1);
 }
 
+// Decode-sized query blocks of a GQA group are stacked into one tile (each K/V tile converted once for the group)
+// when the group's rows fit this many tile rows (run_query_blocks, TOKEN_SELECT).
+constexpr int64_t kMaxStackedRows = 16;
+
 // attend_block_walk for the same rows of n_heads consecutive query heads h_first, h_first + 1, ... of one kv group,
 // stacked into one tile so each K/V tile is converted once for all of them (decode). out_rows [n_heads · nr, D] and
 // lse_rows [n_heads · nr] are head-major; results are bit-identical to n_heads separate attend_block_walk calls.
@@ -67,6 +71,13 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
 void plan_token_select(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
 void plan_token_sparse(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
 size_t sparge_predict_scratch_floats(int32_t head_dim, int64_t n_key_blocks);
+
+// attend_index_list for the same n_rows rows of n_heads consecutive query heads of one kv group over one key list,
+// stacked into one tile (n_heads · n_rows <= 128). Outputs head-major as above; bit-identical to separate calls.
+void attend_index_list_heads(const AttentionProblem& problem, int32_t b, int32_t h_first, int32_t n_heads,
+                             const int64_t* rows, int64_t n_rows, const int64_t* keys, int64_t n_keys,
+                             const RowVisibility& vis, float* out_rows, float* lse_rows, RunCounters* counters,
+                             ThreadScratch& scratch);
 
 // Floats of loop scratch one attend_* call needs for a tile of `rows` query rows and `keys` keys.
 size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized);

@@ -201,6 +201,10 @@ void sparge_predict_mask(const AttentionProblem& problem, const PolicyParams& po
       int64_t n_kept = 0;
       if (params.topk_fraction > 0.0) {
         n_kept = int64_t(std::floor(params.topk_fraction * double(n_key_blocks)));
+      } else if (params.tau >= 1.0) {
+        // The exact cumulative sum of P̂ never exceeds 1, so every block is kept; summed in floating point it can
+        // overshoot by an ulp and would drop the smallest blocks.
+        n_kept = n_key_blocks;
       } else {
         double cumulative = 0.0;
         for (int64_t r = 0; r < n_key_blocks; ++r) {

@@ -425,7 +425,8 @@ void plan_token_select(const AttentionProblem& problem, const PolicyParams& poli
   // The largest candidate set any sequence can have, and the largest whose scores are still kept.
   const int64_t worst = std::max<int64_t>(0, problem.max_seq_k - params.n_init - params.n_local);
   const size_t per_candidate = size_t(problem.batch) * size_t(problem.num_q_heads) * sizeof(double);
-  const int64_t largest_kept = std::min<int64_t>(worst, int64_t(kMaxKeptScoreBytes / std::max<size_t>(per_candidate, 1)));
+  const int64_t largest_kept =
+      std::min<int64_t>(worst, int64_t(kMaxKeptScoreBytes / std::max<size_t>(per_candidate, 1)));
   run_scratch(exec, kRunScratchSelectionVotes)
       .reserve(std::max(VoteArrays(problem, params, worst).layout.floats(),
                         VoteArrays(problem, params, largest_kept).layout.floats()));
@@ -522,13 +523,21 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     });
   }
 
-  // Phase 6: every row of every head attends over its set's I, causal with the bottom-right offset N - Sq.
-  exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / n_heads);
-    const int32_t h = int32_t(item % n_heads);
+  // Phase 6: every row of every head attends over its set's I, causal with the bottom-right offset N - Sq. The
+  // heads of a kv group share a set (sets are per kv head or shared), so decode-sized sequences stack the group's
+  // rows into one tile (each K/V tile converted once per group; bit-identical results) when that still leaves a
+  // work item per worker.
+  const int32_t group = n_heads / problem.num_kv_heads;
+  const bool stack = group > 1 && problem.max_seq_q > 0 && int64_t(problem.max_seq_q) * group <= kMaxStackedRows &&
+                     int64_t(batch) * problem.num_kv_heads >= worker_count(exec);
+  const int32_t heads_per_item = stack ? group : 1;
+  const int32_t head_items = n_heads / heads_per_item;
+  exec.parallel_for(int64_t(batch) * head_items, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / head_items);
+    const int32_t h_first = int32_t(item % head_items) * heads_per_item;
     const SequencePlan& plan = plans[size_t(b)];
     if (!plan.has_rows()) return;
-    const int32_t set = h / params.heads_per_set;
+    const int32_t set = h_first / params.heads_per_set;
     const int64_t max_ids = index_set_size(plan, params);
     ScratchLayout layout;
     const size_t ids_at = layout.add<int64_t>(size_t(max_ids));
@@ -538,16 +547,25 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     layout.bind(policy_scratch(exec, worker));
     int64_t* ids = layout.get<int64_t>(ids_at, size_t(max_ids));
     int64_t* rows = layout.get<int64_t>(rows_at, size_t(plan.seq_q));
+    float* out_rows = layout.get<float>(out_at, out_rows_count(problem));
+    float* lse_rows = layout.get<float>(lse_at, lse_rows_count());
     const int64_t* selection = selections + b * selection_len + set * params.top_k;
     const int64_t n_ids = build_index_set(plan, params, selection, ids);
     std::iota(rows, rows + plan.seq_q, int64_t{0});
     RowVisibility visibility;
     visibility.causal = true;
     visibility.offset = plan.seq_k - plan.seq_q;
-    attend_rows_over_keys(problem, b, h, rows, plan.seq_q, ids, n_ids, visibility, /*causal_prefix=*/true, sink,
-                          layout.get<float>(out_at, out_rows_count(problem)),
-                          layout.get<float>(lse_at, lse_rows_count()), &(*exec.counters)[size_t(worker)],
-                          (*exec.scratch)[size_t(worker)]);
+    RunCounters* counters = &(*exec.counters)[size_t(worker)];
+    if (!stack) {
+      attend_rows_over_keys(problem, b, h_first, rows, plan.seq_q, ids, n_ids, visibility, /*causal_prefix=*/true,
+                            sink, out_rows, lse_rows, counters, loop_scratch(exec, worker));
+      return;
+    }
+    attend_index_list_heads(problem, b, h_first, heads_per_item, rows, plan.seq_q, ids, n_ids, visibility, out_rows,
+                            lse_rows, counters, loop_scratch(exec, worker));
+    for (int32_t l = 0; l < heads_per_item; ++l)
+      for (int64_t r = 0; r < plan.seq_q; ++r)
+        sink.write_row(problem, b, r, h_first + l, out_rows + (l * plan.seq_q + r) * d, lse_rows[l * plan.seq_q + r]);
   });
 }
 

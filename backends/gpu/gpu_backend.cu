@@ -50,7 +50,7 @@ constexpr uint64_t kMaxSplitScratchBytes = uint64_t(256) << 20;
 constexpr int32_t kDecodeKeysPerTile = 256;       // a decode split walks at least this many keys (2 chunks a warp)
 constexpr int32_t kDecodeBlocksPerSmTarget = 4;
 constexpr int32_t kDecodeMaxSplits = 128;
-constexpr int32_t kIndexRowsPerBlock = 4;         // query rows per index-attention thread block (CUDA: 4 warps)
+constexpr int32_t kIndexBlocksPerSmTarget = 16;   // index-driven attention: blocks of 1-4 warps, latency-bound
 constexpr uint64_t kScratchAlignment = 256;
 constexpr uint64_t kMaxIndexListBytes = uint64_t(1) << 30;
 
@@ -247,10 +247,12 @@ SplitPlan plan_splits(ForwardKernel kernel, const AttentionProblem& problem, int
     blocks_per_sm = kBlocksPerSmTarget;
     max_splits = kMaxSplits;
   } else if (kernel == ForwardKernel::kTokenIndices) {
-    blocks = (problem.max_seq_q + kIndexRowsPerBlock - 1) / kIndexRowsPerBlock * problem.num_q_heads * problem.batch;
+    // One warp per query row and no reuse across rows: latency-bound, so aim for many resident warps per SM.
+    const int64_t rows_per_block = index_rows_per_block(problem.max_seq_q);
+    blocks = (problem.max_seq_q + rows_per_block - 1) / rows_per_block * problem.num_q_heads * problem.batch;
     key_tiles = (problem.max_seq_k + kDecodeKeysPerTile - 1) / kDecodeKeysPerTile;
     min_tiles_per_split = 1;
-    blocks_per_sm = kDecodeBlocksPerSmTarget;
+    blocks_per_sm = kIndexBlocksPerSmTarget;
     max_splits = kDecodeMaxSplits;
   } else if (kernel == ForwardKernel::kDecode) {
     blocks = int64_t(problem.num_kv_heads) * problem.batch;
@@ -287,7 +289,8 @@ class GpuBackend final : public Backend {
     if (forward_simt_shared_bytes(kSimtMaxHeadDim) <= static_cast<size_t>(max_shared_optin_)) {
       check(forward_simt_prepare(), "cudaFuncSetAttribute (portable forward)");
     }
-    check(token_indices_prepare(size_t(max_shared_optin_)), "cudaFuncSetAttribute (TOKEN_INDICES key sets)");
+    check(token_indices_prepare(size_t(max_shared_optin_), &index_set_max_shared_),
+          "cudaFuncSetAttribute (TOKEN_INDICES key sets)");
   }
 
   int32_t device_type() const override { return kDeviceType; }
@@ -309,7 +312,7 @@ class GpuBackend final : public Backend {
       return false;
     }
     if (kernel == ForwardKernel::kTokenIndices &&
-        index_set_shared_bytes(problem.max_seq_k) > static_cast<size_t>(max_shared_optin_)) {
+        index_set_shared_bytes(problem.max_seq_k) > index_set_max_shared_) {
       if (reason != nullptr) {
         *reason = std::string(kBackendName) + " backend: TOKEN_INDICES key bitmap of Skv = " +
                   std::to_string(problem.max_seq_k) + " keys exceeds this device's shared memory";
@@ -481,6 +484,7 @@ class GpuBackend final : public Backend {
   int32_t device_;
   cudaStream_t stream_;
   int max_shared_optin_ = 0;
+  size_t index_set_max_shared_ = 0;  // dynamic shared memory the TOKEN_INDICES key-set kernel may use
   int multiprocessors_ = 1;
   void* scratch_ = nullptr;
   uint64_t scratch_bytes_ = 0;

@@ -132,9 +132,9 @@ __global__ void __launch_bounds__(kSetThreads) index_set_kernel(const ForwardPar
 
 __global__ void __launch_bounds__(kAttendThreads) index_attention_kernel(const ForwardParams p,
                                                                          const IndexSetParams ix, int32_t row_tiles) {
-  constexpr int kWarps = kAttendThreads / kWarpLanes;
+  const int32_t warps = blockDim.x / kWarpLanes;  // = query rows per block (1 for decode: no idle warps)
   const int32_t split = blockIdx.x / row_tiles;
-  const int32_t i = (blockIdx.x % row_tiles) * kWarps + threadIdx.x / kWarpLanes;
+  const int32_t i = (blockIdx.x % row_tiles) * warps + threadIdx.x / kWarpLanes;
   const int32_t lane = threadIdx.x % kWarpLanes;
   const int32_t h = blockIdx.y, b = blockIdx.z;
   const SequenceView s = make_sequence_view(p, b, h);
@@ -227,12 +227,23 @@ __global__ void __launch_bounds__(kAttendThreads) index_attention_kernel(const F
 
 }  // namespace
 
+int32_t index_rows_per_block(int64_t max_seq_q) {
+  constexpr int32_t kMaxRows = kAttendThreads / kWarpLanes;
+  return max_seq_q < kMaxRows ? int32_t(max_seq_q < 1 ? 1 : max_seq_q) : kMaxRows;
+}
+
 size_t index_set_shared_bytes(int64_t list_capacity) {
   return size_t((list_capacity + kBitsPerWord - 1) / kBitsPerWord) * sizeof(uint32_t);
 }
 
-cudaError_t token_indices_prepare(size_t max_shared_bytes) {
-  return cudaFuncSetAttribute(index_set_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(max_shared_bytes));
+cudaError_t token_indices_prepare(size_t max_shared_bytes, size_t* max_dynamic_bytes) {
+  cudaFuncAttributes attributes;
+  const cudaError_t status = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(index_set_kernel));
+  if (status != cudaSuccess) return status;
+  // The opt-in limit covers static and dynamic shared memory together.
+  *max_dynamic_bytes = max_shared_bytes > attributes.sharedSizeBytes ? max_shared_bytes - attributes.sharedSizeBytes : 0;
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(index_set_kernel),
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, int(*max_dynamic_bytes));
 }
 
 cudaError_t token_indices_launch(const ForwardParams& p, const IndexSetParams& ix, const StatsParams& stats,
@@ -241,10 +252,10 @@ cudaError_t token_indices_launch(const ForwardParams& p, const IndexSetParams& i
       p, ix, stats);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return status;
-  constexpr int kWarps = kAttendThreads / kWarpLanes;
-  const int32_t row_tiles = (max_seq_q + kWarps - 1) / kWarps;
-  index_attention_kernel<<<dim3(row_tiles * p.num_splits, p.num_q_heads, p.batch), kAttendThreads, 0, stream>>>(
-      p, ix, row_tiles);
+  const int32_t rows_per_block = index_rows_per_block(max_seq_q);
+  const int32_t row_tiles = (max_seq_q + rows_per_block - 1) / rows_per_block;
+  index_attention_kernel<<<dim3(row_tiles * p.num_splits, p.num_q_heads, p.batch), rows_per_block * kWarpLanes, 0,
+                           stream>>>(p, ix, row_tiles);
   status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
   return combine_splits_launch(p, stream);

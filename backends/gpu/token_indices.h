@@ -39,10 +39,13 @@ struct IndexSetParams {
   int32_t selected_cap = 0;
 };
 
+// Query rows (one warp each) per attention thread block: up to 4 (CUDA) / 2 (64-wide wavefronts), fewer for decode.
+int32_t index_rows_per_block(int64_t max_seq_q);
 // Dynamic shared memory of the key-set kernel for lists of `list_capacity` keys.
 size_t index_set_shared_bytes(int64_t list_capacity);
-// Sets the kernels' shared-memory attributes (context creation, so runs contain only launches).
-cudaError_t token_indices_prepare(size_t max_shared_bytes);
+// Sets the key-set kernel's shared-memory attribute (context creation, so runs contain only launches) from the
+// device's opt-in limit and returns the largest dynamic size it may now launch with.
+cudaError_t token_indices_prepare(size_t max_shared_bytes, size_t* max_dynamic_bytes);
 
 // Key sets (and selected_indices, and PAIRS_COMPUTED into `stats` when present), then attention (and the combine
 // kernel with p.num_splits > 1). `max_seq_q` sizes the grid.

@@ -52,7 +52,7 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   timeout 200 $SHARED --gtest_filter='*/CUDA' > "$OUT/shared_cuda.log" 2>&1; echo "exit $?"; summary "$OUT/shared_cuda.log"
   grep -A8 "Failure" "$OUT/shared_cuda.log" | head -60
   echo "--- skip reasons (distinct) ---"
-  grep -E "Skipped|unsupported on this backend" "$OUT/shared_cuda.log" | sed 's/.*backend: //' | sort | uniq -c | sort -rn | head -15
+  grep -A1 ": Skipped" "$OUT/shared_cuda.log" | grep -v -E ": Skipped|^--" | cut -c1-150 | sort | uniq -c | sort -rn | head -15
   echo "=== compute-sanitizer memcheck (shared suite, CUDA instances) ==="
   timeout ${MEMCHECK_S:-150} compute-sanitizer --tool memcheck --error-exitcode 3 $SHARED --gtest_filter='*/CUDA' > "$OUT/memcheck_shared.log" 2>&1
   echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_shared.log" | tail -1); $(summary "$OUT/memcheck_shared.log" | head -1)"

@@ -189,6 +189,7 @@ double self_similarity(const std::vector<const double*>& rows, int D) {
   std::vector<double> sum(D, 0.0);
   for (const double* x : rows) {
     const double norm = std::sqrt(dot(x, x, D));
+    if (norm == 0.0) continue;  // a zero row is a zero unit vector (docs/algorithms.md, "Readings")
     for (int d = 0; d < D; ++d) sum[d] += x[d] / norm;
   }
   const double n = double(rows.size());
