@@ -199,6 +199,10 @@ SPARSA_API sparsa_status sparsa_context_scratch_bytes(const sparsa_context* ctx,
  * concatenated mean query (Hq * D floats) and the top-k selection T it produced. A run with a cache reuses T for
  * row b when cos(mean query, cached) >= select_cache_theta, and counts hits and misses. Keep one cache per layer
  * and pass sequences in the same batch order on every call. Lives on the device of the context it was made with.
+ * A slot is a miss (T recomputed and stored) when it is empty, when cos < theta, when either mean query is all zero,
+ * when the run's top_k or set count (per_kv_head) differs from the stored one, or when a cached id is no longer a
+ * candidate of the current N (outside [n_init, N - n_local)). A row that falls back to dense attention (§6.2) or
+ * has no query rows leaves its slot alone and counts neither.
  */
 typedef struct sparsa_selection_cache sparsa_selection_cache;
 
@@ -262,13 +266,16 @@ typedef struct sparsa_policy {
   const sparsa_tensor* block_mask;
 
   /* SPARGE (§4). */
-  float sparge_theta;          /**< self-similarity threshold, in [-1, 1]; a block is self-similar iff its
-                                    sim (in [0, 1]) > theta, so theta = 1 keeps every block (dense); default 0.6 */
+  /** self-similarity threshold, in [-1, 1]; a block is self-similar iff its sim (in [0, 1]; an all-zero row counts
+      as a zero vector) > theta, so theta = 1 keeps every block (dense); default 0.6 */
+  float sparge_theta;
   float sparge_tau;            /**< TopCdf mass, in (0, 1]; read when sparge_topk_fraction == 0; default 0.98 */
   float sparge_topk_fraction;  /**< in [0, 1]; > 0 selects the top-k variant instead of TopCdf; default 0 */
   float sparge_lambda;         /**< PV-skip threshold, natural-log units, <= 0; -INFINITY (default) = off */
   int32_t sparge_attention_sink; /**< 1 = always keep key block 0; default 0 */
-  int32_t sparge_quantized;    /**< 1 = Sage path: int8 Q·Kᵀ with centred K (§4, quantized path); default 0 */
+  /** 1 = Sage path: int8 Q·Kᵀ with centred K (§4, quantized path; round half to even); scale·q·mean(K) is added
+      back, so LSE is that of the uncentred scores; V is not quantized on CPU; default 0 */
+  int32_t sparge_quantized;
   /** Optional per-head overrides: f32 [Hq, 4] holding (theta, tau, topk_fraction, lambda) per query head; a NaN
       entry falls back to the scalar field. `sparsa_sparge_tune` writes exactly this layout. */
   const sparsa_tensor* sparge_head_params;
@@ -369,8 +376,9 @@ typedef struct sparsa_attention_args {
       `cap` must be at least the largest set the policy can produce (TOKEN_SELECT n_init+top_k+n_local, or N when
       it falls back to dense; TOKEN_SPARSE and TOKEN_INDICES N). Other policies: SPARSA_STATUS_UNSUPPORTED. */
   const sparsa_tensor* selected_indices;
-  /** out: uint8 [B, Hq, ceil(Sq/block_q), ceil(Skv/block_k)]: the block mask SPARGE predicted (after forced rows,
-      columns and causal pruning). Other policies: SPARSA_STATUS_UNSUPPORTED. */
+  /** out: uint8 [B, Hq, ceil(Sq/block_q), ceil(Skv/block_k)] (varlen: max lengths, 0 outside each sequence's
+      part): the block mask SPARGE predicted (after forced rows, columns and causal pruning). Other policies:
+      SPARSA_STATUS_UNSUPPORTED. */
   const sparsa_tensor* block_mask_out;
   /** out: int64 [n], n >= 1, on the run's device: the first min(n, SPARSA_STAT_COUNT) counters of
       sparsa_stat_index. Achieved sparsity = 1 - PAIRS_COMPUTED / PAIRS_DENSE. */

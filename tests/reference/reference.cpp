@@ -299,7 +299,7 @@ SpargeResult sparge(const Problem& p, const std::vector<SpargeParams>& per_head)
             for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(p.q_row(b, row0 + a, h)[d]));
           q_step = amax / kInt8Max + kQuantEpsilon;
           for (int a = 0; a < rows; ++a)
-            for (int d = 0; d < D; ++d) q_int[size_t(a) * D + d] = std::round(p.q_row(b, row0 + a, h)[d] / q_step);
+            for (int d = 0; d < D; ++d) q_int[size_t(a) * D + d] = std::nearbyint(p.q_row(b, row0 + a, h)[d] / q_step);
         }
         bool first = true;
         for (int J = 0; J < nkb; ++J) {
@@ -314,7 +314,7 @@ SpargeResult sparge(const Problem& p, const std::vector<SpargeParams>& per_head)
             k_step = amax / kInt8Max + kQuantEpsilon;
             k_int.assign(size_t(cols) * D, 0.0);
             for (int c = 0; c < cols; ++c)
-              for (int d = 0; d < D; ++d) k_int[size_t(c) * D + d] = std::round(kc_row(col0 + c, kh)[d] / k_step);
+              for (int d = 0; d < D; ++d) k_int[size_t(c) * D + d] = std::nearbyint(kc_row(col0 + c, kh)[d] / k_step);
           }
           std::vector<std::vector<std::pair<double, int>>> block(rows);
           double worst = -kInf;  // max over rows of (m_local - m_new)
