@@ -499,8 +499,8 @@ pub struct sparsa_policy {
     #[doc = " BLOCK_SPARSE input: uint8 [B, Hq, ceil(Sq/block_q), ceil(Skv/block_k)] of 0/1 (varlen: max lengths)."]
     #[doc = "Key j visible to row i iff mask[b, h, i/block_q, j/block_k] != 0 (and causal-allowed when causal)."]
     pub block_mask: *const sparsa_tensor,
-    #[doc = "< self-similarity threshold, in [-1, 1]; a block is self-similar iff its"]
-    #[doc = "sim (in [0, 1]) > theta, so theta = 1 keeps every block (dense); default 0.6"]
+    #[doc = " self-similarity threshold, in [-1, 1]; a block is self-similar iff its sim (in [0, 1]; an all-zero row counts"]
+    #[doc = "as a zero vector) > theta, so theta = 1 keeps every block (dense); default 0.6"]
     pub sparge_theta: f32,
     #[doc = "< TopCdf mass, in (0, 1]; read when sparge_topk_fraction == 0; default 0.98"]
     pub sparge_tau: f32,
@@ -510,7 +510,8 @@ pub struct sparsa_policy {
     pub sparge_lambda: f32,
     #[doc = "< 1 = always keep key block 0; default 0"]
     pub sparge_attention_sink: i32,
-    #[doc = "< 1 = Sage path: int8 Q·Kᵀ with centred K (§4, quantized path); default 0"]
+    #[doc = " 1 = Sage path: int8 Q·Kᵀ with centred K (§4, quantized path; round half to even); scale·q·mean(K) is added"]
+    #[doc = "back, so LSE is that of the uncentred scores; V is not quantized on CPU; default 0"]
     pub sparge_quantized: i32,
     #[doc = " Optional per-head overrides: f32 [Hq, 4] holding (theta, tau, topk_fraction, lambda) per query head; a NaN"]
     #[doc = "entry falls back to the scalar field. `sparsa_sparge_tune` writes exactly this layout."]
@@ -1157,8 +1158,8 @@ pub struct sparsa_attention_args {
     #[doc = " out, optional: f32 natural-log LSE [B, Hq, Sq] ([Hq, Tq] with cu_seqlens_q); -inf for a row that sees no key."]
     #[doc = "Forbidden with SPARSA_POLICY_FLAG_DELTA (undefined for corrected rows, §8)."]
     pub lse: *const sparsa_tensor,
-    #[doc = "< 1 = bottom-right causal mask (§0); default 0. Ignored by TOKEN_SPARSE/TOKEN_SELECT,"]
-    #[doc = "which are causal by definition"]
+    #[doc = "< 1 = bottom-right causal mask (§0); default 0. TOKEN_SPARSE, TOKEN_SELECT and"]
+    #[doc = "TOKEN_INDICES are causal by definition (§5–§7) and treat 0 as 1"]
     pub causal: i32,
     #[doc = "< score scale; 0 (default) = 1/sqrt(D); otherwise finite and > 0"]
     pub softmax_scale: f32,
@@ -1179,8 +1180,9 @@ pub struct sparsa_attention_args {
     #[doc = "`cap` must be at least the largest set the policy can produce (TOKEN_SELECT n_init+top_k+n_local, or N when"]
     #[doc = "it falls back to dense; TOKEN_SPARSE and TOKEN_INDICES N). Other policies: SPARSA_STATUS_UNSUPPORTED."]
     pub selected_indices: *const sparsa_tensor,
-    #[doc = " out: uint8 [B, Hq, ceil(Sq/block_q), ceil(Skv/block_k)]: the block mask SPARGE predicted (after forced rows,"]
-    #[doc = "columns and causal pruning). Other policies: SPARSA_STATUS_UNSUPPORTED."]
+    #[doc = " out: uint8 [B, Hq, ceil(Sq/block_q), ceil(Skv/block_k)] (varlen: max lengths, 0 outside each sequence's"]
+    #[doc = "part): the block mask SPARGE predicted (after forced rows, columns and causal pruning). Other policies:"]
+    #[doc = "SPARSA_STATUS_UNSUPPORTED."]
     pub block_mask_out: *const sparsa_tensor,
     #[doc = " out: int64 [n], n >= 1, on the run's device: the first min(n, SPARSA_STAT_COUNT) counters of"]
     #[doc = "sparsa_stat_index. Achieved sparsity = 1 - PAIRS_COMPUTED / PAIRS_DENSE."]

@@ -22,6 +22,50 @@ pub mod stat {
     pub const COUNT: usize = 7;
 }
 
+/// Targets of the SPARGE tuner (`sparsa_sparge_tune_options`); `Default` gives the library's defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpargeTuneOptions {
+    /// Relative-L1 target of the (theta, tau) search (default 0.07).
+    pub l1: f32,
+    /// Relative-L1 target of the lambda search (default 0.08).
+    pub pv_l1: f32,
+    /// Bisection steps for tau and for lambda (default 10).
+    pub search_steps: i32,
+    /// A head whose best sparsity is at most this goes dense (default 0.1).
+    pub dense_below: f32,
+    /// Most negative lambda tried (default -20).
+    pub lambda_min: f32,
+}
+
+impl Default for SpargeTuneOptions {
+    fn default() -> Self {
+        // SAFETY: plain data filled by the init call, which cannot fail on a valid pointer.
+        let mut raw: sys::sparsa_sparge_tune_options = unsafe { std::mem::zeroed() };
+        check(unsafe { sys::sparsa_sparge_tune_options_init(&mut raw) }).expect("sparsa_sparge_tune_options_init");
+        SpargeTuneOptions {
+            l1: raw.l1,
+            pv_l1: raw.pv_l1,
+            search_steps: raw.search_steps,
+            dense_below: raw.dense_below,
+            lambda_min: raw.lambda_min,
+        }
+    }
+}
+
+impl SpargeTuneOptions {
+    fn as_raw(&self) -> Result<sys::sparsa_sparge_tune_options> {
+        // SAFETY: plain data filled by the init call.
+        let mut raw: sys::sparsa_sparge_tune_options = unsafe { std::mem::zeroed() };
+        check(unsafe { sys::sparsa_sparge_tune_options_init(&mut raw) })?;
+        raw.l1 = self.l1;
+        raw.pv_l1 = self.pv_l1;
+        raw.search_steps = self.search_steps;
+        raw.dense_below = self.dense_below;
+        raw.lambda_min = self.lambda_min;
+        Ok(raw)
+    }
+}
+
 /// One attention call. `'a` is the borrow of every tensor (and of the selection cache) it was given.
 ///
 /// q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D], out like q (packed [T, H, D] with cu_seqlens; paged caches with
@@ -135,6 +179,27 @@ impl<'a> Attention<'a> {
         let (args, raw_policy) = (self.as_raw(), policy.as_raw());
         // SAFETY: as in run; nothing is written.
         check(unsafe { sys::sparsa_attention_plan(ctx.raw(), &args, &raw_policy) })
+    }
+
+    /// Tunes SPARGE per query head on this call as calibration (§4 tuner; `out` and the optional outputs are not
+    /// read): writes f32 `params` [Hq, 4] (theta, tau, topk_fraction, lambda), ready for
+    /// `Policy::sparge().sparge_head_params(..)`, and optionally f32 `metrics` [Hq, 2] (relative L1, sparsity).
+    /// `policy` gives block sizes, attention_sink and quantized; `options` the targets (None = defaults).
+    pub fn sparge_tune(
+        &self,
+        ctx: &Context,
+        policy: &Policy<'_>,
+        options: Option<SpargeTuneOptions>,
+        params: &mut TensorMut<'_>,
+        metrics: Option<&mut TensorMut<'_>>,
+    ) -> Result<()> {
+        let (args, raw_policy) = (self.as_raw(), policy.as_raw());
+        let raw_options = options.unwrap_or_default().as_raw()?;
+        let metrics = metrics.map_or(ptr::null(), |t| t.raw() as *const _);
+        // SAFETY: as in run; the descriptors are borrowed for the call.
+        check(unsafe {
+            sys::sparsa_sparge_tune(ctx.raw(), &args, &raw_policy, &raw_options, params.raw(), metrics)
+        })
     }
 
     fn as_raw(&self) -> sys::sparsa_attention_args {

@@ -151,3 +151,49 @@ fn policy_builders_and_fields() {
     assert!(perm.iter().enumerate().all(|(i, &p)| inverse[p as usize] == i as i32));
     assert_eq!(sparsa::version().0.to_string(), env!("CARGO_PKG_VERSION_MAJOR"));
 }
+
+#[test]
+fn sparge_tune_writes_per_head_parameters_the_policy_accepts() {
+    let ctx = Context::cpu().unwrap();
+    let (b, s, hq, hkv, d) = (1i64, 256i64, 2i64, 1i64, 16i64);
+    // A local band: each query matches the keys near it, so the tuner can find block sparsity.
+    let mut q = vec![0f32; (b * s * hq * d) as usize];
+    let mut k = vec![0f32; (b * s * hkv * d) as usize];
+    for t in 0..s as usize {
+        for c in 0..d as usize {
+            let phase = (t as f32 / 32.0 + c as f32) * 0.7;
+            k[t * d as usize + c] = phase.sin();
+            for h in 0..hq as usize {
+                q[(t * hq as usize + h) * d as usize + c] = 3.0 * phase.sin();
+            }
+        }
+    }
+    let v = values((b * s * hkv * d) as usize, 7);
+    let mut out = vec![0f32; q.len()];
+    let (qt, kt, vt) = (
+        TensorRef::new(&q, &[b, s, hq, d]).unwrap(),
+        TensorRef::new(&k, &[b, s, hkv, d]).unwrap(),
+        TensorRef::new(&v, &[b, s, hkv, d]).unwrap(),
+    );
+    let mut params = vec![f32::NAN; (hq * 4) as usize];
+    let mut metrics = vec![f32::NAN; (hq * 2) as usize];
+    {
+        let mut ot = TensorMut::new(&mut out, &[b, s, hq, d]).unwrap();
+        let mut pt = TensorMut::new(&mut params, &[hq, 4]).unwrap();
+        let mut mt = TensorMut::new(&mut metrics, &[hq, 2]).unwrap();
+        let policy = Policy::sparge().block_q(32).block_k(16);
+        Attention::new(&qt, &kt, &vt, &mut ot)
+            .sparge_tune(&ctx, &policy, Some(sparsa::SpargeTuneOptions::default()), &mut pt, Some(&mut mt))
+            .unwrap();
+    }
+    assert!(params.iter().all(|x| !x.is_nan()), "every parameter written: {params:?}");
+    for h in 0..hq as usize {
+        assert!((-1.0..=1.0).contains(&params[h * 4]), "theta {params:?}");
+        assert!(metrics[h * 2] <= 0.08 + 1e-6, "relative L1 within pv_l1: {metrics:?}");
+    }
+    // The tuned parameters run as a policy.
+    let pt = TensorRef::new(&params, &[hq, 4]).unwrap();
+    let mut ot = TensorMut::new(&mut out, &[b, s, hq, d]).unwrap();
+    let policy = Policy::sparge().block_q(32).block_k(16).sparge_head_params(pt);
+    Attention::new(&qt, &kt, &vt, &mut ot).run(&ctx, &policy).unwrap();
+}
