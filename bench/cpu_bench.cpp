@@ -65,11 +65,8 @@ struct Peak {
   double per_cpu = 0.0;  // flops per CPU second (one core's peak)
 };
 
-Peak measure_fma_peak(int threads, bool* used_avx2) {
-  __builtin_cpu_init();
-  *used_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+Peak measure_fma_peak_once(int threads) {
   Peak peak;
-  if (!*used_avx2) return peak;
   std::vector<std::thread> pool;
   std::atomic<float> sink{0.f};
   const Clock::time_point start = Clock::now();
@@ -81,6 +78,21 @@ Peak measure_fma_peak(int threads, bool* used_avx2) {
   peak.wall = flops / seconds_since(start);
   peak.per_cpu = flops / (process_cpu_seconds() - cpu_start);
   return peak;
+}
+
+// The best of several trials: on a shared machine one short trial can land in another tenant's burst.
+constexpr int kPeakTrials = 5;
+Peak measure_fma_peak(int threads, bool* used_avx2) {
+  __builtin_cpu_init();
+  *used_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  Peak best;
+  if (!*used_avx2) return best;
+  for (int trial = 0; trial < kPeakTrials; ++trial) {
+    const Peak peak = measure_fma_peak_once(threads);
+    best.wall = std::max(best.wall, peak.wall);
+    best.per_cpu = std::max(best.per_cpu, peak.per_cpu);
+  }
+  return best;
 }
 
 // ---- attention runs ----
@@ -315,8 +327,10 @@ int main(int argc, char** argv) {
         std::printf("%-34s failed\n", c.name);
         continue;
       }
-      const double bytes = 2.0 * double(decode_n) * kDecodeHeadsKv * kDim * sizeof(float);
-      std::printf("%-34s %9.2f ms   pairs %lld   (K+V once: %.1f GB/s)\n", c.name, t.seconds * 1e3,
+      // K and V rows of the visited keys, read once per kv head: pairs / (Hq/Hkv) rows of 2·D floats.
+      const double rows = double(t.stats[SPARSA_STAT_PAIRS_COMPUTED]) / (kDecodeHeadsQ / kDecodeHeadsKv);
+      const double bytes = rows * 2.0 * kDim * sizeof(float);
+      std::printf("%-34s %9.2f ms   pairs %lld   (visited K+V read once: %.1f GB/s)\n", c.name, t.seconds * 1e3,
                   (long long)t.stats[SPARSA_STAT_PAIRS_COMPUTED], bytes / t.seconds * 1e-9);
     }
   }

@@ -261,3 +261,28 @@ def test_readme_example_runs(capsys):
     exec(compile(blocks[0], "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "sparsity" in printed and "refused:" in printed
+
+
+def test_sparge_tune_returns_parameters_the_policy_runs_with(ctx):
+    # A local band (each query matches the keys near it) so the tuner finds block sparsity.
+    s, hq, d = 256, 2, 16
+    t = numpy.arange(s)[:, None] / 32.0 + numpy.arange(d)[None, :]
+    k = numpy.sin(0.7 * t).astype(numpy.float32)[None, :, None, :]
+    q = numpy.repeat(3.0 * k, hq, axis=2).astype(numpy.float32)
+    v = numpy.random.default_rng(3).standard_normal((1, s, 1, d)).astype(numpy.float32)
+    params, metrics = sparsa.sparge_tune(ctx, q, k, v, policy=sparsa.Sparge(block_q=32, block_k=16))
+    assert params.shape == (hq, 4) and metrics.shape == (hq, 2)
+    assert not numpy.isnan(params).any()
+    assert ((params[:, 0] >= -1) & (params[:, 0] <= 1)).all()
+    assert (metrics[:, 0] <= 0.08 + 1e-6).all()
+    out = sparsa.attention(ctx, q, k, v, policy=sparsa.Sparge(block_q=32, block_k=16, head_params=params))
+    assert out.shape == q.shape and numpy.isfinite(out).all()
+
+
+def test_attention_plan_then_run_grows_no_scratch(ctx):
+    q, k, v = _qkv(s=64)
+    out = numpy.empty_like(q)
+    sparsa.attention_plan(ctx, q, k, v, out, causal=True)
+    planned = ctx.scratch_bytes
+    sparsa.attention(ctx, q, k, v, out=out, causal=True)
+    assert ctx.scratch_bytes == planned
