@@ -131,6 +131,9 @@ TEST_P(TokenIndices, AllTokensEqualsDense) {
 }
 
 TEST_P(TokenIndices, IndexOutsideItsRangeIsAnErrorNotACrash) {
+  // Checking index contents that live in device memory would need a host synchronisation inside the run, which the
+  // ABI forbids (rule 9); GPU backends ignore such ids instead (docs/gpu.md). The CPU backend must refuse them.
+  if (ctx().device_type() != SPARSA_DEVICE_CPU) GTEST_SKIP() << "device index contents are not validated (docs/gpu.md)";
   ST_RNG(rng, 0);
   ref::Problem p = st::make_problem(1, 2, 1, 64, {1}, {100}, true);
   st::fill(p, Pattern::kRandom, rng);

@@ -6,7 +6,8 @@
 //
 // Contract kept here (ABI.md rule 9): run() only enqueues on the context's stream — no host synchronisation, no
 // allocation once planned — so it can be captured in a CUDA graph. The only scratch is split-KV's fp32 partial
-// states (decode and other small launches), grown by plan() or, unplanned, by the first run that needs it.
+// states (decode and other small launches) and TOKEN_INDICES' key lists, grown by plan() or, unplanned, by the
+// first run that needs it.
 #include "../../src/backend.h"
 #include "../../src/error.h"
 #include "../../src/registry.h"

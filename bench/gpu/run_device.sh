@@ -15,27 +15,29 @@ BUILD=/tmp/sparsa-gpu-build
 JOBS=$(nproc)
 export PATH=/usr/local/cuda/bin:$PATH
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+LOGS=/tmp/sparsa-gpu-logs  # logs not worth fetching (a device call returns at most 8 files from $OUT)
+mkdir -p $LOGS
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$LOGS/device.txt"
 
 GTEST_PREFIX=""
 if [ -d "$ROOT/.peers/googletest" ]; then
   GTEST_PREFIX=/tmp/gtest
   if [ ! -d $GTEST_PREFIX ]; then
     cmake -S "$ROOT/.peers/googletest" -B /tmp/gtest-build -DCMAKE_INSTALL_PREFIX=$GTEST_PREFIX -DBUILD_GMOCK=OFF \
-      -DCMAKE_BUILD_TYPE=Release > "$OUT/gtest.log" 2>&1 &&
-      cmake --build /tmp/gtest-build -j "$JOBS" >> "$OUT/gtest.log" 2>&1 &&
-      cmake --install /tmp/gtest-build >> "$OUT/gtest.log" 2>&1 || echo "googletest build failed (see gtest.log)"
+      -DCMAKE_BUILD_TYPE=Release > "$LOGS/gtest.log" 2>&1 &&
+      cmake --build /tmp/gtest-build -j "$JOBS" >> "$LOGS/gtest.log" 2>&1 &&
+      cmake --install /tmp/gtest-build >> "$LOGS/gtest.log" 2>&1 || echo "googletest build failed (see gtest.log)"
   fi
 fi
 
 t0=$(date +%s)
 cmake -S "$ROOT" -B $BUILD -DCMAKE_BUILD_TYPE=Release ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} \
   "-DCMAKE_CUDA_ARCHITECTURES=90a;80" -DSPARSA_BUILD_BINDINGS=OFF -DSPARSA_BUILD_TOOLS=OFF -DSPARSA_BUILD_BENCH=OFF \
-  > "$OUT/configure.log" 2>&1 || { echo "configure failed"; tail -30 "$OUT/configure.log"; exit 1; }
-grep "sparsa:" "$OUT/configure.log"
-cmake --build $BUILD -j "$JOBS" --target sparsa sparsa_gpu_tests sparsa_tests > "$OUT/build.log" 2>&1 ||
-  { echo "build failed"; grep -E -A3 "error" "$OUT/build.log" | head -40; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s; warnings: $(grep -c 'warning' "$OUT/build.log")"
+  > "$LOGS/configure.log" 2>&1 || { echo "configure failed"; tail -30 "$LOGS/configure.log"; exit 1; }
+grep "sparsa:" "$LOGS/configure.log"
+cmake --build $BUILD -j "$JOBS" --target sparsa sparsa_gpu_tests sparsa_tests > "$LOGS/build.log" 2>&1 ||
+  { echo "build failed"; grep -E -A3 "error" "$LOGS/build.log" | head -40; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s; warnings: $(grep -c 'warning' "$LOGS/build.log")"
 TESTS=$BUILD/tests/gpu/sparsa_gpu_tests
 SHARED=$BUILD/tests/sparsa_tests  # the backend-parameterised suite; its CUDA instances run here
 LIB=$(ls $BUILD/libsparsa.so.*.*.* | head -1)
@@ -49,7 +51,16 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   timeout 150 $TESTS > "$OUT/gpu_tests.log" 2>&1; echo "exit $?"; summary "$OUT/gpu_tests.log"
   grep -B2 -A10 "Failure" "$OUT/gpu_tests.log" | head -40
   echo "=== shared suite, CUDA instances ==="
-  timeout 200 $SHARED --gtest_filter='*/CUDA' > "$OUT/shared_cuda.log" 2>&1; echo "exit $?"; summary "$OUT/shared_cuda.log"
+  timeout 200 $SHARED --gtest_filter='*/CUDA' > "$OUT/shared_cuda.log" 2>&1; rc=$?; echo "exit $rc"
+  if [ $rc -ge 124 ]; then  # a crash or hang ends the process: run every test in its own process instead
+    echo "whole-suite run ended abnormally after: $(grep '^\[ RUN' "$OUT/shared_cuda.log" | tail -1); one process per test:"
+    : > "$OUT/shared_cuda.log"
+    for t in $($SHARED --gtest_filter='*/CUDA' --gtest_list_tests | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
+      timeout 60 $SHARED --gtest_filter="$t" >> "$OUT/shared_cuda.log" 2>&1
+      trc=$?; [ $trc -ge 124 ] && echo "[  FAILED  ] $t (crashed: exit $trc) (" >> "$OUT/shared_cuda.log"
+    done
+  fi
+  summary "$OUT/shared_cuda.log"
   grep -A8 "Failure" "$OUT/shared_cuda.log" | head -60
   echo "--- skip reasons (distinct) ---"
   grep -A1 ": Skipped" "$OUT/shared_cuda.log" | grep -v -E ": Skipped|^--" | cut -c1-150 | sort | uniq -c | sort -rn | head -15
