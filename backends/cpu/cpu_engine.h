@@ -66,6 +66,13 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
                              int64_t row_begin, int64_t row_end, const BlockWalk& walk, const RowVisibility& vis,
                              float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
 
+// exec.parallel_for with the callable passed by reference: a std::function built from a std::reference_wrapper
+// never allocates, while one built from a lambda with several captures does (on every call).
+template <typename Fn>
+void parallel_items(const ExecContext& exec, int64_t n, const Fn& fn) {
+  exec.parallel_for(n, std::cref(fn));
+}
+
 // Grow the run scratch the selection policies use (cpu_token_select.cpp, cpu_token_sparse.cpp) for this problem,
 // so that the run after plan() allocates nothing; and the loop scratch sparge_predict_mask needs.
 void plan_token_select(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);

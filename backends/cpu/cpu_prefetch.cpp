@@ -83,7 +83,7 @@ void cpu_kv_prefetch(const PrefetchProblem& problem, const ExecContext& exec) {
   }
 
   // Per sequence: positions, remapped, counts and the gather.
-  exec.parallel_for(batch, [&](int64_t b, int worker) {
+  parallel_items(exec, batch, [&](int64_t b, int worker) {
     ScratchLayout layout;
     const size_t ids_at = layout.add<int64_t>(max_ids);
     layout.bind(policy_scratch(exec, worker));

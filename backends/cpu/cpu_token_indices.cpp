@@ -109,9 +109,23 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
   if (!problem.contents_validated) check_contents(problem, policy, params);
   for (int32_t b = 0; b < batch; ++b) require_selected_capacity(problem, problem.seq_len_k(b), b, "TOKEN_INDICES");
 
-  exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / n_heads);
-    const int32_t h = int32_t(item % n_heads);
+  // Decode-sized sequences stack the query heads of a kv group into one tile (each K/V tile converted once per
+  // group; bit-identical results) when every head of every group reads the same row of indices (so the same key
+  // set) and there is still a work item per worker.
+  const int32_t group = n_heads / problem.num_kv_heads;
+  bool groups_share_rows = group > 1;
+  for (int32_t h = 0; h < n_heads && groups_share_rows; ++h)
+    groups_share_rows = index_row_of(problem, policy, params, h) ==
+                        index_row_of(problem, policy, params, h - h % group);
+  const bool stack = groups_share_rows && problem.max_seq_q > 0 &&
+                     int64_t(problem.max_seq_q) * group <= kMaxStackedRows &&
+                     int64_t(batch) * problem.num_kv_heads >= worker_count(exec);
+  const int32_t heads_per_item = stack ? group : 1;
+  const int32_t head_items = n_heads / heads_per_item;
+
+  parallel_items(exec, int64_t(batch) * head_items, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / head_items);
+    const int32_t h_first = int32_t(item % head_items) * heads_per_item;
     const int64_t seq_q = problem.seq_len_q(b);
     const int64_t seq_k = problem.seq_len_k(b);
     ScratchLayout layout;
@@ -123,18 +137,31 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
     layout.bind(policy_scratch(exec, worker));
     int64_t* keys = layout.get<int64_t>(keys_at, size_t(seq_k));
     int64_t* rows = layout.get<int64_t>(rows_at, size_t(seq_q));
-    const int64_t n_keys = build_key_set(problem, policy, params, b, h, seq_k,
+    float* out_rows = layout.get<float>(out_at, out_rows_count(problem));
+    float* lse_rows = layout.get<float>(lse_at, lse_rows_count());
+    const int64_t n_keys = build_key_set(problem, policy, params, b, h_first, seq_k,
                                          layout.get<IdRange>(ranges_at, size_t(params.slots + kAlwaysIncludedRanges)),
                                          keys);
-    if (problem.selected_indices.present) write_selected_set(problem.selected_indices, b, h, keys, n_keys);
+    if (problem.selected_indices.present)
+      for (int32_t l = 0; l < heads_per_item; ++l)
+        write_selected_set(problem.selected_indices, b, h_first + l, keys, n_keys);
     std::iota(rows, rows + seq_q, int64_t{0});
     RowVisibility visibility;
     visibility.causal = problem.causal;
     visibility.offset = seq_k - seq_q;
-    attend_rows_over_keys(problem, b, h, rows, seq_q, keys, n_keys, visibility, /*causal_prefix=*/problem.causal,
-                          sink, layout.get<float>(out_at, out_rows_count(problem)),
-                          layout.get<float>(lse_at, lse_rows_count()), &(*exec.counters)[size_t(worker)],
-                          (*exec.scratch)[size_t(worker)]);
+    RunCounters* counters = &(*exec.counters)[size_t(worker)];
+    if (!stack) {
+      attend_rows_over_keys(problem, b, h_first, rows, seq_q, keys, n_keys, visibility,
+                            /*causal_prefix=*/problem.causal, sink, out_rows, lse_rows, counters,
+                            loop_scratch(exec, worker));
+      return;
+    }
+    attend_index_list_heads(problem, b, h_first, heads_per_item, rows, seq_q, keys, n_keys, visibility, out_rows,
+                            lse_rows, counters, loop_scratch(exec, worker));
+    const int32_t d = problem.head_dim;
+    for (int32_t l = 0; l < heads_per_item; ++l)
+      for (int64_t r = 0; r < seq_q; ++r)
+        sink.write_row(problem, b, r, h_first + l, out_rows + (l * seq_q + r) * d, lse_rows[l * seq_q + r]);
   });
 }
 

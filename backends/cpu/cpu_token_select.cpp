@@ -340,7 +340,7 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
   };
   const auto kept_of = [&](int32_t b) { return kept ? kept + int64_t(b) * problem.num_kv_heads * kept_stride : kept; };
   const int32_t n_kv_heads = problem.num_kv_heads;
-  exec.parallel_for(int64_t(batch) * n_kv_heads, [&](int64_t item, int worker) {
+  parallel_items(exec, int64_t(batch) * n_kv_heads, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / n_kv_heads);
     const int32_t hk = int32_t(item % n_kv_heads);
     if (!computes_selection(b)) return;
@@ -349,7 +349,7 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
                        head_max + int64_t(b) * n_heads, head_sum + int64_t(b) * n_heads);
   });
   const int64_t chunks = (max_candidates + kCandidatesPerVoteItem - 1) / kCandidatesPerVoteItem;
-  exec.parallel_for(int64_t(batch) * params.n_sets * chunks, [&](int64_t item, int worker) {
+  parallel_items(exec, int64_t(batch) * params.n_sets * chunks, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / (int64_t(params.n_sets) * chunks));
     const int32_t set = int32_t(item / chunks % params.n_sets);
     const SequencePlan& plan = plans[size_t(b)];
@@ -360,7 +360,7 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
                     head_max + int64_t(b) * n_heads, head_sum + int64_t(b) * n_heads, policy_scratch(exec, worker),
                     votes_of(b, set));
   });
-  exec.parallel_for(int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
+  parallel_items(exec, int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / params.n_sets);
     const int32_t set = int32_t(item % params.n_sets);
     const SequencePlan& plan = plans[size_t(b)];
@@ -463,7 +463,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
   }
 
   // Phase 1: q̄_h per (b, h) in float64, laid out as concat_h q̄_h per sequence (the cache's key).
-  exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
+  parallel_items(exec, int64_t(batch) * n_heads, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / n_heads);
     const int32_t h = int32_t(item % n_heads);
     const SequencePlan& plan = plans[size_t(b)];
@@ -506,7 +506,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
 
   // Phase 5: selected_indices [B, n_sets, cap]: I per (b, set); all -1 for a sequence with no query row.
   if (problem.selected_indices.present) {
-    exec.parallel_for(int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
+    parallel_items(exec, int64_t(batch) * params.n_sets, [&](int64_t item, int worker) {
       const int32_t b = int32_t(item / params.n_sets);
       const int32_t set = int32_t(item % params.n_sets);
       const SequencePlan& plan = plans[size_t(b)];
@@ -532,7 +532,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
                      int64_t(batch) * problem.num_kv_heads >= worker_count(exec);
   const int32_t heads_per_item = stack ? group : 1;
   const int32_t head_items = n_heads / heads_per_item;
-  exec.parallel_for(int64_t(batch) * head_items, [&](int64_t item, int worker) {
+  parallel_items(exec, int64_t(batch) * head_items, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / head_items);
     const int32_t h_first = int32_t(item % head_items) * heads_per_item;
     const SequencePlan& plan = plans[size_t(b)];

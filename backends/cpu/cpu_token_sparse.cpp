@@ -203,7 +203,7 @@ void run_token_sparse(const AttentionProblem& problem, const PolicyParams& polic
   double* scores = scratch_array<double>(run_scratch(exec, kRunScratchSelectionVotes), 0, size_t(scores_size));
 
   // Phase 1: ŝ_h per (b, h).
-  exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
+  parallel_items(exec, int64_t(batch) * n_heads, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / n_heads);
     const int32_t h = int32_t(item % n_heads);
     const SequencePlan& plan = plans[size_t(b)];
@@ -213,14 +213,14 @@ void run_token_sparse(const AttentionProblem& problem, const PolicyParams& polic
   });
 
   // Phase 2: the budget per sequence.
-  exec.parallel_for(batch, [&](int64_t item, int worker) {
+  parallel_items(exec, batch, [&](int64_t item, int worker) {
     SequencePlan& plan = plans[size_t(item)];
     if (plan.dense) return;
     plan.budget = budget_of(plan, params, n_heads, scores + plan.scores_offset, policy_scratch(exec, worker));
   });
 
   // Phase 3: S_h, selected_indices, dropped rows = 0, attention inside the compressed sequence.
-  exec.parallel_for(int64_t(batch) * n_heads, [&](int64_t item, int worker) {
+  parallel_items(exec, int64_t(batch) * n_heads, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / n_heads);
     const int32_t h = int32_t(item % n_heads);
     const SequencePlan& plan = plans[size_t(b)];

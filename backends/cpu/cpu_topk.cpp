@@ -19,7 +19,7 @@ void cpu_topk_from_scores(const TensorArg& scores, int32_t k, int32_t block_size
          block_size == 1 ? "tokens" : "blocks", "), got ", k);
   }
 
-  exec.parallel_for(batch * n_heads, [&](int64_t item, int worker) {
+  parallel_items(exec, batch * n_heads, [&](int64_t item, int worker) {
     const int64_t b = item / n_heads;
     const int64_t h = item % n_heads;
     ScratchLayout layout;
