@@ -145,4 +145,20 @@ __device__ __forceinline__ bool tile_fully_visible(const ForwardParams& p, const
   return !p.causal || int64_t(tile_key_end - 1) <= int64_t(row_begin) + s.causal_offset;
 }
 
+// One element of an F32/F16/BF16 tensor as fp32, and back (the scalar paths: decode, merge, index-driven kernels).
+__device__ __forceinline__ float load_value(const void* base, int64_t index, ElementType type) {
+  if (type == ElementType::kF32) return static_cast<const float*>(base)[index];
+  const uint16_t bits = static_cast<const uint16_t*>(base)[index];
+  return type == ElementType::kF16 ? f16_bits_to_float(bits) : bf16_bits_to_float(bits);
+}
+
+__device__ __forceinline__ void store_value(void* base, int64_t index, ElementType type, float value) {
+  if (type == ElementType::kF32) {
+    static_cast<float*>(base)[index] = value;
+    return;
+  }
+  static_cast<uint16_t*>(base)[index] =
+      type == ElementType::kF16 ? float_to_f16_bits(value) : float_to_bf16_bits(value);
+}
+
 SPARSA_GPU_NAMESPACE_END

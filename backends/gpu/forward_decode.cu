@@ -21,21 +21,6 @@ namespace {
 
 constexpr int kThreads = 128;
 
-__device__ __forceinline__ float load_value(const void* base, int64_t index, ElementType type) {
-  if (type == ElementType::kF32) return static_cast<const float*>(base)[index];
-  const uint16_t bits = static_cast<const uint16_t*>(base)[index];
-  return type == ElementType::kF16 ? f16_bits_to_float(bits) : bf16_bits_to_float(bits);
-}
-
-__device__ __forceinline__ void store_value(void* base, int64_t index, ElementType type, float value) {
-  if (type == ElementType::kF32) {
-    static_cast<float*>(base)[index] = value;
-    return;
-  }
-  static_cast<uint16_t*>(base)[index] =
-      type == ElementType::kF16 ? float_to_f16_bits(value) : float_to_bf16_bits(value);
-}
-
 __device__ __forceinline__ float warp_max(float value) {
   for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) value = fmaxf(value, warp_shfl_xor(value, offset));
   return value;

@@ -13,6 +13,7 @@
 #include "forward_mma.h"
 
 #include "forward_common.cuh"
+#include "forward_decode.h"
 #include "gpu_runtime.h"
 
 #if SPARSA_GPU_HAS_MMA_SYNC
@@ -321,7 +322,7 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
     const int32_t row = my_rows[r];
     if (row >= row_end) continue;
     const float inverse = total > 0.f ? 1.f / total : 0.f;
-    if (p.num_splits > 1) {  // fp32 partial state; combine_splits_kernel writes out and lse
+    if (p.num_splits > 1) {  // fp32 partial state; combine_splits_launch writes out and lse
       const int64_t flat_row = p.cu_seqlens_q != nullptr ? seq.q_row_base + row : int64_t(seq.b) * p.padded_seq_q + row;
       const int64_t state = (int64_t(split) * p.flat_rows + flat_row) * p.num_q_heads + seq.h;
       float* partial = p.partial_out + state * kHeadDim;
@@ -357,49 +358,6 @@ cudaError_t allow_shared_memory() {
                               int(kSharedBytes<kHeadDim>));
 }
 
-// §0 merge of the split partial states of one (flat row, head) per block; threads stride over the head dim.
-template <typename Tag>
-__global__ void __launch_bounds__(kThreads) combine_splits_kernel(const ForwardParams p) {
-  const int64_t flat_row = blockIdx.x;
-  const int32_t h = blockIdx.y;
-  // Map the flat row back to (b, i) and skip padding rows of varlen sequences that are not outputs.
-  int32_t b = 0;
-  int64_t i = flat_row;
-  if (p.cu_seqlens_q != nullptr) {
-    while (b + 1 < p.batch && p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride] <= flat_row) ++b;
-    i = flat_row - p.cu_seqlens_q[b * p.cu_seqlens_q_stride];
-    if (i >= p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride] - p.cu_seqlens_q[b * p.cu_seqlens_q_stride]) return;
-  } else {
-    b = int32_t(flat_row / p.padded_seq_q);
-    i = flat_row % p.padded_seq_q;
-  }
-  const SequenceView seq = make_sequence_view(p, b, h);
-  const int64_t split_stride = int64_t(p.flat_rows) * p.num_q_heads;
-  const int64_t state0 = flat_row * p.num_q_heads + h;
-  float max_lse = -INFINITY;
-  for (int32_t s = 0; s < p.num_splits; ++s) max_lse = fmaxf(max_lse, p.partial_lse[state0 + s * split_stride]);
-  const bool empty = max_lse == -INFINITY;
-  float weight_sum = 0.f;
-  for (int32_t s = 0; s < p.num_splits; ++s) {
-    weight_sum += empty ? 0.f : expf(p.partial_lse[state0 + s * split_stride] - max_lse);
-  }
-  const float inverse = empty ? 0.f : 1.f / weight_sum;
-  uint16_t* out_row = static_cast<uint16_t*>(p.out) + query_row_offset(p.out_strides, seq, i);
-  for (int32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-    float acc = 0.f;
-    for (int32_t s = 0; s < p.num_splits; ++s) {
-      const float lse = p.partial_lse[state0 + s * split_stride];
-      if (lse != -INFINITY) acc += expf(lse - max_lse) * p.partial_out[(state0 + s * split_stride) * p.head_dim + d];
-    }
-    const float value = acc * inverse;
-    out_row[d] = static_cast<uint16_t>(pack_pair(Tag{}, value, 0.f) & 0xffffu);
-  }
-  if (p.lse != nullptr && threadIdx.x == 0) {
-    p.lse[seq.b * p.lse_strides.b + int64_t(h) * p.lse_strides.h + (seq.q_row_base + i) * p.lse_strides.s] =
-        empty ? -INFINITY : max_lse + logf(weight_sum);
-  }
-}
-
 template <typename Tag, int kHeadDim>
 cudaError_t launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
   const int32_t query_tiles = (max_seq_q + kBlockRows - 1) / kBlockRows;
@@ -407,8 +365,7 @@ cudaError_t launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t strea
   forward_mma_kernel<Tag, kHeadDim><<<grid, kThreads, kSharedBytes<kHeadDim>, stream>>>(p);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
-  combine_splits_kernel<Tag><<<dim3(p.flat_rows, p.num_q_heads), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return combine_splits_launch(p, stream);  // the merge every split-KV kernel shares (forward_decode.cu)
 }
 
 }  // namespace

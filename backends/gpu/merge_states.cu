@@ -11,21 +11,6 @@ namespace {
 
 constexpr int kThreads = 128;
 
-__device__ __forceinline__ float load_value(const void* base, int64_t index, ElementType type) {
-  if (type == ElementType::kF32) return static_cast<const float*>(base)[index];
-  const uint16_t bits = static_cast<const uint16_t*>(base)[index];
-  return type == ElementType::kF16 ? f16_bits_to_float(bits) : bf16_bits_to_float(bits);
-}
-
-__device__ __forceinline__ void store_value(void* base, int64_t index, ElementType type, float value) {
-  if (type == ElementType::kF32) {
-    static_cast<float*>(base)[index] = value;
-    return;
-  }
-  static_cast<uint16_t*>(base)[index] =
-      type == ElementType::kF16 ? float_to_f16_bits(value) : float_to_bf16_bits(value);
-}
-
 __device__ __forceinline__ int64_t o_offset(const TensorStrides& st, int64_t b, int64_t s, int64_t h) {
   return b * st.b + s * st.s + h * st.h;
 }

@@ -24,21 +24,6 @@ constexpr int kKeysPerStep = 4;
 constexpr int kBitsPerWord = 32;
 constexpr int kMaxDimsPerLane = (kIndexMaxHeadDim + kWarpLanes - 1) / kWarpLanes;
 
-__device__ __forceinline__ float load_value(const void* base, int64_t index, ElementType type) {
-  if (type == ElementType::kF32) return static_cast<const float*>(base)[index];
-  const uint16_t bits = static_cast<const uint16_t*>(base)[index];
-  return type == ElementType::kF16 ? f16_bits_to_float(bits) : bf16_bits_to_float(bits);
-}
-
-__device__ __forceinline__ void store_value(void* base, int64_t index, ElementType type, float value) {
-  if (type == ElementType::kF32) {
-    static_cast<float*>(base)[index] = value;
-    return;
-  }
-  static_cast<uint16_t*>(base)[index] =
-      type == ElementType::kF16 ? float_to_f16_bits(value) : float_to_bf16_bits(value);
-}
-
 __device__ __forceinline__ void set_bits(uint32_t* bitmap, int64_t begin, int64_t end) {
   for (int64_t t = begin; t < end; ++t) atomicOr(&bitmap[t / kBitsPerWord], 1u << (t % kBitsPerWord));
 }
