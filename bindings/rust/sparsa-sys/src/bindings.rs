@@ -1725,8 +1725,8 @@ extern "C" {
     #[doc = " Tunes SPARGE per query head on one calibration call (`args` as for a run; out, lse and the introspection outputs"]
     #[doc = " are not read): for each theta in {-1 + 2i/16, i = 0..16}, bisects tau for relative L1 Σ|O−O'|/Σ|O| < l1, then"]
     #[doc = " lambda for < pv_l1, and keeps the setting of largest sparsity; a head at <= dense_below sparsity goes dense"]
-    #[doc = " (written as theta = 1, which no block exceeds, so every block is kept; tau = 1; lambda = -inf). `policy` gives block_q, block_k, attention_sink and quantized (NULL ="]
-    #[doc = " SPARGE defaults)."]
+    #[doc = " (written as theta = 1, which no block exceeds, so every block is kept; tau = 1; lambda = -inf). `policy` gives"]
+    #[doc = " block_q, block_k, attention_sink and quantized (NULL = SPARGE defaults)."]
     #[doc = " out_params: F32 [Hq, 4] (theta, tau, topk_fraction = 0, lambda), ready for policy.sparge_head_params;"]
     #[doc = " out_metrics (optional): F32 [Hq, 2] (achieved relative L1, achieved sparsity)."]
     pub fn sparsa_sparge_tune(
