@@ -43,6 +43,17 @@ State reference_merge(const State& a, const State& b, int B, int S, int H, int D
   return m;
 }
 
+// sparsa_merge_states of the host states a and b into `out` ([B, S, H, D] / [B, H, S], f32).
+sparsa_status merge_states(sparsa_context* ctx, State& a, State& b, State& out, int B, int S, int H, int D) {
+  sparsa_tensor oa = st::host_tensor(a.o.data(), SPARSA_DTYPE_F32, {B, S, H, D});
+  sparsa_tensor ob = st::host_tensor(b.o.data(), SPARSA_DTYPE_F32, {B, S, H, D});
+  sparsa_tensor la = st::host_tensor(a.lse.data(), SPARSA_DTYPE_F32, {B, H, S});
+  sparsa_tensor lb = st::host_tensor(b.lse.data(), SPARSA_DTYPE_F32, {B, H, S});
+  sparsa_tensor o = st::host_tensor(out.o.data(), SPARSA_DTYPE_F32, {B, S, H, D});
+  sparsa_tensor l = st::host_tensor(out.lse.data(), SPARSA_DTYPE_F32, {B, H, S});
+  return sparsa_merge_states(ctx, &oa, &la, &ob, &lb, &o, &l);
+}
+
 void expect_close(const std::vector<float>& got, const std::vector<float>& want, double tol, const char* what) {
   ASSERT_EQ(got.size(), want.size());
   for (size_t e = 0; e < got.size(); ++e) {
@@ -62,13 +73,7 @@ TEST_P(Merge, MatchesTheFormulaIncludingMinusInfStates) {
   for (int s = 0; s < 3; ++s) a.lse[s] = b.lse[s] = -INFINITY;
   const State want = reference_merge(a, b, B, S, H, D);
   State got{std::vector<float>(a.o.size(), NAN), std::vector<float>(a.lse.size(), NAN)};
-  sparsa_tensor oa = st::host_tensor(a.o.data(), SPARSA_DTYPE_F32, {B, S, H, D});
-  sparsa_tensor ob = st::host_tensor(b.o.data(), SPARSA_DTYPE_F32, {B, S, H, D});
-  sparsa_tensor la = st::host_tensor(a.lse.data(), SPARSA_DTYPE_F32, {B, H, S});
-  sparsa_tensor lb = st::host_tensor(b.lse.data(), SPARSA_DTYPE_F32, {B, H, S});
-  sparsa_tensor o = st::host_tensor(got.o.data(), SPARSA_DTYPE_F32, {B, S, H, D});
-  sparsa_tensor l = st::host_tensor(got.lse.data(), SPARSA_DTYPE_F32, {B, H, S});
-  ASSERT_EQ(sparsa_merge_states(ctx().get(), &oa, &la, &ob, &lb, &o, &l), SPARSA_STATUS_SUCCESS)
+  ASSERT_EQ(merge_states(ctx().get(), a, b, got, B, S, H, D), SPARSA_STATUS_SUCCESS)
       << sparsa_last_error_message();
   expect_close(got.o, want.o, st::kTolF32, "o");
   expect_close(got.lse, want.lse, st::kTolF32, "lse");
@@ -162,13 +167,7 @@ TEST_P(Merge, TwoKeyHalvesMergedEqualDense) {
       b.lse.insert(b.lse.end(), rb.out.lse[bb].begin(), rb.out.lse[bb].end());
     }
     State got{std::vector<float>(a.o.size(), NAN), std::vector<float>(a.lse.size(), NAN)};
-    sparsa_tensor oa = st::host_tensor(a.o.data(), SPARSA_DTYPE_F32, {B, S, H, D});
-    sparsa_tensor ob = st::host_tensor(b.o.data(), SPARSA_DTYPE_F32, {B, S, H, D});
-    sparsa_tensor la = st::host_tensor(a.lse.data(), SPARSA_DTYPE_F32, {B, H, S});
-    sparsa_tensor lb = st::host_tensor(b.lse.data(), SPARSA_DTYPE_F32, {B, H, S});
-    sparsa_tensor o = st::host_tensor(got.o.data(), SPARSA_DTYPE_F32, {B, S, H, D});
-    sparsa_tensor l = st::host_tensor(got.lse.data(), SPARSA_DTYPE_F32, {B, H, S});
-    ASSERT_EQ(sparsa_merge_states(ctx().get(), &oa, &la, &ob, &lb, &o, &l), SPARSA_STATUS_SUCCESS)
+    ASSERT_EQ(merge_states(ctx().get(), a, b, got, B, S, H, D), SPARSA_STATUS_SUCCESS)
         << sparsa_last_error_message();
     const ref::Output want = ref::attend(full, ref::dense(full));
     ref::Output merged;

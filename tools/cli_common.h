@@ -1,11 +1,13 @@
-// Shared pieces of the sparsa command-line tool: its two error kinds, host tensors that own their bytes, and the
-// conversions the tool needs to compare outputs of any dtype.
+// Shared pieces of the sparsa command-line tool: its two error kinds, a CPU context, host tensors that own their
+// bytes, and the conversions the tool needs to compare outputs of any dtype (the library's own conversions are
+// internal, not exported: the tool links only the public API, so it keeps these small copies).
 #pragma once
 
 #include <sparsa/sparsa.h>
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -29,6 +31,17 @@ inline void check(sparsa_status status, const std::string& what) {
   if (status != SPARSA_STATUS_SUCCESS) {
     throw RuntimeError(what + ": " + sparsa_status_string(status) + ": " + sparsa_last_error_message());
   }
+}
+
+// A CPU context with `threads` worker threads (0 = one per core), destroyed with the pointer.
+using ContextPtr = std::unique_ptr<sparsa_context, void (*)(sparsa_context*)>;
+inline ContextPtr make_context(int32_t threads) {
+  sparsa_context_options options;
+  check(sparsa_context_options_init(&options), "sparsa_context_options_init");
+  options.num_threads = threads;
+  sparsa_context* raw_ctx = nullptr;
+  check(sparsa_context_create(&options, &raw_ctx), "sparsa_context_create");
+  return ContextPtr(raw_ctx, sparsa_context_destroy);
 }
 
 // A contiguous host tensor that owns its bytes; `view()` describes it to the library.

@@ -11,7 +11,6 @@
 #include <cmath>
 #include <cstdint>
 #include <iostream>
-#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -290,12 +289,7 @@ int run_demo(const std::vector<std::string>& args) {
   const AttentionInputs chunk = last_rows(prefill, s.chunk);
   const std::string all_rows = "all " + std::to_string(n), chunk_rows = "last " + std::to_string(s.chunk);
 
-  sparsa_context_options options;
-  check(sparsa_context_options_init(&options), "sparsa_context_options_init");
-  options.num_threads = s.threads;
-  sparsa_context* raw_ctx = nullptr;
-  check(sparsa_context_create(&options, &raw_ctx), "sparsa_context_create");
-  const std::unique_ptr<sparsa_context, void (*)(sparsa_context*)> ctx(raw_ctx, sparsa_context_destroy);
+  const ContextPtr ctx = make_context(s.threads);
 
   // Policy inputs that must outlive the runs.
   const HostTensor mask = banded_block_mask(s, block_q, block_k, window);

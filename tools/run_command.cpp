@@ -5,7 +5,6 @@
 #include <cctype>
 #include <cmath>
 #include <iostream>
-#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -213,12 +212,7 @@ int run_command(const std::vector<std::string>& args) {
   if (head_map) policy.head_map = &(head_map_view = head_map->view());
   if (head_params) policy.sparge_head_params = &(head_params_view = head_params->view());
 
-  sparsa_context_options options;
-  check(sparsa_context_options_init(&options), "sparsa_context_options_init");
-  options.num_threads = s.threads;
-  sparsa_context* raw_ctx = nullptr;
-  check(sparsa_context_create(&options, &raw_ctx), "sparsa_context_create");
-  const std::unique_ptr<sparsa_context, void (*)(sparsa_context*)> ctx(raw_ctx, sparsa_context_destroy);
+  const ContextPtr ctx = make_context(s.threads);
 
   const std::string rows = "all " + std::to_string(inputs.q.shape[1]);
   const int64_t rows_total = inputs.q.shape[0] * inputs.q.shape[1] * inputs.q.shape[2];

@@ -85,12 +85,7 @@ func (c *Context) attention(plan bool, args *AttentionArgs, policy *Policy) erro
 	}
 	var slots tensorSlots
 	args.fill(&slots)
-	var cPolicy C.sparsa_policy
-	var policyPtr *C.sparsa_policy
-	if policy != nil {
-		cPolicy = policy.toC(&slots)
-		policyPtr = &cPolicy
-	}
+	policyPtr := policy.cPointer(&slots)
 	d := &slots.goData
 	result := C.gs_attention(cBool(plan), ctx, &slots.c, cBool(args.Causal), C.float(args.SoftmaxScale), cache,
 		policyPtr, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14],
@@ -131,12 +126,7 @@ func (c *Context) SpargeTune(args *AttentionArgs, policy *Policy, options *Sparg
 	}
 	var slots tensorSlots
 	args.fill(&slots)
-	var cPolicy C.sparsa_policy
-	var policyPtr *C.sparsa_policy
-	if policy != nil {
-		cPolicy = policy.toC(&slots)
-		policyPtr = &cPolicy
-	}
+	policyPtr := policy.cPointer(&slots)
 	var cOptions C.sparsa_sparge_tune_options
 	if err := check(C.gs_sparge_tune_options_init(&cOptions)); err != nil {
 		return err

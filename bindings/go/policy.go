@@ -116,6 +116,15 @@ func NewPolicy(kind PolicyKind) (Policy, error) {
 	}, nil
 }
 
+// cPointer is toC for an optional policy: nil gives NULL (the called function picks its default policy).
+func (p *Policy) cPointer(slots *tensorSlots) *C.sparsa_policy {
+	if p == nil {
+		return nil
+	}
+	c := p.toC(slots)
+	return &c
+}
+
 // toC fills a C policy (tensor fields left NULL: the wrapper sets them from the slots) and puts the policy's
 // tensors in their slots. The kind is copied as is, so an unknown kind is reported by the call that uses it.
 func (p *Policy) toC(slots *tensorSlots) C.sparsa_policy {
