@@ -7,7 +7,6 @@
 // anchor rows {0, gamma, 2·gamma, ... < s_p} and the tail densely (one attend_index_list call over every key) and
 // writes every row through the caller's sink. LSE is undefined for corrected rows (the core forbids asking for it).
 #include <algorithm>
-#include <functional>
 #include <limits>
 
 #include "attention_loop.h"
@@ -47,7 +46,6 @@ void run_delta(PolicyEntry base, const AttentionProblem& problem, const PolicyPa
 
   const float undefined_lse = std::numeric_limits<float>::quiet_NaN();
   const int64_t items = int64_t(problem.batch) * problem.num_q_heads;
-  // Passed by std::ref so that std::function stores a pointer instead of allocating a copy of the captures.
   const auto work_item = [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / problem.num_q_heads);
     const int32_t h = int32_t(item % problem.num_q_heads);
@@ -83,7 +81,7 @@ void run_delta(PolicyEntry base, const AttentionProblem& problem, const PolicyPa
     for (int64_t i = s_p; i < seq_q; ++i)
       sink.write_row(problem, b, i, h, dense_out + (anchors + i - s_p) * d, dense_lse[anchors + i - s_p]);
   };
-  exec.parallel_for(items, std::ref(work_item));
+  parallel_items(exec, items, work_item);
 }
 
 }  // namespace sparsa::cpu

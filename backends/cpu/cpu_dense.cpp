@@ -27,7 +27,6 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
   const int32_t heads_per_item = stack ? group : 1;
   const int32_t head_items = problem.num_q_heads / heads_per_item;
   const int64_t items = int64_t(problem.batch) * head_items * max_q_blocks;
-  // Passed by std::ref so that std::function stores a pointer instead of allocating a copy of the captures.
   const auto work_item = [&](int64_t item, int worker) {
     // Item order: the last query blocks first (under a causal mask they carry the most keys).
     const int64_t q_block = max_q_blocks - 1 - item % max_q_blocks;
@@ -80,7 +79,7 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
       for (int64_t r = 0; r < nr; ++r)
         sink.write_row(problem, b, row_begin + r, h_first + l, rows + (l * nr + r) * d, lse[l * nr + r]);
   };
-  exec.parallel_for(items, std::ref(work_item));
+  parallel_items(exec, items, work_item);
 }
 
 void run_dense(const AttentionProblem& problem, const PolicyParams&, const OutputSink& sink, const ExecContext& exec) {

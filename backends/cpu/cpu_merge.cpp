@@ -1,6 +1,5 @@
 // sparsa_merge_states on the CPU (§0 merge): each (row, head) of the two partial states is read into fp32, merged
 // with SoftmaxState::merge and normalised. A row is read completely before it is written, so out may alias o_a.
-#include <functional>
 #include <limits>
 
 #include "../../src/common/softmax_state.h"
@@ -35,7 +34,6 @@ void cpu_merge_states(const MergeProblem& problem, const ExecContext& exec) {
   const int64_t heads = o_a.extent(rank - 2);
   const int d = int(o_a.extent(rank - 1));
   const int32_t dtype = o_a.t.dtype;
-  // Passed by std::ref so that std::function stores a pointer instead of allocating a copy of the captures.
   const auto work_item = [&](int64_t r, int worker) {
     ThreadScratch& mine = policy_scratch(exec, worker);
     float* row_a = mine.reserve(2 * size_t(d));
@@ -52,7 +50,7 @@ void cpu_merge_states(const MergeProblem& problem, const ExecContext& exec) {
       if (problem.out_lse.present) problem.out_lse.ptr<float>()[layout.lse_offset(problem.out_lse, r, h)] = lse;
     }
   };
-  exec.parallel_for(rows, std::ref(work_item));
+  parallel_items(exec, rows, work_item);
 }
 
 }  // namespace sparsa::cpu

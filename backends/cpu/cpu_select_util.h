@@ -131,7 +131,7 @@ inline size_t lse_rows_count() { return size_t(kSelectRowsPerCall); }
 // Attends query rows rows[0..n_rows) of (b, h) over keys[0..n_keys) in chunks of kSelectRowsPerCall rows and hands
 // each normalised row to `sink`. When `causal_prefix` is set, the keys of a chunk stop at the first key after its
 // last row (rows and keys are ascending positions and visibility is causal with offset `vis.offset`), so no
-// invisible key is gathered. out_rows/lse_rows hold kSelectRowsPerCall rows (rows_buffer_floats).
+// invisible key is gathered. out_rows/lse_rows hold kSelectRowsPerCall rows (out_rows_count, lse_rows_count).
 inline void attend_rows_over_keys(const AttentionProblem& problem, int32_t b, int32_t h, const int64_t* rows,
                                   int64_t n_rows, const int64_t* keys, int64_t n_keys, const RowVisibility& vis,
                                   bool causal_prefix, const OutputSink& sink, float* out_rows, float* lse_rows,
@@ -148,6 +148,27 @@ inline void attend_rows_over_keys(const AttentionProblem& problem, int32_t b, in
                       scratch);
     for (int64_t r = 0; r < count; ++r) sink.write_row(problem, b, rows[first + r], h, out_rows + r * d, lse_rows[r]);
   }
+}
+
+// attend_rows_over_keys for n_heads consecutive query heads h_first, h_first + 1, ... of one kv group that share
+// one key list: n_heads == 1 is that call; n_heads > 1 stacks the heads' rows into one attend_index_list_heads tile
+// (decode-sized: n_heads · n_rows <= kMaxStackedRows, so out_rows/lse_rows hold them) and hands every row to
+// `sink`. Bit-identical either way.
+inline void attend_heads_over_keys(const AttentionProblem& problem, int32_t b, int32_t h_first, int32_t n_heads,
+                                   const int64_t* rows, int64_t n_rows, const int64_t* keys, int64_t n_keys,
+                                   const RowVisibility& vis, bool causal_prefix, const OutputSink& sink,
+                                   float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
+  if (n_heads == 1) {
+    attend_rows_over_keys(problem, b, h_first, rows, n_rows, keys, n_keys, vis, causal_prefix, sink, out_rows,
+                          lse_rows, counters, scratch);
+    return;
+  }
+  attend_index_list_heads(problem, b, h_first, n_heads, rows, n_rows, keys, n_keys, vis, out_rows, lse_rows, counters,
+                          scratch);
+  const int32_t d = problem.head_dim;
+  for (int32_t l = 0; l < n_heads; ++l)
+    for (int64_t r = 0; r < n_rows; ++r)
+      sink.write_row(problem, b, rows[r], h_first + l, out_rows + (l * n_rows + r) * d, lse_rows[l * n_rows + r]);
 }
 
 }  // namespace sparsa::cpu

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
 
 #include "attention_loop.h"
@@ -44,7 +43,6 @@ void run_sparge(const AttentionProblem& problem, const PolicyParams& policy, con
   const int32_t block_k = policy.p.block_k;
   const bool quantized = policy.p.sparge_quantized != 0;
   const int64_t items = int64_t(problem.batch) * problem.num_q_heads;
-  // Passed by std::ref so that std::function stores a pointer instead of allocating a copy of the captures.
   const auto work_item = [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / problem.num_q_heads);
     const int32_t h = int32_t(item % problem.num_q_heads);
@@ -93,7 +91,7 @@ void run_sparge(const AttentionProblem& problem, const PolicyParams& policy, con
         sink.write_row(problem, b, row_begin + r, h, rows + r * d, lse[r]);
     }
   };
-  exec.parallel_for(items, std::ref(work_item));
+  parallel_items(exec, items, work_item);
 }
 
 }  // namespace sparsa::cpu

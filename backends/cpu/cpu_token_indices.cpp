@@ -149,19 +149,9 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
     RowVisibility visibility;
     visibility.causal = problem.causal;
     visibility.offset = seq_k - seq_q;
-    RunCounters* counters = &(*exec.counters)[size_t(worker)];
-    if (!stack) {
-      attend_rows_over_keys(problem, b, h_first, rows, seq_q, keys, n_keys, visibility,
-                            /*causal_prefix=*/problem.causal, sink, out_rows, lse_rows, counters,
-                            loop_scratch(exec, worker));
-      return;
-    }
-    attend_index_list_heads(problem, b, h_first, heads_per_item, rows, seq_q, keys, n_keys, visibility, out_rows,
-                            lse_rows, counters, loop_scratch(exec, worker));
-    const int32_t d = problem.head_dim;
-    for (int32_t l = 0; l < heads_per_item; ++l)
-      for (int64_t r = 0; r < seq_q; ++r)
-        sink.write_row(problem, b, r, h_first + l, out_rows + (l * seq_q + r) * d, lse_rows[l * seq_q + r]);
+    attend_heads_over_keys(problem, b, h_first, heads_per_item, rows, seq_q, keys, n_keys, visibility,
+                           /*causal_prefix=*/problem.causal, sink, out_rows, lse_rows,
+                           &(*exec.counters)[size_t(worker)], loop_scratch(exec, worker));
   });
 }
 

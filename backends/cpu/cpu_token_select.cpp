@@ -555,17 +555,9 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     RowVisibility visibility;
     visibility.causal = true;
     visibility.offset = plan.seq_k - plan.seq_q;
-    RunCounters* counters = &(*exec.counters)[size_t(worker)];
-    if (!stack) {
-      attend_rows_over_keys(problem, b, h_first, rows, plan.seq_q, ids, n_ids, visibility, /*causal_prefix=*/true,
-                            sink, out_rows, lse_rows, counters, loop_scratch(exec, worker));
-      return;
-    }
-    attend_index_list_heads(problem, b, h_first, heads_per_item, rows, plan.seq_q, ids, n_ids, visibility, out_rows,
-                            lse_rows, counters, loop_scratch(exec, worker));
-    for (int32_t l = 0; l < heads_per_item; ++l)
-      for (int64_t r = 0; r < plan.seq_q; ++r)
-        sink.write_row(problem, b, r, h_first + l, out_rows + (l * plan.seq_q + r) * d, lse_rows[l * plan.seq_q + r]);
+    attend_heads_over_keys(problem, b, h_first, heads_per_item, rows, plan.seq_q, ids, n_ids, visibility,
+                           /*causal_prefix=*/true, sink, out_rows, lse_rows, &(*exec.counters)[size_t(worker)],
+                           loop_scratch(exec, worker));
   });
 }
 

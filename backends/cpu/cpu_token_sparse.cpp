@@ -251,7 +251,7 @@ void run_token_sparse(const AttentionProblem& problem, const PolicyParams& polic
     attend_rows_over_keys(problem, b, h, kept, n_kept, kept, n_kept, visibility, /*causal_prefix=*/true, sink,
                           layout.get<float>(out_at, out_rows_count(problem)),
                           layout.get<float>(lse_at, lse_rows_count()), &(*exec.counters)[size_t(worker)],
-                          (*exec.scratch)[size_t(worker)]);
+                          loop_scratch(exec, worker));
   });
 }
 
