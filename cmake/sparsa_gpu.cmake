@@ -14,12 +14,13 @@ set(SPARSA_GPU_SOURCE_NAMES forward_mma forward_simt forward_decode merge_states
 set(SPARSA_GPU_DIR ${PROJECT_SOURCE_DIR}/backends/gpu)
 
 # ---- CUDA ----
-# sm_80 (A100 and later) + sm_90a (Hopper, wgmma-capable). -DCMAKE_CUDA_ARCHITECTURES=... overrides.
-if(CMAKE_CUDA_ARCHITECTURES)
-  set(SPARSA_CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
-else()
-  set(SPARSA_CUDA_ARCHITECTURES "80;90a")
+# sm_80 (A100 and later) + sm_90a (Hopper, wgmma-capable). -DCMAKE_CUDA_ARCHITECTURES=... overrides. The default
+# goes into the cache before enable_language(CUDA), which would otherwise cache nvcc's own default (sm_75 with
+# nvcc 13) and hand it to every later reconfigure.
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES "80;90a" CACHE STRING "CUDA architectures of the CUDA backend")
 endif()
+set(SPARSA_CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
 if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
   set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
 endif()

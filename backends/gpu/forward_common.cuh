@@ -49,6 +49,11 @@ __device__ __forceinline__ int64_t query_row_offset(const TensorStrides& st, con
   return s.b * st.b + (s.q_row_base + i) * st.s + int64_t(s.h) * st.h;
 }
 
+// Flat query row (padded: b·Sq + i, packed: cu_seqlens_q[b] + i) that indexes split-KV partial states.
+__device__ __forceinline__ int64_t flat_query_row(const ForwardParams& p, const SequenceView& s, int32_t i) {
+  return p.cu_seqlens_q != nullptr ? int64_t(s.q_row_base) + i : int64_t(s.b) * p.padded_seq_q + i;
+}
+
 // Element offset of k/v row t of the sequence's kv head, for any KV layout.
 __device__ __forceinline__ int64_t key_row_offset(const ForwardParams& p, const TensorStrides& st,
                                                   const SequenceView& s, int64_t t) {
@@ -145,7 +150,8 @@ __device__ __forceinline__ bool tile_fully_visible(const ForwardParams& p, const
   return !p.causal || int64_t(tile_key_end - 1) <= int64_t(row_begin) + s.causal_offset;
 }
 
-// One element of an F32/F16/BF16 tensor as fp32, and back (the scalar paths: decode, merge, index-driven kernels).
+// One element of an F32/F16/BF16 tensor as fp32, and back (the scalar paths: portable, decode, merge, index-driven
+// kernels).
 __device__ __forceinline__ float load_value(const void* base, int64_t index, ElementType type) {
   if (type == ElementType::kF32) return static_cast<const float*>(base)[index];
   const uint16_t bits = static_cast<const uint16_t*>(base)[index];

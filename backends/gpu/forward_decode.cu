@@ -30,11 +30,6 @@ __device__ __forceinline__ float warp_sum(float value) {
   return value;
 }
 
-// Flat query row (padded: b·Sq + i, packed: cu_seqlens_q[b] + i) used to index partial states.
-__device__ __forceinline__ int64_t flat_query_row(const ForwardParams& p, const SequenceView& s, int32_t i) {
-  return p.cu_seqlens_q != nullptr ? int64_t(s.q_row_base) + i : int64_t(s.b) * p.padded_seq_q + i;
-}
-
 __global__ void __launch_bounds__(kThreads) forward_decode_kernel(const ForwardParams p, int32_t rows_per_block) {
   constexpr int kWarps = kThreads / kWarpLanes;
   constexpr int kDimsPerLane = kDecodeMaxHeadDim / kWarpLanes;

@@ -323,8 +323,7 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
     if (row >= row_end) continue;
     const float inverse = total > 0.f ? 1.f / total : 0.f;
     if (p.num_splits > 1) {  // fp32 partial state; combine_splits_launch writes out and lse
-      const int64_t flat_row = p.cu_seqlens_q != nullptr ? seq.q_row_base + row : int64_t(seq.b) * p.padded_seq_q + row;
-      const int64_t state = (int64_t(split) * p.flat_rows + flat_row) * p.num_q_heads + seq.h;
+      const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, seq, row)) * p.num_q_heads + seq.h;
       float* partial = p.partial_out + state * kHeadDim;
 #pragma unroll
       for (int nd = 0; nd < kDimBlocks8; ++nd) {

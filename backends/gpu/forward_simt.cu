@@ -18,32 +18,6 @@ constexpr int kKeys = 32;     // keys per tile
 constexpr int kThreads = 128;
 constexpr int kMaxOutputsPerThread = kRows * kSimtMaxHeadDim / kThreads;
 
-__device__ __forceinline__ float load_element(const void* base, int64_t index, ElementType type) {
-  switch (type) {
-    case ElementType::kF32:
-      return static_cast<const float*>(base)[index];
-    case ElementType::kF16:
-      return f16_bits_to_float(static_cast<const uint16_t*>(base)[index]);
-    case ElementType::kBF16:
-      return bf16_bits_to_float(static_cast<const uint16_t*>(base)[index]);
-  }
-  return 0.f;
-}
-
-__device__ __forceinline__ void store_element(void* base, int64_t index, ElementType type, float value) {
-  switch (type) {
-    case ElementType::kF32:
-      static_cast<float*>(base)[index] = value;
-      break;
-    case ElementType::kF16:
-      static_cast<uint16_t*>(base)[index] = float_to_f16_bits(value);
-      break;
-    case ElementType::kBF16:
-      static_cast<uint16_t*>(base)[index] = float_to_bf16_bits(value);
-      break;
-  }
-}
-
 __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardParams p) {
   const int32_t dim = p.head_dim;
   const int32_t pitch = dim + 1;  // padded row: consecutive rows fall in different banks
@@ -65,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
     const int r = index / dim, d = index % dim;
     const bool inside = row_begin + r < row_end;
     q_tile[r * pitch + d] =
-        inside ? load_element(p.q, query_row_offset(p.q_strides, seq, row_begin + r) + d, p.element_type) : 0.f;
+        inside ? load_value(p.q, query_row_offset(p.q_strides, seq, row_begin + r) + d, p.element_type) : 0.f;
   }
   if (threadIdx.x < kRows) {
     row_max[threadIdx.x] = -INFINITY;
@@ -83,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
       const int c = index / dim, d = index % dim;
       const bool inside = key_begin + c < seq.seq_k;
       kv_tile[c * pitch + d] =
-          inside ? load_element(p.k, key_row_offset(p, p.k_strides, seq, key_begin + c) + d, p.element_type) : 0.f;
+          inside ? load_value(p.k, key_row_offset(p, p.k_strides, seq, key_begin + c) + d, p.element_type) : 0.f;
     }
     __syncthreads();
     for (int index = threadIdx.x; index < kRows * kKeys; index += kThreads) {
@@ -119,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
       const int c = index / dim, d = index % dim;
       const bool inside = key_begin + c < seq.seq_k;
       kv_tile[c * pitch + d] =
-          inside ? load_element(p.v, key_row_offset(p, p.v_strides, seq, key_begin + c) + d, p.element_type) : 0.f;
+          inside ? load_value(p.v, key_row_offset(p, p.v_strides, seq, key_begin + c) + d, p.element_type) : 0.f;
     }
     __syncthreads();
 #pragma unroll
@@ -142,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
       const int r = index / dim, d = index % dim;
       if (row_begin + r < row_end) {
         const float total = row_sum[r];
-        store_element(p.out, query_row_offset(p.out_strides, seq, row_begin + r) + d, p.element_type,
+        store_value(p.out, query_row_offset(p.out_strides, seq, row_begin + r) + d, p.element_type,
                       total > 0.f ? o_acc[t] / total : 0.f);
       }
     }

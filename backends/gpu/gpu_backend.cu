@@ -99,6 +99,12 @@ TensorStrides row_strides(const TensorArg& t) {
   return TensorStrides{t.stride(0), t.stride(1), t.stride(2)};
 }
 
+// Strides of an lse tensor ([B, Hq, Sq] or packed [Hq, Tq]) in TensorStrides' (b, s, h) order.
+TensorStrides lse_strides(const TensorArg& lse, bool packed) {
+  return packed ? TensorStrides{0, lse.stride(1), lse.stride(0)}
+                : TensorStrides{lse.stride(0), lse.stride(2), lse.stride(1)};
+}
+
 // Does every row of `t` start on a 16-byte boundary (base aligned, every non-last stride a multiple of 8)?
 bool rows_aligned_16(const TensorArg& t) {
   if (reinterpret_cast<uintptr_t>(t.t.data) % kRowAlignmentBytes != 0) return false;
@@ -120,9 +126,7 @@ ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyP
   p.v_strides = row_strides(problem.v);
   if (problem.lse.present) {
     p.lse = problem.lse.ptr<float>();
-    const TensorArg& lse = problem.lse;  // [B, Hq, Sq] or packed [Hq, Tq]; TensorStrides is (b, s, h)
-    p.lse_strides = problem.q_packed ? TensorStrides{0, lse.stride(1), lse.stride(0)}
-                                     : TensorStrides{lse.stride(0), lse.stride(2), lse.stride(1)};
+    p.lse_strides = lse_strides(problem.lse, problem.q_packed);
   }
   p.element_type = element_type_of(problem.dtype);
   p.kv_rows_aligned16 = rows_aligned_16(problem.k) && rows_aligned_16(problem.v);
@@ -306,45 +310,30 @@ class GpuBackend final : public Backend {
   GpuBackend& operator=(const GpuBackend&) = delete;
 
   bool supports(const AttentionProblem& problem, const PolicyParams& policy, std::string* reason) const override {
-    const ForwardKernel kernel = choose_kernel(problem, policy, reason);
-    if (kernel == ForwardKernel::kPortable &&
-        forward_simt_shared_bytes(problem.head_dim) > static_cast<size_t>(max_shared_optin_)) {
-      if (reason != nullptr) *reason = std::string(kBackendName) + " backend: head_dim too large for shared memory";
-      return false;
-    }
-    if (kernel == ForwardKernel::kTokenIndices &&
-        index_set_shared_bytes(problem.max_seq_k) > index_set_max_shared_) {
-      if (reason != nullptr) {
-        *reason = std::string(kBackendName) + " backend: TOKEN_INDICES key bitmap of Skv = " +
-                  std::to_string(problem.max_seq_k) + " keys exceeds this device's shared memory";
-      }
-      return false;
-    }
-    return kernel != ForwardKernel::kNone;
+    return supported_kernel(problem, policy, reason) != ForwardKernel::kNone;
   }
 
   void plan(const AttentionProblem& problem, const PolicyParams& policy) override {
     std::string reason;
-    const ForwardKernel kernel = choose_kernel(problem, policy, &reason);
+    const ForwardKernel kernel = supported_kernel(problem, policy, &reason);
     if (kernel == ForwardKernel::kNone) fail(SPARSA_STATUS_UNSUPPORTED, reason);
-    if (!supports(problem, policy, &reason)) fail(SPARSA_STATUS_UNSUPPORTED, reason);
     grow_scratch(scratch_layout(kernel, problem, plan_splits(kernel, problem, multiprocessors_)).total);
   }
 
   void run(const AttentionProblem& problem, const PolicyParams& policy) override {
     std::string reason;
-    const ForwardKernel kernel = choose_kernel(problem, policy, &reason);
-    if (kernel == ForwardKernel::kNone || !supports(problem, policy, &reason)) fail(SPARSA_STATUS_UNSUPPORTED, reason);
+    const ForwardKernel kernel = supported_kernel(problem, policy, &reason);
+    if (kernel == ForwardKernel::kNone) fail(SPARSA_STATUS_UNSUPPORTED, reason);
     DeviceGuard guard(device_);
+    ForwardParams params = make_forward_params(problem, policy);
     const StatsParams stats = stats_params(problem, policy);
     if (stats.out != nullptr) {
       check(stats_zero_launch(stats, stream_), "stats_zero_kernel launch");
       if (problem.batch > 0 && problem.num_q_heads > 0) {
-        check(stats_count_launch(make_forward_params(problem, policy), stats, stream_), "stats_count_kernel launch");
+        check(stats_count_launch(params, stats, stream_), "stats_count_kernel launch");
       }
     }
     if (problem.batch == 0 || problem.num_q_heads == 0 || problem.max_seq_q == 0) return;
-    ForwardParams params = make_forward_params(problem, policy);
     const SplitPlan split = plan_splits(kernel, problem, multiprocessors_);
     const ScratchLayout layout = scratch_layout(kernel, problem, split);
     grow_scratch(layout.total);  // allocates only on a first, unplanned run
@@ -387,13 +376,9 @@ class GpuBackend final : public Backend {
     p.seq = int32_t(problem.o_a.extent(rank - 3));
     p.heads = int32_t(problem.o_a.extent(rank - 2));
     p.head_dim = int32_t(problem.o_a.extent(rank - 1));
-    auto lse_strides = [&](const TensorArg& t) {
-      return problem.packed ? TensorStrides{0, t.stride(1), t.stride(0)}
-                            : TensorStrides{t.stride(0), t.stride(2), t.stride(1)};
-    };
-    p.lse_a_strides = lse_strides(problem.lse_a);
-    p.lse_b_strides = lse_strides(problem.lse_b);
-    if (problem.out_lse.present) p.out_lse_strides = lse_strides(problem.out_lse);
+    p.lse_a_strides = lse_strides(problem.lse_a, problem.packed);
+    p.lse_b_strides = lse_strides(problem.lse_b, problem.packed);
+    if (problem.out_lse.present) p.out_lse_strides = lse_strides(problem.out_lse, problem.packed);
     DeviceGuard guard(device_);
     check(merge_states_launch(p, stream_), "merge_states_kernel launch");
   }
@@ -410,6 +395,26 @@ class GpuBackend final : public Backend {
   }
 
  private:
+  // choose_kernel plus the limits of this device's shared memory; kNone (with *reason) when it cannot run.
+  ForwardKernel supported_kernel(const AttentionProblem& problem, const PolicyParams& policy,
+                                 std::string* reason) const {
+    const ForwardKernel kernel = choose_kernel(problem, policy, reason);
+    if (kernel == ForwardKernel::kPortable &&
+        forward_simt_shared_bytes(problem.head_dim) > static_cast<size_t>(max_shared_optin_)) {
+      if (reason != nullptr) *reason = std::string(kBackendName) + " backend: head_dim too large for shared memory";
+      return ForwardKernel::kNone;
+    }
+    if (kernel == ForwardKernel::kTokenIndices &&
+        index_set_shared_bytes(problem.max_seq_k) > index_set_max_shared_) {
+      if (reason != nullptr) {
+        *reason = std::string(kBackendName) + " backend: TOKEN_INDICES key bitmap of Skv = " +
+                  std::to_string(problem.max_seq_k) + " keys exceeds this device's shared memory";
+      }
+      return ForwardKernel::kNone;
+    }
+    return kernel;
+  }
+
   // Byte offsets in the scratch buffer: split-KV partial states, then (TOKEN_INDICES) the key lists and counts.
   struct ScratchLayout {
     uint64_t key_lists_at = 0, key_counts_at = 0, total = 0;

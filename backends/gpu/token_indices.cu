@@ -189,8 +189,7 @@ __global__ void __launch_bounds__(kAttendThreads) index_attention_kernel(const F
   const float inverse = l > 0.f ? 1.f / l : 0.f;
   const float lse = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
   if (p.num_splits > 1) {
-    const int64_t flat_row = p.cu_seqlens_q != nullptr ? int64_t(s.q_row_base) + i : int64_t(b) * p.padded_seq_q + i;
-    const int64_t state = (int64_t(split) * p.flat_rows + flat_row) * p.num_q_heads + h;
+    const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, s, i)) * p.num_q_heads + h;
 #pragma unroll
     for (int t = 0; t < kMaxDimsPerLane; ++t) {
       const int32_t d = lane + t * kWarpLanes;

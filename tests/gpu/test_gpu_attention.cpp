@@ -808,7 +808,6 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
     }
     const std::vector<uint8_t> qb = encode(q, SPARSA_DTYPE_BF16), kb = encode(kv, SPARSA_DTYPE_BF16),
                                vb = encode(v, SPARSA_DTYPE_BF16);
-    const int64_t q_shape[4] = {B, shape.sq, Hq, D};
     struct Result { std::vector<uint8_t> out; std::vector<float> lse; std::vector<int64_t> stats;
                     std::vector<int32_t> selected; };
     auto run = [&](int32_t device, Result* res) {
@@ -832,8 +831,8 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
       sparsa_tensor tq = make_tensor(place(dq, qb.data(), qb.size()), SPARSA_DTYPE_BF16, {B, shape.sq, Hq, D}, device);
       sparsa_tensor tk = make_tensor(place(dk, kb.data(), kb.size()), SPARSA_DTYPE_BF16, {B, shape.skv, Hkv, D}, device);
       sparsa_tensor tv = make_tensor(place(dv, vb.data(), vb.size()), SPARSA_DTYPE_BF16, {B, shape.skv, Hkv, D}, device);
-      sparsa_tensor tout = make_tensor(place(dout, out_host.data(), out_host.size()), SPARSA_DTYPE_BF16,
-                                       {q_shape[0], q_shape[1], q_shape[2], q_shape[3]}, device);
+      sparsa_tensor tout =
+          make_tensor(place(dout, out_host.data(), out_host.size()), SPARSA_DTYPE_BF16, {B, shape.sq, Hq, D}, device);
       sparsa_tensor tlse = make_tensor(place(dlse, lse_host.data(), lse_host.size() * 4), SPARSA_DTYPE_F32,
                                        {B, Hq, shape.sq}, device);
       sparsa_tensor tstats = make_tensor(place(dstats, stats_host.data(), stats_host.size() * 8), SPARSA_DTYPE_I64,
