@@ -30,8 +30,8 @@ SPARSA_GPU_NAMESPACE_BEGIN
 #if SPARSA_GPU_HAS_MMA_SYNC
 namespace {
 
-constexpr int kBlockRows = 64;   // query rows per thread block
-constexpr int kBlockKeys = 64;   // keys per tile
+constexpr int kBlockRows = kMmaBlockRows;  // query rows per thread block
+constexpr int kBlockKeys = kMmaBlockKeys;  // keys per tile
 constexpr int kWarps = 4;        // each warp owns kBlockRows / kWarps = 16 rows (one mma M)
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunkElems = 8;   // 16-byte chunk of 2-byte elements
@@ -378,6 +378,10 @@ bool forward_mma_supports(const ForwardParams& p, const char** reason) {
   }
   if (p.head_dim != 64 && p.head_dim != 128) {
     *reason = "tensor-core path has head_dim 64 and 128 only";
+    return false;
+  }
+  if (p.row_map != QueryRowMap::kAll || p.pv_skip_log2 != nullptr) {
+    *reason = "tensor-core path has no query-row maps or PV skip yet";
     return false;
   }
   return true;

@@ -6,6 +6,10 @@
 
 SPARSA_GPU_NAMESPACE_BEGIN
 
+// Tile of one thread block (split-KV planning in forward_dispatch.cu counts in these).
+constexpr int32_t kMmaBlockRows = 64;  // query rows
+constexpr int32_t kMmaBlockKeys = 64;  // keys per tile
+
 // True when the tensor-core kernel can run `p`; otherwise false with a static reason.
 bool forward_mma_supports(const ForwardParams& p, const char** reason);
 

@@ -26,6 +26,13 @@ enum class VisibilityRule : int32_t {
   kBlockMask = 2,    // mask[b, h, i / mask_block_q, j / mask_block_k] != 0 (§3)
 };
 
+// Which query rows a launch computes and where their outputs go. kAll everywhere except the passes below.
+enum class QueryRowMap : int32_t {
+  kAll = 0,         // row i of the sequence, written to out row i
+  kDeltaRows = 1,   // Δ's dense rows (§8), compact: see ForwardParams::delta_gamma
+  kTokenLists = 2,  // TOKEN_SPARSE (§5 step 7): queries AND keys read through a per-(b, h) position list
+};
+
 struct TensorStrides {
   int64_t b = 0, s = 0, h = 0;  // in elements; the last dimension is contiguous
 };
@@ -70,6 +77,31 @@ struct ForwardParams {
   const uint8_t* block_mask = nullptr;  // [B, Hq, ceil(Sq/bq), ceil(Skv/bk)]
   int64_t block_mask_strides[4] = {0, 0, 0, 0};
   int32_t mask_block_q = 1, mask_block_k = 1;
+
+  // ---- Query-row maps (default kAll: the fields below are ignored) ----
+  // kDeltaRows: per sequence with Sq_b rows, cut = Sq_b % delta_gamma + max(delta_tail_min, delta_gamma),
+  //   s_p = max(0, Sq_b - cut), anchors = ceil(s_p / delta_gamma). Launch row a < anchors is query position
+  //   a * delta_gamma, row a >= anchors is position s_p + (a - anchors); rows_b = anchors + (Sq_b - s_p). Keys are
+  //   the sequence's own (dense rule, causal by the row's position: key j visible iff j <= pos(a) + Skv_b - Sq_b).
+  //   Output and lse rows are compact: out row a of (b, h) at b*out_strides.b + a*out_strides.s + h*out_strides.h
+  //   (no q_row_base), lse likewise at b*lse_strides.b + h*lse_strides.h + a*lse_strides.s.
+  // kTokenLists: list(b, h) = token_lists + (b * Hq + h) * token_list_capacity holds n = token_counts[b * Hq + h]
+  //   ascending positions. The launch attends, for (b, h), the compressed sequence of length n in both q and k
+  //   (seq_q = seq_k = n, causal offset 0: compressed key c visible to compressed row r iff c <= r when causal);
+  //   q row r is read from position list[r], k/v row c from position list[c] (any KV layout), and the output/lse of
+  //   row r are written at position list[r] (scatter). Rows not in the list are not written (the caller zeroes them).
+  QueryRowMap row_map = QueryRowMap::kAll;
+  int32_t delta_gamma = 0, delta_tail_min = 0;
+  const int32_t* token_lists = nullptr;
+  const int32_t* token_counts = nullptr;
+  int32_t token_list_capacity = 0;
+
+  // ---- SpargeAttn PV skip (§4 step 7); null = off ----
+  // Per query head threshold λ_h · log2(e) (base-2 domain, <= 0; -inf = off for that head). Applies with
+  // rule == kBlockMask to blocks of mask_block_q rows × mask_block_k keys: processing a row block's computed key
+  // blocks in ascending order, a block after the first whose max over the block's rows of (m_local - m_new) < λ adds
+  // nothing (no exp, no PV, nothing to the denominator).
+  const float* pv_skip_log2 = nullptr;
 
   // Split-KV (decode and other launches too small to fill the GPU): each of `num_splits` thread blocks of a query
   // tile walks one contiguous share of its key tiles and writes a normalised fp32 partial state; a combine kernel

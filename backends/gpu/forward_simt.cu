@@ -131,6 +131,18 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
 
 }  // namespace
 
+bool forward_simt_supports(const ForwardParams& p, const char** reason) {
+  if (p.head_dim > kSimtMaxHeadDim) {
+    *reason = "head_dim exceeds the largest supported, 256";
+    return false;
+  }
+  if (p.row_map != QueryRowMap::kAll || p.pv_skip_log2 != nullptr) {
+    *reason = "portable path has no query-row maps or PV skip yet";
+    return false;
+  }
+  return true;
+}
+
 size_t forward_simt_shared_bytes(int32_t head_dim) {
   return sizeof(float) * (size_t(kRows + kKeys) * (head_dim + 1) + kRows * kKeys + 3 * kRows);
 }

@@ -10,6 +10,10 @@ SPARSA_GPU_NAMESPACE_BEGIN
 
 constexpr int32_t kSimtMaxHeadDim = 256;
 
+// True when the portable kernel can run `p` (dtype, head_dim <= kSimtMaxHeadDim, the ForwardParams features it
+// implements); otherwise false with a static reason.
+bool forward_simt_supports(const ForwardParams& p, const char** reason);
+
 // Bytes of dynamic shared memory the portable kernel needs for `head_dim`.
 size_t forward_simt_shared_bytes(int32_t head_dim);
 

@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kAttendThreads) index_attention_kernel(const F
   const SequenceView s = make_sequence_view(p, b, h);
   if (i >= s.seq_q) return;  // no block-wide barrier below: a warp may leave alone
 
-  const int64_t list_at = int64_t(b) * p.num_q_heads + h;
+  const int64_t list_at = int64_t(b) * (p.num_q_heads / ix.heads_per_list) + h / ix.heads_per_list;
   const int32_t* list = ix.key_lists + list_at * ix.list_capacity;
   const int32_t visible = keys_up_to(list, ix.key_counts[list_at], int64_t(i) + s.causal_offset);
   const int32_t share = (visible + p.num_splits - 1) / p.num_splits;
@@ -234,13 +234,18 @@ cudaError_t token_indices_launch(const ForwardParams& p, const IndexSetParams& i
                                  int32_t max_seq_q, cudaStream_t stream) {
   index_set_kernel<<<dim3(p.num_q_heads, p.batch), kSetThreads, index_set_shared_bytes(ix.list_capacity), stream>>>(
       p, ix, stats);
-  cudaError_t status = cudaGetLastError();
+  const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return status;
+  return index_attention_launch(p, ix, max_seq_q, stream);
+}
+
+cudaError_t index_attention_launch(const ForwardParams& p, const IndexSetParams& ix, int32_t max_seq_q,
+                                   cudaStream_t stream) {
   const int32_t rows_per_block = index_rows_per_block(max_seq_q);
   const int32_t row_tiles = (max_seq_q + rows_per_block - 1) / rows_per_block;
   index_attention_kernel<<<dim3(row_tiles * p.num_splits, p.num_q_heads, p.batch), rows_per_block * kWarpLanes, 0,
                            stream>>>(p, ix, row_tiles);
-  status = cudaGetLastError();
+  const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
   return combine_splits_launch(p, stream);
 }

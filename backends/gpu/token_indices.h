@@ -30,9 +30,12 @@ struct IndexSetParams {
   int64_t block_size = 1;
   int64_t n_init = 0, n_local = 0;
   // Scratch written by the key-set kernel, read by the attention kernel.
-  int32_t list_capacity = 0;     // keys per (b, h) list: >= every sequence's Skv
-  int32_t* key_lists = nullptr;  // [B, Hq, list_capacity]
-  int32_t* key_counts = nullptr; // [B, Hq]
+  int32_t list_capacity = 0;     // keys per list: >= every list's length
+  int32_t* key_lists = nullptr;  // [B, Hq / heads_per_list, list_capacity]
+  int32_t* key_counts = nullptr; // [B, Hq / heads_per_list]
+  // Query heads sharing one list: 1 (TOKEN_INDICES: a list per query head), the GQA group (a list per kv head) or
+  // Hq (one list per sequence, TOKEN_SELECT). Head h reads list b * (Hq / heads_per_list) + h / heads_per_list.
+  int32_t heads_per_list = 1;
   // Optional selected_indices output [B, Hq, cap] (sorted, -1 padded).
   int32_t* selected = nullptr;
   int64_t selected_strides[3] = {0, 0, 0};
@@ -51,5 +54,11 @@ cudaError_t token_indices_prepare(size_t max_shared_bytes, size_t* max_dynamic_b
 // kernel with p.num_splits > 1). `max_seq_q` sizes the grid.
 cudaError_t token_indices_launch(const ForwardParams& p, const IndexSetParams& ix, const StatsParams& stats,
                                  int32_t max_seq_q, cudaStream_t stream);
+
+// Attention only, over key lists already in ix.key_lists / ix.key_counts (built on the device by another kernel,
+// e.g. TOKEN_SELECT's selection): every query row of (b, h) attends to the keys of its list up to its causal
+// horizon. Then the combine kernel with p.num_splits > 1.
+cudaError_t index_attention_launch(const ForwardParams& p, const IndexSetParams& ix, int32_t max_seq_q,
+                                   cudaStream_t stream);
 
 SPARSA_GPU_NAMESPACE_END

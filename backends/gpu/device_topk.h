@@ -1,0 +1,49 @@
+// Segmented top-k on the device, shared by TOKEN_SELECT (the head vote), TOKEN_SPARSE (each head's budget) and
+// sparsa_topk_from_scores: for every segment, the k largest values — ties to the smaller index (§0) — written as
+// their indices in ascending index order. A radix select over the values' order-preserving bit patterns, so the
+// result is exact and deterministic; no host synchronisation (k and lengths may live on the device; the grids are
+// sized for the worst case and segments with nothing to do exit early).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gpu_runtime.h"
+
+SPARSA_GPU_NAMESPACE_BEGIN
+
+enum class TopkValueType : int32_t { kF32 = 0, kF64 = 1 };
+
+struct TopkArgs {
+  // Input: segment s is values[s * row_stride + t] for t < length_s (element type value_type).
+  const void* values = nullptr;
+  TopkValueType value_type = TopkValueType::kF64;
+  int64_t row_stride = 0;       // elements
+  int32_t segments = 0;
+  int64_t max_length = 0;       // length_s when `lengths` is null; an upper bound otherwise (sizes grids/scratch)
+  const int32_t* lengths = nullptr;  // device [segments], or null
+
+  // How many to keep: k_s = min(length_s, k_device ? k_device[s / segments_per_k] : k). A NaN value ranks below
+  // every number (it is selected only when nothing else is left).
+  int32_t k = 0;
+  const int32_t* k_device = nullptr;
+  int32_t segments_per_k = 1;
+
+  // Segments whose skip flag is non-zero are left untouched (output and count): a selection-cache hit.
+  const int32_t* skip = nullptr;  // device [segments / segments_per_skip], or null
+  int32_t segments_per_skip = 1;
+
+  // Output: out[s * out_stride + j], j < k_s, ascending indices; slots k_s..out_capacity-1 set to -1.
+  int32_t* out = nullptr;
+  int64_t out_stride = 0;
+  int32_t out_capacity = 0;   // >= every k_s
+  int32_t* counts = nullptr;  // device [segments] = k_s, or null
+};
+
+// Scratch bytes device_topk needs for `segments` segments of at most `max_length` values.
+size_t device_topk_scratch_bytes(int32_t segments, int64_t max_length);
+
+// Enqueues the selection on `stream`. `scratch` holds device_topk_scratch_bytes(...) bytes, 256-byte aligned.
+cudaError_t device_topk(const TopkArgs& args, void* scratch, cudaStream_t stream);
+
+SPARSA_GPU_NAMESPACE_END

@@ -1,0 +1,2 @@
+// HIP build of gpu_topk.cu: the same source, compiled by hipcc (cmake/sparsa_gpu.cmake). Do not add code here.
+#include "../gpu_topk.cu"
