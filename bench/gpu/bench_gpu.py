@@ -7,6 +7,7 @@ FlexAttention for block-sparse and sink+window. Usage: python3 bench_gpu.py path
 Prints a table; writes $OUT/bench_gpu.json.
 """
 import ctypes
+import importlib
 import json
 import math
 import os
@@ -116,6 +117,14 @@ def rel_err(a, b):
 def main():
     lib_path = sys.argv[1]
     quick = "--quick" in sys.argv
+    # --only a,b: run only these groups (dense, decode, indices, sparse, and every bench/gpu/bench_<group>.py)
+    only = None
+    for arg in sys.argv[2:]:
+        if arg.startswith("--only="):
+            only = set(arg.split("=", 1)[1].split(","))
+
+    def want(group):
+        return only is None or group in only
     sp = Sparsa(lib_path)
     props = torch.cuda.get_device_properties(0)
     print(f"device {props.name} SMs {props.multi_processor_count} torch {torch.__version__}", flush=True)
@@ -136,7 +145,7 @@ def main():
         torch.cuda.synchronize()
         return
     # ---- dense prefill vs SDPA flash (FA2) and cuDNN ----
-    for N in ([4096] if quick else [4096, 16384]):
+    for N in ([] if not want("dense") else [4096] if quick else [4096, 16384]):
         q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
         k, v = torch.randn_like(q), torch.randn_like(q)
         out = torch.empty_like(q)
@@ -161,7 +170,7 @@ def main():
 
     # ---- decode, GQA 32/8 vs SDPA ----
     Hkv = 8
-    for N in ([32768] if quick else [32768, 131072]):
+    for N in ([] if not want("decode") else [32768] if quick else [32768, 131072]):
         q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -182,7 +191,7 @@ def main():
         torch.cuda.empty_cache()
 
     # ---- TOKEN_INDICES decode (~90 % sparsity: 10 % of the keys, one index row per query head) vs dense decode ----
-    for N in ([32768] if quick else [32768, 131072]):
+    for N in ([] if not want("indices") else [32768] if quick else [32768, 131072]):
         q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -213,6 +222,30 @@ def main():
         torch.cuda.empty_cache()
 
     # ---- block-sparse and sink+window vs FlexAttention ----
+    if want("sparse"):
+        bench_block_sparse_and_sink_window(sp, record, quick)
+
+    # ---- one module per further area: bench/gpu/bench_<group>.py with run(sp, record, quick) ----
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    for name in sorted(os.listdir(here)):
+        if not (name.startswith("bench_") and name.endswith(".py")) or name == "bench_gpu.py":
+            continue
+        group = name[len("bench_"):-len(".py")]
+        if want(group):
+            importlib.import_module(name[:-3]).run(sp, record, quick)
+
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "bench_gpu.json")
+    with open(path, "w") as f:
+        json.dump(dict(device=props.name, torch=torch.__version__, rows=rows), f, indent=1)
+    print("\nsummary (ratio > 1: sparsa faster)")
+    for r in rows:
+        ratios = " ".join(f"{k}={r[k]:.2f}" for k in r if k.startswith("vs_"))
+        print(f"  {r['kind']:14s} N={r['N']:6d} {r['sparsa_ms']:9.3f} ms  err={r.get('rel_err', r.get('rel_err_vs_flex', 0)):.1e}  {ratios}")
+
+
+def bench_block_sparse_and_sink_window(sp, record, quick):
+    B, H, D = 1, 32, 128
     try:
         from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
@@ -262,14 +295,6 @@ def main():
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         row["cudnn_dense_causal_ms"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
     record(**row)
-
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "bench_gpu.json")
-    with open(path, "w") as f:
-        json.dump(dict(device=props.name, torch=torch.__version__, rows=rows), f, indent=1)
-    print("\nsummary (ratio > 1: sparsa faster)")
-    for r in rows:
-        ratios = " ".join(f"{k}={r[k]:.2f}" for k in r if k.startswith("vs_"))
-        print(f"  {r['kind']:14s} N={r['N']:6d} {r['sparsa_ms']:9.3f} ms  err={r.get('rel_err', r.get('rel_err_vs_flex', 0)):.1e}  {ratios}")
 
 
 if __name__ == "__main__":
