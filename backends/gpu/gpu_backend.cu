@@ -228,7 +228,7 @@ class GpuBackend final : public Backend {
 
   void plan(const AttentionProblem& problem, const PolicyParams& policy) override {
     require_supported(problem, policy);
-    ScratchCarver sizing(nullptr);
+    ScratchCarver sizing = ScratchCarver::measuring();
     dispatch_policy(problem, policy, sizing);
     grow_scratch(sizing.bytes());
   }
@@ -236,12 +236,12 @@ class GpuBackend final : public Backend {
   void run(const AttentionProblem& problem, const PolicyParams& policy) override {
     require_supported(problem, policy);
     DeviceGuard guard(device_.device);
-    ScratchCarver sizing(nullptr);
+    ScratchCarver sizing = ScratchCarver::measuring();
     dispatch_policy(problem, policy, sizing);
     grow_scratch(sizing.bytes());  // allocates only on a first, unplanned run
     const StatsParams stats = make_stats_params(problem, policy);
     if (stats.out != nullptr) check(stats_zero_launch(stats, device_.stream), "stats_zero_kernel launch");
-    ScratchCarver carver(static_cast<char*>(scratch_));
+    ScratchCarver carver = ScratchCarver::over(static_cast<char*>(scratch_));
     dispatch_policy(problem, policy, carver);
   }
 
@@ -272,19 +272,19 @@ class GpuBackend final : public Backend {
   void topk_from_scores(const TensorArg& scores, int32_t k, int32_t block_size,
                         const TensorArg& out_indices) override {
     DeviceGuard guard(device_.device);
-    ScratchCarver sizing(nullptr);
+    ScratchCarver sizing = ScratchCarver::measuring();
     topk_from_scores_run(device_, scores, k, block_size, out_indices, sizing);
     grow_scratch(sizing.bytes());
-    ScratchCarver carver(static_cast<char*>(scratch_));
+    ScratchCarver carver = ScratchCarver::over(static_cast<char*>(scratch_));
     topk_from_scores_run(device_, scores, k, block_size, out_indices, carver);
   }
 
   void kv_prefetch(const PrefetchProblem& problem) override {
     DeviceGuard guard(device_.device);
-    ScratchCarver sizing(nullptr);
+    ScratchCarver sizing = ScratchCarver::measuring();
     kv_prefetch_run(device_, problem, sizing);
     grow_scratch(sizing.bytes());
-    ScratchCarver carver(static_cast<char*>(scratch_));
+    ScratchCarver carver = ScratchCarver::over(static_cast<char*>(scratch_));
     kv_prefetch_run(device_, problem, carver);
   }
 

@@ -28,24 +28,28 @@ struct GpuDevice {
   int32_t compute_major = 0, compute_minor = 0;
 };
 
-// Hands out aligned sub-ranges of the backend's one scratch buffer. With a null base (plan()) it only adds up
-// sizes and every pointer it returns is null; policies check sizing() before launching anything.
+// Hands out aligned sub-ranges of the backend's one scratch buffer. A measuring carver (plan()) only adds up sizes
+// and every pointer it returns is null; policies check sizing() before launching anything. (A real carver may have
+// a null base too: a run that needs no scratch.)
 class ScratchCarver {
  public:
   static constexpr uint64_t kAlignment = 256;
-  explicit ScratchCarver(char* base) : base_(base) {}
-  bool sizing() const { return base_ == nullptr; }
+  static ScratchCarver measuring() { return ScratchCarver(nullptr, true); }
+  static ScratchCarver over(char* base) { return ScratchCarver(base, false); }
+  bool sizing() const { return sizing_; }
   uint64_t bytes() const { return used_; }
   template <typename T>
   T* take(uint64_t count) {
     used_ = (used_ + kAlignment - 1) / kAlignment * kAlignment;
-    T* result = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + used_);
+    T* result = sizing_ ? nullptr : reinterpret_cast<T*>(base_ + used_);
     used_ += count * sizeof(T);
     return result;
   }
 
  private:
+  ScratchCarver(char* base, bool sizing) : base_(base), sizing_(sizing) {}
   char* base_;
+  bool sizing_;
   uint64_t used_ = 0;
 };
 
