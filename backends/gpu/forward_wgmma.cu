@@ -553,6 +553,7 @@ struct Consumer {
         issue_pv(p_frag, slot.stage, slot.phase);
         wgmma_wait<0>();
         fence_registers(o);
+        fence_registers(p_frag);  // read by the tensor cores until the wait
       } else {
         // Nothing to compute; the slot is still released only after its copies have landed (they write it).
         barrier_wait(block.v_full(slot.stage), slot.phase);
@@ -599,6 +600,7 @@ struct Consumer {
       softmax(s, rescale);
       wgmma_wait<0>();
       fence_registers(o);
+      fence_registers(p_frag);  // read by the tensor cores until the wait
       release(slot.stage);
       rescale_output(rescale);
       pack_p(s, p_frag);
@@ -608,6 +610,7 @@ struct Consumer {
     issue_pv(p_frag, slot.stage, slot.phase);
     wgmma_wait<0>();
     fence_registers(o);
+    fence_registers(p_frag);
     release(slot.stage);
   }
 
