@@ -409,6 +409,8 @@ struct Consumer {
   static constexpr int kOutRegisters = kHeadDim / 2;  // 64 rows × kHeadDim over 128 threads
   static constexpr int kPSteps = kBlockKeys / kMmaK;  // k-steps of O += P·V
   const BlockTile<kHeadDim, kStages>& block;
+  int consumer = 0;       // 0 or 1: which half of the block's rows
+  bool pingpong = false;  // take turns with the other half (both have rows)
   int lane = 0;
   int32_t wg_row_begin = 0, wg_row_end = 0, wg_key_end = 0;
   int32_t rows[2] = {0, 0};  // this thread's two query rows
@@ -417,7 +419,7 @@ struct Consumer {
   float row_max[2] = {-INFINITY, -INFINITY};  // base-2 domain
   float row_sum[2] = {0.f, 0.f};              // this thread's partial; quad-reduced at the end
 
-  __device__ Consumer(const BlockTile<kHeadDim, kStages>& b, int consumer, int thread) : block(b) {
+  __device__ Consumer(const BlockTile<kHeadDim, kStages>& b, int half, int thread) : block(b), consumer(half) {
     const int warp = thread / 32;
     lane = thread % 32;
     wg_row_begin = block.row_begin + consumer * kRowsPerConsumer;
@@ -436,26 +438,45 @@ struct Consumer {
                                                           min(key_begin + kBlockKeys, wg_key_end));
   }
 
-  // S = -inf where a key is invisible. Fully visible tiles skip it; a tile this half cannot see at all becomes all
-  // -inf (P = 0); otherwise a rolled loop collects, per row, one visibility bit for each of the thread's 32 keys
-  // (few live registers: this runs while the previous tile's P and O are held for its P·V), and the bits are then
-  // applied to the accumulators. Rule-uniform tiles check only the sequence end and the causal bound.
-  __device__ void mask(float (&s)[64], int32_t key_begin) const {
+  // S = -inf where a key is invisible, cheapest case first. `seen` = sees(key_begin): a tile this half cannot see
+  // at all becomes all -inf (P = 0). A rule-uniform tile (every dense tile; block-mask tiles inside one cell;
+  // sink/window tiles inside the sinks or the window) needs only the sequence end and the causal bound: nothing
+  // when the tile lies inside both, else one key limit per row. Other tiles (mask cells or window edges cutting the
+  // tile) take a rolled loop that collects one visibility bit per key and row (few live registers: this runs while
+  // the previous tile's P and O are held for its P·V) and then applies the bits.
+  __device__ void mask(float (&s)[64], int32_t key_begin, bool seen) const {
     const ForwardParams& p = block.p;
     const SequenceView& seq = block.seq;
-    if (tile_fully_visible(p, seq, wg_row_begin, seq.seq_k, key_begin + kBlockKeys)) return;
-    uint32_t visible_bits[2] = {0u, 0u};  // bit 2·n + e: key key_begin + 8·n + 2·(lane % 4) + e
-    if (sees(key_begin)) {  // (tile_rule_uniform holds only for tiles tile_has_visible_key accepted)
+    const int32_t key_column = key_begin + 2 * (lane % 4);  // key of accumulator 0; register i adds 8·(i/4) + i%2
+    uint32_t visible_bits[2] = {0u, 0u};  // bit 2·n + e: key key_column + 8·n + e
+    if (seen) {
       const int32_t tile_key_end = min(key_begin + kBlockKeys, wg_key_end);
-      const bool uniform = tile_rule_uniform(p, seq, wg_row_begin, wg_row_end, key_begin, tile_key_end);
+      if (tile_rule_uniform(p, seq, wg_row_begin, wg_row_end, key_begin, tile_key_end)) {
+        const int64_t first_diagonal = int64_t(wg_row_begin) + seq.causal_offset;
+        if (key_begin + kBlockKeys <= seq.seq_k && (!p.causal || key_begin + kBlockKeys - 1 <= first_diagonal)) {
+          return;
+        }
+        int32_t limit[2];  // row r sees register i iff 8·(i/4) + i%2 < limit[r]
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          int64_t end = seq.seq_k;
+          if (p.causal) end = min(end, int64_t(rows[r]) + seq.causal_offset + 1);
+          limit[r] = int32_t(max(int64_t(-1), min(int64_t(kBlockKeys), end - key_column)));
+        }
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+          if ((i / 4) * 8 + i % 2 >= limit[(i / 2) % 2]) s[i] = -INFINITY;
+        }
+        return;
+      }
 #pragma unroll 1
       for (int c = 0; c < kBlockKeys / 4; ++c) {
-        const int32_t key = key_begin + (c / 2) * 8 + 2 * (lane % 4) + c % 2;
+        const int32_t key = key_column + (c / 2) * 8 + c % 2;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const bool visible = key < seq.seq_k &&
                                (!p.causal || int64_t(key) <= int64_t(rows[r]) + seq.causal_offset) &&
-                               (uniform || key_visible(p, seq, rows[r], key));
+                               key_visible(p, seq, rows[r], key);
           visible_bits[r] |= uint32_t(visible) << c;
         }
       }
@@ -528,45 +549,27 @@ struct Consumer {
     multiply_pv<Tag, kHeadDim>(o, p_frag, block.v_tile(stage));
   }
 
-  // One tile at a time: S, softmax, P·V, each waited for before the next.
-  __device__ void run_serial() {
-    RingSlot<kStages> slot;
-    bool q_ready = false;
-    for (int32_t tile = block.next_visible_tile(block.first_tile); tile < block.tile_count;
-         tile = block.next_visible_tile(tile + 1)) {
-      const int32_t key_begin = tile * kBlockKeys;
-      if (sees(key_begin)) {
-        if (!q_ready) {
-          barrier_wait(block.q_full(), 0);
-          q_ready = true;
-        }
-        float s[64];
-        issue_qk(s, slot.stage, slot.phase);
-        wgmma_wait<0>();
-        fence_registers(s);
-        mask(s, key_begin);
-        float rescale[2];
-        softmax(s, rescale);
-        rescale_output(rescale);
-        uint32_t p_frag[kPSteps][4];
-        pack_p(s, p_frag);
-        issue_pv(p_frag, slot.stage, slot.phase);
-        wgmma_wait<0>();
-        fence_registers(o);
-        fence_registers(p_frag);  // read by the tensor cores until the wait
-      } else {
-        // Nothing to compute; the slot is still released only after its copies have landed (they write it).
-        barrier_wait(block.v_full(slot.stage), slot.phase);
-      }
-      release(slot.stage);
-      slot.advance();
+  // Ping-pong between the two consumer warpgroups (FlashAttention-3): each issues its wgmmas only in its turn and
+  // then hands the turn over, so the tensor cores run one warpgroup's products while the other does its softmax.
+  // Turns go through named barriers kTurnBarrier + consumer (id 0 is __syncthreads), each counted by both
+  // warpgroups: the waiting one syncs, the other arrives.
+  static constexpr int kTurnBarrier = 1;
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
+  __device__ void wait_turn() const {
+    if (pingpong) asm volatile("bar.sync %0, %1;\n" ::"r"(kTurnBarrier + consumer), "n"(kConsumerThreads) : "memory");
+  }
+  __device__ void pass_turn() const {
+    if (pingpong) {
+      asm volatile("bar.arrive %0, %1;\n" ::"r"(kTurnBarrier + (consumer ^ 1)), "n"(kConsumerThreads) : "memory");
     }
   }
 
-  // Software-pipelined (FlashAttention-3 "intra-warpgroup overlap"): S of tile n+1 and P·V of tile n are in
-  // flight together while the softmax of tile n+1 runs; O is rescaled only after P·V of tile n has landed. Every
-  // walked tile is computed (a tile invisible to this half is masked to P = 0).
-  __device__ void run_overlapped() {
+  // The attention loop, software-pipelined (FlashAttention-3 "intra-warpgroup overlap"): S of the next tile and
+  // P·V of this one are in flight together while the walk finds the tile after and the softmax of the next tile
+  // runs; O is rescaled only once P·V has landed. Every walked tile is computed (one this half cannot see is
+  // masked to P = 0). Warpgroup 0 takes the first turn; warpgroup 1 hands it over at the start and keeps its last.
+  template <bool kPingpong>
+  __device__ void run() {
     int32_t tile = block.next_visible_tile(block.first_tile);
     if (wg_row_begin >= block.seq.seq_q) {  // no rows here: only hand the slots back
       for (RingSlot<kStages> slot; tile < block.tile_count; tile = block.next_visible_tile(tile + 1)) {
@@ -577,26 +580,35 @@ struct Consumer {
       return;
     }
     if (tile >= block.tile_count) return;
+    pingpong = kPingpong && block.row_begin + kRowsPerConsumer < block.seq.seq_q;
+    if (consumer == 1) pass_turn();
     barrier_wait(block.q_full(), 0);
     RingSlot<kStages> slot;
     float s[64];
     float rescale[2];
     uint32_t p_frag[kPSteps][4];
+    wait_turn();
     issue_qk(s, slot.stage, slot.phase);
+    pass_turn();
+    bool seen = sees(tile * kBlockKeys);
+    int32_t next = block.next_visible_tile(tile + 1);  // the walk overlaps the product in flight
     wgmma_wait<0>();
     fence_registers(s);
-    mask(s, tile * kBlockKeys);
+    mask(s, tile * kBlockKeys, seen);
     softmax(s, rescale);  // O is still zero: no rescale
     pack_p(s, p_frag);
-    for (int32_t next = block.next_visible_tile(tile + 1); next < block.tile_count;
-         next = block.next_visible_tile(next + 1)) {
+    while (next < block.tile_count) {
       RingSlot<kStages> next_slot = slot;
       next_slot.advance();
+      wait_turn();
       issue_qk(s, next_slot.stage, next_slot.phase);
       issue_pv(p_frag, slot.stage, slot.phase);
+      pass_turn();
+      seen = sees(next * kBlockKeys);  // overlaps the products in flight
+      const int32_t after = block.next_visible_tile(next + 1);
       wgmma_wait<1>();  // S of `next` has landed (groups complete in order); P·V of `tile` may still run
       fence_registers(s);
-      mask(s, next * kBlockKeys);
+      mask(s, next * kBlockKeys, seen);
       softmax(s, rescale);
       wgmma_wait<0>();
       fence_registers(o);
@@ -604,10 +616,12 @@ struct Consumer {
       release(slot.stage);
       rescale_output(rescale);
       pack_p(s, p_frag);
-      tile = next;
+      next = after;
       slot = next_slot;
     }
+    wait_turn();
     issue_pv(p_frag, slot.stage, slot.phase);
+    if (consumer == 0) pass_turn();  // warpgroup 1 keeps its last turn: every sync has exactly one arrival
     wgmma_wait<0>();
     fence_registers(o);
     fence_registers(p_frag);
@@ -655,7 +669,7 @@ struct Consumer {
   }
 };
 
-template <typename Tag, int kHeadDim, int kStages, bool kOverlap>
+template <typename Tag, int kHeadDim, int kStages, bool kPingpong>
 __global__ void __launch_bounds__(kThreads, 1) forward_wgmma_kernel(const ForwardParams p) {
 #if SPARSA_WGMMA_DEVICE
   extern __shared__ uint8_t shared_raw[];
@@ -696,11 +710,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_wgmma_kernel(const Forwar
   } else {
     registers_increase<kConsumerRegisters>();
     Consumer<Tag, kHeadDim, kStages> consumer(block, warpgroup - 1, thread);
-    if (kOverlap) {
-      consumer.run_overlapped();
-    } else {
-      consumer.run_serial();
-    }
+    consumer.template run<kPingpong>();
     consumer.store();
   }
 #endif  // SPARSA_WGMMA_DEVICE
@@ -710,21 +720,21 @@ __global__ void __launch_bounds__(kThreads, 1) forward_wgmma_kernel(const Forwar
 // Ring depth: 3 stages fit beside the Q tile for both head dims (D = 128: 32 KB + 3 × 64 KB).
 template <int kHeadDim>
 constexpr int kStagesFor = 3;
-// Software-pipeline S of the next tile with softmax and P·V of this one (Consumer::run_overlapped).
-constexpr bool kOverlapTiles = true;
+// The consumer warpgroups take turns issuing their products (Consumer::wait_turn).
+constexpr bool kPingpongTurns = true;
 
-template <typename Tag, int kHeadDim, int kStages = kStagesFor<kHeadDim>, bool kOverlap = kOverlapTiles>
+template <typename Tag, int kHeadDim, int kStages = kStagesFor<kHeadDim>, bool kPingpong = kPingpongTurns>
 cudaError_t allow_shared_memory() {
-  return cudaFuncSetAttribute(forward_wgmma_kernel<Tag, kHeadDim, kStages, kOverlap>,
+  return cudaFuncSetAttribute(forward_wgmma_kernel<Tag, kHeadDim, kStages, kPingpong>,
                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(SharedPlan<kHeadDim, kStages>::kBytes));
 }
 
-template <typename Tag, int kHeadDim, int kStages = kStagesFor<kHeadDim>, bool kOverlap = kOverlapTiles>
+template <typename Tag, int kHeadDim, int kStages = kStagesFor<kHeadDim>, bool kPingpong = kPingpongTurns>
 cudaError_t launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
   const int32_t query_tiles = (max_seq_q + kBlockRows - 1) / kBlockRows;
   const dim3 grid(query_tiles * p.num_splits, p.num_q_heads, p.batch);
-  forward_wgmma_kernel<Tag, kHeadDim, kStages, kOverlap>
+  forward_wgmma_kernel<Tag, kHeadDim, kStages, kPingpong>
       <<<grid, kThreads, SharedPlan<kHeadDim, kStages>::kBytes, stream>>>(p);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
@@ -738,7 +748,7 @@ constexpr int32_t kHopperMajor = 9;
 // stream work: legal inside graph capture (the module was loaded by forward_wgmma_prepare).
 bool sm90a_code_loaded() {
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, forward_wgmma_kernel<BFloat16Tag, 128, kStagesFor<128>, kOverlapTiles>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attributes, forward_wgmma_kernel<BFloat16Tag, 128, kStagesFor<128>, kPingpongTurns>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
