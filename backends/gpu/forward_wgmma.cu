@@ -286,7 +286,7 @@ __device__ __forceinline__ void multiply_pv(float (&o)[kHeadDim / 2], const uint
 // ---- One thread block: its query tile, its key-tile walk, its shared memory ----
 
 // Shared-memory plan: Q tile, kStages K tiles, kStages V tiles, then the barriers (q_full; per stage k_full,
-// v_full, empty). kBytes includes the slack that aligns the base to kTileAlignment.
+// v_full, k_empty, v_empty). kBytes includes the slack that aligns the base to kTileAlignment.
 template <int kHeadDim, int kStages>
 struct SharedPlan {
   static constexpr uint32_t kQBytes = kBlockRows * kHeadDim * 2;
@@ -294,7 +294,8 @@ struct SharedPlan {
   static constexpr uint32_t kKOffset = kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kTileBytes;
   static constexpr uint32_t kBarrierOffset = kVOffset + kStages * kTileBytes;
-  static constexpr uint32_t kBarrierCount = 1 + 3 * kStages;
+  static constexpr uint32_t kBarriersPerStage = 4;
+  static constexpr uint32_t kBarrierCount = 1 + kBarriersPerStage * kStages;
   static constexpr uint32_t kBytes = kBarrierOffset + kBarrierCount * 8 + kTileAlignment;
 };
 
@@ -313,17 +314,41 @@ struct BlockTile {
   __device__ uint32_t k_tile(int stage) const { return base + Plan::kKOffset + stage * Plan::kTileBytes; }
   __device__ uint32_t v_tile(int stage) const { return base + Plan::kVOffset + stage * Plan::kTileBytes; }
   __device__ uint32_t q_full() const { return base + Plan::kBarrierOffset; }
-  __device__ uint32_t k_full(int stage) const { return base + Plan::kBarrierOffset + 8 * (1 + 3 * stage); }
-  __device__ uint32_t v_full(int stage) const { return base + Plan::kBarrierOffset + 8 * (2 + 3 * stage); }
-  __device__ uint32_t empty(int stage) const { return base + Plan::kBarrierOffset + 8 * (3 + 3 * stage); }
+  __device__ uint32_t stage_barrier(int stage, int which) const {
+    return base + Plan::kBarrierOffset + 8 * (1 + Plan::kBarriersPerStage * stage + which);
+  }
+  __device__ uint32_t k_full(int stage) const { return stage_barrier(stage, 0); }   // K copies landed
+  __device__ uint32_t v_full(int stage) const { return stage_barrier(stage, 1); }   // V copies landed
+  __device__ uint32_t k_empty(int stage) const { return stage_barrier(stage, 2); }  // both halves done with K
+  __device__ uint32_t v_empty(int stage) const { return stage_barrier(stage, 3); }  // both halves done with V
 
-  // Producer and consumers walk the same list: the key tiles some row of the block may see, ascending.
-  __device__ int32_t next_visible_tile(int32_t tile) const {
-    for (; tile < tile_count; ++tile) {
-      const int32_t key_begin = tile * kBlockKeys;
-      if (tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kBlockKeys, key_end))) break;
+  // May some row of the block see a key of `tile`?
+  __device__ bool tile_visible(int32_t tile) const {
+    const int32_t key_begin = tile * kBlockKeys;
+    return tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kBlockKeys, key_end));
+  }
+};
+
+// The walk every warp of the block follows: the visible key tiles of [first_tile, tile_count), ascending. A warp
+// checks 32 tiles at once (one per lane) and keeps the answer as a bit mask, so a sparse block mask costs one
+// load per 32 tiles instead of one per tile. Warp-collective: every lane calls next() with the same tile.
+struct TileWalk {
+  int32_t window = -1;  // first tile of the checked window
+  uint32_t bits = 0;    // bit j: tile window + j is visible
+  template <typename Block>
+  __device__ int32_t next(const Block& block, int32_t tile) {
+    const int lane = threadIdx.x % 32;
+    while (tile < block.tile_count) {
+      if (tile < window || tile >= window + 32) {
+        window = tile;
+        const int32_t mine = tile + lane;
+        bits = uint32_t(warp_ballot(mine < block.tile_count && block.tile_visible(mine)));
+      }
+      const uint32_t ahead = bits >> (tile - window);
+      if (ahead != 0) return tile + __ffs(ahead) - 1;
+      tile = window + 32;
     }
-    return tile;
+    return block.tile_count;
   }
 };
 
@@ -358,45 +383,55 @@ __device__ __forceinline__ void copy_rows(uint32_t tile_address, const uint16_t*
   }
 }
 
-// Producer warpgroup: Q once, then every walked K/V tile into the ring; never waits on its own copies.
+// Producer warpgroup: Q once, then the walked tiles' K and V into the ring, K one tile ahead of V (the consumers
+// need K of tile n+1 before V of tile n). Never waits on its own copies, only on free slots.
 template <int kHeadDim, int kStages>
 __device__ __forceinline__ void produce(const BlockTile<kHeadDim, kStages>& block, int thread) {
   const ForwardParams& p = block.p;
   const SequenceView& seq = block.seq;
   const uint16_t* q_base = static_cast<const uint16_t*>(p.q);
-  const uint16_t* k_base = static_cast<const uint16_t*>(p.k);
-  const uint16_t* v_base = static_cast<const uint16_t*>(p.v);
   const int64_t q_first = query_row_offset(p.q_strides, seq, block.row_begin);
   copy_rows<kHeadDim, kBlockRows>(
       block.q_tile(), q_base, [&](int r) { return q_first + r * p.q_strides.s; }, block.row_end - block.row_begin,
       thread);
   barrier_arrive_on_copies(block.q_full());
-  RingSlot<kStages> slot;
-  for (int32_t tile = block.next_visible_tile(block.first_tile); tile < block.tile_count;
-       tile = block.next_visible_tile(tile + 1)) {
-    barrier_wait(block.empty(slot.stage), slot.phase ^ 1);  // a fresh barrier counts as released
+
+  // K or V rows of `tile` into ring slot `slot`; a fresh empty barrier counts as released.
+  auto load = [&](const void* tensor, const TensorStrides& strides, uint32_t empty, uint32_t full, uint32_t tile_address,
+                  int32_t tile, uint32_t phase) {
+    barrier_wait(empty, phase ^ 1);
+    const uint16_t* base = static_cast<const uint16_t*>(tensor);
     const int32_t key_begin = tile * kBlockKeys;
     const int valid = min(kBlockKeys, seq.seq_k - key_begin);
     if (p.page_table == nullptr) {  // padded/packed rows are evenly spaced: one offset, then a stride
-      const int64_t k_first = key_row_offset(p, p.k_strides, seq, key_begin);
-      const int64_t v_first = key_row_offset(p, p.v_strides, seq, key_begin);
+      const int64_t first = key_row_offset(p, strides, seq, key_begin);
       copy_rows<kHeadDim, kBlockKeys>(
-          block.k_tile(slot.stage), k_base, [&](int r) { return k_first + r * p.k_strides.s; }, valid, thread);
-      barrier_arrive_on_copies(block.k_full(slot.stage));
-      copy_rows<kHeadDim, kBlockKeys>(
-          block.v_tile(slot.stage), v_base, [&](int r) { return v_first + r * p.v_strides.s; }, valid, thread);
-      barrier_arrive_on_copies(block.v_full(slot.stage));
+          tile_address, base, [&](int r) { return first + r * strides.s; }, valid, thread);
     } else {  // paged: every row looks up its page
       copy_rows<kHeadDim, kBlockKeys>(
-          block.k_tile(slot.stage), k_base,
-          [&](int r) { return key_row_offset(p, p.k_strides, seq, key_begin + r); }, valid, thread);
-      barrier_arrive_on_copies(block.k_full(slot.stage));
-      copy_rows<kHeadDim, kBlockKeys>(
-          block.v_tile(slot.stage), v_base,
-          [&](int r) { return key_row_offset(p, p.v_strides, seq, key_begin + r); }, valid, thread);
-      barrier_arrive_on_copies(block.v_full(slot.stage));
+          tile_address, base, [&](int r) { return key_row_offset(p, strides, seq, key_begin + r); }, valid,
+          thread);
     }
-    slot.advance();
+    barrier_arrive_on_copies(full);
+  };
+  TileWalk walk;
+  RingSlot<kStages> slot;
+  int32_t tile = walk.next(block, block.first_tile);
+  if (tile < block.tile_count) {
+    load(p.k, p.k_strides, block.k_empty(0), block.k_full(0), block.k_tile(0), tile, 0);
+  }
+  while (tile < block.tile_count) {
+    const int32_t next = walk.next(block, tile + 1);
+    RingSlot<kStages> next_slot = slot;
+    next_slot.advance();
+    if (next < block.tile_count) {
+      load(p.k, p.k_strides, block.k_empty(next_slot.stage), block.k_full(next_slot.stage),
+           block.k_tile(next_slot.stage), next, next_slot.phase);
+    }
+    load(p.v, p.v_strides, block.v_empty(slot.stage), block.v_full(slot.stage), block.v_tile(slot.stage), tile,
+         slot.phase);
+    tile = next;
+    slot = next_slot;
   }
   cp_async_wait_all();  // no copy outlives its thread (the Q copy when no tile was visible)
 }
@@ -469,6 +504,10 @@ struct Consumer {
         }
         return;
       }
+      if (p.rule == VisibilityRule::kSinkWindow) {  // window edges: per row, the sinks and one key interval
+        mask_sink_window(s, key_column);
+        return;
+      }
 #pragma unroll 1
       for (int c = 0; c < kBlockKeys / 4; ++c) {
         const int32_t key = key_column + (c / 2) * 8 + c % 2;
@@ -484,6 +523,31 @@ struct Consumer {
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
       if (((visible_bits[(i / 2) % 2] >> (2 * (i / 4) + i % 2)) & 1u) == 0) s[i] = -INFINITY;
+    }
+  }
+
+  // Sink/window rule (§2) on a tile it does not cover uniformly: row r sees key k iff k < end_r and (k is a sink
+  // or window_begin_r <= k < window_end_r), with end_r the sequence end (and the diagonal + 1 when causal). All
+  // bounds are taken relative to the thread's first key column and clamped to the tile.
+  __device__ void mask_sink_window(float (&s)[64], int32_t key_column) const {
+    const ForwardParams& p = block.p;
+    const SequenceView& seq = block.seq;
+    auto relative = [&](int64_t key) { return int32_t(max(int64_t(-1), min(int64_t(kBlockKeys), key - key_column))); };
+    const int32_t sink_end = relative(p.sink_tokens);
+    int32_t end[2], window_begin[2], window_end[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t diagonal = int64_t(rows[r]) + seq.causal_offset;
+      end[r] = relative(p.causal ? min(int64_t(seq.seq_k), diagonal + 1) : int64_t(seq.seq_k));
+      window_begin[r] = relative(diagonal - p.sink_window + 1);
+      window_end[r] = relative(p.causal ? diagonal + 1 : diagonal + p.sink_window);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int r = (i / 2) % 2;
+      const int32_t k = (i / 4) * 8 + i % 2;
+      const bool visible = k < end[r] && (k < sink_end || (k >= window_begin[r] && k < window_end[r]));
+      if (!visible) s[i] = -INFINITY;
     }
   }
 
@@ -530,9 +594,10 @@ struct Consumer {
     }
   }
 
-  __device__ void release(int stage) const {
+  // This warp is done with a K or V slot (every consumer warp arrives).
+  __device__ void release(uint32_t empty) const {
     __syncwarp();
-    if (lane == 0) barrier_arrive(block.empty(stage));  // this warp is done with the slot
+    if (lane == 0) barrier_arrive(empty);
   }
 
   // S = Q·Kᵀ for the tile in `stage` (raw scores; the scale is folded into the exponent).
@@ -570,11 +635,13 @@ struct Consumer {
   // masked to P = 0). Warpgroup 0 takes the first turn; warpgroup 1 hands it over at the start and keeps its last.
   template <bool kPingpong>
   __device__ void run() {
-    int32_t tile = block.next_visible_tile(block.first_tile);
+    TileWalk walk;
+    int32_t tile = walk.next(block, block.first_tile);
     if (wg_row_begin >= block.seq.seq_q) {  // no rows here: only hand the slots back
-      for (RingSlot<kStages> slot; tile < block.tile_count; tile = block.next_visible_tile(tile + 1)) {
-        barrier_wait(block.v_full(slot.stage), slot.phase);
-        release(slot.stage);
+      for (RingSlot<kStages> slot; tile < block.tile_count; tile = walk.next(block, tile + 1)) {
+        barrier_wait(block.v_full(slot.stage), slot.phase);  // V lands after K: both slots are written
+        release(block.k_empty(slot.stage));
+        release(block.v_empty(slot.stage));
         slot.advance();
       }
       return;
@@ -591,9 +658,10 @@ struct Consumer {
     issue_qk(s, slot.stage, slot.phase);
     pass_turn();
     bool seen = sees(tile * kBlockKeys);
-    int32_t next = block.next_visible_tile(tile + 1);  // the walk overlaps the product in flight
+    int32_t next = walk.next(block, tile + 1);  // the walk overlaps the product in flight
     wgmma_wait<0>();
     fence_registers(s);
+    release(block.k_empty(slot.stage));
     mask(s, tile * kBlockKeys, seen);
     softmax(s, rescale);  // O is still zero: no rescale
     pack_p(s, p_frag);
@@ -605,15 +673,16 @@ struct Consumer {
       issue_pv(p_frag, slot.stage, slot.phase);
       pass_turn();
       seen = sees(next * kBlockKeys);  // overlaps the products in flight
-      const int32_t after = block.next_visible_tile(next + 1);
+      const int32_t after = walk.next(block, next + 1);
       wgmma_wait<1>();  // S of `next` has landed (groups complete in order); P·V of `tile` may still run
       fence_registers(s);
+      release(block.k_empty(next_slot.stage));
       mask(s, next * kBlockKeys, seen);
       softmax(s, rescale);
       wgmma_wait<0>();
       fence_registers(o);
       fence_registers(p_frag);  // read by the tensor cores until the wait
-      release(slot.stage);
+      release(block.v_empty(slot.stage));
       rescale_output(rescale);
       pack_p(s, p_frag);
       next = after;
@@ -625,7 +694,7 @@ struct Consumer {
     wgmma_wait<0>();
     fence_registers(o);
     fence_registers(p_frag);
-    release(slot.stage);
+    release(block.v_empty(slot.stage));
   }
 
   // Normalise and write: O / l (0 for a row that saw nothing), LSE = (m + log2 l)·ln 2 (-inf likewise); with
@@ -697,7 +766,8 @@ __global__ void __launch_bounds__(kThreads, 1) forward_wgmma_kernel(const Forwar
     for (int stage = 0; stage < kStages; ++stage) {
       barrier_init(block.k_full(stage), kWarpgroupThreads);
       barrier_init(block.v_full(stage), kWarpgroupThreads);
-      barrier_init(block.empty(stage), kConsumerWarps);  // one arrival per consumer warp
+      barrier_init(block.k_empty(stage), kConsumerWarps);  // one arrival per consumer warp
+      barrier_init(block.v_empty(stage), kConsumerWarps);
     }
   }
   __syncthreads();
@@ -717,9 +787,9 @@ __global__ void __launch_bounds__(kThreads, 1) forward_wgmma_kernel(const Forwar
 }
 
 
-// Ring depth: 3 stages fit beside the Q tile for both head dims (D = 128: 32 KB + 3 × 64 KB).
+// Ring depth: as many stages as fit beside the Q tile (D = 128: 32 KB + 3 × 64 KB; D = 64: 16 KB + 4 × 32 KB).
 template <int kHeadDim>
-constexpr int kStagesFor = 3;
+constexpr int kStagesFor = kHeadDim == 64 ? 4 : 3;
 // The consumer warpgroups take turns issuing their products (Consumer::wait_turn).
 constexpr bool kPingpongTurns = true;
 
