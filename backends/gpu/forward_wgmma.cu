@@ -333,20 +333,21 @@ struct BlockTile {
 // checks 32 tiles at once (one per lane) and keeps the answer as a bit mask, so a sparse block mask costs one
 // load per 32 tiles instead of one per tile. Warp-collective: every lane calls next() with the same tile.
 struct TileWalk {
-  int32_t window = -1;  // first tile of the checked window
-  uint32_t bits = 0;    // bit j: tile window + j is visible
+  static constexpr int kWindow = 32;  // tiles checked at once: one per lane
+  int32_t window = -kWindow;  // first tile of the checked window (none yet: every tile >= 0 lies past it)
+  uint32_t bits = 0;          // bit j: tile window + j is visible
   template <typename Block>
   __device__ int32_t next(const Block& block, int32_t tile) {
-    const int lane = threadIdx.x % 32;
+    const int lane = threadIdx.x % kWindow;
     while (tile < block.tile_count) {
-      if (tile < window || tile >= window + 32) {
+      if (tile < window || tile >= window + kWindow) {
         window = tile;
         const int32_t mine = tile + lane;
         bits = uint32_t(warp_ballot(mine < block.tile_count && block.tile_visible(mine)));
       }
       const uint32_t ahead = bits >> (tile - window);
       if (ahead != 0) return tile + __ffs(ahead) - 1;
-      tile = window + 32;
+      tile = window + kWindow;
     }
     return block.tile_count;
   }
