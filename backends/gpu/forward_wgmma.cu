@@ -2,24 +2,27 @@
 // accumulation, head dims 64 and 128, every layout and visibility rule of forward_common.cuh (row map kAll, no PV
 // skip). One thread block = 3 warpgroups for one 128-row query tile of one (sequence, query head):
 //
-//   warpgroup 0 (producer, few registers)   cp.async Q once, then K/V tiles into a kStages-deep ring; each copy
-//                                           completes on an mbarrier (cp.async.mbarrier.arrive.noinc), so the
-//                                           producer never blocks on its own copies, only on a free ring slot.
-//   warpgroups 1, 2 (consumers, 64 rows each, many registers):
+//   warpgroup 0 (producer, few registers)   cp.async Q once, then K/V tiles into a kStages-deep ring, K one tile
+//                                           ahead of V; each copy completes on an mbarrier
+//                                           (cp.async.mbarrier.arrive.noinc), so the producer never blocks on its
+//                                           own copies, only on a free K or V slot.
+//   warpgroups 1, 2 (consumers, 64 rows each, many registers), per key tile:
 //     S  = Q·Kᵀ       wgmma m64n128k16, A = Q and B = K both from shared memory (K-major descriptors)
-//     S  = mask(S)    exact element predicate, only on tiles that need it
+//     S  = mask(S)    only on tiles that need it: per-row key limits, sink/window intervals, or the full predicate
 //     online softmax  m, l, O rescaled in registers; base-2 exponentials, fp32
 //     O += P·V        wgmma m64n{64|128}k16, A = P from registers (the S accumulators re-packed to 16 bit),
 //                     B = V from shared memory (MN-major descriptor: V rows are read transposed by the hardware)
+//   software-pipelined: S of tile n+1 and P·V of tile n are in flight together while the softmax of tile n+1
+//   runs, and the two consumer warpgroups take turns issuing their products (named barriers), as in FA3.
 //
 // Shared-memory tiles use the 128-byte swizzle the descriptors name: a tile of R rows × D elements is stored as
 // D/64 column blocks of R rows × 128 bytes, and the 16-byte chunk c of row r sits at chunk position c ^ (r % 8).
 // The copies place every chunk there themselves (cp.async has no swizzle of its own). Tiles start on 1024-byte
 // boundaries (the swizzle pattern repeats every 8 rows × 128 bytes and the hardware applies it to the address).
 //
-// The key tiles walked are the same as forward_mma.cu's (tile_has_visible_key in ascending order); split-KV
-// writes partial states exactly like it. Compiled to a stub for every target other than sm_90a (sm_80, HIP);
-// forward_wgmma_supports() asks the runtime whether sm_90a code was built and loaded.
+// The key tiles walked are the same as forward_mma.cu's (tile_has_visible_key in ascending order, here checked 32
+// at a time by a warp ballot); split-KV writes partial states exactly like it. Compiled to a stub for every target
+// other than sm_90a (sm_80, HIP); forward_wgmma_supports() asks the runtime whether sm_90a code was loaded.
 #include "forward_wgmma.h"
 
 #include "forward_common.cuh"
