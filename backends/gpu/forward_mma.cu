@@ -33,8 +33,8 @@ SPARSA_GPU_NAMESPACE_BEGIN
 #if SPARSA_GPU_HAS_MMA_SYNC
 namespace {
 
-constexpr int kBlockKeys = kMmaBlockKeys;  // keys per tile
 constexpr int kWarps = 4;        // each warp owns 16 rows (one mma M fragment) or 32 (two)
+constexpr int kSkipBlockKeys = 64;  // PV skip: key tile = the mask's block_k
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunkElems = 8;   // 16-byte chunk of 2-byte elements
 constexpr int kSwizzleRows = 8;  // swizzle period: ldmatrix reads 8 rows at once
@@ -128,8 +128,10 @@ __device__ __forceinline__ void load_tile_async(uint16_t* tile, const uint16_t* 
 // Rows of a thread block: kWarps warps × kFrags m16 fragments each.
 template <int kFrags>
 constexpr int kTileRows = kWarps * 16 * kFrags;
+constexpr int kPlainFrags = kMmaBlockRows / kTileRows<1>;  // fragments per warp of a plain launch
+static_assert(kTileRows<kPlainFrags> == kMmaBlockRows, "kMmaBlockRows must be 64 or 128");
 
-template <typename Tag, int kHeadDim, int kFrags>
+template <typename Tag, int kHeadDim, int kFrags, int kBlockKeys>
 __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardParams p) {
 #if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
   constexpr int kBlockRows = kTileRows<kFrags>;
@@ -217,17 +219,15 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
   }
   float row_max[kFrags][2];  // base-2 domain
   float row_sum[kFrags][2];  // this thread's partial; quad-reduced at the end
-  int32_t my_rows[kFrags][2];
-  int64_t my_horizon[kFrags][2];  // causal: last visible key of the row
   const int warp_row0 = warp * 16 * kFrags;
+  // Launch row of (fragment f, half r); recomputed where needed rather than held (registers are the limit).
+  auto my_row = [&](int f, int r) { return row_begin + warp_row0 + f * 16 + lane / 4 + 8 * r; };
 #pragma unroll
   for (int f = 0; f < kFrags; ++f) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row_max[f][r] = -INFINITY;
       row_sum[f][r] = 0.f;
-      my_rows[f][r] = row_begin + warp_row0 + f * 16 + lane / 4 + 8 * r;
-      my_horizon[f][r] = int64_t(row_position(p, seq, my_rows[f][r])) + seq.causal_offset;
     }
   }
 
@@ -302,13 +302,18 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
 #pragma unroll
         for (int f = 0; f < kFrags; ++f) {
 #pragma unroll
-          for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+          for (int r = 0; r < 2; ++r) {
+            const int32_t row = my_row(f, r);
+            const int64_t horizon = int64_t(row_position(p, seq, row)) + seq.causal_offset;  // last causal key
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int32_t key = key_begin + nb * 8 + 2 * (lane % 4) + e % 2;
-              const bool visible = key < seq.seq_k && (!p.causal || int64_t(key) <= my_horizon[f][e / 2]) &&
-                                   (uniform || key_visible(p, seq, my_rows[f][e / 2], key));
-              if (!visible) s_acc[f][nb][e] = -INFINITY;
+            for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+#pragma unroll
+              for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                const int32_t key = key_begin + nb * 8 + 2 * (lane % 4) + e % 2;
+                const bool visible = key < seq.seq_k && (!p.causal || int64_t(key) <= horizon) &&
+                                     (uniform || key_visible(p, seq, row, key));
+                if (!visible) s_acc[f][nb][e] = -INFINITY;
+              }
             }
           }
         }
@@ -336,7 +341,7 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const float local = tile_max[f][r] * p.scale_log2;  // scale > 0 keeps the arg max
-            if (my_rows[f][r] < row_end && local != -INFINITY) {
+            if (my_row(f, r) < row_end && local != -INFINITY) {
               gain = fmaxf(gain, local - fmaxf(row_max[f][r], local));
             }
           }
@@ -428,7 +433,7 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
       float total = row_sum[f][r];
       total += warp_shfl_xor(total, 1);
       total += warp_shfl_xor(total, 2);
-      const int32_t row = my_rows[f][r];
+      const int32_t row = my_row(f, r);
       if (row >= row_end) continue;
       const float inverse = total > 0.f ? 1.f / total : 0.f;
       const float lse = total > 0.f ? (row_max[f][r] + log2f(total)) * kLn2 : -INFINITY;
@@ -456,16 +461,17 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
 }
 
 // Q tile + two K and two V tiles.
-template <int kHeadDim, int kFrags>
+template <int kHeadDim, int kFrags, int kBlockKeys>
 constexpr size_t kSharedBytes = size_t(kTileRows<kFrags> + 4 * kBlockKeys) * kHeadDim * sizeof(uint16_t);
 
-template <typename Tag, int kHeadDim, int kFrags>
+template <typename Tag, int kHeadDim, int kFrags, int kBlockKeys>
 cudaError_t allow_shared_memory() {
-  return cudaFuncSetAttribute(forward_mma_kernel<Tag, kHeadDim, kFrags>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              int(kSharedBytes<kHeadDim, kFrags>));
+  return cudaFuncSetAttribute(forward_mma_kernel<Tag, kHeadDim, kFrags, kBlockKeys>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(kSharedBytes<kHeadDim, kFrags, kBlockKeys>));
 }
 
-template <typename Tag, int kHeadDim, int kFrags>
+template <typename Tag, int kHeadDim, int kFrags, int kBlockKeys>
 cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t stream) {
   ForwardParams p = params;
   // A row map writes its own output rows and the PV skip decides in block order: neither can be split (the
@@ -473,23 +479,32 @@ cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t 
   if (p.row_map != QueryRowMap::kAll || p.pv_skip_log2 != nullptr) p.num_splits = 1;
   const int32_t query_tiles = (max_seq_q + kTileRows<kFrags> - 1) / kTileRows<kFrags>;
   const dim3 grid(query_tiles * p.num_splits, p.num_q_heads, p.batch);
-  forward_mma_kernel<Tag, kHeadDim, kFrags><<<grid, kThreads, kSharedBytes<kHeadDim, kFrags>, stream>>>(p);
+  forward_mma_kernel<Tag, kHeadDim, kFrags, kBlockKeys>
+      <<<grid, kThreads, kSharedBytes<kHeadDim, kFrags, kBlockKeys>, stream>>>(p);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
   return combine_splits_launch(p, stream);  // the merge every split-KV kernel shares (forward_decode.cu)
 }
 
-// Fragments per warp of a launch: the plain tiling (kMmaBlockRows), or under the PV skip the one whose rows equal
-// the mask's block_q (supports() admits no other).
-int fragments_of(const ForwardParams& p) {
-  const int32_t rows = p.pv_skip_log2 != nullptr ? p.mask_block_q : kMmaBlockRows;
-  return rows == kTileRows<2> ? 2 : 1;
+// The tiling of a launch: the plain one (kMmaBlockRows x kMmaBlockKeys), or under the PV skip the one whose tile is
+// exactly the mask's block (supports() admits block_q 64 or 128, block_k 64 only).
+template <typename Tag, int kHeadDim>
+cudaError_t launch_for(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
+  if (p.pv_skip_log2 != nullptr) {
+    return p.mask_block_q == kTileRows<2> ? launch<Tag, kHeadDim, 2, kSkipBlockKeys>(p, max_seq_q, stream)
+                                          : launch<Tag, kHeadDim, 1, kSkipBlockKeys>(p, max_seq_q, stream);
+  }
+  return launch<Tag, kHeadDim, kPlainFrags, kMmaBlockKeys>(p, max_seq_q, stream);
 }
 
 template <typename Tag, int kHeadDim>
-cudaError_t launch_for(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
-  return fragments_of(p) == 2 ? launch<Tag, kHeadDim, 2>(p, max_seq_q, stream)
-                              : launch<Tag, kHeadDim, 1>(p, max_seq_q, stream);
+cudaError_t allow_shared_memory_all() {
+  for (cudaError_t status :
+       {allow_shared_memory<Tag, kHeadDim, kPlainFrags, kMmaBlockKeys>(),
+        allow_shared_memory<Tag, kHeadDim, 1, kSkipBlockKeys>(), allow_shared_memory<Tag, kHeadDim, 2, kSkipBlockKeys>()}) {
+    if (status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -514,7 +529,7 @@ bool forward_mma_supports(const ForwardParams& p, const char** reason) {
     return false;
   }
   if (p.pv_skip_log2 != nullptr &&
-      (p.rule != VisibilityRule::kBlockMask || p.mask_block_k != kBlockKeys ||
+      (p.rule != VisibilityRule::kBlockMask || p.mask_block_k != kSkipBlockKeys ||
        (p.mask_block_q != kTileRows<1> && p.mask_block_q != kTileRows<2>))) {
     *reason = "tensor-core PV skip needs the block-mask rule with block_q 64 or 128 and block_k 64";
     return false;
@@ -529,11 +544,8 @@ bool forward_mma_supports(const ForwardParams& p, const char** reason) {
 
 cudaError_t forward_mma_prepare() {
 #if SPARSA_GPU_HAS_MMA_SYNC
-  for (cudaError_t status :
-       {allow_shared_memory<HalfTag, 64, 1>(), allow_shared_memory<HalfTag, 128, 1>(),
-        allow_shared_memory<BFloat16Tag, 64, 1>(), allow_shared_memory<BFloat16Tag, 128, 1>(),
-        allow_shared_memory<HalfTag, 64, 2>(), allow_shared_memory<HalfTag, 128, 2>(),
-        allow_shared_memory<BFloat16Tag, 64, 2>(), allow_shared_memory<BFloat16Tag, 128, 2>()}) {
+  for (cudaError_t status : {allow_shared_memory_all<HalfTag, 64>(), allow_shared_memory_all<HalfTag, 128>(),
+                             allow_shared_memory_all<BFloat16Tag, 64>(), allow_shared_memory_all<BFloat16Tag, 128>()}) {
     if (status != cudaSuccess) return status;
   }
 #endif
