@@ -34,7 +34,6 @@ SPARSA_GPU_NAMESPACE_BEGIN
 namespace {
 
 constexpr int kWarps = 4;        // each warp owns 16 rows (one mma M fragment) or 32 (two)
-constexpr int kSkipBlockKeys = 64;  // PV skip: key tile = the mask's block_k
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunkElems = 8;   // 16-byte chunk of 2-byte elements
 constexpr int kSwizzleRows = 8;  // swizzle period: ldmatrix reads 8 rows at once
@@ -125,31 +124,75 @@ __device__ __forceinline__ void load_tile_async(uint16_t* tile, const uint16_t* 
   }
 }
 
-// Rows of a thread block: kWarps warps × kFrags m16 fragments each.
-template <int kFrags>
-constexpr int kTileRows = kWarps * 16 * kFrags;
-constexpr int kPlainFrags = kMmaBlockRows / kTileRows<1>;  // fragments per warp of a plain launch
-static_assert(kTileRows<kPlainFrags> == kMmaBlockRows, "kMmaBlockRows must be 64 or 128");
+// A thread block's tiling: kWarps warps × kFrags m16 row fragments each, kKeys keys per tile, K/V in kStages buffers:
+//   kStages 2: tile n+1's K and V load while tile n computes;
+//   kStages 1: FlashAttention-2's order, V(n) loading during S(n) and K(n+1) during P·V(n), in half the memory.
+// kQInRegisters keeps the Q fragments for the whole walk (one fragment per warp only: two would not fit beside their
+// O accumulators in 255 registers); otherwise Q is re-read from shared memory per key tile. kMinBlocks: resident
+// blocks per multiprocessor the register allocation must allow (__launch_bounds__).
+template <int kFrags_, int kKeys_, int kStages_, bool kQInRegisters_, int kMinBlocks_>
+struct MmaTiling {
+  static constexpr int kFrags = kFrags_, kKeys = kKeys_, kStages = kStages_, kMinBlocks = kMinBlocks_;
+  static constexpr bool kQInRegisters = kQInRegisters_;
+  static constexpr int kRows = kWarps * 16 * kFrags;
+  static_assert(kFrags == 1 || !kQInRegisters, "two Q fragments per warp do not fit in registers");
+  template <int kHeadDim>
+  static constexpr size_t kSharedBytes = size_t(kRows + 2 * kStages * kKeys) * kHeadDim * sizeof(uint16_t);
+};
 
-template <typename Tag, int kHeadDim, int kFrags, int kBlockKeys>
-__global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardParams p) {
+// The tiling of plain launches (and row-map launches); PV-skip launches use the one whose tile is the mask's cell.
+#if !defined(SPARSA_MMA_TILING_EXPERIMENT)
+using PlainTiling = MmaTiling<1, 64, 2, true, 1>;
+#elif SPARSA_MMA_TILING_EXPERIMENT == 1
+using PlainTiling = MmaTiling<2, 64, 2, false, 1>;
+#elif SPARSA_MMA_TILING_EXPERIMENT == 3
+using PlainTiling = MmaTiling<1, 64, 1, false, 3>;
+#elif SPARSA_MMA_TILING_EXPERIMENT == 4
+using PlainTiling = MmaTiling<2, 64, 1, false, 1>;
+#elif SPARSA_MMA_TILING_EXPERIMENT == 5
+using PlainTiling = MmaTiling<1, 64, 1, true, 2>;
+#elif SPARSA_MMA_TILING_EXPERIMENT == 6
+using PlainTiling = MmaTiling<1, 32, 1, false, 4>;
+#endif
+using SkipTiling64 = MmaTiling<1, 64, 2, true, 1>;    // PV skip, block_q 64
+using SkipTiling128 = MmaTiling<2, 64, 2, false, 1>;  // PV skip, block_q 128
+constexpr int kSkipBlockKeys = 64;
+static_assert(PlainTiling::kRows == kMmaBlockRows && PlainTiling::kKeys == kMmaBlockKeys,
+              "forward_mma.h must describe the plain tiling");
+static_assert(SkipTiling64::kKeys == kSkipBlockKeys && SkipTiling128::kKeys == kSkipBlockKeys, "");
+
+// kMapped: the launch has a query-row map or the PV skip. A plain launch is compiled without either (the copy below
+// pins row_map and pv_skip_log2 to constants), which keeps their state out of the registers the tiles need.
+template <typename Tag, int kHeadDim, typename Tiling, bool kMapped>
+__global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kernel(const ForwardParams params) {
 #if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
-  constexpr int kBlockRows = kTileRows<kFrags>;
+  ForwardParams p = params;
+  if (!kMapped) {
+    p.row_map = QueryRowMap::kAll;
+    p.pv_skip_log2 = nullptr;
+  }
+  constexpr int kFrags = Tiling::kFrags;
+  constexpr int kBlockKeys = Tiling::kKeys;
+  constexpr int kBlockRows = Tiling::kRows;
+  constexpr bool kQInRegisters = Tiling::kQInRegisters;
+  constexpr bool kDoubleBuffered = Tiling::kStages == 2;
   constexpr int kTileElems = kBlockKeys * kHeadDim;
   constexpr int kKeyBlocks8 = kBlockKeys / 8;   // n-blocks of the S tile
   constexpr int kDimBlocks8 = kHeadDim / 8;     // n-blocks of the O tile
-  // One fragment per warp keeps Q in registers for the whole walk; two re-read it from shared memory per key tile
-  // (as FlashAttention-2 does), since both Q fragments plus two O accumulators would not fit in 255 registers.
-  constexpr bool kQInRegisters = kFrags == 1;
   extern __shared__ uint4 shared_storage[];
   uint16_t* q_tile = reinterpret_cast<uint16_t*>(shared_storage);
-  uint16_t* k_tiles = q_tile + kBlockRows * kHeadDim;  // [2][kBlockKeys][kHeadDim]
-  uint16_t* v_tiles = k_tiles + 2 * kTileElems;        // [2][kBlockKeys][kHeadDim]
-  __shared__ float warp_gain[kWarps];                  // PV skip: each warp's max of (m_local - m_new)
+  uint16_t* k_tiles = q_tile + kBlockRows * kHeadDim;         // [kStages][kBlockKeys][kHeadDim]
+  uint16_t* v_tiles = k_tiles + Tiling::kStages * kTileElems;  // [kStages][kBlockKeys][kHeadDim]
+  __shared__ float warp_gain[kWarps];                         // PV skip: each warp's max of (m_local - m_new)
 
   const SequenceView seq = make_sequence_view(p, blockIdx.z, blockIdx.y);
   const int32_t split = blockIdx.x % p.num_splits;
-  const int32_t row_begin = (blockIdx.x / p.num_splits) * kBlockRows;
+  // Causal: the last query tiles see the most keys; blocks start in index order, so they take those first (the
+  // last wave then holds the short tiles).
+  const int32_t query_tiles = gridDim.x / p.num_splits;
+  const int32_t query_tile = p.causal ? query_tiles - 1 - int32_t(blockIdx.x / p.num_splits)
+                                      : int32_t(blockIdx.x / p.num_splits);
+  const int32_t row_begin = query_tile * kBlockRows;
   if (row_begin >= seq.rows) return;
   const int32_t row_end = min(row_begin + kBlockRows, seq.rows);
   const int32_t key_end = key_end_for_rows(p, seq, row_end);
@@ -165,8 +208,6 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const uint16_t* q_base = static_cast<const uint16_t*>(p.q);
-  const uint16_t* k_base = static_cast<const uint16_t*>(p.k);
-  const uint16_t* v_base = static_cast<const uint16_t*>(p.v);
 
   auto next_visible_tile = [&](int32_t tile) {
     for (; tile < tile_count; ++tile) {
@@ -175,28 +216,22 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
     }
     return tile;
   };
-  auto issue_key_tile = [&](int32_t tile, int buffer) {
+  // K or V rows of key tile `tile` into `dst`.
+  auto issue_rows = [&](int32_t tile, uint16_t* dst, const void* src, const TensorStrides& st) {
+    const uint16_t* base = static_cast<const uint16_t*>(src);
     const int32_t key_begin = tile * kBlockKeys;
     const int valid = min(kBlockKeys, seq.seq_k - key_begin);
     if (p.page_table == nullptr && p.row_map != QueryRowMap::kTokenLists) {
       // padded/packed rows are evenly spaced: one offset, then a stride
-      const int64_t k_first = key_row_offset(p, p.k_strides, seq, key_begin);
-      const int64_t v_first = key_row_offset(p, p.v_strides, seq, key_begin);
+      const int64_t first = key_row_offset(p, st, seq, key_begin);
+      load_tile_async<kHeadDim, kBlockKeys>(dst, base, [&](int r) { return first + r * st.s; }, valid);
+    } else {
       load_tile_async<kHeadDim, kBlockKeys>(
-          k_tiles + buffer * kTileElems, k_base, [&](int r) { return k_first + r * p.k_strides.s; }, valid);
-      load_tile_async<kHeadDim, kBlockKeys>(
-          v_tiles + buffer * kTileElems, v_base, [&](int r) { return v_first + r * p.v_strides.s; }, valid);
-      return;
+          dst, base, [&](int r) { return launch_key_offset(p, st, seq, key_begin + r); }, valid);
     }
-    load_tile_async<kHeadDim, kBlockKeys>(
-        k_tiles + buffer * kTileElems, k_base,
-        [&](int r) { return launch_key_offset(p, p.k_strides, seq, key_begin + r); }, valid);
-    load_tile_async<kHeadDim, kBlockKeys>(
-        v_tiles + buffer * kTileElems, v_base,
-        [&](int r) { return launch_key_offset(p, p.v_strides, seq, key_begin + r); }, valid);
   };
 
-  // Stage 0: Q tile and the first key tile in one cp.async group.
+  // Stage 0: the Q tile and the first key tile's K (and V when double-buffered) in one cp.async group.
   if (p.row_map == QueryRowMap::kAll) {
     const int64_t q_first = query_row_offset(p.q_strides, seq, row_begin);
     load_tile_async<kHeadDim, kBlockRows>(
@@ -207,7 +242,10 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
         row_end - row_begin);
   }
   int32_t tile = next_visible_tile(first_tile);
-  if (tile < tile_count) issue_key_tile(tile, 0);
+  if (tile < tile_count) {
+    issue_rows(tile, k_tiles, p.k, p.k_strides);
+    if (kDoubleBuffered) issue_rows(tile, v_tiles, p.v, p.v_strides);
+  }
   cp_async_commit();
 
   // Per-thread state, per fragment f: rows (lane/4) and (lane/4 + 8) of the fragment's 16; O per 8-wide dim block.
@@ -238,14 +276,22 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
   int buffer = 0;
   while (tile < tile_count) {
     const int32_t next = next_visible_tile(tile + 1);
-    if (next < tile_count) {
-      issue_key_tile(next, buffer ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
+    if (kDoubleBuffered) {
+      if (next < tile_count) {
+        issue_rows(next, k_tiles + (buffer ^ 1) * kTileElems, p.k, p.k_strides);
+        issue_rows(next, v_tiles + (buffer ^ 1) * kTileElems, p.v, p.v_strides);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
     } else {
-      cp_async_wait<0>();
+      cp_async_wait<0>();  // K of this tile
+      __syncthreads();     // ... visible to all; every warp is past the previous tile's P·V, so V may be refilled
+      issue_rows(tile, v_tiles, p.v, p.v_strides);
+      cp_async_commit();
     }
-    __syncthreads();
     const uint16_t* k_tile = k_tiles + buffer * kTileElems;
     const uint16_t* v_tile = v_tiles + buffer * kTileElems;
     const int32_t key_begin = tile * kBlockKeys;
@@ -262,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
         q_in_registers = true;
       }
 
-      // S = Q·Kᵀ for this warp's rows × 64 keys: each K fragment feeds 2·kFrags mma.
+      // S = Q·Kᵀ for this warp's rows × the tile's keys: each K fragment feeds 2·kFrags mma.
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) {
 #pragma unroll
@@ -333,6 +379,7 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
     }  // warp_active
 
     // §4 step 7: max over the tile's real rows of (m_local - m_new) < λ drops the tile (block-uniform decision).
+    bool skipped = false;
     if (skip_test) {
       float gain = -INFINITY;
       if (warp_active) {
@@ -341,9 +388,7 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const float local = tile_max[f][r] * p.scale_log2;  // scale > 0 keeps the arg max
-            if (my_row(f, r) < row_end && local != -INFINITY) {
-              gain = fmaxf(gain, local - fmaxf(row_max[f][r], local));
-            }
+            if (my_row(f, r) < row_end && local != -INFINITY) gain = fmaxf(gain, local - fmaxf(row_max[f][r], local));
           }
         }
         gain = fmaxf(gain, warp_shfl_xor(gain, 4));
@@ -351,23 +396,18 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
         gain = fmaxf(gain, warp_shfl_xor(gain, 16));
       }
       if (lane == 0) warp_gain[warp] = gain;
-      __syncthreads();
+      __syncthreads();  // (the next write to warp_gain follows this tile's last barrier)
       float best_gain = warp_gain[0];
 #pragma unroll
       for (int w = 1; w < kWarps; ++w) best_gain = fmaxf(best_gain, warp_gain[w]);
-      if (best_gain < skip_threshold) {
-        if (threadIdx.x == 0 && p.pv_skip_count != nullptr) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(p.pv_skip_count), 1ull);
-        }
-        __syncthreads();  // every warp is done with this buffer (and warp_gain) before they are refilled
-        buffer ^= 1;
-        tile = next;
-        continue;
+      skipped = best_gain < skip_threshold;
+      if (skipped && threadIdx.x == 0 && p.pv_skip_count != nullptr) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(p.pv_skip_count), 1ull);
       }
     }
     skip_test = skip_threshold > -INFINITY;  // every later computed tile is tested
 
-    if (warp_active) {
+    if (warp_active && !skipped) {
       // Online softmax in base 2: m = max(m, scale·log2e·max S), rescale O and l, P = 2^(S·scale·log2e - m).
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) {
@@ -392,7 +432,18 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
           }
         }
       }
+    }
 
+    if (!kDoubleBuffered) {
+      cp_async_wait<0>();  // V of this tile
+      __syncthreads();     // ... visible to all; every warp is done reading K, so K may be refilled
+      if (next < tile_count) {
+        issue_rows(next, k_tiles, p.k, p.k_strides);
+        cp_async_commit();
+      }
+    }
+
+    if (warp_active && !skipped) {
       // O += P·V: the S accumulators of key blocks (2kk, 2kk+1) are exactly the A fragment of k-step kk; each V
       // fragment feeds 2·kFrags mma.
 #pragma unroll
@@ -417,9 +468,11 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
           }
         }
       }
-    }  // warp_active
-    __syncthreads();  // every warp is done with this buffer before it is refilled
-    buffer ^= 1;
+    }
+    if (kDoubleBuffered) {
+      __syncthreads();  // every warp is done with this buffer before it is refilled
+      buffer ^= 1;
+    }
     tile = next;
   }
   cp_async_wait<0>();  // no group may stay in flight past the kernel (Q-only group when no tile was visible)
@@ -460,48 +513,44 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
 #endif  // SPARSA_GPU_DEVICE_HAS_MMA_SYNC
 }
 
-// Q tile + two K and two V tiles.
-template <int kHeadDim, int kFrags, int kBlockKeys>
-constexpr size_t kSharedBytes = size_t(kTileRows<kFrags> + 4 * kBlockKeys) * kHeadDim * sizeof(uint16_t);
-
-template <typename Tag, int kHeadDim, int kFrags, int kBlockKeys>
+template <typename Tag, int kHeadDim, typename Tiling, bool kMapped>
 cudaError_t allow_shared_memory() {
-  return cudaFuncSetAttribute(forward_mma_kernel<Tag, kHeadDim, kFrags, kBlockKeys>,
+  return cudaFuncSetAttribute(forward_mma_kernel<Tag, kHeadDim, Tiling, kMapped>,
                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              int(kSharedBytes<kHeadDim, kFrags, kBlockKeys>));
+                              int(Tiling::template kSharedBytes<kHeadDim>));
 }
 
-template <typename Tag, int kHeadDim, int kFrags, int kBlockKeys>
+template <typename Tag, int kHeadDim, typename Tiling, bool kMapped>
 cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t stream) {
   ForwardParams p = params;
   // A row map writes its own output rows and the PV skip decides in block order: neither can be split (the
   // partial states' combine writes plain rows), so such a launch runs whole whatever was planned.
-  if (p.row_map != QueryRowMap::kAll || p.pv_skip_log2 != nullptr) p.num_splits = 1;
-  const int32_t query_tiles = (max_seq_q + kTileRows<kFrags> - 1) / kTileRows<kFrags>;
+  if (kMapped) p.num_splits = 1;
+  const int32_t query_tiles = (max_seq_q + Tiling::kRows - 1) / Tiling::kRows;
   const dim3 grid(query_tiles * p.num_splits, p.num_q_heads, p.batch);
-  forward_mma_kernel<Tag, kHeadDim, kFrags, kBlockKeys>
-      <<<grid, kThreads, kSharedBytes<kHeadDim, kFrags, kBlockKeys>, stream>>>(p);
+  forward_mma_kernel<Tag, kHeadDim, Tiling, kMapped>
+      <<<grid, kThreads, Tiling::template kSharedBytes<kHeadDim>, stream>>>(p);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
   return combine_splits_launch(p, stream);  // the merge every split-KV kernel shares (forward_decode.cu)
 }
 
-// The tiling of a launch: the plain one (kMmaBlockRows x kMmaBlockKeys), or under the PV skip the one whose tile is
-// exactly the mask's block (supports() admits block_q 64 or 128, block_k 64 only).
 template <typename Tag, int kHeadDim>
 cudaError_t launch_for(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
-  if (p.pv_skip_log2 != nullptr) {
-    return p.mask_block_q == kTileRows<2> ? launch<Tag, kHeadDim, 2, kSkipBlockKeys>(p, max_seq_q, stream)
-                                          : launch<Tag, kHeadDim, 1, kSkipBlockKeys>(p, max_seq_q, stream);
+  if (p.pv_skip_log2 != nullptr) {  // the tile is exactly the mask's cell (supports() admits no other)
+    return p.mask_block_q == SkipTiling128::kRows ? launch<Tag, kHeadDim, SkipTiling128, true>(p, max_seq_q, stream)
+                                                  : launch<Tag, kHeadDim, SkipTiling64, true>(p, max_seq_q, stream);
   }
-  return launch<Tag, kHeadDim, kPlainFrags, kMmaBlockKeys>(p, max_seq_q, stream);
+  if (p.row_map != QueryRowMap::kAll) return launch<Tag, kHeadDim, PlainTiling, true>(p, max_seq_q, stream);
+  return launch<Tag, kHeadDim, PlainTiling, false>(p, max_seq_q, stream);
 }
 
 template <typename Tag, int kHeadDim>
 cudaError_t allow_shared_memory_all() {
-  for (cudaError_t status :
-       {allow_shared_memory<Tag, kHeadDim, kPlainFrags, kMmaBlockKeys>(),
-        allow_shared_memory<Tag, kHeadDim, 1, kSkipBlockKeys>(), allow_shared_memory<Tag, kHeadDim, 2, kSkipBlockKeys>()}) {
+  for (cudaError_t status : {allow_shared_memory<Tag, kHeadDim, PlainTiling, false>(),
+                             allow_shared_memory<Tag, kHeadDim, PlainTiling, true>(),
+                             allow_shared_memory<Tag, kHeadDim, SkipTiling64, true>(),
+                             allow_shared_memory<Tag, kHeadDim, SkipTiling128, true>()}) {
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
@@ -530,7 +579,7 @@ bool forward_mma_supports(const ForwardParams& p, const char** reason) {
   }
   if (p.pv_skip_log2 != nullptr &&
       (p.rule != VisibilityRule::kBlockMask || p.mask_block_k != kSkipBlockKeys ||
-       (p.mask_block_q != kTileRows<1> && p.mask_block_q != kTileRows<2>))) {
+       (p.mask_block_q != SkipTiling64::kRows && p.mask_block_q != SkipTiling128::kRows))) {
     *reason = "tensor-core PV skip needs the block-mask rule with block_q 64 or 128 and block_k 64";
     return false;
   }
