@@ -23,6 +23,7 @@ constexpr int kDigitBits = 11;
 constexpr int kBins = 1 << kDigitBits;
 constexpr int kBinsPerThread = kBins / kThreads;
 constexpr int kElementsPerThread = 32;  // write pass: each thread compacts a contiguous run, in index order
+constexpr int kLoadsInFlight = 8;       // histogram/count passes: loads a thread issues before using any
 constexpr int64_t kElementsPerBlock = int64_t(kThreads) * kElementsPerThread;
 constexpr uint64_t kScratchAlignment = 256;
 // The ordered write packs a block's (greater, equal) counts into one 32-bit scan value.
@@ -136,16 +137,24 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
   const int64_t end = begin + kElementsPerBlock < length ? begin + kElementsPerBlock : length;
   const uint32_t digit_mask = (1u << digit_bits) - 1u;
   uint32_t run_digit = 0, run_count = 0;
-  for (int64_t t = begin + threadIdx.x; t < end; t += kThreads) {
-    const uint64_t key = order_key(row[t]);
-    if ((key & mask) != prefix) continue;
-    const uint32_t digit = uint32_t(key >> shift) & digit_mask;
-    if (digit != run_digit) {
-      if (run_count != 0) atomicAdd(&hist[run_digit], run_count);
-      run_digit = digit;
-      run_count = 0;
+  for (int64_t first = begin + threadIdx.x; first < end; first += int64_t(kThreads) * kLoadsInFlight) {
+    uint64_t keys[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int64_t t = first + int64_t(u) * kThreads;
+      keys[u] = t < end ? order_key(row[t]) : 0;
     }
-    ++run_count;
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (first + int64_t(u) * kThreads >= end || (keys[u] & mask) != prefix) continue;
+      const uint32_t digit = uint32_t(keys[u] >> shift) & digit_mask;
+      if (digit != run_digit) {
+        if (run_count != 0) atomicAdd(&hist[run_digit], run_count);
+        run_digit = digit;
+        run_count = 0;
+      }
+      ++run_count;
+    }
   }
   if (run_count != 0) atomicAdd(&hist[run_digit], run_count);
   __syncthreads();
@@ -209,10 +218,20 @@ __global__ void __launch_bounds__(kThreads) topk_count_kernel(const TopkArgs a, 
   const int64_t begin = part * kElementsPerBlock;
   const int64_t end = begin + kElementsPerBlock < st.length ? begin + kElementsPerBlock : st.length;
   unsigned int greater = 0, equal = 0;
-  for (int64_t t = begin + threadIdx.x; t < end; t += kThreads) {
-    const uint64_t masked = order_key(row[t]) & mask;
-    greater += masked > prefix;
-    equal += masked == prefix;
+  for (int64_t first = begin + threadIdx.x; first < end; first += int64_t(kThreads) * kLoadsInFlight) {
+    uint64_t keys[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int64_t t = first + int64_t(u) * kThreads;
+      keys[u] = t < end ? order_key(row[t]) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (first + int64_t(u) * kThreads >= end) break;
+      const uint64_t masked = keys[u] & mask;
+      greater += masked > prefix;
+      equal += masked == prefix;
+    }
   }
   if (greater != 0) atomicAdd(&sums[0], greater);
   if (equal != 0) atomicAdd(&sums[1], equal);
@@ -248,27 +267,33 @@ __global__ void __launch_bounds__(kThreads) topk_write_kernel(const TopkArgs a, 
   const T* row = static_cast<const T*>(a.values) + s * a.row_stride;
   const int64_t begin = part * kElementsPerBlock + int64_t(threadIdx.x) * kElementsPerThread;
   const int64_t end = begin + kElementsPerThread < st.length ? begin + kElementsPerThread : st.length;
+  // The run's masked keys, all loaded before any is used.
+  const int32_t count = end > begin ? int32_t(end - begin) : 0;
+  uint64_t masked[kElementsPerThread];
+#pragma unroll
+  for (int u = 0; u < kElementsPerThread; ++u) masked[u] = u < count ? order_key(row[begin + u]) & mask : 0;
   uint32_t packed = 0;  // greater << kEqualBits | equal, of this thread's run
-  for (int64_t t = begin; t < end; ++t) {
-    const uint64_t masked = order_key(row[t]) & mask;
-    packed += masked > prefix ? (1u << kEqualBits) : (masked == prefix ? 1u : 0u);
+#pragma unroll
+  for (int u = 0; u < kElementsPerThread; ++u) {
+    if (u < count) packed += masked[u] > prefix ? (1u << kEqualBits) : (masked[u] == prefix ? 1u : 0u);
   }
   uint32_t total = 0;
   const uint32_t before = block_exclusive_scan(packed, scan_buffer, &total);  // also orders before_block's sums
   uint32_t greater_before = before_block[0] + (before >> kEqualBits);
   uint32_t equal_before = before_block[1] + (before & ((1u << kEqualBits) - 1u));
   if (packed == 0) return;
-  for (int64_t t = begin; t < end; ++t) {
-    const uint64_t masked = order_key(row[t]) & mask;
+#pragma unroll
+  for (int u = 0; u < kElementsPerThread; ++u) {
+    if (u >= count) break;
     int64_t slot = -1;
-    if (masked > prefix) {
+    if (masked[u] > prefix) {
       slot = int64_t(greater_before) + (equal_before < remaining ? equal_before : remaining);
       ++greater_before;
-    } else if (masked == prefix) {
+    } else if (masked[u] == prefix) {
       if (equal_before < remaining) slot = int64_t(greater_before) + equal_before;
       ++equal_before;
     }
-    if (slot >= 0 && slot < a.out_capacity) out[slot * a.out_element_stride] = int32_t(t) + a.index_base;
+    if (slot >= 0 && slot < a.out_capacity) out[slot * a.out_element_stride] = int32_t(begin + u) + a.index_base;
   }
 }
 
