@@ -53,7 +53,7 @@ constexpr int kLoadPasses = kScoreTile / kRowsPerLoadPass;
 constexpr int kMaxHeadDim = 256;
 constexpr int kVoteHeadsPerPass = 64;
 constexpr int kListThreads = 256;
-constexpr int kScoreBlocksPerSm = 6;  // score/vote grids: a few resident blocks per SM walking tiles in a loop
+constexpr int kScoreBlocksPerSm = 4;  // score/vote grids: blocks walking tiles in a loop, all resident at once (no tail wave)
 constexpr uint64_t kMaxScoreBytes = uint64_t(16) << 30;
 // Powers of two that undo the bit placement of widen_*(): exact, see the file comment.
 constexpr double kF16Rescale = 0x1p1008;
@@ -139,17 +139,31 @@ __device__ __forceinline__ int32_t keys_up_to(const int32_t* list, int32_t n, in
   return lo;
 }
 
-// Key element `e` of a staged 16-byte piece as the exactly scaled double of the file comment.
+// Key elements as the exactly scaled doubles of the file comment. An f32 word holds one element; a 16-bit word pair
+// two (low half first): the 5- or 8-bit exponent's lowest bit lands on bit 20 of the high word, the sign on bit 31.
+__device__ __forceinline__ double widen_f32(uint32_t w) {
+  return __hiloint2double(int(((w & 0x7fffffffu) >> 3) | (w & 0x80000000u)), int(w << 29));
+}
 template <ElementType kType>
-__device__ __forceinline__ double widen(const uint4& piece, int e) {
-  const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
-  if (kType == ElementType::kF32) {
-    const uint32_t bits = words[e];
-    return __hiloint2double(int(((bits & 0x7fffffffu) >> 3) | (bits & 0x80000000u)), int(bits << 29));
+__device__ __forceinline__ void widen_pair(uint32_t w, double& low, double& high) {
+  constexpr int kShift = kType == ElementType::kF16 ? 10 : 13;
+  constexpr uint32_t kMagnitude = 0x7fffu << kShift;
+  low = __hiloint2double(int(((w << kShift) & kMagnitude) | ((w << 16) & 0x80000000u)), 0);
+  high = __hiloint2double(int(((w >> (16 - kShift)) & kMagnitude) | (w & 0x80000000u)), 0);
+}
+
+// acc[r][j] += q̄'[d][j] · k_r[d] for the two dims of `pair` (q̄' rows d, d + 1 at `q`, kHeads doubles each).
+template <int kHeads>
+__device__ __forceinline__ void accumulate(const double* q, double k0, double k1, double (&acc)[2][kHeads]) {
+  const double2* pairs = reinterpret_cast<const double2*>(q);
+#pragma unroll
+  for (int j = 0; j < kHeads; j += 2) {
+    const double2 qj = pairs[j / 2];
+    acc[0][j] = fma(qj.x, k0, acc[0][j]);
+    acc[1][j] = fma(qj.x, k1, acc[1][j]);
+    acc[0][j + 1] = fma(qj.y, k0, acc[0][j + 1]);
+    acc[1][j + 1] = fma(qj.y, k1, acc[1][j + 1]);
   }
-  const uint32_t bits = (words[e / 2] >> (16 * (e % 2))) & 0xffffu;
-  const int shift = kType == ElementType::kF16 ? 10 : 13;  // the 5- or 8-bit exponent's lowest bit onto bit 20
-  return __hiloint2double(int(((bits & 0x7fffu) << shift) | ((bits & 0x8000u) << 16)), 0);
 }
 
 __device__ __forceinline__ int32_t* selection_of(const SelectParams& sp, int32_t b, int32_t set) {
@@ -236,16 +250,18 @@ __global__ void __launch_bounds__(kReduceThreads) cache_lookup_kernel(const Sele
 }
 
 // Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ...: stages 64 bytes of each of the
-// tile's 256 key rows at a time, each thread accumulates rows r and r + 128 against the chunk's kHeads query heads
-// (float64 FMA over d in order), then the tile's max and Σ exp per head, and exp(s - max) to scratch.
+// tile's 256 key rows at a time (the next chunk's loads are in flight while this one is computed), each thread
+// accumulates rows r and r + 128 against the chunk's kHeads query heads (float64 FMA over d in order), then the
+// tile's max and Σ exp per head, and exp(s - max) to scratch.
 template <ElementType kType, int kHeads>
 __global__ void __launch_bounds__(kScoreThreads) score_kernel(const SelectParams sp) {
+  static_assert(kHeads % 2 == 0, "heads are read from shared memory in pairs");
   constexpr int kElementBytes = kType == ElementType::kF32 ? 4 : 2;
   constexpr int kPerPiece = kPieceBytes / kElementBytes;
   constexpr int kChunkDims = kChunkBytes / kElementBytes;
   constexpr double kRescale = kType == ElementType::kF16 ? kF16Rescale : kWideRescale;
   __shared__ __align__(16) unsigned char rows[kScoreTile * kChunkPitch];
-  __shared__ __align__(16) double qbar[kMaxHeadDim * kHeads];  // [d][head]
+  __shared__ __align__(16) double qbar[kMaxHeadDim * kHeads];  // [d][head], rescaled
   __shared__ double scratch[kScoreThreads / kWarpLanes * kHeads], maxima[kHeads], sums[kHeads];
 
   const int32_t b = blockIdx.z;
@@ -267,60 +283,80 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const SelectParams
   const char* keys = static_cast<const char*>(sp.p.k);
   const int32_t chunks = (dim + kChunkDims - 1) / kChunkDims;
   const int32_t part = threadIdx.x % kPiecesPerRow;
+  const int32_t first_row = threadIdx.x / kPiecesPerRow;  // this thread stages rows first_row + j·kRowsPerLoadPass
 
-  for (int32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int32_t c0 = tile * kScoreTile;
-    int64_t key_at[kLoadPasses];  // element offset of the key rows this thread stages
+  // Staging: element offsets of the key rows this thread loads (-1 past the candidates) and its pieces in flight.
+  int64_t key_at[kLoadPasses];
+  uint4 staged[kLoadPasses];
+  auto locate = [&](int32_t tile) {
 #pragma unroll
     for (int j = 0; j < kLoadPasses; ++j) {
-      const int32_t c = c0 + int32_t(threadIdx.x) / kPiecesPerRow + j * kRowsPerLoadPass;
+      const int32_t c = tile * kScoreTile + first_row + j * kRowsPerLoadPass;
       key_at[j] = c < info.candidates ? key_row_offset(sp.p, sp.p.k_strides, s, sp.n_init + c) : -1;
     }
+  };
+  auto load = [&](int32_t chunk) {
+    const int32_t first_dim = chunk * kChunkDims + part * kPerPiece;
+#pragma unroll
+    for (int j = 0; j < kLoadPasses; ++j) {
+      staged[j] = make_uint4(0, 0, 0, 0);
+      if (key_at[j] < 0) continue;
+      const char* from = keys + (key_at[j] + first_dim) * kElementBytes;
+      if (sp.p.kv_rows_aligned16 && first_dim + kPerPiece <= dim) {
+        staged[j] = *reinterpret_cast<const uint4*>(from);
+        continue;
+      }
+      uint32_t words[4] = {0, 0, 0, 0};  // unaligned rows or the tail of D: element by element, zeros past D
+#pragma unroll
+      for (int e = 0; e < kPerPiece; ++e) {
+        if (first_dim + e >= dim) break;
+        const uint32_t bits = kElementBytes == 4 ? reinterpret_cast<const uint32_t*>(from)[e]
+                                                 : reinterpret_cast<const uint16_t*>(from)[e];
+        words[e * kElementBytes / 4] |= bits << (8 * (e * kElementBytes % 4));
+      }
+      staged[j] = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+  };
+
+  int32_t tile = blockIdx.x;
+  locate(tile);
+  load(0);
+  while (true) {
+    const int32_t c0 = tile * kScoreTile;
+    const int32_t next_tile = tile + gridDim.x;
     double acc[2][kHeads];
 #pragma unroll
     for (int j = 0; j < kHeads; ++j) acc[0][j] = acc[1][j] = 0.0;
     for (int32_t chunk = 0; chunk < chunks; ++chunk) {
-      const int32_t first_dim = chunk * kChunkDims + part * kPerPiece;
 #pragma unroll
       for (int j = 0; j < kLoadPasses; ++j) {
-        uint4 piece = make_uint4(0, 0, 0, 0);
-        if (key_at[j] >= 0) {
-          const char* from = keys + (key_at[j] + first_dim) * kElementBytes;
-          if (sp.p.kv_rows_aligned16 && first_dim + kPerPiece <= dim) {
-            piece = *reinterpret_cast<const uint4*>(from);
-          } else {  // unaligned rows or the tail of D: element by element, zeros past D
-            uint32_t words[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int e = 0; e < kPerPiece; ++e) {
-              if (first_dim + e >= dim) break;
-              const uint32_t bits = kElementBytes == 4 ? reinterpret_cast<const uint32_t*>(from)[e]
-                                                       : reinterpret_cast<const uint16_t*>(from)[e];
-              words[e * kElementBytes / 4] |= bits << (8 * (e * kElementBytes % 4));
-            }
-            piece = make_uint4(words[0], words[1], words[2], words[3]);
-          }
-        }
-        const int32_t row = threadIdx.x / kPiecesPerRow + j * kRowsPerLoadPass;
-        *reinterpret_cast<uint4*>(rows + row * kChunkPitch + part * kPieceBytes) = piece;
+        *reinterpret_cast<uint4*>(rows + (first_row + j * kRowsPerLoadPass) * kChunkPitch + part * kPieceBytes) =
+            staged[j];
       }
       __syncthreads();
+      if (chunk + 1 < chunks) {  // the next chunk's (or the next tile's first chunk's) loads fly during the FMAs
+        load(chunk + 1);
+      } else if (next_tile < tiles) {
+        locate(next_tile);
+        load(0);
+      }
 #pragma unroll
       for (int p = 0; p < kPiecesPerRow; ++p) {
         const uint4 a = *reinterpret_cast<const uint4*>(rows + threadIdx.x * kChunkPitch + p * kPieceBytes);
-        const uint4 z = *reinterpret_cast<const uint4*>(rows + (threadIdx.x + kScoreThreads) * kChunkPitch + p * kPieceBytes);
+        const uint4 z =
+            *reinterpret_cast<const uint4*>(rows + (threadIdx.x + kScoreThreads) * kChunkPitch + p * kPieceBytes);
+        const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wz[4] = {z.x, z.y, z.z, z.w};
+        const double* q = qbar + (chunk * kChunkDims + p * kPerPiece) * kHeads;
 #pragma unroll
-        for (int e = 0; e < kPerPiece; ++e) {
-          const double k0 = widen<kType>(a, e), k1 = widen<kType>(z, e);
-          const double2* q = reinterpret_cast<const double2*>(qbar + (chunk * kChunkDims + p * kPerPiece + e) * kHeads);
-#pragma unroll
-          for (int j = 0; j < kHeads; j += 2) {
-            const double2 pair = q[j / 2];
-            acc[0][j] = fma(pair.x, k0, acc[0][j]);
-            acc[1][j] = fma(pair.x, k1, acc[1][j]);
-            if (j + 1 < kHeads) {
-              acc[0][j + 1] = fma(pair.y, k0, acc[0][j + 1]);
-              acc[1][j + 1] = fma(pair.y, k1, acc[1][j + 1]);
-            }
+        for (int w = 0; w < 4; ++w) {
+          if (kElementBytes == 4) {
+            accumulate<kHeads>(q + w * kHeads, widen_f32(wa[w]), widen_f32(wz[w]), acc);
+          } else {
+            double a_low, a_high, z_low, z_high;
+            widen_pair<kType>(wa[w], a_low, a_high);
+            widen_pair<kType>(wz[w], z_low, z_high);
+            accumulate<kHeads>(q + (2 * w) * kHeads, a_low, z_low, acc);
+            accumulate<kHeads>(q + (2 * w + 1) * kHeads, a_high, z_high, acc);
           }
         }
       }
@@ -356,6 +392,8 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const SelectParams
       sp.tile_max[(row0 + threadIdx.x) * sp.tiles + tile] = maxima[threadIdx.x];
       sp.tile_sum[(row0 + threadIdx.x) * sp.tiles + tile] = sums[threadIdx.x];
     }
+    if (next_tile >= tiles) break;
+    tile = next_tile;
   }
 }
 
