@@ -41,7 +41,7 @@ SPARSA_GPU_NAMESPACE_BEGIN
 namespace {
 
 constexpr int kPrepareThreads = 128;
-constexpr int kReduceThreads = 256;
+constexpr int kReduceThreads = 1024;  // lookup and merge: one block per sequence or head, few loads per thread
 constexpr int kScoreThreads = 128;
 constexpr int kScoreTile = 2 * kScoreThreads;  // candidates per score/vote tile: two rows per score thread
 constexpr int kPieceBytes = 16;                // one vector load
@@ -52,7 +52,7 @@ constexpr int kRowsPerLoadPass = kScoreThreads / kPiecesPerRow;
 constexpr int kLoadPasses = kScoreTile / kRowsPerLoadPass;
 constexpr int kMaxHeadDim = 256;
 constexpr int kVoteHeadsPerPass = 64;
-constexpr int kListThreads = 256;
+constexpr int kListThreads = 1024;    // one block per key list: few entries per thread (decode hit path)
 constexpr int kScoreBlocksPerSm = 4;  // score/vote grids: blocks walking tiles in a loop, all resident at once (no tail wave)
 constexpr uint64_t kMaxScoreBytes = uint64_t(16) << 30;
 // Powers of two that undo the bit placement of widen_*(): exact, see the file comment.
