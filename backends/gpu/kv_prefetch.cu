@@ -150,12 +150,12 @@ const void* device_address(const GpuDevice& device, const TensorArg& t, std::str
   cudaPointerAttributes attributes{};
   const cudaError_t status = cudaPointerGetAttributes(&attributes, t.t.data);
   if (status != cudaSuccess) (void)cudaGetLastError();  // older runtimes: an unknown host pointer is an error
-  const bool known = status == cudaSuccess && attributes.type != cudaMemoryTypeUnregistered;
-  if (known && attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr) {
+  const PointerKind kind = status == cudaSuccess ? pointer_kind(attributes) : PointerKind::kUnknown;
+  if (kind == PointerKind::kHost && attributes.devicePointer != nullptr) {
     return attributes.devicePointer;  // pinned / registered host memory, mapped for the device
   }
-  if (known && (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged)) {
-    if (attributes.type == cudaMemoryTypeDevice && attributes.device != device.device) {
+  if (kind == PointerKind::kDevice || kind == PointerKind::kManaged) {
+    if (kind == PointerKind::kDevice && attributes.device != device.device) {
       *why = "memory of another device (" + std::to_string(attributes.device) + ")";
       return nullptr;
     }
