@@ -768,7 +768,9 @@ void token_sparse_run(const GpuDevice& device, const AttentionProblem& problem, 
     topk_scratch = carver.take<char>(device_topk_scratch_bytes(int32_t(heads), shape.cand_stride));
   }
   ForwardParams attention = list_attention_params(problem, policy, shape.capacity);
-  const ForwardLaunch launch = plan_list_attention(device, problem, attention, shape, nullptr);
+  ForwardLaunch launch = plan_list_attention(device, problem, attention, shape, nullptr);
+  launch.num_splits = 1;  // row-mapped launches never split (forward_params.h): carve no partial states
+  launch.flat_rows = 0;
   carve_forward(carver, launch, attention);
   if (carver.sizing() || problem.batch == 0 || problem.num_q_heads == 0 || problem.max_seq_q == 0) return;
 
