@@ -1,0 +1,407 @@
+// SPARGE block-mask prediction (sparge_predict.h): block statistics, predicted scores and the per-row selection,
+// all in float64 and deterministic (every reduction has a fixed order: a butterfly inside a warp, then the warps
+// in index order), so a run gives the same mask every time and the CPU's mask wherever the float64 reference is
+// not within rounding of a threshold.
+//
+// Threads and wavefronts: warp shuffles are used only through warp_shfl_xor with kWarpLanes (32 on NVIDIA, 64 on
+// CDNA), so the same code holds on both.
+#include "sparge_predict.h"
+
+#include "forward_common.cuh"
+
+#include <cmath>
+
+SPARSA_GPU_NAMESPACE_BEGIN
+namespace {
+
+constexpr int kStatThreads = 128;   // block statistics: warps over rows, lanes over dimensions
+constexpr int kMaxHeadDim = 256;    // the backend's largest head_dim (kSimtMaxHeadDim)
+constexpr int kMaxDimsPerLane = (kMaxHeadDim + kWarpLanes - 1) / kWarpLanes;
+constexpr int kStatWarps = kStatThreads / kWarpLanes;
+constexpr int kScoreTile = 32;      // block scores: 32 query blocks × 32 key blocks per thread block
+constexpr int kScoreDimChunk = 32;  // dimensions staged in shared memory at a time
+constexpr int kScoreThreads = 256;
+constexpr int kScoreRowsPerThread = kScoreTile * kScoreTile / kScoreThreads;
+constexpr int kSelectThreads = 256;
+constexpr int kSelectWarps = kSelectThreads / kWarpLanes;
+// Columns of sparge_head_params [Hq, 4].
+constexpr int kThetaColumn = 0, kTauColumn = 1, kTopkColumn = 2, kLambdaColumn = 3;
+
+__device__ __forceinline__ int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The sequence view of kv head hk (make_sequence_view takes a query head; any head of the group maps to hk).
+__device__ __forceinline__ SequenceView kv_head_view(const ForwardParams& p, int32_t b, int32_t hk) {
+  return make_sequence_view(p, b, hk * p.group_size);
+}
+
+// Head h's value of one per-head parameter: the override unless absent or NaN, else the scalar.
+__device__ __forceinline__ double head_param(const SpargePredictParams& p, int32_t h, int column, double scalar) {
+  if (p.head_params == nullptr) return scalar;
+  const float value = p.head_params[h * p.head_params_strides[0] + column * p.head_params_strides[1]];
+  return isnan(value) ? scalar : double(value);
+}
+
+// Sum of `value` over the warp; every lane gets the same bits (each butterfly step adds a commutative pair).
+__device__ __forceinline__ double warp_sum(double value) {
+#pragma unroll
+  for (int offset = kWarpLanes / 2; offset > 0; offset >>= 1) value += warp_shfl_xor(value, offset);
+  return value;
+}
+
+// Block-wide reductions in a fixed order: warps first, then the warp results in index order by every thread.
+// `partials` holds one entry per warp; the trailing barrier lets the caller reuse it.
+template <int kWarps, typename Combine>
+__device__ __forceinline__ double block_reduce(double value, double* partials, Combine combine) {
+#pragma unroll
+  for (int offset = kWarpLanes / 2; offset > 0; offset >>= 1) value = combine(value, warp_shfl_xor(value, offset));
+  if (threadIdx.x % kWarpLanes == 0) partials[threadIdx.x / kWarpLanes] = value;
+  __syncthreads();
+  double total = partials[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) total = combine(total, partials[w]);
+  __syncthreads();
+  return total;
+}
+
+// ---- 1. Σ of the raw keys of each key block, per kv head (key_block_means holds sums until launch 3) ----
+__global__ void __launch_bounds__(kStatThreads) key_block_sums_kernel(const SpargePredictParams p) {
+  const ForwardParams& f = p.fwd;
+  const int32_t block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const SequenceView seq = kv_head_view(f, b, hk);
+  const int64_t first = int64_t(block) * p.block_k;
+  if (first >= seq.seq_k) return;
+  const int64_t rows = min(int64_t(p.block_k), seq.seq_k - first);
+  double* sums = p.key_block_means + ((int64_t(b) * p.num_kv_heads + hk) * p.max_k_blocks + block) * f.head_dim;
+  for (int d = threadIdx.x; d < f.head_dim; d += blockDim.x) {
+    double sum = 0.0;
+    for (int64_t t = first; t < first + rows; ++t) {
+      sum += load_value(f.k, key_row_offset(f, f.k_strides, seq, t) + d, f.element_type);
+    }
+    sums[d] = sum;
+  }
+}
+
+// ---- 2. Mean of K over the sequence (§4.1), per kv head: Σ of the block sums in block order, / Skv ----
+__global__ void __launch_bounds__(kStatThreads) key_mean_kernel(const SpargePredictParams p) {
+  const ForwardParams& f = p.fwd;
+  const int32_t hk = blockIdx.x, b = blockIdx.y;
+  const SequenceView seq = kv_head_view(f, b, hk);
+  const int64_t blocks = ceil_div64(seq.seq_k, p.block_k);
+  const int64_t head = int64_t(b) * p.num_kv_heads + hk;
+  const double* sums = p.key_block_means + head * p.max_k_blocks * f.head_dim;
+  for (int d = threadIdx.x; d < f.head_dim; d += blockDim.x) {
+    double total = 0.0;
+    for (int64_t block = 0; block < blocks; ++block) total += sums[block * f.head_dim + d];
+    p.key_mean[head * f.head_dim + d] = seq.seq_k > 0 ? total / double(seq.seq_k) : 0.0;
+  }
+}
+
+// ---- 3./4. Block statistics (§4 steps 2–3): mean of the rows and sim = ‖Σ x/‖x‖‖² / n² ----
+// kKeys: key blocks of kv head blockIdx.y, centred by key_mean; otherwise query blocks of query head blockIdx.y.
+// Warps take rows, lanes take dimensions (d = lane + c · kWarpLanes).
+template <bool kKeys>
+__global__ void __launch_bounds__(kStatThreads) block_stats_kernel(const SpargePredictParams p) {
+  __shared__ double row_sums[kStatWarps][kMaxHeadDim];
+  __shared__ double unit_sums[kStatWarps][kMaxHeadDim];
+  __shared__ double partials[kStatWarps];
+  const ForwardParams& f = p.fwd;
+  const int32_t block = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
+  const int32_t rows_per_block = kKeys ? p.block_k : p.block_q;
+  const SequenceView seq = kKeys ? kv_head_view(f, b, head) : make_sequence_view(f, b, head);
+  const int64_t seq_len = kKeys ? seq.seq_k : seq.seq_q;
+  const int64_t first = int64_t(block) * rows_per_block;
+  if (first >= seq_len) return;
+  const int64_t rows = min(int64_t(rows_per_block), seq_len - first);
+  const int32_t dim = f.head_dim;
+  const int64_t flat_head = int64_t(b) * (kKeys ? p.num_kv_heads : f.num_q_heads) + head;
+  const int64_t max_blocks = kKeys ? p.max_k_blocks : p.max_q_blocks;
+  const double* centre = kKeys ? p.key_mean + flat_head * dim : nullptr;
+  const int lane = threadIdx.x % kWarpLanes, warp = threadIdx.x / kWarpLanes;
+
+  double x_sum[kMaxDimsPerLane], u_sum[kMaxDimsPerLane];
+#pragma unroll
+  for (int c = 0; c < kMaxDimsPerLane; ++c) x_sum[c] = u_sum[c] = 0.0;
+  for (int64_t r = first + warp; r < first + rows; r += kStatWarps) {
+    const int64_t offset = kKeys ? key_row_offset(f, f.k_strides, seq, r) : query_row_offset(f.q_strides, seq, r);
+    double x[kMaxDimsPerLane];
+    double norm_sq = 0.0;
+#pragma unroll
+    for (int c = 0; c < kMaxDimsPerLane; ++c) {
+      const int d = lane + c * kWarpLanes;
+      x[c] = 0.0;
+      if (d < dim) {
+        x[c] = double(load_value(kKeys ? f.k : f.q, offset + d, f.element_type));
+        if (kKeys) x[c] -= centre[d];
+      }
+      norm_sq += x[c] * x[c];
+    }
+    norm_sq = warp_sum(norm_sq);
+    const double inv_norm = norm_sq > 0.0 ? 1.0 / sqrt(norm_sq) : 0.0;  // a zero row adds a zero unit vector
+#pragma unroll
+    for (int c = 0; c < kMaxDimsPerLane; ++c) {
+      x_sum[c] += x[c];
+      u_sum[c] += x[c] * inv_norm;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kMaxDimsPerLane; ++c) {
+    const int d = lane + c * kWarpLanes;
+    if (d < dim) {
+      row_sums[warp][d] = x_sum[c];
+      unit_sums[warp][d] = u_sum[c];
+    }
+  }
+  __syncthreads();
+  double* means = (kKeys ? p.key_block_means : p.query_block_means) + (flat_head * max_blocks + block) * dim;
+  double unit_norm_sq = 0.0;
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    double x_total = 0.0, u_total = 0.0;
+#pragma unroll
+    for (int w = 0; w < kStatWarps; ++w) {
+      x_total += row_sums[w][d];
+      u_total += unit_sums[w][d];
+    }
+    means[d] = x_total / double(rows);  // the tail block averages its real rows only
+    unit_norm_sq += u_total * u_total;
+  }
+  unit_norm_sq = block_reduce<kStatWarps>(unit_norm_sq, partials, [](double a, double c) { return a + c; });
+  if (threadIdx.x == 0) {
+    const double sim = unit_norm_sq / (double(rows) * double(rows));
+    (kKeys ? p.key_sim : p.query_sim)[flat_head * max_blocks + block] = fmin(1.0, fmax(0.0, sim));
+  }
+}
+
+// ---- 5. Ŝ[I, J] = scale · q̄_I·k̄_J (§4 step 4) for one head: 32 × 32 outputs per thread block, each summed over
+// d in ascending order. grid = (key tiles × Hq, query tiles, B). ----
+__global__ void __launch_bounds__(kScoreThreads) block_scores_kernel(const SpargePredictParams p) {
+  __shared__ double q_tile[kScoreTile][kScoreDimChunk + 1];
+  __shared__ double k_tile[kScoreTile][kScoreDimChunk + 1];
+  const ForwardParams& f = p.fwd;
+  const int32_t key_tiles = (p.max_k_blocks + kScoreTile - 1) / kScoreTile;
+  const int32_t h = blockIdx.x / key_tiles;
+  const int32_t key_tile = blockIdx.x % key_tiles;
+  const int32_t b = blockIdx.z;
+  const int32_t hk = h / f.group_size;
+  const SequenceView seq = make_sequence_view(f, b, h);
+  const int32_t q_blocks = int32_t(ceil_div64(seq.seq_q, p.block_q));
+  const int32_t k_blocks = int32_t(ceil_div64(seq.seq_k, p.block_k));
+  const int32_t q_first = blockIdx.y * kScoreTile, k_first = key_tile * kScoreTile;
+  if (q_first >= q_blocks || k_first >= k_blocks) return;
+  const int32_t dim = f.head_dim;
+  const double* q_means = p.query_block_means + (int64_t(b) * f.num_q_heads + h) * p.max_q_blocks * dim;
+  const double* k_means = p.key_block_means + (int64_t(b) * p.num_kv_heads + hk) * p.max_k_blocks * dim;
+  const int col = threadIdx.x % kScoreTile;
+  const int row0 = threadIdx.x / kScoreTile;
+  constexpr int kRowStep = kScoreThreads / kScoreTile;
+  double acc[kScoreRowsPerThread];
+#pragma unroll
+  for (int r = 0; r < kScoreRowsPerThread; ++r) acc[r] = 0.0;
+  for (int d0 = 0; d0 < dim; d0 += kScoreDimChunk) {
+    for (int index = threadIdx.x; index < kScoreTile * kScoreDimChunk; index += kScoreThreads) {
+      const int r = index / kScoreDimChunk, d = index % kScoreDimChunk;
+      const bool in_dim = d0 + d < dim;
+      q_tile[r][d] = in_dim && q_first + r < q_blocks ? q_means[int64_t(q_first + r) * dim + d0 + d] : 0.0;
+      k_tile[r][d] = in_dim && k_first + r < k_blocks ? k_means[int64_t(k_first + r) * dim + d0 + d] : 0.0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kScoreRowsPerThread; ++r) {
+      const int q_row = row0 + r * kRowStep;
+      for (int d = 0; d < kScoreDimChunk && d0 + d < dim; ++d) acc[r] += q_tile[q_row][d] * k_tile[col][d];
+    }
+    __syncthreads();
+  }
+  const int32_t key_block = k_first + col;
+  if (key_block >= k_blocks) return;
+#pragma unroll
+  for (int r = 0; r < kScoreRowsPerThread; ++r) {
+    const int32_t query_block = q_first + row0 + r * kRowStep;
+    if (query_block >= q_blocks) continue;
+    const int64_t row = (int64_t(b) * f.num_q_heads + h) * p.max_q_blocks + query_block;
+    p.scores[row * p.max_k_blocks + key_block] = p.scale * acc[r];
+  }
+}
+
+// ---- 6. Selection, one mask row (b, h, I) at a time ----
+
+// Descending rank (§0): larger value first, the smaller index wins a tie, NaN after every number, and padding
+// entries (index >= n_real) after everything.
+__device__ __forceinline__ bool ranks_before(double value_a, int32_t id_a, double value_b, int32_t id_b,
+                                             int32_t n_real) {
+  const bool a_pad = id_a >= n_real, b_pad = id_b >= n_real;
+  if (a_pad != b_pad) return b_pad;
+  const bool a_nan = isnan(value_a), b_nan = isnan(value_b);
+  if (a_nan != b_nan) return b_nan;
+  if (!a_nan && value_a != value_b) return value_a > value_b;
+  return id_a < id_b;
+}
+
+// Bitonic sort of n (a power of two) entries into rank order, by the whole thread block.
+__device__ void bitonic_sort(double* values, int32_t* ids, int32_t n, int32_t n_real) {
+  for (int32_t size = 2; size <= n; size <<= 1) {
+    for (int32_t stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int32_t pair = threadIdx.x; pair < n / 2; pair += blockDim.x) {
+        const int32_t lo = (pair / stride) * 2 * stride + pair % stride;
+        const int32_t hi = lo + stride;
+        const bool forward = (lo & size) == 0;  // this run ends up in rank order (else reversed, to be merged)
+        const bool hi_first = ranks_before(values[hi], ids[hi], values[lo], ids[lo], n_real);
+        if (hi_first == forward) {
+          const double v = values[lo];
+          values[lo] = values[hi];
+          values[hi] = v;
+          const int32_t id = ids[lo];
+          ids[lo] = ids[hi];
+          ids[hi] = id;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// TopCdf (§4 step 5): the number of leading ranks whose cumulative sum stays <= tau, i.e. the first rank r with
+// Σ_{r' <= r} P̂ > tau (n when there is none). Each thread sums a contiguous run of ranks; a scan over the threads
+// gives every run its starting sum.
+__device__ int32_t top_cdf_count(const double* sorted, int32_t n, double tau, double* thread_sums, double* partials) {
+  const int32_t per_thread = (n + blockDim.x - 1) / blockDim.x;
+  const int32_t begin = min(n, int32_t(threadIdx.x) * per_thread);
+  const int32_t end = min(n, begin + per_thread);
+  double run = 0.0;
+  for (int32_t r = begin; r < end; ++r) run += sorted[r];
+  thread_sums[threadIdx.x] = run;
+  __syncthreads();
+  for (int32_t stride = 1; stride < int32_t(blockDim.x); stride <<= 1) {  // inclusive Hillis–Steele scan
+    const double add = threadIdx.x >= uint32_t(stride) ? thread_sums[threadIdx.x - stride] : 0.0;
+    __syncthreads();
+    thread_sums[threadIdx.x] += add;
+    __syncthreads();
+  }
+  double cumulative = thread_sums[threadIdx.x] - run;
+  int32_t first_over = n;
+  for (int32_t r = begin; r < end; ++r) {
+    cumulative += sorted[r];
+    if (cumulative > tau) {
+      first_over = r;
+      break;
+    }
+  }
+  return int32_t(block_reduce<kSelectWarps>(double(first_over), partials,
+                                            [](double a, double c) { return fmin(a, c); }));
+}
+
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(const SpargePredictParams p) {
+  __shared__ double shared_values[kSpargeSharedSortEntries];
+  __shared__ int32_t shared_ids[kSpargeSharedSortEntries];
+  __shared__ uint8_t shared_flags[kSpargeSharedSortEntries];
+  __shared__ double thread_sums[kSelectThreads];
+  __shared__ double partials[kSelectWarps];
+  const ForwardParams& f = p.fwd;
+  const bool global_sort = p.sort_capacity > 0;
+  double* values = global_sort ? p.sort_values + int64_t(blockIdx.x) * p.sort_capacity : shared_values;
+  int32_t* ids = global_sort ? p.sort_ids + int64_t(blockIdx.x) * p.sort_capacity : shared_ids;
+  uint8_t* kept = global_sort ? p.sort_flags + int64_t(blockIdx.x) * p.sort_capacity : shared_flags;
+  const int64_t total_rows = int64_t(f.batch) * f.num_q_heads * p.max_q_blocks;
+
+  for (int64_t row = blockIdx.x; row < total_rows; row += gridDim.x) {
+    const int32_t query_block = int32_t(row % p.max_q_blocks);
+    const int32_t h = int32_t((row / p.max_q_blocks) % f.num_q_heads);
+    const int32_t b = int32_t(row / (int64_t(p.max_q_blocks) * f.num_q_heads));
+    const int32_t hk = h / f.group_size;
+    const SequenceView seq = make_sequence_view(f, b, h);
+    const int32_t q_blocks = int32_t(ceil_div64(seq.seq_q, p.block_q));
+    const int32_t n = query_block < q_blocks ? int32_t(ceil_div64(seq.seq_k, p.block_k)) : 0;  // key blocks
+    const double theta = head_param(p, h, kThetaColumn, p.theta);
+    const int64_t last_row = min(int64_t(seq.seq_q), int64_t(query_block + 1) * p.block_q) - 1;
+    const int64_t horizon = last_row + seq.causal_offset;  // key block J is causally visible iff J·bk <= horizon
+    const double* key_sim = p.key_sim + (int64_t(b) * p.num_kv_heads + hk) * p.max_k_blocks;
+    const double* scores = p.scores + row * p.max_k_blocks;
+    auto visible = [&](int32_t j) { return !f.causal || int64_t(j) * p.block_k <= horizon; };
+
+    // Step 4: Ŝ with −inf for non-self-similar and causally invisible key blocks; its row maximum.
+    const int32_t padded = n > 0 ? int32_t(sparge_pow2_at_least(n)) : 0;
+    double local_max = -INFINITY;
+    for (int32_t j = threadIdx.x; j < padded; j += blockDim.x) {
+      double score = -INFINITY;
+      if (j < n && key_sim[j] > theta && visible(j)) score = scores[j];
+      values[j] = score;
+      ids[j] = j;
+      kept[j] = 0;
+      local_max = fmax(local_max, score);  // like std::max on the CPU, a NaN score never becomes the maximum
+    }
+    const double row_max =
+        block_reduce<kSelectWarps>(local_max, partials, [](double a, double c) { return fmax(a, c); });
+
+    // Step 5 (a row whose Ŝ is all −inf keeps nothing here, only its forced blocks below).
+    if (row_max != -INFINITY) {
+      double local_sum = 0.0;
+      for (int32_t j = threadIdx.x; j < n; j += blockDim.x) {
+        values[j] = exp(values[j] - row_max);
+        local_sum += values[j];
+      }
+      const double total = block_reduce<kSelectWarps>(local_sum, partials, [](double a, double c) { return a + c; });
+      for (int32_t j = threadIdx.x; j < n; j += blockDim.x) values[j] /= total;
+      __syncthreads();
+      bitonic_sort(values, ids, padded, n);
+      const double topk_fraction = head_param(p, h, kTopkColumn, p.topk_fraction);
+      const double tau = head_param(p, h, kTauColumn, p.tau);
+      int32_t keep = 0;
+      if (topk_fraction > 0.0) {
+        keep = int32_t(floor(topk_fraction * double(n)));
+      } else if (tau >= 1.0) {
+        keep = n;  // the exact cumulative sum never exceeds 1 (the CPU's rule: a rounded sum could)
+      } else {
+        keep = top_cdf_count(values, n, tau, thread_sums, partials);
+      }
+      keep = min(n, max(1, keep));
+      for (int32_t r = threadIdx.x; r < keep; r += blockDim.x) kept[ids[r]] = 1;
+      __syncthreads();
+    }
+
+    // Step 6: forced columns and rows, the sink column, ∧ causal; zero outside the sequence.
+    const bool query_similar = query_block < q_blocks && p.query_sim[row] > theta;
+    uint8_t* mask_row = p.mask + row * p.max_k_blocks;
+    uint8_t* out_row = p.mask_out != nullptr ? p.mask_out + b * p.mask_out_strides[0] + h * p.mask_out_strides[1] +
+                                                   query_block * p.mask_out_strides[2]
+                                             : nullptr;
+    for (int32_t j = threadIdx.x; j < p.max_k_blocks; j += blockDim.x) {
+      uint8_t on = 0;
+      if (j < n) {
+        const bool forced = !(key_sim[j] > theta) || !query_similar || (p.attention_sink && j == 0);
+        on = (kept[j] || forced) && visible(j) ? 1 : 0;
+      }
+      mask_row[j] = on;
+      if (out_row != nullptr) out_row[j * p.mask_out_strides[3]] = on;
+    }
+    __syncthreads();  // the next row reuses values, ids and flags
+  }
+}
+
+// The per-head PV-skip threshold λ_h · log2(e) (base-2 domain of the forward kernels; −inf stays −inf).
+__global__ void pv_skip_table_kernel(const SpargePredictParams p) {
+  for (int32_t h = blockIdx.x * blockDim.x + threadIdx.x; h < p.fwd.num_q_heads; h += gridDim.x * blockDim.x) {
+    const float lambda = float(head_param(p, h, kLambdaColumn, double(p.lambda)));
+    p.pv_skip_log2[h] = lambda == -INFINITY ? -INFINITY : lambda * kLog2e;
+  }
+}
+
+}  // namespace
+
+cudaError_t sparge_predict_launch(const SpargePredictParams& p, cudaStream_t stream) {
+  const ForwardParams& f = p.fwd;
+  const dim3 key_grid(p.max_k_blocks, p.num_kv_heads, f.batch);
+  key_block_sums_kernel<<<key_grid, kStatThreads, 0, stream>>>(p);
+  key_mean_kernel<<<dim3(p.num_kv_heads, f.batch), kStatThreads, 0, stream>>>(p);
+  block_stats_kernel<true><<<key_grid, kStatThreads, 0, stream>>>(p);
+  block_stats_kernel<false><<<dim3(p.max_q_blocks, f.num_q_heads, f.batch), kStatThreads, 0, stream>>>(p);
+  const int32_t key_tiles = (p.max_k_blocks + kScoreTile - 1) / kScoreTile;
+  const int32_t query_tiles = (p.max_q_blocks + kScoreTile - 1) / kScoreTile;
+  block_scores_kernel<<<dim3(key_tiles * f.num_q_heads, query_tiles, f.batch), kScoreThreads, 0, stream>>>(p);
+  select_kernel<<<p.select_grid, kSelectThreads, 0, stream>>>(p);
+  if (p.pv_skip_log2 != nullptr) {
+    constexpr int kTableThreads = 128;
+    pv_skip_table_kernel<<<(f.num_q_heads + kTableThreads - 1) / kTableThreads, kTableThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+SPARSA_GPU_NAMESPACE_END
