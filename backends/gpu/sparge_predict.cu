@@ -276,7 +276,7 @@ __device__ int32_t top_cdf_count(const double* sorted, int32_t n, double tau, do
     thread_sums[threadIdx.x] += add;
     __syncthreads();
   }
-  double cumulative = thread_sums[threadIdx.x] - run;
+  double cumulative = threadIdx.x > 0 ? thread_sums[threadIdx.x - 1] : 0.0;  // the runs before this one
   int32_t first_over = n;
   for (int32_t r = begin; r < end; ++r) {
     cumulative += sorted[r];
