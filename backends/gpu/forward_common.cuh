@@ -13,6 +13,9 @@ constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts base-2 LSE bac
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): base-2 exponentials instead of exp
 
 // Everything about one (sequence b, query head h) that the walk needs, computed once per thread block.
+// With a query-row map (forward_params.h) the walk runs over `rows` launch rows a = 0, 1, ...; row a sits at
+// row_position(a) in the key domain [0, seq_k) (causal horizon row_position(a) + causal_offset). kTokenLists makes
+// the domain the compressed sequence: seq_q = seq_k = rows = the list length, causal_offset = 0.
 struct SequenceView {
   int32_t b = 0, h = 0, kv_head = 0;
   int32_t seq_q = 0;       // Sq of this sequence
@@ -20,6 +23,10 @@ struct SequenceView {
   int32_t q_row_base = 0;  // cu_seqlens_q[b] when packed, else 0
   int32_t k_row_base = 0;  // cu_seqlens_k[b] when packed, else 0
   int32_t causal_offset = 0;  // o = Skv - Sq (bottom-right alignment)
+  int32_t rows = 0;           // launch rows of this (b, h): seq_q unless a row map says otherwise
+  int32_t delta_prefix = 0;   // kDeltaRows: s_p
+  int32_t delta_anchors = 0;  // kDeltaRows: ceil(s_p / gamma)
+  const int32_t* token_list = nullptr;  // kTokenLists: the (b, h) list of positions
 };
 
 __device__ __forceinline__ SequenceView make_sequence_view(const ForwardParams& p, int32_t b, int32_t h) {
@@ -41,7 +48,26 @@ __device__ __forceinline__ SequenceView make_sequence_view(const ForwardParams& 
   }
   if (p.seq_lens_k != nullptr) s.seq_k = p.seq_lens_k[b * p.seq_lens_k_stride];
   s.causal_offset = s.seq_k - s.seq_q;
+  s.rows = s.seq_q;
+  if (p.row_map == QueryRowMap::kDeltaRows) {
+    const int32_t cut = s.seq_q % p.delta_gamma + max(p.delta_tail_min, p.delta_gamma);
+    s.delta_prefix = max(0, s.seq_q - cut);
+    s.delta_anchors = (s.delta_prefix + p.delta_gamma - 1) / p.delta_gamma;
+    s.rows = s.delta_anchors + (s.seq_q - s.delta_prefix);
+  } else if (p.row_map == QueryRowMap::kTokenLists) {
+    const int64_t list = int64_t(b) * p.num_q_heads + h;
+    s.token_list = p.token_lists + list * p.token_list_capacity;
+    s.rows = s.seq_q = s.seq_k = p.token_counts[list];
+    s.causal_offset = 0;
+  }
   return s;
+}
+
+// Position of launch row a in the key domain: a, except for kDeltaRows (anchors a·gamma, then the tail from s_p).
+// Increasing in a, so the last row of a tile has the tile's farthest causal horizon.
+__device__ __forceinline__ int32_t row_position(const ForwardParams& p, const SequenceView& s, int32_t a) {
+  if (p.row_map != QueryRowMap::kDeltaRows) return a;
+  return a < s.delta_anchors ? a * p.delta_gamma : s.delta_prefix + (a - s.delta_anchors);
 }
 
 // Element offset of q/out row i of the sequence (strides of q or out).
@@ -64,12 +90,41 @@ __device__ __forceinline__ int64_t key_row_offset(const ForwardParams& p, const 
   return s.b * st.b + (s.k_row_base + t) * st.s + int64_t(s.kv_head) * st.h;
 }
 
+// Element offset of key c of the launch's key domain (kTokenLists: compressed key c is position list[c]).
+__device__ __forceinline__ int64_t launch_key_offset(const ForwardParams& p, const TensorStrides& st,
+                                                     const SequenceView& s, int32_t c) {
+  return key_row_offset(p, st, s, p.row_map == QueryRowMap::kTokenLists ? s.token_list[c] : c);
+}
+
+// Element offsets of launch row a (forward_params.h): q is read at the row's sequence position (kTokenLists: the
+// list entry); out and lse are written there too, except kDeltaRows, whose outputs are compact (row a at a).
+__device__ __forceinline__ int64_t launch_query_offset(const ForwardParams& p, const TensorStrides& st,
+                                                       const SequenceView& s, int32_t a) {
+  const int32_t i = p.row_map == QueryRowMap::kTokenLists ? s.token_list[a] : row_position(p, s, a);
+  return query_row_offset(st, s, i);
+}
+__device__ __forceinline__ int64_t launch_output_offset(const ForwardParams& p, const SequenceView& s, int32_t a) {
+  const TensorStrides& st = p.out_strides;
+  if (p.row_map == QueryRowMap::kDeltaRows) return s.b * st.b + int64_t(a) * st.s + int64_t(s.h) * st.h;
+  return query_row_offset(st, s, p.row_map == QueryRowMap::kTokenLists ? s.token_list[a] : a);
+}
+__device__ __forceinline__ int64_t launch_lse_offset(const ForwardParams& p, const SequenceView& s, int32_t a) {
+  const TensorStrides& st = p.lse_strides;
+  int64_t i = a;  // kDeltaRows: compact, no q_row_base
+  if (p.row_map == QueryRowMap::kTokenLists) i = s.q_row_base + s.token_list[a];
+  if (p.row_map == QueryRowMap::kAll) i = s.q_row_base + a;
+  return s.b * st.b + int64_t(s.h) * st.h + i * st.s;
+}
+
 // One past the last key any of the rows [row_begin, row_end) may see (causal bound), clamped to Skv.
 __device__ __forceinline__ int32_t key_end_for_rows(const ForwardParams& p, const SequenceView& s, int32_t row_end) {
   if (!p.causal) return s.seq_k;
-  const int64_t last_visible = int64_t(row_end - 1) + s.causal_offset;  // of the last row
+  const int64_t last_visible = int64_t(row_position(p, s, row_end - 1)) + s.causal_offset;  // of the last row
   return int32_t(last_visible + 1 < s.seq_k ? (last_visible + 1 < 0 ? 0 : last_visible + 1) : s.seq_k);
 }
+
+// The rule helpers below take sequence positions for rows (launch rows only differ from positions under a row map,
+// and row maps use the dense rule, for which only the causal bound matters).
 
 // Exact §0-§3 predicate: may query row i see key j (0 <= j < Skv assumed by the caller)?
 __device__ __forceinline__ bool key_visible(const ForwardParams& p, const SequenceView& s, int32_t i, int32_t j) {
@@ -144,10 +199,11 @@ __device__ __forceinline__ bool tile_rule_uniform(const ForwardParams& p, const 
 }
 
 // Is every key of the tile visible to every row (so the element predicate can be skipped)? Conservative.
+// row_begin is a launch row (its position bounds the tile's nearest causal horizon).
 __device__ __forceinline__ bool tile_fully_visible(const ForwardParams& p, const SequenceView& s, int32_t row_begin,
                                                    int32_t key_end, int32_t tile_key_end) {
   if (p.rule != VisibilityRule::kDense || tile_key_end > key_end) return false;
-  return !p.causal || int64_t(tile_key_end - 1) <= int64_t(row_begin) + s.causal_offset;
+  return !p.causal || int64_t(tile_key_end - 1) <= int64_t(row_position(p, s, row_begin)) + s.causal_offset;
 }
 
 // One element of an F32/F16/BF16 tensor as fp32, and back (the scalar paths: portable, decode, merge, index-driven

@@ -1,13 +1,16 @@
 // FlashAttention-2-style forward on NVIDIA tensor cores (sm_80+): fp16/bf16 inputs, fp32 accumulation, head dims
-// 64 and 128. One thread block = 4 warps = one 64-row query tile of one (sequence, query head); each warp owns 16
-// rows. The block walks the key tiles its rows may see (forward_common.cuh) in ascending order, double-buffered:
+// 64 and 128. One thread block = 4 warps = one query tile of one (sequence, query head); each warp owns 16 rows (one
+// m16 fragment, 64-row tiles) or 32 rows (two fragments, 128-row tiles: every K/V fragment loaded feeds twice the
+// mma). The block walks the key tiles its rows may see (forward_common.cuh) in ascending order, double-buffered:
 //
 //   cp.async  K/V tile n+1 -> shared          (while tile n computes)
 //   S  = Q·Kᵀ                                 mma.sync m16n8k16, A = Q (ldmatrix), B = K rows (ldmatrix)
 //   S  = mask(S) · scale·log2(e)              exact element predicate, only on tiles that need it
+//   [PV skip: block-wide max of m_local - m_new vs λ; a dropped tile stops here]
 //   online softmax: m, l, O rescaled          base-2 exponentials, fp32
 //   O += P·V                                  P re-packed from the S accumulators, B = V (ldmatrix.trans)
 //
+// Query-row maps (forward_params.h) change only where rows are read and written and each row's causal horizon.
 // Shared-memory rows are XOR-swizzled in 16-byte chunks (chunk ^ (row % 8)) so that ldmatrix's eight row reads hit
 // eight different bank groups. HIP builds compile this file to a launcher that reports "unsupported" (no mma.sync).
 #include "forward_mma.h"
@@ -30,9 +33,8 @@ SPARSA_GPU_NAMESPACE_BEGIN
 #if SPARSA_GPU_HAS_MMA_SYNC
 namespace {
 
-constexpr int kBlockRows = kMmaBlockRows;  // query rows per thread block
 constexpr int kBlockKeys = kMmaBlockKeys;  // keys per tile
-constexpr int kWarps = 4;        // each warp owns kBlockRows / kWarps = 16 rows (one mma M)
+constexpr int kWarps = 4;        // each warp owns 16 rows (one mma M fragment) or 32 (two)
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunkElems = 8;   // 16-byte chunk of 2-byte elements
 constexpr int kSwizzleRows = 8;  // swizzle period: ldmatrix reads 8 rows at once
@@ -123,28 +125,40 @@ __device__ __forceinline__ void load_tile_async(uint16_t* tile, const uint16_t* 
   }
 }
 
-template <typename Tag, int kHeadDim>
+// Rows of a thread block: kWarps warps × kFrags m16 fragments each.
+template <int kFrags>
+constexpr int kTileRows = kWarps * 16 * kFrags;
+
+template <typename Tag, int kHeadDim, int kFrags>
 __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardParams p) {
 #if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+  constexpr int kBlockRows = kTileRows<kFrags>;
   constexpr int kTileElems = kBlockKeys * kHeadDim;
   constexpr int kKeyBlocks8 = kBlockKeys / 8;   // n-blocks of the S tile
   constexpr int kDimBlocks8 = kHeadDim / 8;     // n-blocks of the O tile
+  // One fragment per warp keeps Q in registers for the whole walk; two re-read it from shared memory per key tile
+  // (as FlashAttention-2 does), since both Q fragments plus two O accumulators would not fit in 255 registers.
+  constexpr bool kQInRegisters = kFrags == 1;
   extern __shared__ uint4 shared_storage[];
   uint16_t* q_tile = reinterpret_cast<uint16_t*>(shared_storage);
   uint16_t* k_tiles = q_tile + kBlockRows * kHeadDim;  // [2][kBlockKeys][kHeadDim]
   uint16_t* v_tiles = k_tiles + 2 * kTileElems;        // [2][kBlockKeys][kHeadDim]
+  __shared__ float warp_gain[kWarps];                  // PV skip: each warp's max of (m_local - m_new)
 
   const SequenceView seq = make_sequence_view(p, blockIdx.z, blockIdx.y);
   const int32_t split = blockIdx.x % p.num_splits;
   const int32_t row_begin = (blockIdx.x / p.num_splits) * kBlockRows;
-  if (row_begin >= seq.seq_q) return;
-  const int32_t row_end = min(row_begin + kBlockRows, seq.seq_q);
+  if (row_begin >= seq.rows) return;
+  const int32_t row_end = min(row_begin + kBlockRows, seq.rows);
   const int32_t key_end = key_end_for_rows(p, seq, row_end);
   // This block's share of the key tiles: [first_tile, tile_count).
   const int32_t all_tiles = (key_end + kBlockKeys - 1) / kBlockKeys;
   const int32_t tiles_per_split = (all_tiles + p.num_splits - 1) / p.num_splits;
   const int32_t first_tile = min(all_tiles, split * tiles_per_split);
   const int32_t tile_count = min(all_tiles, first_tile + tiles_per_split);
+  // §4 step 7 (the launcher guarantees one mask cell per tile and no split): the first computed tile is never tested.
+  const float skip_threshold = p.pv_skip_log2 != nullptr ? p.pv_skip_log2[seq.h] : -INFINITY;
+  bool skip_test = false;
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -162,7 +176,8 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
   auto issue_key_tile = [&](int32_t tile, int buffer) {
     const int32_t key_begin = tile * kBlockKeys;
     const int valid = min(kBlockKeys, seq.seq_k - key_begin);
-    if (p.page_table == nullptr) {  // padded/packed rows are evenly spaced: one offset, then a stride
+    if (p.page_table == nullptr && p.row_map != QueryRowMap::kTokenLists) {
+      // padded/packed rows are evenly spaced: one offset, then a stride
       const int64_t k_first = key_row_offset(p, p.k_strides, seq, key_begin);
       const int64_t v_first = key_row_offset(p, p.v_strides, seq, key_begin);
       load_tile_async<kHeadDim, kBlockKeys>(
@@ -173,31 +188,51 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
     }
     load_tile_async<kHeadDim, kBlockKeys>(
         k_tiles + buffer * kTileElems, k_base,
-        [&](int r) { return key_row_offset(p, p.k_strides, seq, key_begin + r); }, valid);
+        [&](int r) { return launch_key_offset(p, p.k_strides, seq, key_begin + r); }, valid);
     load_tile_async<kHeadDim, kBlockKeys>(
         v_tiles + buffer * kTileElems, v_base,
-        [&](int r) { return key_row_offset(p, p.v_strides, seq, key_begin + r); }, valid);
+        [&](int r) { return launch_key_offset(p, p.v_strides, seq, key_begin + r); }, valid);
   };
 
   // Stage 0: Q tile and the first key tile in one cp.async group.
-  const int64_t q_first = query_row_offset(p.q_strides, seq, row_begin);
-  load_tile_async<kHeadDim, kBlockRows>(
-      q_tile, q_base, [&](int r) { return q_first + r * p.q_strides.s; }, row_end - row_begin);
+  if (p.row_map == QueryRowMap::kAll) {
+    const int64_t q_first = query_row_offset(p.q_strides, seq, row_begin);
+    load_tile_async<kHeadDim, kBlockRows>(
+        q_tile, q_base, [&](int r) { return q_first + r * p.q_strides.s; }, row_end - row_begin);
+  } else {
+    load_tile_async<kHeadDim, kBlockRows>(
+        q_tile, q_base, [&](int r) { return launch_query_offset(p, p.q_strides, seq, row_begin + r); },
+        row_end - row_begin);
+  }
   int32_t tile = next_visible_tile(first_tile);
   if (tile < tile_count) issue_key_tile(tile, 0);
   cp_async_commit();
 
-  // Per-thread state: rows (lane/4) and (lane/4 + 8) of this warp's 16; O fragment per 8-wide dim block.
-  float o_acc[kDimBlocks8][4];
+  // Per-thread state, per fragment f: rows (lane/4) and (lane/4 + 8) of the fragment's 16; O per 8-wide dim block.
+  float o_acc[kFrags][kDimBlocks8][4];
 #pragma unroll
-  for (int nd = 0; nd < kDimBlocks8; ++nd) o_acc[nd][0] = o_acc[nd][1] = o_acc[nd][2] = o_acc[nd][3] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};  // base-2 domain
-  float row_sum[2] = {0.f, 0.f};              // this thread's partial; quad-reduced at the end
-  const int warp_row0 = warp * 16;
-  const int32_t my_rows[2] = {row_begin + warp_row0 + lane / 4, row_begin + warp_row0 + lane / 4 + 8};
+  for (int f = 0; f < kFrags; ++f) {
+#pragma unroll
+    for (int nd = 0; nd < kDimBlocks8; ++nd) o_acc[f][nd][0] = o_acc[f][nd][1] = o_acc[f][nd][2] = o_acc[f][nd][3] = 0.f;
+  }
+  float row_max[kFrags][2];  // base-2 domain
+  float row_sum[kFrags][2];  // this thread's partial; quad-reduced at the end
+  int32_t my_rows[kFrags][2];
+  int64_t my_horizon[kFrags][2];  // causal: last visible key of the row
+  const int warp_row0 = warp * 16 * kFrags;
+#pragma unroll
+  for (int f = 0; f < kFrags; ++f) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[f][r] = -INFINITY;
+      row_sum[f][r] = 0.f;
+      my_rows[f][r] = row_begin + warp_row0 + f * 16 + lane / 4 + 8 * r;
+      my_horizon[f][r] = int64_t(row_position(p, seq, my_rows[f][r])) + seq.causal_offset;
+    }
+  }
 
   const bool warp_active = row_begin + warp_row0 < row_end;
-  uint32_t q_frag[kHeadDim / 16][4];
+  uint32_t q_frag[kQInRegisters ? kHeadDim / 16 : 1][4];
   bool q_in_registers = false;
 
   int buffer = 0;
@@ -215,8 +250,10 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
     const uint16_t* v_tile = v_tiles + buffer * kTileElems;
     const int32_t key_begin = tile * kBlockKeys;
 
-    if (warp_active) {  // a warp whose 16 rows all lie past the sequence end only helps load tiles
-      if (!q_in_registers) {  // Q fragments stay in registers for the whole walk (A operand of every S mma)
+    float s_acc[kFrags][kKeyBlocks8][4];
+    float tile_max[kFrags][2];  // raw (unscaled) row maxima of this tile, quad-reduced
+    if (warp_active) {  // a warp whose rows all lie past the sequence end only helps load tiles
+      if (kQInRegisters && !q_in_registers) {
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           ldmatrix_x4(q_frag[kk],
@@ -225,19 +262,35 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
         q_in_registers = true;
       }
 
-      // S = Q·Kᵀ for this warp's 16 rows × 64 keys.
-      float s_acc[kKeyBlocks8][4];
+      // S = Q·Kᵀ for this warp's rows × 64 keys: each K fragment feeds 2·kFrags mma.
 #pragma unroll
-      for (int nb = 0; nb < kKeyBlocks8; ++nb) s_acc[nb][0] = s_acc[nb][1] = s_acc[nb][2] = s_acc[nb][3] = 0.f;
+      for (int f = 0; f < kFrags; ++f) {
+#pragma unroll
+        for (int nb = 0; nb < kKeyBlocks8; ++nb) s_acc[f][nb][0] = s_acc[f][nb][1] = s_acc[f][nb][2] = s_acc[f][nb][3] = 0.f;
+      }
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        uint32_t a[kFrags][4];
+#pragma unroll
+        for (int f = 0; f < kFrags; ++f) {
+          if (kQInRegisters) {
+#pragma unroll
+            for (int x = 0; x < 4; ++x) a[f][x] = q_frag[kQInRegisters ? kk : 0][x];
+          } else {
+            ldmatrix_x4(a[f], shared_address(q_tile + swizzled_offset<kHeadDim>(warp_row0 + f * 16 + lane % 16,
+                                                                               2 * kk + lane / 16)));
+          }
+        }
 #pragma unroll
         for (int nb = 0; nb < kKeyBlocks8; nb += 2) {
           uint32_t b[4];
           const int key_row = nb * 8 + lane % 8 + (lane / 16) * 8;
           ldmatrix_x4(b, shared_address(k_tile + swizzled_offset<kHeadDim>(key_row, 2 * kk + (lane / 8) % 2)));
-          mma_16816(Tag{}, s_acc[nb], q_frag[kk], b[0], b[1]);
-          mma_16816(Tag{}, s_acc[nb + 1], q_frag[kk], b[2], b[3]);
+#pragma unroll
+          for (int f = 0; f < kFrags; ++f) {
+            mma_16816(Tag{}, s_acc[f][nb], a[f], b[0], b[1]);
+            mma_16816(Tag{}, s_acc[f][nb + 1], a[f], b[2], b[3]);
+          }
         }
       }
 
@@ -247,62 +300,116 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
         const int32_t tile_key_end = min(key_begin + kBlockKeys, key_end);
         const bool uniform = tile_rule_uniform(p, seq, row_begin, row_end, key_begin, tile_key_end);
 #pragma unroll
-        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+        for (int f = 0; f < kFrags; ++f) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int32_t row = my_rows[e / 2];
-            const int32_t key = key_begin + nb * 8 + 2 * (lane % 4) + e % 2;
-            const bool visible = key < seq.seq_k &&
-                                 (!p.causal || int64_t(key) <= int64_t(row) + seq.causal_offset) &&
-                                 (uniform || key_visible(p, seq, row, key));
-            if (!visible) s_acc[nb][e] = -INFINITY;
+          for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int32_t key = key_begin + nb * 8 + 2 * (lane % 4) + e % 2;
+              const bool visible = key < seq.seq_k && (!p.causal || int64_t(key) <= my_horizon[f][e / 2]) &&
+                                   (uniform || key_visible(p, seq, my_rows[f][e / 2], key));
+              if (!visible) s_acc[f][nb][e] = -INFINITY;
+            }
           }
         }
       }
 
+#pragma unroll
+      for (int f = 0; f < kFrags; ++f) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float m = -INFINITY;
+#pragma unroll
+          for (int nb = 0; nb < kKeyBlocks8; ++nb) m = fmaxf(m, fmaxf(s_acc[f][nb][2 * r], s_acc[f][nb][2 * r + 1]));
+          m = fmaxf(m, warp_shfl_xor(m, 1));
+          tile_max[f][r] = fmaxf(m, warp_shfl_xor(m, 2));
+        }
+      }
+    }  // warp_active
+
+    // §4 step 7: max over the tile's real rows of (m_local - m_new) < λ drops the tile (block-uniform decision).
+    if (skip_test) {
+      float gain = -INFINITY;
+      if (warp_active) {
+#pragma unroll
+        for (int f = 0; f < kFrags; ++f) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float local = tile_max[f][r] * p.scale_log2;  // scale > 0 keeps the arg max
+            if (my_rows[f][r] < row_end && local != -INFINITY) {
+              gain = fmaxf(gain, local - fmaxf(row_max[f][r], local));
+            }
+          }
+        }
+        gain = fmaxf(gain, warp_shfl_xor(gain, 4));
+        gain = fmaxf(gain, warp_shfl_xor(gain, 8));
+        gain = fmaxf(gain, warp_shfl_xor(gain, 16));
+      }
+      if (lane == 0) warp_gain[warp] = gain;
+      __syncthreads();
+      float best_gain = warp_gain[0];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) best_gain = fmaxf(best_gain, warp_gain[w]);
+      if (best_gain < skip_threshold) {
+        if (threadIdx.x == 0 && p.pv_skip_count != nullptr) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(p.pv_skip_count), 1ull);
+        }
+        __syncthreads();  // every warp is done with this buffer (and warp_gain) before they are refilled
+        buffer ^= 1;
+        tile = next;
+        continue;
+      }
+    }
+    skip_test = skip_threshold > -INFINITY;  // every later computed tile is tested
+
+    if (warp_active) {
       // Online softmax in base 2: m = max(m, scale·log2e·max S), rescale O and l, P = 2^(S·scale·log2e - m).
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float tile_max = -INFINITY;
+      for (int f = 0; f < kFrags; ++f) {
 #pragma unroll
-        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
-          tile_max = fmaxf(tile_max, fmaxf(s_acc[nb][2 * r], s_acc[nb][2 * r + 1]));
-        }
-        tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 1));
-        tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 2));
-        const float new_max = fmaxf(row_max[r], tile_max * p.scale_log2);  // scale > 0 keeps the arg max
-        const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
-        const float rescale = fast_exp2(row_max[r] - reference);
-        row_max[r] = new_max;
-        float tile_sum = 0.f;
+        for (int r = 0; r < 2; ++r) {
+          const float new_max = fmaxf(row_max[f][r], tile_max[f][r] * p.scale_log2);  // scale > 0 keeps the arg max
+          const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible stays at 0
+          const float rescale = fast_exp2(row_max[f][r] - reference);
+          row_max[f][r] = new_max;
+          float tile_sum = 0.f;
 #pragma unroll
-        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
-          s_acc[nb][2 * r] = fast_exp2(fmaf(s_acc[nb][2 * r], p.scale_log2, -reference));
-          s_acc[nb][2 * r + 1] = fast_exp2(fmaf(s_acc[nb][2 * r + 1], p.scale_log2, -reference));
-          tile_sum += s_acc[nb][2 * r] + s_acc[nb][2 * r + 1];
-        }
-        row_sum[r] = row_sum[r] * rescale + tile_sum;
+          for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+            s_acc[f][nb][2 * r] = fast_exp2(fmaf(s_acc[f][nb][2 * r], p.scale_log2, -reference));
+            s_acc[f][nb][2 * r + 1] = fast_exp2(fmaf(s_acc[f][nb][2 * r + 1], p.scale_log2, -reference));
+            tile_sum += s_acc[f][nb][2 * r] + s_acc[f][nb][2 * r + 1];
+          }
+          row_sum[f][r] = row_sum[f][r] * rescale + tile_sum;
 #pragma unroll
-        for (int nd = 0; nd < kDimBlocks8; ++nd) {
-          o_acc[nd][2 * r] *= rescale;
-          o_acc[nd][2 * r + 1] *= rescale;
+          for (int nd = 0; nd < kDimBlocks8; ++nd) {
+            o_acc[f][nd][2 * r] *= rescale;
+            o_acc[f][nd][2 * r + 1] *= rescale;
+          }
         }
       }
 
-      // O += P·V: the S accumulators of key blocks (2kk, 2kk+1) are exactly the A fragment of k-step kk.
+      // O += P·V: the S accumulators of key blocks (2kk, 2kk+1) are exactly the A fragment of k-step kk; each V
+      // fragment feeds 2·kFrags mma.
 #pragma unroll
       for (int kk = 0; kk < kBlockKeys / 16; ++kk) {
-        const uint32_t a[4] = {pack_pair(Tag{}, s_acc[2 * kk][0], s_acc[2 * kk][1]),
-                               pack_pair(Tag{}, s_acc[2 * kk][2], s_acc[2 * kk][3]),
-                               pack_pair(Tag{}, s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
-                               pack_pair(Tag{}, s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+        uint32_t a[kFrags][4];
+#pragma unroll
+        for (int f = 0; f < kFrags; ++f) {
+          a[f][0] = pack_pair(Tag{}, s_acc[f][2 * kk][0], s_acc[f][2 * kk][1]);
+          a[f][1] = pack_pair(Tag{}, s_acc[f][2 * kk][2], s_acc[f][2 * kk][3]);
+          a[f][2] = pack_pair(Tag{}, s_acc[f][2 * kk + 1][0], s_acc[f][2 * kk + 1][1]);
+          a[f][3] = pack_pair(Tag{}, s_acc[f][2 * kk + 1][2], s_acc[f][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int nd = 0; nd < kDimBlocks8; nd += 2) {
           uint32_t b[4];
           const int key_row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
           ldmatrix_x4_trans(b, shared_address(v_tile + swizzled_offset<kHeadDim>(key_row, nd + lane / 16)));
-          mma_16816(Tag{}, o_acc[nd], a, b[0], b[1]);
-          mma_16816(Tag{}, o_acc[nd + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int f = 0; f < kFrags; ++f) {
+            mma_16816(Tag{}, o_acc[f][nd], a[f], b[0], b[1]);
+            mma_16816(Tag{}, o_acc[f][nd + 1], a[f], b[2], b[3]);
+          }
         }
       }
     }  // warp_active
@@ -315,56 +422,74 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
   // Normalise and write: O / l (0 for a row that saw nothing), LSE = (m + log2 l)·ln 2 (-inf likewise).
   uint16_t* out_base = static_cast<uint16_t*>(p.out);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float total = row_sum[r];
-    total += warp_shfl_xor(total, 1);
-    total += warp_shfl_xor(total, 2);
-    const int32_t row = my_rows[r];
-    if (row >= row_end) continue;
-    const float inverse = total > 0.f ? 1.f / total : 0.f;
-    if (p.num_splits > 1) {  // fp32 partial state; combine_splits_launch writes out and lse
-      const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, seq, row)) * p.num_q_heads + seq.h;
-      float* partial = p.partial_out + state * kHeadDim;
+  for (int f = 0; f < kFrags; ++f) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float total = row_sum[f][r];
+      total += warp_shfl_xor(total, 1);
+      total += warp_shfl_xor(total, 2);
+      const int32_t row = my_rows[f][r];
+      if (row >= row_end) continue;
+      const float inverse = total > 0.f ? 1.f / total : 0.f;
+      const float lse = total > 0.f ? (row_max[f][r] + log2f(total)) * kLn2 : -INFINITY;
+      if (p.num_splits > 1) {  // fp32 partial state; combine_splits_launch writes out and lse
+        const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, seq, row)) * p.num_q_heads + seq.h;
+        float* partial = p.partial_out + state * kHeadDim;
+#pragma unroll
+        for (int nd = 0; nd < kDimBlocks8; ++nd) {
+          *reinterpret_cast<float2*>(partial + nd * 8 + 2 * (lane % 4)) =
+              make_float2(o_acc[f][nd][2 * r] * inverse, o_acc[f][nd][2 * r + 1] * inverse);
+        }
+        if (lane % 4 == 0) p.partial_lse[state] = lse;
+        continue;
+      }
+      uint16_t* out_row = out_base + launch_output_offset(p, seq, row);
 #pragma unroll
       for (int nd = 0; nd < kDimBlocks8; ++nd) {
-        *reinterpret_cast<float2*>(partial + nd * 8 + 2 * (lane % 4)) =
-            make_float2(o_acc[nd][2 * r] * inverse, o_acc[nd][2 * r + 1] * inverse);
+        *reinterpret_cast<uint32_t*>(out_row + nd * 8 + 2 * (lane % 4)) =
+            pack_pair(Tag{}, o_acc[f][nd][2 * r] * inverse, o_acc[f][nd][2 * r + 1] * inverse);
       }
-      if (lane % 4 == 0) p.partial_lse[state] = total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
-      continue;
-    }
-    uint16_t* out_row = out_base + query_row_offset(p.out_strides, seq, row);
-#pragma unroll
-    for (int nd = 0; nd < kDimBlocks8; ++nd) {
-      *reinterpret_cast<uint32_t*>(out_row + nd * 8 + 2 * (lane % 4)) =
-          pack_pair(Tag{}, o_acc[nd][2 * r] * inverse, o_acc[nd][2 * r + 1] * inverse);
-    }
-    if (p.lse != nullptr && lane % 4 == 0) {
-      p.lse[seq.b * p.lse_strides.b + int64_t(seq.h) * p.lse_strides.h + (seq.q_row_base + row) * p.lse_strides.s] =
-          total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
+      if (p.lse != nullptr && lane % 4 == 0) p.lse[launch_lse_offset(p, seq, row)] = lse;
     }
   }
 #endif  // SPARSA_GPU_DEVICE_HAS_MMA_SYNC
 }
 
 // Q tile + two K and two V tiles.
-template <int kHeadDim>
-constexpr size_t kSharedBytes = size_t(kBlockRows + 4 * kBlockKeys) * kHeadDim * sizeof(uint16_t);
+template <int kHeadDim, int kFrags>
+constexpr size_t kSharedBytes = size_t(kTileRows<kFrags> + 4 * kBlockKeys) * kHeadDim * sizeof(uint16_t);
 
-template <typename Tag, int kHeadDim>
+template <typename Tag, int kHeadDim, int kFrags>
 cudaError_t allow_shared_memory() {
-  return cudaFuncSetAttribute(forward_mma_kernel<Tag, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              int(kSharedBytes<kHeadDim>));
+  return cudaFuncSetAttribute(forward_mma_kernel<Tag, kHeadDim, kFrags>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(kSharedBytes<kHeadDim, kFrags>));
 }
 
-template <typename Tag, int kHeadDim>
-cudaError_t launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
-  const int32_t query_tiles = (max_seq_q + kBlockRows - 1) / kBlockRows;
+template <typename Tag, int kHeadDim, int kFrags>
+cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t stream) {
+  ForwardParams p = params;
+  // A row map writes its own output rows and the PV skip decides in block order: neither can be split (the
+  // partial states' combine writes plain rows), so such a launch runs whole whatever was planned.
+  if (p.row_map != QueryRowMap::kAll || p.pv_skip_log2 != nullptr) p.num_splits = 1;
+  const int32_t query_tiles = (max_seq_q + kTileRows<kFrags> - 1) / kTileRows<kFrags>;
   const dim3 grid(query_tiles * p.num_splits, p.num_q_heads, p.batch);
-  forward_mma_kernel<Tag, kHeadDim><<<grid, kThreads, kSharedBytes<kHeadDim>, stream>>>(p);
+  forward_mma_kernel<Tag, kHeadDim, kFrags><<<grid, kThreads, kSharedBytes<kHeadDim, kFrags>, stream>>>(p);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
   return combine_splits_launch(p, stream);  // the merge every split-KV kernel shares (forward_decode.cu)
+}
+
+// Fragments per warp of a launch: the plain tiling (kMmaBlockRows), or under the PV skip the one whose rows equal
+// the mask's block_q (supports() admits no other).
+int fragments_of(const ForwardParams& p) {
+  const int32_t rows = p.pv_skip_log2 != nullptr ? p.mask_block_q : kMmaBlockRows;
+  return rows == kTileRows<2> ? 2 : 1;
+}
+
+template <typename Tag, int kHeadDim>
+cudaError_t launch_for(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
+  return fragments_of(p) == 2 ? launch<Tag, kHeadDim, 2>(p, max_seq_q, stream)
+                              : launch<Tag, kHeadDim, 1>(p, max_seq_q, stream);
 }
 
 }  // namespace
@@ -380,8 +505,18 @@ bool forward_mma_supports(const ForwardParams& p, const char** reason) {
     *reason = "tensor-core path has head_dim 64 and 128 only";
     return false;
   }
-  if (p.row_map != QueryRowMap::kAll || p.pv_skip_log2 != nullptr) {
-    *reason = "tensor-core path has no query-row maps or PV skip yet";
+  if (p.row_map != QueryRowMap::kAll && (p.rule != VisibilityRule::kDense || p.pv_skip_log2 != nullptr)) {
+    *reason = "query-row maps run with the dense rule only";
+    return false;
+  }
+  if (p.row_map == QueryRowMap::kDeltaRows && p.delta_gamma <= 0) {
+    *reason = "delta rows need gamma > 0";
+    return false;
+  }
+  if (p.pv_skip_log2 != nullptr &&
+      (p.rule != VisibilityRule::kBlockMask || p.mask_block_k != kBlockKeys ||
+       (p.mask_block_q != kTileRows<1> && p.mask_block_q != kTileRows<2>))) {
+    *reason = "tensor-core PV skip needs the block-mask rule with block_q 64 or 128 and block_k 64";
     return false;
   }
   return true;
@@ -394,8 +529,11 @@ bool forward_mma_supports(const ForwardParams& p, const char** reason) {
 
 cudaError_t forward_mma_prepare() {
 #if SPARSA_GPU_HAS_MMA_SYNC
-  for (cudaError_t status : {allow_shared_memory<HalfTag, 64>(), allow_shared_memory<HalfTag, 128>(),
-                             allow_shared_memory<BFloat16Tag, 64>(), allow_shared_memory<BFloat16Tag, 128>()}) {
+  for (cudaError_t status :
+       {allow_shared_memory<HalfTag, 64, 1>(), allow_shared_memory<HalfTag, 128, 1>(),
+        allow_shared_memory<BFloat16Tag, 64, 1>(), allow_shared_memory<BFloat16Tag, 128, 1>(),
+        allow_shared_memory<HalfTag, 64, 2>(), allow_shared_memory<HalfTag, 128, 2>(),
+        allow_shared_memory<BFloat16Tag, 64, 2>(), allow_shared_memory<BFloat16Tag, 128, 2>()}) {
     if (status != cudaSuccess) return status;
   }
 #endif
@@ -406,9 +544,9 @@ cudaError_t forward_mma_launch(const ForwardParams& p, int32_t max_seq_q, cudaSt
 #if SPARSA_GPU_HAS_MMA_SYNC
   const bool bf16 = p.element_type == ElementType::kBF16;
   if (p.head_dim == 64) {
-    return bf16 ? launch<BFloat16Tag, 64>(p, max_seq_q, stream) : launch<HalfTag, 64>(p, max_seq_q, stream);
+    return bf16 ? launch_for<BFloat16Tag, 64>(p, max_seq_q, stream) : launch_for<HalfTag, 64>(p, max_seq_q, stream);
   }
-  return bf16 ? launch<BFloat16Tag, 128>(p, max_seq_q, stream) : launch<HalfTag, 128>(p, max_seq_q, stream);
+  return bf16 ? launch_for<BFloat16Tag, 128>(p, max_seq_q, stream) : launch_for<HalfTag, 128>(p, max_seq_q, stream);
 #else
   (void)p;
   (void)max_seq_q;

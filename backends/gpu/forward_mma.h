@@ -6,7 +6,8 @@
 
 SPARSA_GPU_NAMESPACE_BEGIN
 
-// Tile of one thread block (split-KV planning in forward_dispatch.cu counts in these).
+// Tile of one thread block of a plain launch (split-KV planning in forward_dispatch.cu counts in these). A PV-skip
+// launch uses the tile whose rows equal the mask's block_q (64 or 128) instead, and is never split.
 constexpr int32_t kMmaBlockRows = 64;  // query rows
 constexpr int32_t kMmaBlockKeys = 64;  // keys per tile
 

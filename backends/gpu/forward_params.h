@@ -79,6 +79,8 @@ struct ForwardParams {
   int32_t mask_block_q = 1, mask_block_k = 1;
 
   // ---- Query-row maps (default kAll: the fields below are ignored) ----
+  // A launch with a row map uses the dense rule (rule == kDense), no PV skip and no split-KV (supports() refuse
+  // the first two; the launchers run such launches unsplit whatever num_splits says).
   // kDeltaRows: per sequence with Sq_b rows, cut = Sq_b % delta_gamma + max(delta_tail_min, delta_gamma),
   //   s_p = max(0, Sq_b - cut), anchors = ceil(s_p / delta_gamma). Launch row a < anchors is query position
   //   a * delta_gamma, row a >= anchors is position s_p + (a - anchors); rows_b = anchors + (Sq_b - s_p). Keys are
@@ -101,7 +103,11 @@ struct ForwardParams {
   // rule == kBlockMask to blocks of mask_block_q rows × mask_block_k keys: processing a row block's computed key
   // blocks in ascending order, a block after the first whose max over the block's rows of (m_local - m_new) < λ adds
   // nothing (no exp, no PV, nothing to the denominator).
+  // The thread block that decides must own the whole mask row block, so the kernels accept it only for the
+  // tilings they can match exactly (supports() says which) and never split such a launch.
   const float* pv_skip_log2 = nullptr;
+  // Optional device counter (SPARGE's PV_BLOCKS_SKIPPED): +1 per skipped (row block, key block), atomically.
+  int64_t* pv_skip_count = nullptr;
 
   // Split-KV (decode and other launches too small to fill the GPU): each of `num_splits` thread blocks of a query
   // tile walks one contiguous share of its key tiles and writes a normalised fp32 partial state; a combine kernel

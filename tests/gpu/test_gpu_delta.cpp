@@ -1,0 +1,562 @@
+// §8 Δ on the GPU (gpu_delta.cu: base policy + one kDeltaRows forward launch + correction), checked against the
+// CPU backend on the same inputs through the public API: outputs (poisoned with NaN before each run) and every
+// stats counter. Covers the tensor-core kernel (fp16/bf16, D 64/128) and the portable one (fp32, D 96), bases
+// DENSE / SINK_WINDOW / BLOCK_SPARSE, GQA 1/4/8, bottom-right causal with Sq != Skv, padded / varlen / paged,
+// sequences shorter than the cut (all rows dense), and graph-capture replay. Skips cleanly without a device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <sparsa/sparsa.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+bool cuda_device_present() {
+  int count = 0;  // cudaGetDeviceCount leaves it untouched without a driver
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) (void)cudaGetLastError();
+  return status == cudaSuccess && count > 0;
+}
+
+// ---- host element conversions (round to nearest even; test data stays small and normal) ----
+
+uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+uint16_t float_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const int32_t exponent = int32_t((x >> 23) & 0xff) - 127 + 15;
+  uint32_t mantissa = x & 0x7fffffu;
+  if (exponent <= 0) {
+    if (exponent < -10) return static_cast<uint16_t>(sign);
+    mantissa |= 0x800000u;
+    const int shift = 14 - exponent;
+    uint32_t half_m = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (half_m & 1u))) ++half_m;
+    return static_cast<uint16_t>(sign | half_m);
+  }
+  uint32_t half = sign | (uint32_t(exponent) << 10) | (mantissa >> 13);
+  const uint32_t rest = mantissa & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return static_cast<uint16_t>(half);
+}
+float f16_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const int32_t exponent = (h >> 10) & 0x1f;
+  const uint32_t mantissa = h & 0x3ffu;
+  float value;
+  if (exponent == 0) {
+    value = std::ldexp(float(mantissa), -24);
+  } else if (exponent == 31) {
+    value = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    value = std::ldexp(float(mantissa | 0x400u), exponent - 25);
+  }
+  return sign ? -value : value;
+}
+size_t element_bytes(int32_t dtype) { return dtype == SPARSA_DTYPE_F32 ? 4 : 2; }
+
+std::vector<uint8_t> encode(const std::vector<float>& values, int32_t dtype) {
+  std::vector<uint8_t> bytes(values.size() * element_bytes(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == SPARSA_DTYPE_F32) {
+      std::memcpy(&bytes[i * 4], &values[i], 4);
+    } else {
+      const uint16_t h = dtype == SPARSA_DTYPE_F16 ? float_to_f16(values[i]) : float_to_bf16(values[i]);
+      std::memcpy(&bytes[i * 2], &h, 2);
+    }
+  }
+  return bytes;
+}
+std::vector<float> decode(const std::vector<uint8_t>& bytes, int32_t dtype) {
+  std::vector<float> values(bytes.size() / element_bytes(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == SPARSA_DTYPE_F32) {
+      std::memcpy(&values[i], &bytes[i * 4], 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, &bytes[i * 2], 2);
+      values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
+    }
+  }
+  return values;
+}
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (cudaMalloc(&data_, std::max<size_t>(bytes, 16)) != cudaSuccess) data_ = nullptr;
+  }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) (void)cudaFree(data_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape, int32_t device_type) {
+  sparsa_tensor t;
+  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
+  t.device_type = device_type;
+  t.device_id = 0;
+  return t;
+}
+
+// ---- one case ----
+
+enum class Layout { kPadded, kPacked, kPaged };
+
+struct Case {
+  std::string name;
+  int32_t dtype = SPARSA_DTYPE_BF16;
+  int32_t head_dim = 128;
+  int32_t q_heads = 4, kv_heads = 4;
+  std::vector<int32_t> seq_q{256}, seq_k{256};
+  Layout q_layout = Layout::kPadded;  // kPadded or kPacked
+  Layout kv_layout = Layout::kPadded;
+  int32_t page_size = 16;
+  int32_t base = SPARSA_POLICY_SINK_WINDOW;
+  int32_t sink_tokens = 4, sink_window = 48;
+  int32_t block_q = 64, block_k = 64;
+  int32_t gamma = 64, tail_min = 128;
+  bool sinks = false;  // key 0 of every sequence attracts every query (structured input)
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+struct Inputs {
+  int32_t batch = 0, max_q = 0, max_k = 0;
+  std::vector<float> q, k, v;  // logical [b][i][h][d] at the max lengths
+  std::vector<uint8_t> mask;
+  // Physical tensors.
+  std::vector<uint8_t> q_bytes, k_bytes, v_bytes;
+  std::vector<int32_t> cu_q, cu_k, page_table, seq_lens_k;
+  std::vector<int64_t> q_shape, kv_shape, page_table_shape, mask_shape;
+  int64_t q_rows = 0;
+};
+
+Inputs make_inputs(const Case& c) {
+  std::mt19937 rng(4321);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  Inputs in;
+  const int32_t D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads;
+  in.batch = int32_t(c.seq_q.size());
+  in.max_q = *std::max_element(c.seq_q.begin(), c.seq_q.end());
+  in.max_k = *std::max_element(c.seq_k.begin(), c.seq_k.end());
+  auto fill = [&](std::vector<float>& x, size_t n) {
+    x.resize(n);
+    for (float& e : x) e = std::clamp(normal(rng), -3.f, 3.f);
+  };
+  fill(in.q, size_t(in.batch) * in.max_q * Hq * D);
+  fill(in.k, size_t(in.batch) * in.max_k * Hkv * D);
+  fill(in.v, size_t(in.batch) * in.max_k * Hkv * D);
+  if (c.sinks) {  // q·k_0 large for every row: the sink dominates rows that see it
+    for (int32_t b = 0; b < in.batch; ++b)
+      for (int32_t h = 0; h < Hkv; ++h)
+        for (int32_t d = 0; d < D; ++d) in.k[((size_t(b) * in.max_k) * Hkv + h) * D + d] = d % 2 ? 1.5f : -1.5f;
+    for (int32_t b = 0; b < in.batch; ++b)
+      for (int32_t i = 0; i < in.max_q; ++i)
+        for (int32_t h = 0; h < Hq; ++h)
+          for (int32_t d = 0; d < 8; ++d) in.q[((size_t(b) * in.max_q + i) * Hq + h) * D + d] = d % 2 ? 1.f : -1.f;
+  }
+  if (c.base == SPARSA_POLICY_BLOCK_SPARSE) {
+    const int64_t rows = (in.max_q + c.block_q - 1) / c.block_q, cols = (in.max_k + c.block_k - 1) / c.block_k;
+    std::bernoulli_distribution keep(0.35);
+    in.mask.resize(size_t(in.batch) * Hq * rows * cols);
+    for (auto& m : in.mask) m = keep(rng) ? 1 : 0;
+    in.mask_shape = {in.batch, Hq, rows, cols};
+  }
+  // Physical layouts.
+  std::vector<float> q_phys, k_phys, v_phys;
+  if (c.q_layout == Layout::kPacked) {
+    in.cu_q.push_back(0);
+    for (int32_t b = 0; b < in.batch; ++b) {
+      const float* row = &in.q[(size_t(b) * in.max_q * Hq) * D];
+      q_phys.insert(q_phys.end(), row, row + size_t(c.seq_q[b]) * Hq * D);
+      in.cu_q.push_back(in.cu_q.back() + c.seq_q[b]);
+    }
+    in.q_rows = in.cu_q.back();
+    in.q_shape = {in.q_rows, Hq, D};
+  } else {
+    q_phys = in.q;
+    in.q_rows = int64_t(in.batch) * in.max_q;
+    in.q_shape = {in.batch, in.max_q, Hq, D};
+  }
+  const size_t row_elems = size_t(Hkv) * D;
+  auto kv_row = [&](const std::vector<float>& src, int32_t b, int32_t t) {
+    return &src[(size_t(b) * in.max_k + t) * row_elems];
+  };
+  if (c.kv_layout == Layout::kPadded) {
+    k_phys = in.k;
+    v_phys = in.v;
+    in.kv_shape = {in.batch, in.max_k, Hkv, D};
+    in.seq_lens_k.assign(c.seq_k.begin(), c.seq_k.end());
+  } else if (c.kv_layout == Layout::kPacked) {
+    in.cu_k.push_back(0);
+    for (int32_t b = 0; b < in.batch; ++b) {
+      k_phys.insert(k_phys.end(), kv_row(in.k, b, 0), kv_row(in.k, b, 0) + c.seq_k[b] * row_elems);
+      v_phys.insert(v_phys.end(), kv_row(in.v, b, 0), kv_row(in.v, b, 0) + c.seq_k[b] * row_elems);
+      in.cu_k.push_back(in.cu_k.back() + c.seq_k[b]);
+    }
+    in.kv_shape = {in.cu_k.back(), Hkv, D};
+  } else {
+    const int32_t ps = c.page_size, max_pages = (in.max_k + ps - 1) / ps, pages = in.batch * max_pages + 2;
+    std::vector<int32_t> order(pages);
+    for (int32_t i = 0; i < pages; ++i) order[i] = pages - 1 - i;  // not the identity
+    k_phys.assign(size_t(pages) * ps * row_elems, 5.f);  // junk in unused slots
+    v_phys.assign(size_t(pages) * ps * row_elems, 5.f);
+    in.page_table.assign(size_t(in.batch) * max_pages, 0);
+    for (int32_t b = 0; b < in.batch; ++b) {
+      for (int32_t pg = 0; pg < max_pages; ++pg) in.page_table[size_t(b) * max_pages + pg] = order[b * max_pages + pg];
+      for (int32_t t = 0; t < c.seq_k[b]; ++t) {
+        const size_t slot = (size_t(in.page_table[size_t(b) * max_pages + t / ps]) * ps + t % ps) * row_elems;
+        std::copy(kv_row(in.k, b, t), kv_row(in.k, b, t) + row_elems, k_phys.begin() + slot);
+        std::copy(kv_row(in.v, b, t), kv_row(in.v, b, t) + row_elems, v_phys.begin() + slot);
+      }
+    }
+    in.kv_shape = {pages, ps, Hkv, D};
+    in.page_table_shape = {in.batch, max_pages};
+    in.seq_lens_k.assign(c.seq_k.begin(), c.seq_k.end());
+  }
+  in.q_bytes = encode(q_phys, c.dtype);
+  in.k_bytes = encode(k_phys, c.dtype);
+  in.v_bytes = encode(v_phys, c.dtype);
+  return in;
+}
+
+sparsa_policy make_policy(const Case& c, bool delta) {
+  sparsa_policy policy;
+  sparsa_policy_init(&policy, c.base);
+  policy.sink_tokens = c.sink_tokens;
+  policy.sink_window = c.sink_window;
+  policy.block_q = c.block_q;
+  policy.block_k = c.block_k;
+  if (delta) {
+    policy.flags |= SPARSA_POLICY_FLAG_DELTA;
+    policy.delta_gamma = c.gamma;
+    policy.delta_tail_min = c.tail_min;
+  }
+  return policy;
+}
+
+struct RunResult {
+  sparsa_status status = SPARSA_STATUS_INTERNAL;
+  std::string message;
+  std::vector<float> out;  // physical out
+  std::vector<int64_t> stats;
+};
+
+enum class Mode { kCpu, kGpu, kGpuGraph };
+
+RunResult run_case(const Case& c, const Inputs& in, Mode mode, bool delta = true) {
+  RunResult result;
+  const bool on_gpu = mode != Mode::kCpu;
+  cudaStream_t stream = nullptr;
+  if (mode == Mode::kGpuGraph && cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    result.message = "cudaStreamCreate failed";
+    return result;
+  }
+  sparsa_context_options options;
+  sparsa_context_options_init(&options);
+  options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
+  options.stream = stream;
+  sparsa_context* ctx = nullptr;
+  result.status = sparsa_context_create(&options, &ctx);
+  if (result.status != SPARSA_STATUS_SUCCESS) {
+    result.message = sparsa_last_error_message();
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+    return result;
+  }
+  const int32_t dev = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
+  const size_t out_bytes = size_t(in.q_rows) * c.q_heads * c.head_dim * element_bytes(c.dtype);
+  std::vector<uint8_t> host_out(out_bytes, 0xff);  // NaN in every dtype
+  std::vector<int64_t> host_stats(SPARSA_STAT_COUNT, -1);
+  std::deque<DeviceBuffer> buffers;
+  auto place = [&](const void* host, size_t bytes) -> void* {
+    if (!on_gpu) return const_cast<void*>(host);
+    buffers.emplace_back(bytes);
+    EXPECT_EQ(cudaMemcpy(buffers.back().data(), host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    return buffers.back().data();
+  };
+  void* out = place(host_out.data(), out_bytes);
+  void* stats = place(host_stats.data(), host_stats.size() * 8);
+  sparsa_tensor tq = make_tensor(place(in.q_bytes.data(), in.q_bytes.size()), c.dtype, in.q_shape, dev);
+  sparsa_tensor tk = make_tensor(place(in.k_bytes.data(), in.k_bytes.size()), c.dtype, in.kv_shape, dev);
+  sparsa_tensor tv = make_tensor(place(in.v_bytes.data(), in.v_bytes.size()), c.dtype, in.kv_shape, dev);
+  sparsa_tensor tout = make_tensor(out, c.dtype, in.q_shape, dev);
+  sparsa_tensor tstats = make_tensor(stats, SPARSA_DTYPE_I64, {SPARSA_STAT_COUNT}, dev);
+  sparsa_tensor tcu_q, tcu_k, tpage, tlens, tmask;
+  sparsa_attention_args args;
+  sparsa_attention_args_init(&args);
+  args.q = &tq;
+  args.k = &tk;
+  args.v = &tv;
+  args.out = &tout;
+  args.stats = &tstats;
+  args.causal = 1;
+  if (!in.cu_q.empty()) {
+    tcu_q = make_tensor(place(in.cu_q.data(), in.cu_q.size() * 4), SPARSA_DTYPE_I32, {int64_t(in.cu_q.size())}, dev);
+    args.cu_seqlens_q = &tcu_q;
+  }
+  if (!in.cu_k.empty()) {
+    tcu_k = make_tensor(place(in.cu_k.data(), in.cu_k.size() * 4), SPARSA_DTYPE_I32, {int64_t(in.cu_k.size())}, dev);
+    args.cu_seqlens_k = &tcu_k;
+  }
+  if (!in.page_table.empty()) {
+    tpage = make_tensor(place(in.page_table.data(), in.page_table.size() * 4), SPARSA_DTYPE_I32, in.page_table_shape,
+                        dev);
+    args.page_table = &tpage;
+  }
+  if (!in.seq_lens_k.empty()) {
+    tlens = make_tensor(place(in.seq_lens_k.data(), in.seq_lens_k.size() * 4), SPARSA_DTYPE_I32,
+                        {int64_t(in.seq_lens_k.size())}, dev);
+    args.seq_lens_k = &tlens;
+  }
+  sparsa_policy policy = make_policy(c, delta);
+  if (!in.mask.empty()) {
+    tmask = make_tensor(place(in.mask.data(), in.mask.size()), SPARSA_DTYPE_U8, in.mask_shape, dev);
+    policy.block_mask = &tmask;
+  }
+  if (mode == Mode::kGpuGraph) {
+    // Plan, capture one run, poison the outputs, replay: the replay alone must produce everything.
+    result.status = sparsa_attention_plan(ctx, &args, &policy);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    if (result.status == SPARSA_STATUS_SUCCESS) {
+      EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      result.status = sparsa_attention_run(ctx, &args, &policy);
+      EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    }
+    if (result.status == SPARSA_STATUS_SUCCESS) {
+      EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      EXPECT_EQ(cudaMemset(out, 0xff, out_bytes), cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the capture stream does not wait for the legacy stream
+      EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    }
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  } else {
+    result.status = sparsa_attention_run(ctx, &args, &policy);
+  }
+  result.message = sparsa_last_error_message();
+  if (result.status == SPARSA_STATUS_SUCCESS) {
+    if (on_gpu) {
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(host_out.data(), out, out_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(host_stats.data(), stats, host_stats.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    result.out = decode(host_out, c.dtype);
+    result.stats = host_stats;
+  }
+  sparsa_context_destroy(ctx);
+  if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  return result;
+}
+
+double tolerance(int32_t dtype) {
+  // GPU vs CPU: each side's own rounding, plus the base rows that the GPU corrects in out's dtype (the CPU stages
+  // them in fp32): a few units in the last place of values of magnitude ~1.
+  return dtype == SPARSA_DTYPE_F32 ? 4e-4 : dtype == SPARSA_DTYPE_F16 ? 8e-3 : 6e-2;
+}
+
+// Every written row of `got` within tolerance of `want` (NaN fails); returns the worst error.
+void expect_close(const Case& c, const Inputs& in, const std::vector<float>& got, const std::vector<float>& want,
+                  const char* what) {
+  const size_t row = size_t(c.q_heads) * c.head_dim;
+  double worst = 0;
+  int64_t bad = 0;
+  for (int32_t b = 0; b < in.batch; ++b) {
+    for (int32_t i = 0; i < c.seq_q[b]; ++i) {
+      const int64_t phys = c.q_layout == Layout::kPacked ? in.cu_q[b] + i : int64_t(b) * in.max_q + i;
+      for (size_t x = 0; x < row; ++x) {
+        const double err = std::fabs(double(got[phys * row + x]) - double(want[phys * row + x]));
+        if (!(err <= tolerance(c.dtype))) ++bad;
+        worst = std::max(worst, std::isnan(err) ? 1e30 : err);
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << " " << c.name << ": max error " << worst << " (tol " << tolerance(c.dtype) << ")";
+}
+
+class GpuDelta : public ::testing::TestWithParam<Case> {};
+
+// SPARSA_GPU_TESTS_SELFCHECK=1 without a GPU runs the CPU half of each case (checks the harness before spending
+// device time); otherwise the case is skipped.
+bool cpu_selfcheck_requested() {
+  const char* flag = std::getenv("SPARSA_GPU_TESTS_SELFCHECK");
+  return flag != nullptr && std::string(flag) == "1";
+}
+
+TEST_P(GpuDelta, MatchesCpuBackendIncludingStats) {
+  const bool gpu_present = cuda_device_present();
+  if (!gpu_present && !cpu_selfcheck_requested()) GTEST_SKIP() << "no CUDA device/driver";
+  const Case& c = GetParam();
+  const Inputs in = make_inputs(c);
+  const RunResult cpu = run_case(c, in, Mode::kCpu);
+  ASSERT_EQ(cpu.status, SPARSA_STATUS_SUCCESS) << cpu.message;
+  if (!gpu_present) return;
+  const RunResult gpu = run_case(c, in, Mode::kGpu);
+  ASSERT_EQ(gpu.status, SPARSA_STATUS_SUCCESS) << gpu.message;
+  expect_close(c, in, gpu.out, cpu.out, "cuda vs cpu");
+  for (int s = 0; s < SPARSA_STAT_COUNT; ++s) EXPECT_EQ(gpu.stats[s], cpu.stats[s]) << c.name << " stat " << s;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> list;
+  Case c;
+  c.name = "sink_window_bf16_d128_gqa4_defaults";
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.seq_q = {1000};
+  c.seq_k = {1000};
+  c.sink_window = 200;
+  list.push_back(c);
+  c = Case{};
+  c.name = "dense_base_f16_d64_gqa8_bottom_right";
+  c.dtype = SPARSA_DTYPE_F16;
+  c.head_dim = 64;
+  c.q_heads = 8;
+  c.kv_heads = 1;
+  c.base = SPARSA_POLICY_DENSE;
+  c.seq_q = {777, 777};
+  c.seq_k = {900, 900};
+  c.gamma = 16;
+  c.tail_min = 32;
+  c.sinks = true;
+  list.push_back(c);
+  c = Case{};
+  c.name = "block_sparse_bf16_d128_odd_lengths";
+  c.base = SPARSA_POLICY_BLOCK_SPARSE;
+  c.seq_q = {513};
+  c.seq_k = {513};
+  c.gamma = 32;
+  c.tail_min = 40;
+  list.push_back(c);
+  c = Case{};
+  c.name = "varlen_f16_d128_sink_window_ragged";
+  c.dtype = SPARSA_DTYPE_F16;
+  c.q_layout = Layout::kPacked;
+  c.kv_layout = Layout::kPacked;
+  c.seq_q = {300, 5, 129, 64, 200};
+  c.seq_k = {300, 5, 150, 64, 260};
+  c.gamma = 16;
+  c.tail_min = 32;
+  list.push_back(c);
+  c = Case{};
+  c.name = "paged_ps16_bf16_d128_gqa4";
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.q_layout = Layout::kPacked;
+  c.kv_layout = Layout::kPaged;
+  c.seq_q = {333, 90};
+  c.seq_k = {400, 90};
+  c.gamma = 16;
+  c.tail_min = 32;
+  c.sinks = true;
+  list.push_back(c);
+  c = Case{};
+  c.name = "portable_f32_d64_sink_window";
+  c.dtype = SPARSA_DTYPE_F32;
+  c.head_dim = 64;
+  c.seq_q = {300};
+  c.seq_k = {300};
+  c.gamma = 16;
+  c.tail_min = 32;
+  list.push_back(c);
+  c = Case{};
+  c.name = "portable_f16_d96_dense_gamma10_tail0";
+  c.dtype = SPARSA_DTYPE_F16;
+  c.head_dim = 96;
+  c.q_heads = 2;
+  c.kv_heads = 1;
+  c.base = SPARSA_POLICY_DENSE;
+  c.seq_q = {250};
+  c.seq_k = {250};
+  c.gamma = 10;
+  c.tail_min = 0;
+  list.push_back(c);
+  c = Case{};
+  c.name = "short_sequences_all_dense_base_skipped";
+  c.seq_q = {100, 100};
+  c.seq_k = {100, 100};
+  list.push_back(c);
+  c = Case{};
+  c.name = "sq_exceeds_skv_empty_rows";
+  c.dtype = SPARSA_DTYPE_F16;
+  c.seq_q = {300};
+  c.seq_k = {200};
+  c.gamma = 16;
+  c.tail_min = 32;
+  list.push_back(c);
+  return list;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuDelta, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// Δ over DENSE is dense attention (O[i] + O[r] - O[r]) on every row: a long sequence where the anchors' causal
+// horizons span many key tiles of the tensor-core walk.
+TEST(GpuDeltaRows, DeltaOverDenseEqualsDenseOnALongSequence) {
+  if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device/driver";
+  Case c;
+  c.name = "delta_over_dense_4099";
+  c.base = SPARSA_POLICY_DENSE;
+  c.q_heads = 2;
+  c.kv_heads = 1;
+  c.seq_q = {4099};
+  c.seq_k = {4099};
+  const Inputs in = make_inputs(c);
+  const RunResult dense = run_case(c, in, Mode::kGpu, /*delta=*/false);
+  ASSERT_EQ(dense.status, SPARSA_STATUS_SUCCESS) << dense.message;
+  const RunResult delta = run_case(c, in, Mode::kGpu);
+  ASSERT_EQ(delta.status, SPARSA_STATUS_SUCCESS) << delta.message;
+  expect_close(c, in, delta.out, dense.out, "delta vs dense");
+}
+
+TEST(GpuDeltaRows, GraphCaptureReplayMatchesCpu) {
+  if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device/driver";
+  Case c;
+  c.name = "graph_bf16_d128";
+  c.q_layout = Layout::kPacked;
+  c.kv_layout = Layout::kPacked;
+  c.seq_q = {400, 77};
+  c.seq_k = {400, 100};
+  c.gamma = 16;
+  c.tail_min = 32;
+  const Inputs in = make_inputs(c);
+  const RunResult cpu = run_case(c, in, Mode::kCpu);
+  ASSERT_EQ(cpu.status, SPARSA_STATUS_SUCCESS) << cpu.message;
+  const RunResult graph = run_case(c, in, Mode::kGpuGraph);
+  ASSERT_EQ(graph.status, SPARSA_STATUS_SUCCESS) << graph.message;
+  expect_close(c, in, graph.out, cpu.out, "graph replay vs cpu");
+}
+
+}  // namespace
