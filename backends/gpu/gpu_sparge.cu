@@ -190,6 +190,7 @@ void sparge_run(const GpuDevice& device, const AttentionProblem& problem, const 
     sage.pv_skip_count = pv_skip_count;
     check(sage_launch(sage, device.stream), "SPARGE quantized (Sage) launch");
   } else {
+    p.pv_skip_count = pv_skip_count;
     launch_forward(device, launch, p);
   }
 }
