@@ -39,6 +39,10 @@ SpargeDims sparge_dims(const GpuDevice& device, const AttentionProblem& problem,
   SpargeDims d;
   d.q_blocks = (problem.max_seq_q + policy.p.block_q - 1) / policy.p.block_q;
   d.k_blocks = (problem.max_seq_k + policy.p.block_k - 1) / policy.p.block_k;
+  if (problem.block_mask_out.present) {  // every cell of block_mask_out gets written, even past these bounds
+    d.q_blocks = std::max(d.q_blocks, problem.block_mask_out.extent(2));
+    d.k_blocks = std::max(d.k_blocks, problem.block_mask_out.extent(3));
+  }
   d.rows = int64_t(problem.batch) * problem.num_q_heads * d.q_blocks;
   d.cells = d.rows * d.k_blocks;
   d.select_grid = d.rows;
@@ -138,6 +142,8 @@ void sparge_run(const GpuDevice& device, const AttentionProblem& problem, const 
   if (problem.block_mask_out.present) {
     pp.mask_out = problem.block_mask_out.ptr<uint8_t>();
     for (int dim = 0; dim < 4; ++dim) pp.mask_out_strides[dim] = problem.block_mask_out.stride(dim);
+    pp.mask_out_rows = int32_t(problem.block_mask_out.extent(2));
+    pp.mask_out_cols = int32_t(problem.block_mask_out.extent(3));
   }
 
   // Scratch, in one fixed order.

@@ -16,8 +16,9 @@ namespace {
 
 constexpr int kStatThreads = 128;   // block statistics: warps over rows, lanes over dimensions
 constexpr int kMaxHeadDim = 256;    // the backend's largest head_dim (kSimtMaxHeadDim)
-constexpr int kMaxDimsPerLane = (kMaxHeadDim + kWarpLanes - 1) / kWarpLanes;
 constexpr int kStatWarps = kStatThreads / kWarpLanes;
+constexpr int kMeanThreads = 256;     // key mean: (part, dimension) threads
+constexpr int kMeanAccumulators = 4;  // interleaved partial sums per thread
 constexpr int kScoreTile = 32;      // block scores: 32 query blocks × 32 key blocks per thread block
 constexpr int kScoreDimChunk = 32;  // dimensions staged in shared memory at a time
 constexpr int kScoreThreads = 256;
@@ -63,46 +64,22 @@ __device__ __forceinline__ double block_reduce(double value, double* partials, C
   return total;
 }
 
-// ---- 1. Σ of the raw keys of each key block, per kv head (key_block_means holds sums until launch 3) ----
-__global__ void __launch_bounds__(kStatThreads) key_block_sums_kernel(const SpargePredictParams p) {
-  const ForwardParams& f = p.fwd;
-  const int32_t block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const SequenceView seq = kv_head_view(f, b, hk);
-  const int64_t first = int64_t(block) * p.block_k;
-  if (first >= seq.seq_k) return;
-  const int64_t rows = min(int64_t(p.block_k), seq.seq_k - first);
-  double* sums = p.key_block_means + ((int64_t(b) * p.num_kv_heads + hk) * p.max_k_blocks + block) * f.head_dim;
-  for (int d = threadIdx.x; d < f.head_dim; d += blockDim.x) {
-    double sum = 0.0;
-    for (int64_t t = first; t < first + rows; ++t) {
-      sum += load_value(f.k, key_row_offset(f, f.k_strides, seq, t) + d, f.element_type);
-    }
-    sums[d] = sum;
-  }
-}
+// ---- 1., 3., 4. Block passes: warps take rows, lanes take dimensions (d = lane + c · kWarpLanes) ----
+enum class BlockPass {
+  kKeySums,     // 1. Σ of the raw keys of each key block (key_block_means holds sums until pass 3)
+  kKeyStats,    // 3. centred key blocks: mean of the rows and sim = ‖Σ x/‖x‖‖² / n² (§4 steps 1–3)
+  kQueryStats,  // 4. raw query blocks: the same
+};
 
-// ---- 2. Mean of K over the sequence (§4.1), per kv head: Σ of the block sums in block order, / Skv ----
-__global__ void __launch_bounds__(kStatThreads) key_mean_kernel(const SpargePredictParams p) {
-  const ForwardParams& f = p.fwd;
-  const int32_t hk = blockIdx.x, b = blockIdx.y;
-  const SequenceView seq = kv_head_view(f, b, hk);
-  const int64_t blocks = ceil_div64(seq.seq_k, p.block_k);
-  const int64_t head = int64_t(b) * p.num_kv_heads + hk;
-  const double* sums = p.key_block_means + head * p.max_k_blocks * f.head_dim;
-  for (int d = threadIdx.x; d < f.head_dim; d += blockDim.x) {
-    double total = 0.0;
-    for (int64_t block = 0; block < blocks; ++block) total += sums[block * f.head_dim + d];
-    p.key_mean[head * f.head_dim + d] = seq.seq_k > 0 ? total / double(seq.seq_k) : 0.0;
-  }
-}
-
-// ---- 3./4. Block statistics (§4 steps 2–3): mean of the rows and sim = ‖Σ x/‖x‖‖² / n² ----
-// kKeys: key blocks of kv head blockIdx.y, centred by key_mean; otherwise query blocks of query head blockIdx.y.
-// Warps take rows, lanes take dimensions (d = lane + c · kWarpLanes).
-template <bool kKeys>
-__global__ void __launch_bounds__(kStatThreads) block_stats_kernel(const SpargePredictParams p) {
+// A warp walks its rows (first + warp, + kStatWarps, ...) in groups of kWarpLanes rows: one pass adds the rows and
+// leaves row j's squared norm in lane j, so that each lane takes one reciprocal square root for the whole group;
+// a second pass (the rows again, from L1) adds the unit vectors.
+template <BlockPass kPass, int kDimsPerLane>
+__global__ void __launch_bounds__(kStatThreads) block_pass_kernel(const SpargePredictParams p) {
+  constexpr bool kKeys = kPass != BlockPass::kQueryStats;
+  constexpr bool kUnit = kPass != BlockPass::kKeySums;
   __shared__ double row_sums[kStatWarps][kMaxHeadDim];
-  __shared__ double unit_sums[kStatWarps][kMaxHeadDim];
+  __shared__ double unit_sums[kUnit ? kStatWarps : 1][kUnit ? kMaxHeadDim : 1];
   __shared__ double partials[kStatWarps];
   const ForwardParams& f = p.fwd;
   const int32_t block = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
@@ -111,47 +88,65 @@ __global__ void __launch_bounds__(kStatThreads) block_stats_kernel(const SpargeP
   const int64_t seq_len = kKeys ? seq.seq_k : seq.seq_q;
   const int64_t first = int64_t(block) * rows_per_block;
   if (first >= seq_len) return;
-  const int64_t rows = min(int64_t(rows_per_block), seq_len - first);
+  const int64_t end = min(first + rows_per_block, seq_len);
   const int32_t dim = f.head_dim;
   const int64_t flat_head = int64_t(b) * (kKeys ? p.num_kv_heads : f.num_q_heads) + head;
   const int64_t max_blocks = kKeys ? p.max_k_blocks : p.max_q_blocks;
-  const double* centre = kKeys ? p.key_mean + flat_head * dim : nullptr;
+  const double* centre = kPass == BlockPass::kKeyStats ? p.key_mean + flat_head * dim : nullptr;
   const int lane = threadIdx.x % kWarpLanes, warp = threadIdx.x / kWarpLanes;
 
-  double x_sum[kMaxDimsPerLane], u_sum[kMaxDimsPerLane];
-#pragma unroll
-  for (int c = 0; c < kMaxDimsPerLane; ++c) x_sum[c] = u_sum[c] = 0.0;
-  for (int64_t r = first + warp; r < first + rows; r += kStatWarps) {
+  auto load_row = [&](int64_t r, double (&x)[kDimsPerLane]) {
     const int64_t offset = kKeys ? key_row_offset(f, f.k_strides, seq, r) : query_row_offset(f.q_strides, seq, r);
-    double x[kMaxDimsPerLane];
-    double norm_sq = 0.0;
 #pragma unroll
-    for (int c = 0; c < kMaxDimsPerLane; ++c) {
+    for (int c = 0; c < kDimsPerLane; ++c) {
       const int d = lane + c * kWarpLanes;
       x[c] = 0.0;
       if (d < dim) {
         x[c] = double(load_value(kKeys ? f.k : f.q, offset + d, f.element_type));
-        if (kKeys) x[c] -= centre[d];
+        if (centre != nullptr) x[c] -= centre[d];
       }
-      norm_sq += x[c] * x[c];
     }
-    norm_sq = warp_sum(norm_sq);
-    const double inv_norm = norm_sq > 0.0 ? 1.0 / sqrt(norm_sq) : 0.0;  // a zero row adds a zero unit vector
+  };
+  double x_sum[kDimsPerLane], u_sum[kDimsPerLane];
 #pragma unroll
-    for (int c = 0; c < kMaxDimsPerLane; ++c) {
-      x_sum[c] += x[c];
-      u_sum[c] += x[c] * inv_norm;
+  for (int c = 0; c < kDimsPerLane; ++c) x_sum[c] = u_sum[c] = 0.0;
+  constexpr int64_t kGroupStride = int64_t(kStatWarps) * kWarpLanes;
+  for (int64_t group = first + warp; group < end; group += kGroupStride) {
+    double my_norm_sq = 0.0;  // of row `group + lane · kStatWarps`
+    for (int j = 0; j < kWarpLanes && group + int64_t(j) * kStatWarps < end; ++j) {
+      double x[kDimsPerLane];
+      load_row(group + int64_t(j) * kStatWarps, x);
+      double norm_sq = 0.0;
+#pragma unroll
+      for (int c = 0; c < kDimsPerLane; ++c) {
+        x_sum[c] += x[c];
+        norm_sq += x[c] * x[c];
+      }
+      if (kUnit) {
+        norm_sq = warp_sum(norm_sq);
+        if (lane == j) my_norm_sq = norm_sq;
+      }
+    }
+    if (!kUnit) continue;
+    const double my_inv_norm = my_norm_sq > 0.0 ? 1.0 / sqrt(my_norm_sq) : 0.0;  // a zero row adds a zero vector
+    for (int j = 0; j < kWarpLanes && group + int64_t(j) * kStatWarps < end; ++j) {
+      const double inv_norm = warp_shfl_xor(my_inv_norm, lane ^ j);  // lane j's value
+      double x[kDimsPerLane];
+      load_row(group + int64_t(j) * kStatWarps, x);
+#pragma unroll
+      for (int c = 0; c < kDimsPerLane; ++c) u_sum[c] += x[c] * inv_norm;
     }
   }
 #pragma unroll
-  for (int c = 0; c < kMaxDimsPerLane; ++c) {
+  for (int c = 0; c < kDimsPerLane; ++c) {
     const int d = lane + c * kWarpLanes;
     if (d < dim) {
       row_sums[warp][d] = x_sum[c];
-      unit_sums[warp][d] = u_sum[c];
+      if (kUnit) unit_sums[warp][d] = u_sum[c];
     }
   }
   __syncthreads();
+  const double rows = double(end - first);
   double* means = (kKeys ? p.key_block_means : p.query_block_means) + (flat_head * max_blocks + block) * dim;
   double unit_norm_sq = 0.0;
   for (int d = threadIdx.x; d < dim; d += blockDim.x) {
@@ -159,15 +154,55 @@ __global__ void __launch_bounds__(kStatThreads) block_stats_kernel(const SpargeP
 #pragma unroll
     for (int w = 0; w < kStatWarps; ++w) {
       x_total += row_sums[w][d];
-      u_total += unit_sums[w][d];
+      if (kUnit) u_total += unit_sums[w][d];
     }
-    means[d] = x_total / double(rows);  // the tail block averages its real rows only
+    means[d] = kUnit ? x_total / rows : x_total;  // the tail block averages its real rows only
     unit_norm_sq += u_total * u_total;
   }
+  if (!kUnit) return;
   unit_norm_sq = block_reduce<kStatWarps>(unit_norm_sq, partials, [](double a, double c) { return a + c; });
   if (threadIdx.x == 0) {
-    const double sim = unit_norm_sq / (double(rows) * double(rows));
+    const double sim = unit_norm_sq / (rows * rows);
     (kKeys ? p.key_sim : p.query_sim)[flat_head * max_blocks + block] = fmin(1.0, fmax(0.0, sim));
+  }
+}
+
+// ---- 2. Mean of K over the sequence (§4.1), per kv head: the block sums added in a fixed order, / Skv ----
+// Thread (part, d) adds blocks part, part + parts, ... into kMeanAccumulators interleaved sums (loads in flight).
+__global__ void __launch_bounds__(kMeanThreads) key_mean_kernel(const SpargePredictParams p) {
+  __shared__ double part_sums[kMeanThreads];
+  const ForwardParams& f = p.fwd;
+  const int32_t hk = blockIdx.x, b = blockIdx.y;
+  const SequenceView seq = kv_head_view(f, b, hk);
+  const int64_t blocks = ceil_div64(seq.seq_k, p.block_k);
+  const int64_t head = int64_t(b) * p.num_kv_heads + hk;
+  const double* sums = p.key_block_means + head * p.max_k_blocks * f.head_dim;
+  const int32_t dim = f.head_dim;
+  const int32_t parts = max(1, kMeanThreads / dim);
+  const int32_t d = threadIdx.x % dim, part = threadIdx.x / dim;
+  if (part < parts) {
+    double acc[kMeanAccumulators];
+#pragma unroll
+    for (int a = 0; a < kMeanAccumulators; ++a) acc[a] = 0.0;
+    int64_t block = part;
+    for (; block + int64_t(kMeanAccumulators - 1) * parts < blocks; block += int64_t(kMeanAccumulators) * parts) {
+#pragma unroll
+      for (int a = 0; a < kMeanAccumulators; ++a) acc[a] += sums[(block + int64_t(a) * parts) * dim + d];
+    }
+#pragma unroll
+    for (int a = 0; a + 1 < kMeanAccumulators; ++a) {  // the last (fewer than kMeanAccumulators) blocks
+      if (block + int64_t(a) * parts < blocks) acc[a] += sums[(block + int64_t(a) * parts) * dim + d];
+    }
+    double total = 0.0;
+#pragma unroll
+    for (int a = 0; a < kMeanAccumulators; ++a) total += acc[a];
+    part_sums[part * dim + d] = total;
+  }
+  __syncthreads();
+  if (threadIdx.x < dim) {
+    double total = 0.0;
+    for (int32_t q = 0; q < parts; ++q) total += part_sums[q * dim + threadIdx.x];
+    p.key_mean[head * dim + threadIdx.x] = seq.seq_k > 0 ? total / double(seq.seq_k) : 0.0;
   }
 }
 
@@ -360,9 +395,10 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SpargePred
     // Step 6: forced columns and rows, the sink column, ∧ causal; zero outside the sequence.
     const bool query_similar = query_block < q_blocks && p.query_sim[row] > theta;
     uint8_t* mask_row = p.mask + row * p.max_k_blocks;
-    uint8_t* out_row = p.mask_out != nullptr ? p.mask_out + b * p.mask_out_strides[0] + h * p.mask_out_strides[1] +
-                                                   query_block * p.mask_out_strides[2]
-                                             : nullptr;
+    uint8_t* out_row = p.mask_out != nullptr && query_block < p.mask_out_rows
+                           ? p.mask_out + b * p.mask_out_strides[0] + h * p.mask_out_strides[1] +
+                                 query_block * p.mask_out_strides[2]
+                           : nullptr;
     for (int32_t j = threadIdx.x; j < p.max_k_blocks; j += blockDim.x) {
       uint8_t on = 0;
       if (j < n) {
@@ -370,7 +406,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SpargePred
         on = (kept[j] || forced) && visible(j) ? 1 : 0;
       }
       mask_row[j] = on;
-      if (out_row != nullptr) out_row[j * p.mask_out_strides[3]] = on;
+      if (out_row != nullptr && j < p.mask_out_cols) out_row[j * p.mask_out_strides[3]] = on;
     }
     __syncthreads();  // the next row reuses values, ids and flags
   }
@@ -384,15 +420,31 @@ __global__ void pv_skip_table_kernel(const SpargePredictParams p) {
   }
 }
 
+// The three block passes for head dimensions up to kDimsPerLane · kWarpLanes.
+template <int kDimsPerLane>
+void launch_block_passes(const SpargePredictParams& p, cudaStream_t stream) {
+  const ForwardParams& f = p.fwd;
+  const dim3 key_grid(p.max_k_blocks, p.num_kv_heads, f.batch);
+  block_pass_kernel<BlockPass::kKeySums, kDimsPerLane><<<key_grid, kStatThreads, 0, stream>>>(p);
+  key_mean_kernel<<<dim3(p.num_kv_heads, f.batch), kMeanThreads, 0, stream>>>(p);
+  block_pass_kernel<BlockPass::kKeyStats, kDimsPerLane><<<key_grid, kStatThreads, 0, stream>>>(p);
+  block_pass_kernel<BlockPass::kQueryStats, kDimsPerLane>
+      <<<dim3(p.max_q_blocks, f.num_q_heads, f.batch), kStatThreads, 0, stream>>>(p);
+}
+
 }  // namespace
 
 cudaError_t sparge_predict_launch(const SpargePredictParams& p, cudaStream_t stream) {
   const ForwardParams& f = p.fwd;
-  const dim3 key_grid(p.max_k_blocks, p.num_kv_heads, f.batch);
-  key_block_sums_kernel<<<key_grid, kStatThreads, 0, stream>>>(p);
-  key_mean_kernel<<<dim3(p.num_kv_heads, f.batch), kStatThreads, 0, stream>>>(p);
-  block_stats_kernel<true><<<key_grid, kStatThreads, 0, stream>>>(p);
-  block_stats_kernel<false><<<dim3(p.max_q_blocks, f.num_q_heads, f.batch), kStatThreads, 0, stream>>>(p);
+  constexpr int kMaxDimsPerLane = (kMaxHeadDim + kWarpLanes - 1) / kWarpLanes;
+  const int dims_per_lane = (f.head_dim + kWarpLanes - 1) / kWarpLanes;
+  if (dims_per_lane <= kMaxDimsPerLane / 4) {
+    launch_block_passes<kMaxDimsPerLane / 4>(p, stream);
+  } else if (dims_per_lane <= kMaxDimsPerLane / 2) {
+    launch_block_passes<kMaxDimsPerLane / 2>(p, stream);
+  } else {
+    launch_block_passes<kMaxDimsPerLane>(p, stream);
+  }
   const int32_t key_tiles = (p.max_k_blocks + kScoreTile - 1) / kScoreTile;
   const int32_t query_tiles = (p.max_q_blocks + kScoreTile - 1) / kScoreTile;
   block_scores_kernel<<<dim3(key_tiles * f.num_q_heads, query_tiles, f.batch), kScoreThreads, 0, stream>>>(p);

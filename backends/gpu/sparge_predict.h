@@ -4,10 +4,10 @@
 // synchronisation; sequence lengths are read on the device (varlen, seq_lens_k).
 //
 // The launches, in order (sparge_predict.cu):
-//   1. key block sums       Σ k over each key block (raw), per kv head            -> key_block_means (temporarily)
-//   2. key mean             Σ over blocks / Skv, per kv head                        -> key_mean
-//   3. key block stats      centred block means and self-similarity             -> key_block_means, key_sim
-//   4. query block stats    block means and self-similarity (raw Q)              -> query_block_means, query_sim
+//   1. key block sums       Σ k over each key block (raw), per kv head          -> key_block_means (temporarily)
+//   2. key mean             Σ over blocks / Skv, per kv head                      -> key_mean
+//   3. key block stats      centred block means and self-similarity           -> key_block_means, key_sim
+//   4. query block stats    block means and self-similarity (raw Q)            -> query_block_means, query_sim
 //   5. block scores         Ŝ = scale · q̄·k̄ (a small float64 GEMM per head)        -> scores
 //   6. select               −inf for non-self-similar / future key blocks, softmax, sort, TopCdf or top-k, forced
 //                           rows/columns, sink column, ∧ causal                    -> mask (+ block_mask_out)
@@ -53,9 +53,11 @@ struct SpargePredictParams {
   uint8_t* mask = nullptr;              // [B, Hq, max_q_blocks, max_k_blocks], 0 outside each sequence
   float* pv_skip_log2 = nullptr;        // [Hq] λ_h · log2(e), or null (not computed)
 
-  // block_mask_out (null when absent) and its element strides.
+  // block_mask_out (null when absent), its element strides and its last two extents (the caller's maximum block
+  // counts; with device-resident varlen lengths the mask above is sized by the totals Tq, Tk instead).
   uint8_t* mask_out = nullptr;
   int64_t mask_out_strides[4] = {0, 0, 0, 0};
+  int32_t mask_out_rows = 0, mask_out_cols = 0;
 
   // Select kernel: grid size and, when a row's key blocks do not fit in shared memory, its global sort scratch
   // (sort_capacity entries per thread block: values, ids, kept flags).
