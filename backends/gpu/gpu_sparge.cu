@@ -57,7 +57,7 @@ uint64_t predict_scratch_bytes(const SpargeDims& d, const AttentionProblem& prob
   const uint64_t kv_blocks = uint64_t(problem.batch) * problem.num_kv_heads * d.k_blocks;
   const uint64_t dim = uint64_t(problem.head_dim);
   return sizeof(double) * (kv_blocks * (dim + 1) + uint64_t(d.rows) * (dim + 1) + uint64_t(d.cells)) +
-         uint64_t(d.cells) + uint64_t(d.select_grid) * d.sort_capacity * (sizeof(double) + sizeof(int32_t) + 1);
+         uint64_t(d.cells) + uint64_t(d.select_grid) * d.sort_capacity * (sizeof(double) + sizeof(uint64_t) + 1);
 }
 
 // Without a host read of sparge_head_params (device memory), any override may set λ: the table is then built.
@@ -123,6 +123,7 @@ void sparge_run(const GpuDevice& device, const AttentionProblem& problem, const 
 
   SpargePredictParams pp;
   pp.fwd = make_forward_params(problem, policy);
+  pp.q_rows_aligned16 = rows_aligned_16(problem.q);
   pp.num_kv_heads = problem.num_kv_heads;
   pp.block_q = policy.p.block_q;
   pp.block_k = policy.p.block_k;
@@ -162,7 +163,7 @@ void sparge_run(const GpuDevice& device, const AttentionProblem& problem, const 
   if (d.sort_capacity > 0) {
     const uint64_t entries = uint64_t(d.select_grid) * d.sort_capacity;
     pp.sort_values = carver.take<double>(entries);
-    pp.sort_ids = carver.take<int32_t>(entries);
+    pp.sort_keys = carver.take<uint64_t>(entries);
     pp.sort_flags = carver.take<uint8_t>(entries);
   }
   ForwardParams p = masked_forward_params(problem, policy, d, pp.mask, pp.pv_skip_log2);

@@ -30,6 +30,7 @@ constexpr int32_t kSpargeGlobalSortBlocksPerSm = 4;
 struct SpargePredictParams {
   // Tensors, layouts and sequence lengths of the run (make_forward_params; the visibility rule is not read).
   ForwardParams fwd;
+  bool q_rows_aligned16 = false;  // q base and row strides allow 16-byte loads (k's: fwd.kv_rows_aligned16)
   int32_t num_kv_heads = 0;
   int32_t block_q = 0, block_k = 0;
   int32_t max_q_blocks = 0;  // ceil(max Sq / block_q): rows of the mask
@@ -60,11 +61,11 @@ struct SpargePredictParams {
   int32_t mask_out_rows = 0, mask_out_cols = 0;
 
   // Select kernel: grid size and, when a row's key blocks do not fit in shared memory, its global sort scratch
-  // (sort_capacity entries per thread block: values, ids, kept flags).
+  // (sort_capacity entries per thread block: P̂ values, rank keys, kept flags).
   int32_t select_grid = 0;
   int32_t sort_capacity = 0;  // 0 = shared-memory sort
   double* sort_values = nullptr;
-  int32_t* sort_ids = nullptr;
+  uint64_t* sort_keys = nullptr;
   uint8_t* sort_flags = nullptr;
 };
 
