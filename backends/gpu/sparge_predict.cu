@@ -507,7 +507,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SpargePred
         local_sum += values[j];
       }
       const double total = block_reduce<kSelectWarps>(local_sum, partials, [](double a, double c) { return a + c; });
-      const int id_bits = __ffsll(sparge_pow2_at_least(n + 1)) - 1;  // id_span > every index
+      int id_bits = 0;  // id_span = 2^id_bits > every index
+      while ((int64_t(1) << id_bits) <= n) ++id_bits;
       for (int32_t j = threadIdx.x; j < padded; j += blockDim.x) {
         if (j < n) values[j] /= total;
         keys[j] = j < n ? rank_key(values[j], j, id_bits) : 0;
