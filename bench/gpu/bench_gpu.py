@@ -59,6 +59,7 @@ def to_tensor(t, dtype_code):
 
 class Sparsa:
     def __init__(self, path):
+        self.path = path
         self.lib = ctypes.CDLL(path)
         self.lib.sparsa_last_error_message.restype = ctypes.c_char_p
         self.lib.sparsa_policy_init.argtypes = [ctypes.POINTER(Policy), ctypes.c_int32]

@@ -1,0 +1,54 @@
+"""Prepared runs through the Python binding (bindings/python), for the area benchmark modules bench_<group>.py.
+
+`prepared(...)` builds the attention arguments and the policy struct once, as a serving engine would, and returns a
+zero-argument callable that only calls sparsa_attention_run, so Python marshalling stays out of the timings. Uses the
+binding's argument builders (sparsa.ops._attention_args, _Views) on the same libsparsa as bench_gpu.py.
+"""
+import ctypes
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def binding(sp):
+    """The sparsa Python package, loaded on the library `sp` (bench_gpu.Sparsa) was opened with."""
+    os.environ["SPARSA_LIBRARY"] = sp.path
+    sys.path.insert(0, os.path.join(_HERE, "..", "..", "bindings", "python"))
+    import sparsa  # noqa: E402  (path set just above)
+    return sparsa
+
+
+def context(sp):
+    """A CUDA context of the binding on torch's current stream (shared by every module of one benchmark run)."""
+    import torch
+    if getattr(sp, "binding_ctx", None) is None:
+        sparsa = binding(sp)
+        sp.binding_ctx = sparsa.Context("cuda", stream=torch.cuda.current_stream().cuda_stream)
+    return sp.binding_ctx
+
+
+def prepared(sp, q, k, v, out, policy, causal, **optional):
+    """One run's callable: optional = lse, cu_seqlens_q, cu_seqlens_k, page_table, seq_lens_k, selection_cache,
+    selected_indices, block_mask_out, stats (tensors or objects, as sparsa.attention takes them)."""
+    sparsa = binding(sp)
+    from sparsa import _library as L
+    from sparsa import ops
+    ctx = context(sp)
+    names = ("lse", "cu_seqlens_q", "cu_seqlens_k", "page_table", "seq_lens_k", "selection_cache",
+             "selected_indices", "block_mask_out", "stats")
+    values = [optional.get(n) for n in names]
+    views = ops._Views(ctx.stream)
+    args = ops._attention_args(views, ctx, q, k, v, out, values[0], causal, 0.0, *values[1:])
+    c_policy = policy.to_c(views.keep, ctx.stream)
+    L.call("sparsa_attention_plan", ctx.handle, ctypes.byref(args), ctypes.byref(c_policy))
+    run = ctypes.CDLL(sp.path).sparsa_attention_run  # own function object: bench_gpu.py types its arguments
+    run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    handle, args_ref, policy_ref = ctx.handle, ctypes.byref(args), ctypes.byref(c_policy)
+
+    def fn():
+        status = run(handle, args_ref, policy_ref)
+        if status != 0:
+            sp.check(status, "attention_run")
+    fn.keep = (views, args, c_policy)
+    return fn, sparsa
