@@ -4,9 +4,10 @@
 // Hq / H_idx heads of a row) have the same key set, so token_indices_launch builds one list for all of them
 // (heads_per_list = Hq / H_idx) and the attention reads each K/V row once for the heads of a kv group that share
 // it. The block sets, word by word, the bits of a shared bitmap for every key of the union (the always-included
-// ranges as plain stores, each slot's id or block with atomicOr: duplicates and overlaps cost nothing); then each
-// thread counts the bits of a contiguous run of words, a block scan (xor-shuffle warp scans) gives each run its
-// output offset, and the keys are written in ascending order.
+// ranges as plain stores, each slot's id or block with atomicOr: duplicates and overlaps cost nothing; a thread
+// reads kIdsInFlight slots before marking any, so their loads overlap); then each thread counts the bits of a
+// contiguous run of words, a block scan (xor-shuffle warp scans) gives each run its output offset, and the keys are
+// written in ascending order.
 //
 // Attention: f16/bf16 with 16-byte K/V rows on NVIDIA go to the tensor-core decode kernel walking the lists
 // (forward_decode.h: forward_decode_lists_launch; any Sq). Otherwise (f32, HIP, unaligned) the kernel below: one
@@ -24,7 +25,8 @@
 SPARSA_GPU_NAMESPACE_BEGIN
 namespace {
 
-constexpr int kSetThreads = 512;
+constexpr int kSetThreads = 1024;
+constexpr int kIdsInFlight = 8;  // index slots a key-set thread reads before marking them
 constexpr int kMinWarpLanes = 32;  // sizes per-warp scratch for 32- and 64-lane warps alike
 constexpr int kAttendThreads = 128;
 constexpr int kKeysPerStep = 4;
@@ -106,11 +108,21 @@ __global__ void __launch_bounds__(kSetThreads) index_set_kernel(const ForwardPar
   if (row >= 0 && row < ix.index_heads) {
     const int64_t n_ids = (n_keys + ix.block_size - 1) / ix.block_size;
     const int32_t* ids = ix.indices + b * ix.index_strides[0] + row * ix.index_strides[1];
-    for (int32_t slot = threadIdx.x; slot < ix.slots; slot += blockDim.x) {
-      const int64_t id = ids[slot * ix.index_strides[2]];
-      if (id < 0 || id >= n_ids) continue;
-      const int64_t end = (id + 1) * ix.block_size;
-      set_bits(bitmap, id * ix.block_size, end < n_keys ? end : n_keys);
+    // kIdsInFlight slots per thread are read before any is marked: one memory latency per batch, not per slot.
+    for (int64_t first = threadIdx.x; first < ix.slots; first += int64_t(blockDim.x) * kIdsInFlight) {
+      int64_t batch[kIdsInFlight];
+#pragma unroll
+      for (int u = 0; u < kIdsInFlight; ++u) {
+        const int64_t slot = first + int64_t(u) * blockDim.x;
+        batch[u] = slot < ix.slots ? ids[slot * ix.index_strides[2]] : -1;
+      }
+#pragma unroll
+      for (int u = 0; u < kIdsInFlight; ++u) {
+        const int64_t id = batch[u];
+        if (id < 0 || id >= n_ids) continue;
+        const int64_t end = (id + 1) * ix.block_size;
+        set_bits(bitmap, id * ix.block_size, end < n_keys ? end : n_keys);
+      }
     }
   }
   __syncthreads();
