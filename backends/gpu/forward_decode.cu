@@ -3,20 +3,24 @@
 // share it, and as little work per byte as possible.
 //
 // Tensor-core kernel (decode_mma_kernel: NVIDIA sm_80+, f16/bf16, K/V rows on 16-byte boundaries). One thread block
-// = one warp = one (sequence, set of query heads sharing a kv head, row tile, key split). Its 16 mma rows are the
-// (query row, head) pairs of the set — for dense decode the whole GQA group — so one K/V row read serves them all.
-// Keys come 16 at a time through a kStages-deep cp.async ring in shared memory (16-byte copies, rows XOR-swizzled
-// in 16-byte chunks as in forward_mma.cu so that ldmatrix's eight row reads hit eight bank groups):
+// = one (sequence, set of query heads sharing a kv head, 8-row tile, key split); its 8 rows are the (query row,
+// head) pairs of the set — for dense decode the GQA group — so one K/V row read serves them all. The block's share
+// of keys is dealt tile by tile to its warps; each warp streams its tiles of 16 keys through its own cp.async ring
+// in shared memory (16-byte copies, rows XOR-swizzled in 16-byte chunks as in forward_mma.cu so that ldmatrix's
+// eight row reads hit eight bank groups). Keys are the mma M (16), rows the N (8), so no tensor-core work is spent
+// on padding rows and Oᵀ takes 4 registers per 16 dims:
 //
-//   cp.async  K/V rows of tile t + kStages - 1 -> ring        (tiles t .. t + kStages - 2 already in flight)
-//   S  = Q·Kᵀ                   mma m16n8k16: A = the 16 rows of Q, B = 16 K rows (ldmatrix)
-//   S  = mask(S)·scale·log2(e)  the mask only on tiles that need it
-//   online softmax              m, l, O rescaled per row (base 2)
-//   O += P·V                    A = P re-packed from the S accumulators, B = 16 V rows (ldmatrix.trans)
+//   cp.async  K/V rows of tile j + kStages - 1 -> ring       (earlier tiles already in flight)
+//   Sᵀ = K·Qᵀ                   mma m16n8k16: A = 16 K rows (ldmatrix), B = Qᵀ (registers, read once)
+//   Sᵀ = mask(Sᵀ)·scale·log2(e) only on tiles that need it
+//   online softmax              per row = per column of Sᵀ (base 2)
+//   Oᵀ += Vᵀ·Pᵀ                 A = V rows (ldmatrix.trans), B = Pᵀ: the Sᵀ accumulators, each 8×8 half moved
+//                               into the B layout by one movmatrix
 //
-// The keys are either a range (dense decode, sink/window, block mask; a tile no row can see is never loaded) or a
-// prebuilt ascending list (TOKEN_INDICES / TOKEN_SELECT, forward_decode_lists_launch: the key id of each position is
-// read when its copy is issued and kept beside the tile for the causal test).
+// then the warps' states are merged in shared memory and written with coalesced stores. The keys are either a range
+// (dense decode, sink/window, block mask; a tile no row can see is never loaded) or a prebuilt ascending list
+// (TOKEN_INDICES / TOKEN_SELECT, forward_decode_lists_launch: the key ids of a tile are read before its copies are
+// issued and kept beside it for the causal test).
 //
 // CUDA-core kernel (forward_decode_simt_kernel: f32, HIP, unaligned rows): plain fp32 on CUDA cores; one thread
 // block = one (sequence, kv head, key split), its rows the R = Sq·g pairs of the group. Each warp walks its own
@@ -384,22 +388,26 @@ __global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(
 
 #if SPARSA_GPU_HAS_MMA_SYNC
 
-constexpr int kMmaRows = kDecodeMaxRows;  // 16 (query row, head) pairs: the mma M
-constexpr int kTileKeys = 16;             // keys per ring stage: one k-step of P·V
-constexpr int kLanes = 32;                // the mma.sync fragment layouts assume 32-lane warps
-constexpr int kChunkElems = 8;            // 16-byte chunk of 2-byte elements
-constexpr int kSwizzleRows = 8;           // swizzle period: ldmatrix reads 8 rows at once
-constexpr size_t kStaticSharedLimit = 48 * 1024;  // static shared memory needs no opt-in attribute below this
-constexpr int kMaxStages = 8;
+constexpr int kBlockRows = 8;   // (query row, head) pairs of a block: the mma N of Sᵀ = K·Qᵀ and Oᵀ = Vᵀ·Pᵀ
+constexpr int kTileKeys = 16;   // keys per ring stage: the mma M of Sᵀ and the k-step of Oᵀ
+constexpr int kLanes = 32;      // the mma.sync fragment layouts assume 32-lane warps
+constexpr int kChunkElems = 8;  // 16-byte chunk of 2-byte elements
+constexpr int kSwizzleRows = 8;  // swizzle period: ldmatrix reads 8 rows at once
+constexpr size_t kRingBudget = 40 * 1024;  // the rings stay under the 48 KB of static shared memory (no opt-in)
+constexpr int kMaxStages = 4;
 
-// Ring depth: as many 16-key K+V stages (with their key ids) as fit beside the Q tile under the static limit —
-// 8 at head_dim 64, 5 at 128, 2 at 256 — so up to kStages - 1 tiles per warp are in flight while one computes.
+// Warps per block, each walking every kWarps-th tile of the block's share with its own ring: two at head_dim <= 128
+// (8 warps per SM at 4 blocks per SM), one at 256 (a ring of two 16 KB stages is all that fits).
 template <int kHeadDim>
-constexpr size_t kStagesThatFit =
-    (kStaticSharedLimit - kMmaRows * kHeadDim * sizeof(uint16_t)) /
-    (2 * kTileKeys * kHeadDim * sizeof(uint16_t) + kTileKeys * sizeof(int32_t));
+constexpr int kWarpsPerBlock = kHeadDim <= 128 ? 2 : 1;
 template <int kHeadDim>
-constexpr int kRingStages = kStagesThatFit<kHeadDim> < size_t(kMaxStages) ? int(kStagesThatFit<kHeadDim>) : kMaxStages;
+constexpr size_t kStageBytes = 2 * kTileKeys * kHeadDim * sizeof(uint16_t) + kTileKeys * sizeof(int32_t);
+// Ring depth per warp: 4 stages at head_dim 64, 2 at 128 and 256. (Measured on H200, 32K keys, older code: 5 stages
+// at 4 one-warp blocks per SM took 67 µs, 2 stages at 10 blocks per SM 45 µs: warps in flight matter more than depth.)
+template <int kHeadDim>
+constexpr int kRingStages = kRingBudget / (kWarpsPerBlock<kHeadDim> * kStageBytes<kHeadDim>) < size_t(kMaxStages)
+                                ? int(kRingBudget / (kWarpsPerBlock<kHeadDim> * kStageBytes<kHeadDim>))
+                                : kMaxStages;
 
 enum class KeySource { kRange, kList };
 
@@ -431,6 +439,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
+}
+
+// Transposes an 8x8 matrix of 2-byte elements held in the standard fragment layout (lane t: row t/4, columns
+// 2(t%4), 2(t%4)+1) across the warp.
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t fragment) {
+  uint32_t transposed;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(transposed) : "r"(fragment));
+  return transposed;
 }
 
 // D(16x8, f32) += A(16x16) · B(16x8).
@@ -502,45 +518,38 @@ __device__ __forceinline__ int32_t visible_prefix(const int32_t* list, int32_t c
   return lo;
 }
 
-// 8 consecutive 2-byte elements as one 16-byte value (one load when aligned).
-__device__ __forceinline__ uint4 load_chunk(const uint16_t* src) {
-  if (reinterpret_cast<uintptr_t>(src) % sizeof(uint4) == 0) return *reinterpret_cast<const uint4*>(src);
-  uint32_t words[4];
-#pragma unroll
-  for (int w = 0; w < 4; ++w) words[w] = uint32_t(src[2 * w]) | (uint32_t(src[2 * w + 1]) << 16);
-  return make_uint4(words[0], words[1], words[2], words[3]);
-}
-
 template <typename Tag, int kHeadDim, KeySource kSource>
-__global__ void __launch_bounds__(kLanes) decode_mma_kernel(const ForwardParams p, const DecodeKeyLists lists,
-                                                            int32_t heads_per_block) {
+__global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
+    decode_mma_kernel(const ForwardParams p, const DecodeKeyLists lists, int32_t heads_per_block) {
 #if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+  constexpr int kWarps = kWarpsPerBlock<kHeadDim>;
   constexpr int kStages = kRingStages<kHeadDim>;
   static_assert(kStages >= 2, "the ring needs a stage in flight while one computes");
+  constexpr int kTileElems = kTileKeys * kHeadDim;
   constexpr int kChunksPerRow = kHeadDim / kChunkElems;
-  constexpr int kChunksPerLane = kTileKeys * kChunksPerRow / kLanes;  // of each of K and V, per tile
-  constexpr int kKeySteps = kHeadDim / 16;  // k-steps of S = Q·Kᵀ
-  constexpr int kDimBlocks = kHeadDim / 8;  // n-blocks of O
-  constexpr bool kQInRegisters = kHeadDim <= 128;  // at 256 the A fragments would crowd out O's registers
-  __shared__ __align__(16) uint16_t q_tile[kMmaRows * kHeadDim];
-  __shared__ __align__(16) uint16_t k_ring[kStages][kTileKeys * kHeadDim];
-  __shared__ __align__(16) uint16_t v_ring[kStages][kTileKeys * kHeadDim];
-  __shared__ int32_t ring_keys[kStages][kTileKeys];  // key id of each position of a stage (-1: past the share)
+  constexpr int kRowsPerCopy = kLanes / kChunksPerRow;      // key rows one warp-wide 16-byte copy covers
+  constexpr int kCopiesPerLane = kTileKeys / kRowsPerCopy;  // per tile, of each of K and V
+  constexpr int kKeySteps = kHeadDim / 16;                  // k-steps of Sᵀ = K·Qᵀ
+  constexpr int kDimBlocks = kHeadDim / 16;                 // m-blocks of Oᵀ = Vᵀ·Pᵀ
+  // Per warp: kStages stages of [K tile, V tile]; reused at the end for the warps' merge (fits: see the asserts).
+  __shared__ __align__(16) uint16_t ring[kWarps][kStages][2][kTileElems];
+  __shared__ int32_t ring_keys[kWarps][kStages][kTileKeys];  // key id of each position (-1: past the share)
+  static_assert(sizeof(ring) >= kWarps * kBlockRows * (kHeadDim + 2) * sizeof(float), "merge storage");
 
-  const int lane = threadIdx.x;
+  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int32_t split = blockIdx.x % p.num_splits;
-  const int64_t row_begin = int64_t(blockIdx.x / p.num_splits) * kMmaRows;
+  const int64_t row_begin = int64_t(blockIdx.x / p.num_splits) * kBlockRows;
   const int32_t head0 = blockIdx.y * heads_per_block;
   const SequenceView seq = make_sequence_view(p, blockIdx.z, head0);
   // Row r of the set is query row r / heads_per_block of head head0 + r % heads_per_block.
   const int64_t rows = int64_t(seq.seq_q) * heads_per_block;
   if (row_begin >= rows) return;
-  const int64_t row_end = rows < row_begin + kMmaRows ? rows : row_begin + kMmaRows;
+  const int64_t row_end = rows < row_begin + kBlockRows ? rows : row_begin + kBlockRows;
   const int32_t first_query = int32_t(row_begin / heads_per_block);
   const int32_t last_query = int32_t((row_end - 1) / heads_per_block);
 
-  // Positions the tile's last query row may see (keys of the range, or entries of the list), and this split's
-  // share of them in whole tiles: [begin, end).
+  // Positions the block's last query row may see (keys of the range, or entries of the list), and this split's
+  // share of them in whole tiles: [begin, end). Warp w takes tiles w, w + kWarps, ...
   const int32_t* list = nullptr;
   int32_t positions = 0;
   if constexpr (kSource == KeySource::kList) {
@@ -556,12 +565,34 @@ __global__ void __launch_bounds__(kLanes) decode_mma_kernel(const ForwardParams 
   const int32_t begin = int32_t(min(int64_t(positions), split * share_tiles));
   const int32_t end = int32_t(min(int64_t(positions), begin + share_tiles));
   const int32_t tiles = (end - begin + kTileKeys - 1) / kTileKeys;
+  const int32_t warp_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;
+  auto tile_begin = [&](int32_t j) { return begin + (warp + j * kWarps) * kTileKeys; };  // j-th tile of this warp
+
+  // Qᵀ as the B operand of every Sᵀ k-step, straight from global memory: lane holds row lane / 4, dims
+  // 16kk + 2(lane % 4) + {0, 1} and + {8, 9}. Rows past the set stay zero.
+  uint32_t q_frag[kKeySteps][2];
+  {
+    const int64_t row = row_begin + lane / 4;
+    const uint16_t* q_row = nullptr;
+    if (row < row_end) {
+      SequenceView s = seq;
+      s.h = head0 + int32_t(row % heads_per_block);
+      q_row = static_cast<const uint16_t*>(p.q) + query_row_offset(p.q_strides, s, row / heads_per_block);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int d = 16 * kk + 8 * half + 2 * (lane % 4);
+        q_frag[kk][half] = q_row == nullptr ? 0u : uint32_t(q_row[d]) | (uint32_t(q_row[d + 1]) << 16);
+      }
+    }
+  }
 
   // A tile is loaded only if some row of the block may see some of its keys (always for lists and dense).
-  auto tile_visible = [&](int32_t tile) {
+  auto tile_visible = [&](int32_t key_begin) {
     if constexpr (kSource == KeySource::kList) return true;
     if (p.rule == VisibilityRule::kDense) return true;
-    const int32_t key_begin = begin + tile * kTileKeys;
     const int32_t key_end = min(end, key_begin + kTileKeys);
     for (int32_t j = 0; j < heads_per_block; ++j) {
       SequenceView s = seq;
@@ -570,238 +601,230 @@ __global__ void __launch_bounds__(kLanes) decode_mma_kernel(const ForwardParams 
     }
     return false;
   };
-  // Copies tile `tile`'s K and V rows into ring stage `stage`: lane owns chunk (lane + 32u) % kChunksPerRow of row
-  // (lane + 32u) / kChunksPerRow for every u; positions past the share are zero-filled (their P is 0 and 0·V must
-  // stay finite). The key ids (lists) and row offsets (page table) are all read before the first copy is issued, so
-  // their loads overlap instead of each waiting behind the previous copy.
+  // Copies one tile's K and V rows into a ring stage: lane owns chunk lane % kChunksPerRow of rows
+  // lane / kChunksPerRow + u·kRowsPerCopy. Key ids (lists) and pages are all read before the first copy, so their
+  // loads overlap. Positions past the share are zero-filled (their P is 0, and 0·V must stay finite).
+  const int copy_chunk = lane % kChunksPerRow, copy_row0 = lane / kChunksPerRow;
+  const bool paged = p.page_table != nullptr;
+  const int64_t k_lane = copy_chunk * kChunkElems + int64_t(seq.kv_head) * p.k_strides.h +
+                         (paged ? 0 : seq.b * p.k_strides.b + int64_t(seq.k_row_base) * p.k_strides.s);
+  const int64_t v_lane = copy_chunk * kChunkElems + int64_t(seq.kv_head) * p.v_strides.h +
+                         (paged ? 0 : seq.b * p.v_strides.b + int64_t(seq.k_row_base) * p.v_strides.s);
   const uint16_t* k_base = static_cast<const uint16_t*>(p.k);
   const uint16_t* v_base = static_cast<const uint16_t*>(p.v);
-  auto issue_tile = [&](int32_t tile, int stage) {
-    const int32_t pos0 = begin + tile * kTileKeys;
-    int32_t keys[kChunksPerLane], pages[kChunksPerLane];
+  auto issue_tile = [&](int32_t pos0, int stage) {
+    int32_t keys[kCopiesPerLane];
 #pragma unroll
-    for (int u = 0; u < kChunksPerLane; ++u) {
-      const int32_t pos = pos0 + (lane + kLanes * u) / kChunksPerRow;
+    for (int u = 0; u < kCopiesPerLane; ++u) {
+      const int32_t pos = pos0 + copy_row0 + u * kRowsPerCopy;
       keys[u] = pos < end ? pos : -1;
       if constexpr (kSource == KeySource::kList) keys[u] = pos < end ? list[pos] : -1;
     }
+    int32_t pages[kCopiesPerLane];
 #pragma unroll
-    for (int u = 0; u < kChunksPerLane; ++u) pages[u] = keys[u] >= 0 ? key_page(p, seq, keys[u]) : 0;
+    for (int u = 0; u < kCopiesPerLane; ++u) pages[u] = paged && keys[u] >= 0 ? key_page(p, seq, keys[u]) : 0;
+    uint16_t* k_stage = ring[warp][stage][0];
+    uint16_t* v_stage = ring[warp][stage][1];
 #pragma unroll
-    for (int u = 0; u < kChunksPerLane; ++u) {
-      const int index = lane + kLanes * u;
-      const int row = index / kChunksPerRow, chunk = index % kChunksPerRow;
+    for (int u = 0; u < kCopiesPerLane; ++u) {
+      const int row = copy_row0 + u * kRowsPerCopy;
       const bool valid = keys[u] >= 0;
-      const int64_t k_offset = valid ? kv_row_offset(p, p.k_strides, seq, keys[u], pages[u]) : 0;
-      const int64_t v_offset = valid ? kv_row_offset(p, p.v_strides, seq, keys[u], pages[u]) : 0;
-      const int at = swizzled_offset<kHeadDim>(row, chunk);
-      cp_async_16(shared_address(&k_ring[stage][at]), k_base + k_offset + chunk * kChunkElems, valid ? 16 : 0);
-      cp_async_16(shared_address(&v_ring[stage][at]), v_base + v_offset + chunk * kChunkElems, valid ? 16 : 0);
-      if (chunk == 0) ring_keys[stage][row] = keys[u];
+      int64_t k_offset = k_lane, v_offset = v_lane;
+      if (paged) {
+        const int64_t slot = keys[u] % p.page_size;
+        k_offset += int64_t(pages[u]) * p.k_strides.b + slot * p.k_strides.s;
+        v_offset += int64_t(pages[u]) * p.v_strides.b + slot * p.v_strides.s;
+      } else {
+        k_offset += int64_t(keys[u]) * p.k_strides.s;
+        v_offset += int64_t(keys[u]) * p.v_strides.s;
+      }
+      const int at = swizzled_offset<kHeadDim>(row, copy_chunk);
+      cp_async_16(shared_address(k_stage + at), valid ? k_base + k_offset : k_base, valid ? 16 : 0);
+      cp_async_16(shared_address(v_stage + at), valid ? v_base + v_offset : v_base, valid ? 16 : 0);
+      if (copy_chunk == 0) ring_keys[warp][stage][row] = keys[u];
     }
   };
   uint32_t skipped = 0;  // bit s: ring stage s holds a tile that was not loaded (no row sees it)
-  auto stage_tile = [&](int32_t tile, int stage) {
-    if (tile >= tiles) return;
-    if (tile_visible(tile)) {
-      issue_tile(tile, stage);
+  auto stage_tile = [&](int32_t j, int stage) {
+    if (j >= warp_tiles) return;
+    if (tile_visible(tile_begin(j))) {
+      issue_tile(tile_begin(j), stage);
       skipped &= ~(1u << stage);
     } else {
       skipped |= 1u << stage;
     }
   };
-
-  // Q rows are requested first, the first kStages - 1 tiles go in flight, and only then does anything wait on memory
-  // (the Q stores into shared memory).
-  constexpr int kQChunksPerLane = kMmaRows * kChunksPerRow / kLanes;
-  const uint16_t* q_base = static_cast<const uint16_t*>(p.q);
-  uint4 q_chunks[kQChunksPerLane];
-#pragma unroll
-  for (int u = 0; u < kQChunksPerLane; ++u) {
-    const int index = lane + kLanes * u;
-    const int64_t row = row_begin + index / kChunksPerRow;
-    q_chunks[u] = make_uint4(0u, 0u, 0u, 0u);  // rows past the set stay zero
-    if (row < row_end) {
-      SequenceView s = seq;
-      s.h = head0 + int32_t(row % heads_per_block);
-      q_chunks[u] = load_chunk(q_base + query_row_offset(p.q_strides, s, row / heads_per_block) +
-                               (index % kChunksPerRow) * kChunkElems);
-    }
-  }
 #pragma unroll
   for (int stage = 0; stage < kStages - 1; ++stage) {
     stage_tile(stage, stage);
     cp_async_commit();
   }
-#pragma unroll
-  for (int u = 0; u < kQChunksPerLane; ++u) {
-    const int index = lane + kLanes * u;
-    *reinterpret_cast<uint4*>(&q_tile[swizzled_offset<kHeadDim>(index / kChunksPerRow, index % kChunksPerRow)]) =
-        q_chunks[u];
-  }
-  __syncwarp();
-  uint32_t q_frag[kQInRegisters ? kKeySteps : 1][4];
-  auto q_fragment = [&](uint32_t (&a)[4], int kk) {  // A operand of k-step kk: rows 0-15, dims 16kk..16kk+15
-    ldmatrix_x4(a, shared_address(q_tile + swizzled_offset<kHeadDim>(lane % 16, 2 * kk + lane / 16)));
-  };
-  if constexpr (kQInRegisters) {
-#pragma unroll
-    for (int kk = 0; kk < kKeySteps; ++kk) q_fragment(q_frag[kk], kk);
-  }
 
-  // This thread's rows of the mma tile: lane / 4 and lane / 4 + 8.
+  // This thread's accumulator columns: rows 2(lane % 4) and 2(lane % 4) + 1 of the block's 8.
   bool my_valid[2];
   int32_t my_query[2], my_head[2];
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
-    const int64_t row = row_begin + lane / 4 + 8 * rr;
+    const int64_t row = row_begin + 2 * (lane % 4) + rr;
     my_valid[rr] = row < row_end;
     my_query[rr] = my_valid[rr] ? int32_t(row / heads_per_block) : 0;
     my_head[rr] = head0 + (my_valid[rr] ? int32_t(row % heads_per_block) : 0);
   }
-  float o_acc[kDimBlocks][4];
+  float o_acc[kDimBlocks][4];  // Oᵀ: dims 16nd + lane/4 (+8 for [2], [3]) × rows 2(lane%4) (+1 for [1], [3])
 #pragma unroll
   for (int nd = 0; nd < kDimBlocks; ++nd) o_acc[nd][0] = o_acc[nd][1] = o_acc[nd][2] = o_acc[nd][3] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};  // base-2 domain
-  float row_sum[2] = {0.f, 0.f};              // this thread's columns; quad-reduced at the end
+  float row_sum[2] = {0.f, 0.f};              // this thread's keys; reduced over the 8 key lanes at the end
 
-  for (int32_t tile = 0; tile < tiles; ++tile) {
-    const int stage = tile % kStages;
-    stage_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);  // refills the stage computed last round
+  for (int32_t j = 0; j < warp_tiles; ++j) {
+    const int stage = j % kStages;
+    stage_tile(j + kStages - 1, (j + kStages - 1) % kStages);  // refills the stage computed last round
     cp_async_commit();
-    cp_async_wait<kStages - 1>();  // this thread's copies of `tile` have landed ...
+    cp_async_wait<kStages - 1>();  // this thread's copies of tile j have landed ...
     __syncwarp();                  // ... and every lane's are visible
     if ((skipped >> stage) & 1u) {
       __syncwarp();
       continue;
     }
-    const uint16_t* k_tile = k_ring[stage];
-    const uint16_t* v_tile = v_ring[stage];
-    const int32_t pos0 = begin + tile * kTileKeys;
+    const uint16_t* k_tile = ring[warp][stage][0];
+    const uint16_t* v_tile = ring[warp][stage][1];
+    const int32_t pos0 = tile_begin(j);
 
-    // S = Q·Kᵀ: 16 rows × 16 keys, two 8-key n-blocks.
-    float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // Sᵀ = K·Qᵀ: 16 keys × 8 rows; even and odd k-steps in two accumulators (half the dependent mma chain).
+    // Lane holds keys lane/4 ([0], [1]) and lane/4 + 8 ([2], [3]) of rows 2(lane%4) + {0, 1}.
+    float s_part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kk = 0; kk < kKeySteps; ++kk) {
       uint32_t a[4];
-      if constexpr (kQInRegisters) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] = q_frag[kk][e];
-      } else {
-        q_fragment(a, kk);
-      }
-      uint32_t b[4];
-      const int key_row = lane % 8 + (lane / 16) * 8;
-      ldmatrix_x4(b, shared_address(k_tile + swizzled_offset<kHeadDim>(key_row, 2 * kk + (lane / 8) % 2)));
-      mma_16816(Tag{}, s_acc[0], a, b[0], b[1]);
-      mma_16816(Tag{}, s_acc[1], a, b[2], b[3]);
+      ldmatrix_x4(a, shared_address(k_tile + swizzled_offset<kHeadDim>(lane % 16, 2 * kk + lane / 16)));
+      mma_16816(Tag{}, s_part[kk % 2], a, q_frag[kk][0], q_frag[kk][1]);
     }
+    float s[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] = s_part[0][e] + s_part[1][e];
 
     // Mask (raw scores; the scale is folded into the exponent below): positions past the share and keys a row may
-    // not see. A whole tile every row sees skips it.
+    // not see. A tile every row sees whole skips it.
     bool whole_tile_visible = pos0 + kTileKeys <= end;
     if constexpr (kSource == KeySource::kList) {
-      whole_tile_visible = whole_tile_visible &&
-                           int64_t(ring_keys[stage][kTileKeys - 1]) <= int64_t(first_query) + seq.causal_offset;
+      whole_tile_visible = whole_tile_visible && int64_t(ring_keys[warp][stage][kTileKeys - 1]) <=
+                                                     int64_t(first_query) + seq.causal_offset;
     } else {
       whole_tile_visible = whole_tile_visible && p.rule == VisibilityRule::kDense &&
                            (!p.causal || int64_t(pos0) + kTileKeys - 1 <= int64_t(first_query) + seq.causal_offset);
     }
     if (!whole_tile_visible) {
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int rr = e / 2;
-          const int column = nb * 8 + 2 * (lane % 4) + e % 2;
-          const int32_t pos = pos0 + column;
-          bool visible = my_valid[rr] && pos < end;
-          if constexpr (kSource == KeySource::kList) {
-            visible = visible && int64_t(ring_keys[stage][column]) <= int64_t(my_query[rr]) + seq.causal_offset;
-          } else if (visible) {
-            SequenceView s = seq;
-            s.h = my_head[rr];
-            visible = key_visible(p, s, my_query[rr], pos);
-          }
-          if (!visible) s_acc[nb][e] = -INFINITY;
+      for (int e = 0; e < 4; ++e) {
+        const int rr = e % 2;
+        const int key_row = lane / 4 + 8 * (e / 2);
+        const int32_t pos = pos0 + key_row;
+        bool visible = my_valid[rr] && pos < end;
+        if constexpr (kSource == KeySource::kList) {
+          visible = visible && int64_t(ring_keys[warp][stage][key_row]) <= int64_t(my_query[rr]) + seq.causal_offset;
+        } else if (visible) {
+          SequenceView sv = seq;
+          sv.h = my_head[rr];
+          visible = key_visible(p, sv, my_query[rr], pos);
         }
+        if (!visible) s[e] = -INFINITY;
       }
     }
 
-    // Online softmax in base 2: m = max(m, scale·log2e·max S), rescale O and l, P = 2^(S·scale·log2e - m).
+    // Online softmax in base 2 per row (column of Sᵀ): max over the 16 keys (2 per lane, 8 lanes), rescale O and l,
+    // P = 2^(S·scale·log2e - m).
+    float rescale[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      float tile_max = fmaxf(fmaxf(s_acc[0][2 * rr], s_acc[0][2 * rr + 1]),
-                             fmaxf(s_acc[1][2 * rr], s_acc[1][2 * rr + 1]));
-      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 1));
-      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 2));
+      float tile_max = fmaxf(s[rr], s[rr + 2]);
+      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 4));
+      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 8));
+      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 16));
       const float new_max = fmaxf(row_max[rr], tile_max * p.scale_log2);  // scale > 0 keeps the arg max
       const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
-      const float rescale = fast_exp2(row_max[rr] - reference);
+      rescale[rr] = fast_exp2(row_max[rr] - reference);
       row_max[rr] = new_max;
-      float tile_sum = 0.f;
+      s[rr] = fast_exp2(fmaf(s[rr], p.scale_log2, -reference));
+      s[rr + 2] = fast_exp2(fmaf(s[rr + 2], p.scale_log2, -reference));
+      row_sum[rr] = row_sum[rr] * rescale[rr] + (s[rr] + s[rr + 2]);
+    }
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
+    for (int nd = 0; nd < kDimBlocks; ++nd) {
 #pragma unroll
-        for (int e = 2 * rr; e < 2 * rr + 2; ++e) {
-          s_acc[nb][e] = fast_exp2(fmaf(s_acc[nb][e], p.scale_log2, -reference));
-          tile_sum += s_acc[nb][e];
-        }
-      }
-      row_sum[rr] = row_sum[rr] * rescale + tile_sum;
-#pragma unroll
-      for (int nd = 0; nd < kDimBlocks; ++nd) {
-        o_acc[nd][2 * rr] *= rescale;
-        o_acc[nd][2 * rr + 1] *= rescale;
-      }
+      for (int e = 0; e < 4; ++e) o_acc[nd][e] *= rescale[e % 2];
     }
 
-    // O += P·V: the S accumulators of the two key n-blocks are exactly the A fragment of the 16-key k-step.
-    const uint32_t p_frag[4] = {pack_pair(Tag{}, s_acc[0][0], s_acc[0][1]), pack_pair(Tag{}, s_acc[0][2], s_acc[0][3]),
-                                pack_pair(Tag{}, s_acc[1][0], s_acc[1][1]), pack_pair(Tag{}, s_acc[1][2], s_acc[1][3])};
+    // Oᵀ += Vᵀ·Pᵀ: Pᵀ (16 keys × 8 rows) is the B operand; its two 8×8 halves sit in the Sᵀ accumulators in the
+    // transposed layout, so one movmatrix each puts them in place. A = Vᵀ from the V tile (ldmatrix.trans).
+    const uint32_t p_frag0 = transpose_8x8(pack_pair(Tag{}, s[0], s[1]));  // keys 0-7
+    const uint32_t p_frag1 = transpose_8x8(pack_pair(Tag{}, s[2], s[3]));  // keys 8-15
 #pragma unroll
-    for (int nd = 0; nd < kDimBlocks; nd += 2) {
-      uint32_t b[4];
-      const int key_row = lane % 8 + ((lane / 8) % 2) * 8;
-      ldmatrix_x4_trans(b, shared_address(v_tile + swizzled_offset<kHeadDim>(key_row, nd + lane / 16)));
-      mma_16816(Tag{}, o_acc[nd], p_frag, b[0], b[1]);
-      mma_16816(Tag{}, o_acc[nd + 1], p_frag, b[2], b[3]);
+    for (int nd = 0; nd < kDimBlocks; ++nd) {
+      uint32_t a[4];
+      const int key_row = lane % 8 + (lane / 16) * 8;
+      ldmatrix_x4_trans(a, shared_address(v_tile + swizzled_offset<kHeadDim>(key_row, 2 * nd + (lane / 8) % 2)));
+      mma_16816(Tag{}, o_acc[nd], a, p_frag0, p_frag1);
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_async_wait<0>();  // no copy may stay in flight past the kernel
 
-  // Normalise and write: O / l (0 for a row that saw nothing), LSE = (m + log2 l)·ln 2 (-inf likewise); with splits
-  // the normalised fp32 partial state instead.
+  // Merge the warps' states through shared memory (the rings are free now): m = max_w m_w,
+  // O = Σ_w 2^(m_w - m) O_w / Σ_w 2^(m_w - m) l_w; LSE = (m + log2 l)·ln 2 (-inf for a row that saw nothing).
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
-    float total = row_sum[rr];
-    total += warp_shfl_xor(total, 1);
-    total += warp_shfl_xor(total, 2);
-    if (!my_valid[rr]) continue;
-    const float inverse = total > 0.f ? 1.f / total : 0.f;
-    const float lse = total > 0.f ? (row_max[rr] + log2f(total)) * kLn2 : -INFINITY;
+    row_sum[rr] += warp_shfl_xor(row_sum[rr], 4);
+    row_sum[rr] += warp_shfl_xor(row_sum[rr], 8);
+    row_sum[rr] += warp_shfl_xor(row_sum[rr], 16);
+  }
+  __syncthreads();
+  float* merge_out = reinterpret_cast<float*>(&ring[0][0][0][0]);  // [kWarps][kBlockRows][kHeadDim]
+  float* merge_max = merge_out + kWarps * kBlockRows * kHeadDim;    // [kWarps][kBlockRows]
+  float* merge_sum = merge_max + kWarps * kBlockRows;
+#pragma unroll
+  for (int nd = 0; nd < kDimBlocks; ++nd) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = 2 * (lane % 4) + e % 2, d = 16 * nd + lane / 4 + 8 * (e / 2);
+      merge_out[(warp * kBlockRows + r) * kHeadDim + d] = o_acc[nd][e];
+    }
+  }
+  if (lane < 4) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      merge_max[warp * kBlockRows + 2 * lane + rr] = row_max[rr];
+      merge_sum[warp * kBlockRows + 2 * lane + rr] = row_sum[rr];
+    }
+  }
+  __syncthreads();
+  const int32_t block_rows = int32_t(row_end - row_begin);
+  for (int index = threadIdx.x; index < block_rows * kHeadDim; index += blockDim.x) {
+    const int r = index / kHeadDim, d = index % kHeadDim;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge_max[w * kBlockRows + r]);
+    const float reference = m == -INFINITY ? 0.f : m;
+    float total = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = exp2f(merge_max[w * kBlockRows + r] - reference);
+      total += weight * merge_sum[w * kBlockRows + r];
+      acc += weight * merge_out[(w * kBlockRows + r) * kHeadDim + d];
+    }
+    const float value = total > 0.f ? acc / total : 0.f;
+    const float lse = total > 0.f ? (m + log2f(total)) * kLn2 : -INFINITY;
+    const int64_t row = row_begin + r;
     SequenceView s = seq;
-    s.h = my_head[rr];
-    const int32_t i = my_query[rr];
+    s.h = head0 + int32_t(row % heads_per_block);
+    const int32_t i = int32_t(row / heads_per_block);
     if (p.num_splits > 1) {
       const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, s, i)) * p.num_q_heads + s.h;
-      float* partial = p.partial_out + state * kHeadDim;
-#pragma unroll
-      for (int nd = 0; nd < kDimBlocks; ++nd) {
-        *reinterpret_cast<float2*>(partial + nd * 8 + 2 * (lane % 4)) =
-            make_float2(o_acc[nd][2 * rr] * inverse, o_acc[nd][2 * rr + 1] * inverse);
-      }
-      if (lane % 4 == 0) p.partial_lse[state] = lse;
+      p.partial_out[state * kHeadDim + d] = value;
+      if (d == 0) p.partial_lse[state] = lse;
       continue;
     }
-    uint16_t* out_row = static_cast<uint16_t*>(p.out) + query_row_offset(p.out_strides, s, i);
-#pragma unroll
-    for (int nd = 0; nd < kDimBlocks; ++nd) {  // 2-byte stores: out rows need no alignment here
-      out_row[nd * 8 + 2 * (lane % 4)] = to_bits(Tag{}, o_acc[nd][2 * rr] * inverse);
-      out_row[nd * 8 + 2 * (lane % 4) + 1] = to_bits(Tag{}, o_acc[nd][2 * rr + 1] * inverse);
-    }
-    if (p.lse != nullptr && lane % 4 == 0) {
+    static_cast<uint16_t*>(p.out)[query_row_offset(p.out_strides, s, i) + d] = to_bits(Tag{}, value);
+    if (d == 0 && p.lse != nullptr) {
       p.lse[s.b * p.lse_strides.b + int64_t(s.h) * p.lse_strides.h + (s.q_row_base + i) * p.lse_strides.s] = lse;
     }
   }
@@ -811,10 +834,11 @@ __global__ void __launch_bounds__(kLanes) decode_mma_kernel(const ForwardParams 
 template <typename Tag, int kHeadDim, KeySource kSource>
 cudaError_t launch_mma_kernel(const ForwardParams& p, const DecodeKeyLists& lists, int32_t heads_per_block,
                               int64_t max_rows, cudaStream_t stream) {
-  const int64_t row_tiles = (max_rows + kMmaRows - 1) / kMmaRows;
+  const int64_t row_tiles = (max_rows + kBlockRows - 1) / kBlockRows;
   if (row_tiles * p.num_splits > std::numeric_limits<int32_t>::max()) return cudaErrorInvalidValue;
   const dim3 grid(uint32_t(row_tiles * p.num_splits), uint32_t(p.num_q_heads / heads_per_block), uint32_t(p.batch));
-  decode_mma_kernel<Tag, kHeadDim, kSource><<<grid, kLanes, 0, stream>>>(p, lists, heads_per_block);
+  decode_mma_kernel<Tag, kHeadDim, kSource><<<grid, kWarpsPerBlock<kHeadDim> * kLanes, 0, stream>>>(
+      p, lists, heads_per_block);
   return cudaGetLastError();
 }
 

@@ -1,8 +1,8 @@
 // Decode forward (forward_decode.cu): few query rows per kv head, split-KV over many thread blocks, K/V read once per
 // group of query heads that share them. Two kernels behind one entry:
 //   - tensor cores (NVIDIA sm_80+, f16/bf16, K/V rows on 16-byte boundaries, head_dim 64/128/256): Sq·g <=
-//     kDecodeMaxRows rows per block, keys streamed through a cp.async pipeline; also walks prebuilt key lists
-//     (TOKEN_INDICES, TOKEN_SELECT: forward_decode_lists_launch) for any number of query rows;
+//     kDecodeMaxRows rows in tiles of 8 per block, keys streamed through cp.async rings; also walks prebuilt key
+//     lists (TOKEN_INDICES, TOKEN_SELECT: forward_decode_lists_launch) for any number of query rows;
 //   - CUDA cores otherwise (f32, HIP, unaligned rows, head_dim a multiple of 64 up to 256): Sq·g <=
 //     kDecodeSimtMaxRows.
 #pragma once
@@ -12,7 +12,7 @@
 
 SPARSA_GPU_NAMESPACE_BEGIN
 
-constexpr int32_t kDecodeMaxRows = 16;       // query rows × group size of one tensor-core block (the mma M)
+constexpr int32_t kDecodeMaxRows = 16;       // query rows × group size for the tensor-core kernel (two 8-row tiles)
 constexpr int32_t kDecodeSimtMaxRows = 8;    // the same for the CUDA-core kernel (rows live in registers)
 constexpr int32_t kDecodeMaxHeadDim = 256;
 constexpr int32_t kDecodeDimMultiple = 64;   // CUDA-core kernel: each lane of a 32- or 64-wide warp owns whole dims

@@ -91,55 +91,99 @@ __global__ void __launch_bounds__(kSetThreads) index_set_kernel(const ForwardPar
   const int32_t lists_per_sequence = p.num_q_heads / ix.heads_per_list;
   const int32_t head0 = list_head * ix.heads_per_list;  // the list's first query head
   const SequenceView s = make_sequence_view(p, b, head0);
-  const int64_t n_keys = s.seq_k < ix.list_capacity ? s.seq_k : ix.list_capacity;
-  const int64_t words = (n_keys + kBitsPerWord - 1) / kBitsPerWord;
-
-  // 1. Mark: the always-included ranges as each word's initial value, then every valid slot (ids out of range are
-  // ignored: token_indices.h).
-  const int64_t init_end = ix.n_init < n_keys ? ix.n_init : n_keys;
-  const int64_t local_begin = n_keys - ix.n_local > 0 ? n_keys - ix.n_local : 0;
-  for (int64_t w = threadIdx.x; w < words; w += blockDim.x) {
-    bitmap[w] = range_bits(w, 0, init_end) | range_bits(w, local_begin, n_keys);
-  }
-  if (threadIdx.x == 0) pairs_sum = 0;
-  __syncthreads();
+  // Key ids stay below 2^30 (gpu_backend.cu's limits), so 32-bit arithmetic holds for them and for block starts.
+  const int32_t n_keys = s.seq_k < ix.list_capacity ? s.seq_k : ix.list_capacity;
+  const int32_t words = (n_keys + kBitsPerWord - 1) / kBitsPerWord;
+  const int32_t block_size = int32_t(ix.block_size);
+  const int32_t n_ids = (n_keys + block_size - 1) / block_size;
   const int32_t row = ix.head_map != nullptr ? ix.head_map[head0 * ix.head_map_stride]
                                              : head0 / (p.num_q_heads / ix.index_heads);
-  if (row >= 0 && row < ix.index_heads) {
-    const int64_t n_ids = (n_keys + ix.block_size - 1) / ix.block_size;
-    const int32_t* ids = ix.indices + b * ix.index_strides[0] + row * ix.index_strides[1];
-    // kIdsInFlight slots per thread are read before any is marked: one memory latency per batch, not per slot.
-    for (int64_t first = threadIdx.x; first < ix.slots; first += int64_t(blockDim.x) * kIdsInFlight) {
-      int64_t batch[kIdsInFlight];
-#pragma unroll
-      for (int u = 0; u < kIdsInFlight; ++u) {
-        const int64_t slot = first + int64_t(u) * blockDim.x;
-        batch[u] = slot < ix.slots ? ids[slot * ix.index_strides[2]] : -1;
-      }
-#pragma unroll
-      for (int u = 0; u < kIdsInFlight; ++u) {
-        const int64_t id = batch[u];
-        if (id < 0 || id >= n_ids) continue;
-        const int64_t end = (id + 1) * ix.block_size;
-        set_bits(bitmap, id * ix.block_size, end < n_keys ? end : n_keys);
-      }
-    }
-  }
-  __syncthreads();
-
-  // 2. Compact: per-thread word runs, exclusive scan of their bit counts, ascending writes.
-  const int64_t words_per_run = (words + blockDim.x - 1) / blockDim.x;
-  const int64_t run_begin = threadIdx.x * words_per_run;
-  const int64_t run_end = run_begin + words_per_run < words ? run_begin + words_per_run : words;
-  int32_t count = 0;
-  for (int64_t w = run_begin; w < run_end; ++w) count += __popc(bitmap[w]);
-  int32_t total = 0;
-  int32_t at = block_exclusive_scan(count, warp_sums, &total);
+  const bool row_valid = row >= 0 && row < ix.index_heads;
+  const int32_t* ids = ix.indices + b * ix.index_strides[0] + (row_valid ? row : 0) * ix.index_strides[1];
+  const int64_t id_stride = ix.index_strides[2];
   const int64_t list_index = int64_t(b) * lists_per_sequence + list_head;
   int32_t* list = ix.key_lists + list_index * ix.list_capacity;
-  for (int64_t w = run_begin; w < run_end; ++w) {
-    for (uint32_t bits = bitmap[w]; bits != 0; bits &= bits - 1) {
-      list[at++] = int32_t(w * kBitsPerWord + __ffs(bits) - 1);
+  if (threadIdx.x == 0) pairs_sum = 0;
+
+  // 0. An index row that is strictly ascending with every id valid, and no always-included range, is its own key
+  // list (block ids expanded): no bitmap. (Rows from topk_from_scores are sorted.) Each thread reads kIdsInFlight
+  // slots (and their predecessors) before testing any: one memory latency per batch, not per slot.
+  bool ascending = row_valid && ix.n_init == 0 && ix.n_local == 0;
+  for (int32_t first = threadIdx.x; ascending && first < ix.slots; first += int32_t(blockDim.x) * kIdsInFlight) {
+    int32_t id[kIdsInFlight], previous[kIdsInFlight];
+#pragma unroll
+    for (int u = 0; u < kIdsInFlight; ++u) {
+      const int32_t slot = first + u * int32_t(blockDim.x);
+      id[u] = slot < ix.slots ? ids[slot * id_stride] : n_ids - 1;
+      previous[u] = slot > 0 && slot < ix.slots ? ids[(slot - 1) * id_stride] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kIdsInFlight; ++u) ascending = ascending && id[u] >= 0 && id[u] < n_ids && previous[u] < id[u];
+  }
+  int32_t total = 0;
+  if (__syncthreads_and(ascending ? 1 : 0) != 0) {
+    const int32_t last_id = ix.slots > 0 ? ids[(ix.slots - 1) * id_stride] : 0;
+    total = ix.slots == 0 ? 0 : (ix.slots - 1) * block_size + min(block_size, n_keys - last_id * block_size);
+    for (int32_t at = threadIdx.x; at < total; at += blockDim.x) {
+      list[at] = block_size == 1 ? ids[at * id_stride]
+                                 : ids[(at / block_size) * id_stride] * block_size + at % block_size;
+    }
+  } else {
+    // 1. Mark: the always-included ranges as each word's initial value, then every valid slot (ids out of range
+    // are ignored: token_indices.h).
+    const int32_t init_end = ix.n_init < n_keys ? int32_t(ix.n_init) : n_keys;
+    const int32_t local_begin = n_keys - ix.n_local > 0 ? int32_t(n_keys - ix.n_local) : 0;
+    for (int32_t w = threadIdx.x; w < words; w += blockDim.x) {
+      bitmap[w] = range_bits(w, 0, init_end) | range_bits(w, local_begin, n_keys);
+    }
+    __syncthreads();
+    if (row_valid) {  // slots read kIdsInFlight at a time, as above
+      for (int32_t first = threadIdx.x; first < ix.slots; first += int32_t(blockDim.x) * kIdsInFlight) {
+        int32_t id[kIdsInFlight];
+#pragma unroll
+        for (int u = 0; u < kIdsInFlight; ++u) {
+          const int32_t slot = first + u * int32_t(blockDim.x);
+          id[u] = slot < ix.slots ? ids[slot * id_stride] : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < kIdsInFlight; ++u) {
+          if (id[u] < 0 || id[u] >= n_ids) continue;
+          const int32_t end = (id[u] + 1) * block_size;
+          set_bits(bitmap, id[u] * block_size, end < n_keys ? end : n_keys);
+        }
+      }
+    }
+    __syncthreads();
+
+    // 2. Compact: warp w owns a contiguous range of words and walks it kWarpLanes words per round (lane l takes
+    // word l of the round), so a round's keys are written by neighbouring lanes to neighbouring places. Offsets:
+    // block scan of the warps' counts, then a warp scan per round.
+    const int lane = threadIdx.x % kWarpLanes, warp = threadIdx.x / kWarpLanes;
+    const int warps = int(blockDim.x) / kWarpLanes;
+    const int32_t words_per_warp = (words + warps - 1) / warps;
+    const int32_t warp_begin = min(words, warp * words_per_warp);
+    const int32_t warp_end = min(words, warp_begin + words_per_warp);
+    int32_t count = 0;
+    for (int32_t w = warp_begin + lane; w < warp_end; w += kWarpLanes) count += __popc(bitmap[w]);
+    // Each lane's exclusive offset; the warp's start is its lane 0's, the smallest of its lanes'.
+    int32_t warp_at = block_exclusive_scan(count, warp_sums, &total);
+    for (int offset = 1; offset < kWarpLanes; offset *= 2) {
+      const int32_t other = warp_shfl_xor(warp_at, offset);
+      warp_at = other < warp_at ? other : warp_at;
+    }
+    for (int32_t round = warp_begin; round < warp_end; round += kWarpLanes) {
+      const int32_t w = round + lane;
+      const uint32_t word = w < warp_end ? bitmap[w] : 0u;
+      const int32_t bits = __popc(word);
+      int32_t inclusive = bits, round_total = bits;
+      for (int offset = 1; offset < kWarpLanes; offset *= 2) {
+        const int32_t other = warp_shfl_xor(round_total, offset);
+        if (lane & offset) inclusive += other;
+        round_total += other;
+      }
+      int32_t out = warp_at + inclusive - bits;
+      for (uint32_t rest = word; rest != 0; rest &= rest - 1) list[out++] = w * kBitsPerWord + __ffs(rest) - 1;
+      warp_at += round_total;
     }
   }
   if (threadIdx.x == 0) ix.key_counts[list_index] = total;

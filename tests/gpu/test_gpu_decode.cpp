@@ -153,6 +153,7 @@ struct Case {
   int32_t index_block_size = 1;
   int32_t index_n_init = 0, index_n_local = 0;
   bool head_map = false;  // a permuted head_map over H_idx rows
+  bool sorted_rows = false;  // rows strictly ascending and duplicate-free (the key-set fast path), except row 0 of b 0
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -224,6 +225,19 @@ Inputs make_inputs(const Case& c, std::mt19937& rng) {
         const size_t at = size_t(b) * c.index_heads * c.index_slots + s;
         const int r = int(rng() % 100);
         in.indices[at] = r < 8 ? -1 : (r < 16 && s > 0 ? in.indices[at - 1] : int32_t(rng() % n_ids));
+      }
+    }
+    for (int32_t b = 0; b < in.batch && c.sorted_rows; ++b) {
+      const int32_t n_ids = (c.seq_k[b] + c.index_block_size - 1) / c.index_block_size;
+      for (int32_t row = (b == 0 ? 1 : 0); row < c.index_heads; ++row) {
+        std::vector<int32_t> pool(n_ids);
+        std::iota(pool.begin(), pool.end(), 0);
+        std::shuffle(pool.begin(), pool.end(), rng);
+        const int32_t taken = std::min(n_ids, c.index_slots);
+        std::sort(pool.begin(), pool.begin() + taken);
+        if (c.index_block_size > 1 && taken > 0) pool[taken - 1] = n_ids - 1;  // the last block may be partial
+        int32_t* slots = &in.indices[(size_t(b) * c.index_heads + row) * c.index_slots];
+        for (int32_t s = 0; s < c.index_slots; ++s) slots[s] = s < taken ? pool[s] : -1;
       }
     }
     if (c.head_map) {
@@ -687,6 +701,28 @@ std::vector<Case> cases() {
   c.kv = KvLayout::kPacked;
   c.seq_q = {70, 33};
   c.seq_k = {300, 33};
+  add(c);
+  c = Case{};
+  c.name = "indices_sorted_rows_bf16_d128";  // ascending rows: lists copied without the bitmap
+  c.policy = SPARSA_POLICY_TOKEN_INDICES;
+  c.index_heads = 8;
+  c.index_slots = 2000;
+  c.sorted_rows = true;
+  c.seq_q = {1, 1};
+  c.seq_k = {30000, 1500};  // b 1: fewer ids than slots, so -1 padding and the bitmap path
+  add(c);
+  c = Case{};
+  c.name = "indices_sorted_blocks_f16_d64_gqa4";  // ascending block ids, the last block partial
+  c.dtype = SPARSA_DTYPE_F16;
+  c.head_dim = 64;
+  c.policy = SPARSA_POLICY_TOKEN_INDICES;
+  c.index_heads = 2;
+  c.index_slots = 50;
+  c.index_block_size = 16;
+  c.sorted_rows = true;
+  c.kv = KvLayout::kPaged;
+  c.seq_q = {1, 1, 1};
+  c.seq_k = {4001, 9000, 333};
   add(c);
   c = Case{};
   c.name = "indices_f32_d64_simt";
