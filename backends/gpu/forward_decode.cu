@@ -265,12 +265,11 @@ __global__ void __launch_bounds__(kSimtThreads) forward_decode_simt_kernel(const
 
 // ================================ Split combine (§0 merge) ================================
 
-constexpr int kProgrammaticLaunchPtx = 90;  // programmatic dependent launch: code compiled for sm_90 or newer
 constexpr int kCombineThreads = 256;
 constexpr int kCombineCachedSplits = 256;  // split weights kept in shared memory; more splits recompute theirs
 constexpr int kMinWarpLanes = 32;          // sizes per-warp scratch for 32- and 64-lane warps alike
 constexpr int kCombineVector = 4;          // dims per fp32 vector load
-constexpr int kCombinePrefetch = 16;       // splits whose partial outputs a thread requests before the weights
+constexpr int kCombineUnroll = 4;          // splits whose loads a thread has in flight at once
 
 // `value` reduced over the thread block (max or sum), returned to every thread in the same order of operations.
 // `scratch` holds one float per warp; the barriers also publish the caller's earlier shared-memory writes.
@@ -289,11 +288,11 @@ __device__ __forceinline__ float block_reduce(float value, float* scratch) {
   return value;
 }
 
-// One block per (flat row, query head): the splits' weights e^(lse_s - max) once, each thread's share of the partial
-// outputs weighted and summed, the slices' sums added through shared memory. (A thread per dim walking every split
-// one load at a time made this kernel latency-bound: 18 µs for 66 splits on H200.)
+// One block per (flat row, query head). The splits' weights e^(lse_s - max) are computed once; then the threads are
+// (split slice, dim vector) pairs: slice j sums splits j, j + slices, ... of its dims with kCombineUnroll loads in
+// flight, and the slices' sums are added through shared memory. (A thread per dim walking every split one load at a
+// time made this kernel latency-bound: 18 µs for 66 splits.)
 __global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(const ForwardParams p) {
-  pdl_wait_for_previous_kernel();  // the split kernel's partial states are complete
   __shared__ float weights[kCombineCachedSplits];
   __shared__ float reduce_scratch[kCombineThreads / kMinWarpLanes];
   __shared__ float slice_sums[kCombineThreads * kCombineVector];
@@ -314,25 +313,6 @@ __global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(
   const int64_t state0 = flat_row * p.num_q_heads + h;
   auto split_lse = [&](int32_t s) { return p.partial_lse[state0 + s * split_stride]; };
 
-  // Threads are (split slice, dim vector) pairs: slice j takes splits j, j + slices, ... of its dims. Their partial
-  // outputs are requested first (up to kCombinePrefetch per thread): those loads do not depend on the weights, so
-  // they overlap the lse reductions below.
-  const int vector = p.head_dim % kCombineVector == 0 ? kCombineVector : 1;
-  const int dim_threads = p.head_dim / vector;  // <= kCombineThreads (head_dim <= 256)
-  const int slices = int(blockDim.x) / dim_threads;
-  const int slice = int(threadIdx.x) / dim_threads;
-  const int d0 = (int(threadIdx.x) % dim_threads) * vector;
-  auto load_split = [&](int32_t s) {
-    const float* src = p.partial_out + (state0 + s * split_stride) * p.head_dim + d0;
-    return vector == kCombineVector ? *reinterpret_cast<const float4*>(src) : make_float4(src[0], 0.f, 0.f, 0.f);
-  };
-  float4 prefetched[kCombinePrefetch];
-#pragma unroll
-  for (int k = 0; k < kCombinePrefetch; ++k) {
-    const int32_t s = slice + k * slices;
-    prefetched[k] = slice < slices && s < p.num_splits ? load_split(s) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-
   float local_max = -INFINITY;
   for (int32_t s = threadIdx.x; s < p.num_splits; s += blockDim.x) local_max = fmaxf(local_max, split_lse(s));
   const float max_lse = block_reduce<true>(local_max, reduce_scratch);
@@ -348,21 +328,43 @@ __global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(
   const float weight_sum = block_reduce<false>(local_sum, reduce_scratch);  // its barriers publish weights[]
   auto cached_weight = [&](int32_t s) { return s < kCombineCachedSplits ? weights[s] : weight_of(s); };
 
-  if (slice < slices) {
-    float acc[kCombineVector] = {0.f, 0.f, 0.f, 0.f};
-    auto add = [&](float weight, const float4& x) {
-      acc[0] = fmaf(weight, x.x, acc[0]);
-      acc[1] = fmaf(weight, x.y, acc[1]);
-      acc[2] = fmaf(weight, x.z, acc[2]);
-      acc[3] = fmaf(weight, x.w, acc[3]);
-    };
+  const int vector = p.head_dim % kCombineVector == 0 ? kCombineVector : 1;
+  const int dim_threads = p.head_dim / vector;  // <= kCombineThreads (head_dim <= 256)
+  const int slices = int(blockDim.x) / dim_threads;
+  const int slice = int(threadIdx.x) / dim_threads;
+  const int d0 = (int(threadIdx.x) % dim_threads) * vector;
+  float acc[kCombineVector] = {0.f, 0.f, 0.f, 0.f};
+  auto add_split = [&](int32_t s, const float (&x)[kCombineVector]) {
+    const float weight = cached_weight(s);
 #pragma unroll
-    for (int k = 0; k < kCombinePrefetch; ++k) {
-      const int32_t s = slice + k * slices;
-      if (s < p.num_splits) add(cached_weight(s), prefetched[k]);
+    for (int e = 0; e < kCombineVector; ++e) acc[e] = fmaf(weight, x[e], acc[e]);
+  };
+  auto load_split = [&](int32_t s, float (&x)[kCombineVector]) {
+    const float* src = p.partial_out + (state0 + s * split_stride) * p.head_dim + d0;
+    if (vector == kCombineVector) {
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      x[0] = v.x;
+      x[1] = v.y;
+      x[2] = v.z;
+      x[3] = v.w;
+    } else {
+      x[0] = src[0];
+      x[1] = x[2] = x[3] = 0.f;
     }
-    for (int32_t s = slice + kCombinePrefetch * slices; s < p.num_splits; s += slices) {
-      add(cached_weight(s), load_split(s));
+  };
+  if (slice < slices) {
+    int32_t s = slice;
+    for (; s + (kCombineUnroll - 1) * slices < p.num_splits; s += kCombineUnroll * slices) {
+      float x[kCombineUnroll][kCombineVector];
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) load_split(s + u * slices, x[u]);
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) add_split(s + u * slices, x[u]);
+    }
+    for (; s < p.num_splits; s += slices) {
+      float x[kCombineVector];
+      load_split(s, x);
+      add_split(s, x);
     }
 #pragma unroll
     for (int e = 0; e < kCombineVector; ++e) {
@@ -380,34 +382,6 @@ __global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(
     p.lse[seq.b * p.lse_strides.b + int64_t(h) * p.lse_strides.h + (seq.q_row_base + i) * p.lse_strides.s] =
         empty ? -INFINITY : max_lse + logf(weight_sum);
   }
-}
-
-// Launches kernel<<<grid, threads, 0, stream>>>(args...), as a programmatic dependent of the stream's previous
-// kernel where the code allows it (sm_90+): the kernel must call pdl_wait_for_previous_kernel() before it reads
-// anything that kernel wrote.
-template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, cudaStream_t stream, Args... args) {
-#if !SPARSA_GPU_IS_HIP
-  // Only when the code loaded for this device was compiled for sm_90+ (so it contains the wait): an sm_80 build
-  // JIT-compiled on a newer device must not be launched early.
-  cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)) == cudaSuccess &&
-      attributes.ptxVersion >= kProgrammaticLaunchPtx) {
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = 0;
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, args...);
-  }
-#endif
-  kernel<<<grid, threads, 0, stream>>>(args...);
-  return cudaGetLastError();
 }
 
 // ================================ Tensor-core kernel (NVIDIA sm_80+, f16/bf16) ================================
@@ -561,8 +535,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
   __shared__ __align__(16) uint16_t ring[kWarps][kStages][2][kTileElems];
   __shared__ int32_t ring_keys[kWarps][kStages][kTileKeys];  // key id of each position (-1: past the share)
   static_assert(sizeof(ring) >= kWarps * kBlockRows * (kHeadDim + 2) * sizeof(float), "merge storage");
-  pdl_allow_next_kernel();  // the combine kernel may take its place beside this grid's blocks
-  if constexpr (kSource == KeySource::kList) pdl_wait_for_previous_kernel();  // the key lists are complete
 
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int32_t split = blockIdx.x % p.num_splits;
@@ -584,10 +556,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     const int64_t list_index =
         int64_t(seq.b) * (p.num_q_heads / lists.heads_per_list) + head0 / lists.heads_per_list;
     list = lists.key_lists + list_index * lists.list_capacity;
-    const int32_t count = lists.key_counts[list_index];
-    const int64_t horizon = int64_t(last_query) + seq.causal_offset;
-    // The sequence's last row sees every key below Skv, so the whole list (decode: no search, no extra load).
-    positions = horizon >= seq.seq_k - 1 ? count : visible_prefix(list, count, horizon);
+    positions = visible_prefix(list, lists.key_counts[list_index], int64_t(last_query) + seq.causal_offset);
   } else {
     positions = key_end_for_rows(p, seq, last_query + 1);
   }
@@ -868,12 +837,8 @@ cudaError_t launch_mma_kernel(const ForwardParams& p, const DecodeKeyLists& list
   const int64_t row_tiles = (max_rows + kBlockRows - 1) / kBlockRows;
   if (row_tiles * p.num_splits > std::numeric_limits<int32_t>::max()) return cudaErrorInvalidValue;
   const dim3 grid(uint32_t(row_tiles * p.num_splits), uint32_t(p.num_q_heads / heads_per_block), uint32_t(p.batch));
-  constexpr int kThreads = kWarpsPerBlock<kHeadDim> * kLanes;
-  if constexpr (kSource == KeySource::kList) {  // right behind the kernel that built the lists
-    return launch_dependent(decode_mma_kernel<Tag, kHeadDim, kSource>, grid, kThreads, stream, p, lists,
-                            heads_per_block);
-  }
-  decode_mma_kernel<Tag, kHeadDim, kSource><<<grid, kThreads, 0, stream>>>(p, lists, heads_per_block);
+  decode_mma_kernel<Tag, kHeadDim, kSource><<<grid, kWarpsPerBlock<kHeadDim> * kLanes, 0, stream>>>(
+      p, lists, heads_per_block);
   return cudaGetLastError();
 }
 
@@ -954,7 +919,8 @@ cudaError_t forward_decode_lists_launch(const ForwardParams& p, const DecodeKeyL
 }
 
 cudaError_t combine_splits_launch(const ForwardParams& p, cudaStream_t stream) {
-  return launch_dependent(combine_decode_splits_kernel, dim3(p.flat_rows, p.num_q_heads), kCombineThreads, stream, p);
+  combine_decode_splits_kernel<<<dim3(p.flat_rows, p.num_q_heads), kCombineThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 SPARSA_GPU_NAMESPACE_END

@@ -42,24 +42,7 @@ cudaError_t forward_decode_lists_launch(const ForwardParams& p, const DecodeKeyL
                                         cudaStream_t stream);
 
 // Enqueues only the combine kernel: merges p.num_splits partial states (layout in forward_params.h) into out/lse.
-// Shared by every split-KV kernel (token_indices.cu and forward_mma.cu too). It is launched as a programmatic
-// dependent of the kernel before it (sm_90+): its blocks may become resident while that kernel still runs and wait
-// for its completion (pdl_wait_for_previous_kernel) before reading anything.
+// Shared by every split-KV kernel (token_indices.cu and forward_mma.cu too).
 cudaError_t combine_splits_launch(const ForwardParams& p, cudaStream_t stream);
-
-// Programmatic dependent launch (NVIDIA sm_90+; no-ops elsewhere). A kernel calls pdl_allow_next_kernel() once it no
-// longer needs to delay the next kernel of the stream from becoming resident; a kernel launched as a programmatic
-// dependent calls pdl_wait_for_previous_kernel() before reading what the previous kernel wrote (it returns once
-// that kernel has completed and its writes are visible; immediately for a kernel launched the ordinary way).
-__device__ __forceinline__ void pdl_allow_next_kernel() {
-#if !SPARSA_GPU_IS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait_for_previous_kernel() {
-#if !SPARSA_GPU_IS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
 
 SPARSA_GPU_NAMESPACE_END

@@ -87,7 +87,6 @@ __global__ void __launch_bounds__(kSetThreads) index_set_kernel(const ForwardPar
   extern __shared__ uint32_t bitmap[];
   __shared__ int32_t warp_sums[kSetThreads / kMinWarpLanes];
   __shared__ unsigned long long pairs_sum;
-  pdl_allow_next_kernel();  // the attention kernel's blocks may settle in and wait for the lists
   const int32_t list_head = blockIdx.x, b = blockIdx.y;
   const int32_t lists_per_sequence = p.num_q_heads / ix.heads_per_list;
   const int32_t head0 = list_head * ix.heads_per_list;  // the list's first query head
@@ -119,19 +118,15 @@ __global__ void __launch_bounds__(kSetThreads) index_set_kernel(const ForwardPar
       previous[u] = slot > 0 && slot < ix.slots ? ids[(slot - 1) * id_stride] : -1;
     }
 #pragma unroll
-    for (int u = 0; u < kIdsInFlight; ++u) {
-      const int32_t slot = first + u * int32_t(blockDim.x);
-      ascending = ascending && id[u] >= 0 && id[u] < n_ids && previous[u] < id[u];
-      // Token ids go straight to their place; if the row turns out not to qualify, the bitmap path overwrites them.
-      if (block_size == 1 && slot < ix.slots && slot < n_keys) list[slot] = id[u];
-    }
+    for (int u = 0; u < kIdsInFlight; ++u) ascending = ascending && id[u] >= 0 && id[u] < n_ids && previous[u] < id[u];
   }
   int32_t total = 0;
   if (__syncthreads_and(ascending ? 1 : 0) != 0) {
     const int32_t last_id = ix.slots > 0 ? ids[(ix.slots - 1) * id_stride] : 0;
     total = ix.slots == 0 ? 0 : (ix.slots - 1) * block_size + min(block_size, n_keys - last_id * block_size);
-    for (int32_t at = threadIdx.x; block_size > 1 && at < total; at += blockDim.x) {  // (token ids: written above)
-      list[at] = ids[(at / block_size) * id_stride] * block_size + at % block_size;
+    for (int32_t at = threadIdx.x; at < total; at += blockDim.x) {
+      list[at] = block_size == 1 ? ids[at * id_stride]
+                                 : ids[(at / block_size) * id_stride] * block_size + at % block_size;
     }
   } else {
     // 1. Mark: the always-included ranges as each word's initial value, then every valid slot (ids out of range
