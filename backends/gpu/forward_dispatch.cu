@@ -26,6 +26,7 @@ constexpr uintptr_t kRowAlignmentBytes = 16;
 constexpr int32_t kMinTilesPerSplit = 8;   // a split-KV share below this costs more in merging than it saves
 constexpr int32_t kMaxSplits = 64;
 constexpr int32_t kBlocksPerSmTarget = 2;  // split until about this many thread blocks per multiprocessor
+constexpr int32_t kWgmmaBlocksPerSmTarget = 1;  // the wgmma kernel runs one block per multiprocessor
 constexpr uint64_t kMaxSplitScratchBytes = uint64_t(256) << 20;
 constexpr int32_t kDecodeKeysPerTile = 256;  // a decode split walks at least this many keys (2 chunks a warp)
 constexpr int32_t kDecodeBlocksPerSmTarget = 4;
@@ -191,10 +192,12 @@ ForwardLaunch plan_forward(const GpuDevice& device, const ForwardParams& p, int6
   }
   const char* why_not = nullptr;
   if (tensors_aligned16 && forward_wgmma_supports(p, device.compute_major, &why_not)) {
-    ForwardLaunch launch;  // wgmma tiles are large enough to fill the GPU without splitting
-    launch.kernel = ForwardKernel::kWgmma;
-    launch.max_seq_q = int32_t(max_seq_q);
-    return launch;
+    // One wgmma block per multiprocessor (its shared memory and registers take the whole SM): split the keys of
+    // launches with fewer blocks than SMs, at least kMinTilesPerSplit / 2 tiles of kWgmmaBlockKeys keys per split.
+    const int64_t query_tiles = (max_seq_q + kWgmmaBlockRows - 1) / kWgmmaBlockRows;
+    return split_launch(ForwardKernel::kWgmma, device, query_tiles * heads * p.batch,
+                        (max_seq_k + kWgmmaBlockKeys - 1) / kWgmmaBlockKeys, kMinTilesPerSplit / 2,
+                        kWgmmaBlocksPerSmTarget, kMaxSplits, max_seq_q, flat_rows, heads, p.head_dim);
   }
   if (tensors_aligned16 && forward_mma_supports(p, &why_not)) {
     const int64_t query_tiles = (max_seq_q + kMmaBlockRows - 1) / kMmaBlockRows;

@@ -8,6 +8,10 @@
 
 SPARSA_GPU_NAMESPACE_BEGIN
 
+// Tile of one thread block (split-KV planning in forward_dispatch.cu counts in these).
+constexpr int32_t kWgmmaBlockRows = 128;  // query rows: 2 consumer warpgroups × 64
+constexpr int32_t kWgmmaBlockKeys = 128;  // keys per tile
+
 // True when the wgmma kernel can run `p` on a device of compute capability `compute_major`.x (it needs 9.x and a
 // build that contains sm_90a code); otherwise false with a static reason.
 bool forward_wgmma_supports(const ForwardParams& p, int32_t compute_major, const char** reason);

@@ -1,0 +1,717 @@
+// Hopper wgmma forward (backends/gpu/forward_wgmma.cu) through the public C API: fp16/bf16 with head_dim 64/128
+// take that kernel on an sm_90 device (forward_dispatch.cu tries it before mma.sync). Shapes stress what is new in
+// it: 128-row query tiles split over two consumer warpgroups (odd row counts, tails inside either half), 128-key
+// tiles through a 3-deep ring (many tiles, so the ring wraps), bottom-right causal with Sq < Skv and Sq > Skv, GQA
+// 1/4/8, packed and paged (page sizes 1 and 16) K/V, LSE, block masks whose cells cut tiles, sink/window, and
+// large scores (online-softmax rescaling across tiles). Each case is checked against a float64 reference and the
+// CPU backend; outputs are poisoned with NaN first. Helpers are copied from test_gpu_attention.cpp. Skips cleanly
+// without a CUDA device (on pre-Hopper devices the same cases exercise the mma.sync kernel).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <sparsa/sparsa.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+bool cuda_device_present() {
+  int count = 0;  // cudaGetDeviceCount leaves it untouched without a driver (error 35)
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) (void)cudaGetLastError();
+  return status == cudaSuccess && count > 0;
+}
+
+#define SKIP_WITHOUT_GPU()                                              \
+  do {                                                                  \
+    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device/driver"; \
+  } while (0)
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+#define SPARSA_OK(call) ASSERT_EQ((call), SPARSA_STATUS_SUCCESS) << #call << ": " << sparsa_last_error_message()
+
+// ---- element conversions (host) ----
+
+uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+uint16_t float_to_f16(float f) {
+  // Round-to-nearest-even for normal values in range (test data stays within [-4, 4]).
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const int32_t exponent = int32_t((x >> 23) & 0xff) - 127 + 15;
+  uint32_t mantissa = x & 0x7fffffu;
+  if (exponent <= 0) {  // subnormal or zero
+    if (exponent < -10) return static_cast<uint16_t>(sign);
+    mantissa |= 0x800000u;
+    const int shift = 14 - exponent;
+    uint32_t half_m = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (half_m & 1u))) ++half_m;
+    return static_cast<uint16_t>(sign | half_m);
+  }
+  uint32_t half = sign | (uint32_t(exponent) << 10) | (mantissa >> 13);
+  const uint32_t rest = mantissa & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return static_cast<uint16_t>(half);
+}
+float f16_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const int32_t exponent = (h >> 10) & 0x1f;
+  const uint32_t mantissa = h & 0x3ffu;
+  float value;
+  if (exponent == 0) {
+    value = std::ldexp(float(mantissa), -24);
+  } else if (exponent == 31) {
+    value = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    value = std::ldexp(float(mantissa | 0x400u), exponent - 25);
+  }
+  return sign ? -value : value;
+}
+
+size_t element_bytes(int32_t dtype) { return dtype == SPARSA_DTYPE_F32 ? 4 : 2; }
+
+// Rounds `values` to `dtype` in place and returns the raw bytes.
+std::vector<uint8_t> encode(std::vector<float>& values, int32_t dtype) {
+  std::vector<uint8_t> bytes(values.size() * element_bytes(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == SPARSA_DTYPE_F32) {
+      std::memcpy(&bytes[i * 4], &values[i], 4);
+    } else {
+      const uint16_t h = dtype == SPARSA_DTYPE_F16 ? float_to_f16(values[i]) : float_to_bf16(values[i]);
+      values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
+      std::memcpy(&bytes[i * 2], &h, 2);
+    }
+  }
+  return bytes;
+}
+std::vector<float> decode(const std::vector<uint8_t>& bytes, int32_t dtype) {
+  const size_t n = bytes.size() / element_bytes(dtype);
+  std::vector<float> values(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (dtype == SPARSA_DTYPE_F32) {
+      std::memcpy(&values[i], &bytes[i * 4], 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, &bytes[i * 2], 2);
+      values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
+    }
+  }
+  return values;
+}
+
+// ---- device memory ----
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) { resize(bytes); }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) (void)cudaFree(data_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void resize(size_t bytes) {
+    if (data_ != nullptr) (void)cudaFree(data_);
+    data_ = nullptr;
+    bytes_ = bytes;
+    if (cudaMalloc(&data_, std::max<size_t>(bytes, 16)) != cudaSuccess) data_ = nullptr;
+  }
+  void upload(const void* host, size_t bytes) {
+    ASSERT_EQ(cudaMemcpy(data_, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  void poison() { ASSERT_EQ(cudaMemset(data_, 0xff, bytes_), cudaSuccess); }  // NaN in f32/f16/bf16
+  template <typename T>
+  std::vector<T> download(size_t count) const {
+    std::vector<T> host(count);
+    EXPECT_EQ(cudaMemcpy(host.data(), data_, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape, int32_t device_type) {
+  sparsa_tensor t;
+  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
+  t.device_type = device_type;
+  t.device_id = 0;
+  return t;
+}
+
+// ---- one test case ----
+
+enum class Layout { kPadded, kPacked, kPaged };
+
+struct Case {
+  std::string name;
+  int32_t dtype = SPARSA_DTYPE_F16;
+  int32_t head_dim = 64;
+  int32_t q_heads = 4, kv_heads = 4;
+  std::vector<int32_t> seq_q{64}, seq_k{64};  // per sequence; padded layouts use the max and seq_lens_k
+  bool causal = false;
+  Layout q_layout = Layout::kPadded;  // kPadded or kPacked
+  Layout kv_layout = Layout::kPadded;
+  int32_t page_size = 16;
+  bool lse = true;
+  int32_t policy = SPARSA_POLICY_DENSE;
+  int32_t sink_tokens = 8, sink_window = 32;
+  int32_t block_q = 64, block_k = 64;
+  float mask_density = 0.5f;
+  float q_scale = 1.f;  // multiplies q: large scores make the running max move across tiles
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+struct Inputs {
+  int32_t batch = 0, max_q = 0, max_k = 0;
+  std::vector<float> q, k, v;  // logical [b][i][h][d] with per-batch max lengths (padded logical layout)
+  std::vector<uint8_t> mask;   // [B, Hq, ceil(max_q/bq), ceil(max_k/bk)]
+};
+
+bool visible(const Case& c, const Inputs& in, int32_t b, int32_t h, int32_t i, int32_t j) {
+  const int64_t diagonal = int64_t(i) + c.seq_k[b] - c.seq_q[b];
+  if (c.causal && j > diagonal) return false;
+  if (c.policy == SPARSA_POLICY_SINK_WINDOW) {
+    if (j < c.sink_tokens) return true;
+    const int64_t distance = c.causal ? diagonal - j : std::llabs(diagonal - j);
+    return distance < c.sink_window;
+  }
+  if (c.policy == SPARSA_POLICY_BLOCK_SPARSE) {
+    const int64_t rows = (in.max_q + c.block_q - 1) / c.block_q, cols = (in.max_k + c.block_k - 1) / c.block_k;
+    return in.mask[((int64_t(b) * c.q_heads + h) * rows + i / c.block_q) * cols + j / c.block_k] != 0;
+  }
+  return true;
+}
+
+// float64 reference: out [b][i][h][d] (padded logical), lse [b][h][i].
+void reference(const Case& c, const Inputs& in, std::vector<double>* out, std::vector<double>* lse) {
+  const int32_t D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads, g = Hq / Hkv;
+  const double scale = 1.0 / std::sqrt(double(D));
+  out->assign(size_t(in.batch) * in.max_q * Hq * D, 0.0);
+  lse->assign(size_t(in.batch) * Hq * in.max_q, -std::numeric_limits<double>::infinity());
+  std::vector<double> scores;
+  for (int32_t b = 0; b < in.batch; ++b) {
+    for (int32_t h = 0; h < Hq; ++h) {
+      for (int32_t i = 0; i < c.seq_q[b]; ++i) {
+        const float* qrow = &in.q[((size_t(b) * in.max_q + i) * Hq + h) * D];
+        scores.assign(c.seq_k[b], -std::numeric_limits<double>::infinity());
+        double m = -std::numeric_limits<double>::infinity();
+        for (int32_t j = 0; j < c.seq_k[b]; ++j) {
+          if (!visible(c, in, b, h, i, j)) continue;
+          const float* krow = &in.k[((size_t(b) * in.max_k + j) * Hkv + h / g) * D];
+          double dot = 0;
+          for (int32_t d = 0; d < D; ++d) dot += double(qrow[d]) * krow[d];
+          scores[j] = dot * scale;
+          m = std::max(m, scores[j]);
+        }
+        if (m == -std::numeric_limits<double>::infinity()) continue;
+        double sum = 0;
+        double* orow = &(*out)[((size_t(b) * in.max_q + i) * Hq + h) * D];
+        for (int32_t j = 0; j < c.seq_k[b]; ++j) {
+          if (scores[j] == -std::numeric_limits<double>::infinity()) continue;
+          const double p = std::exp(scores[j] - m);
+          sum += p;
+          const float* vrow = &in.v[((size_t(b) * in.max_k + j) * Hkv + h / g) * D];
+          for (int32_t d = 0; d < D; ++d) orow[d] += p * vrow[d];
+        }
+        for (int32_t d = 0; d < D; ++d) orow[d] /= sum;
+        (*lse)[(size_t(b) * Hq + h) * in.max_q + i] = m + std::log(sum);
+      }
+    }
+  }
+}
+
+double tolerance(int32_t dtype) {
+  return dtype == SPARSA_DTYPE_F32 ? 2e-4 : dtype == SPARSA_DTYPE_F16 ? 4e-3 : 3e-2;
+}
+
+// Physical tensors of one case on one device kind (host memory for the CPU context).
+struct Physical {
+  std::vector<uint8_t> q, k, v;
+  std::vector<int32_t> cu_q, cu_k, page_table, seq_lens_k;
+  std::vector<int64_t> q_shape, kv_shape, out_shape, lse_shape, page_table_shape;
+  int64_t q_rows = 0;  // rows of q/out (padded: B*max_q, packed: Tq)
+};
+
+Physical build_physical(const Case& c, Inputs& in, std::mt19937& rng) {
+  Physical ph;
+  const int32_t D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads, B = in.batch;
+  std::vector<float> q_phys, k_phys, v_phys;
+  if (c.q_layout == Layout::kPacked) {
+    ph.cu_q.push_back(0);
+    for (int32_t b = 0; b < B; ++b) {
+      for (int32_t i = 0; i < c.seq_q[b]; ++i) {
+        const float* row = &in.q[((size_t(b) * in.max_q + i) * Hq) * D];
+        q_phys.insert(q_phys.end(), row, row + size_t(Hq) * D);
+      }
+      ph.cu_q.push_back(ph.cu_q.back() + c.seq_q[b]);
+    }
+    ph.q_rows = ph.cu_q.back();
+    ph.q_shape = {ph.q_rows, Hq, D};
+    ph.lse_shape = {Hq, ph.q_rows};
+  } else {
+    q_phys = in.q;
+    ph.q_rows = int64_t(B) * in.max_q;
+    ph.q_shape = {B, in.max_q, Hq, D};
+    ph.lse_shape = {B, Hq, in.max_q};
+  }
+  ph.out_shape = ph.q_shape;
+  auto kv_row = [&](const std::vector<float>& src, int32_t b, int32_t t) {
+    return &src[((size_t(b) * in.max_k + t) * Hkv) * D];
+  };
+  const size_t row_elems = size_t(Hkv) * D;
+  if (c.kv_layout == Layout::kPadded) {
+    k_phys = in.k;
+    v_phys = in.v;
+    ph.kv_shape = {B, in.max_k, Hkv, D};
+    ph.seq_lens_k.assign(c.seq_k.begin(), c.seq_k.end());
+  } else if (c.kv_layout == Layout::kPacked) {
+    ph.cu_k.push_back(0);
+    for (int32_t b = 0; b < B; ++b) {
+      for (int32_t t = 0; t < c.seq_k[b]; ++t) {
+        k_phys.insert(k_phys.end(), kv_row(in.k, b, t), kv_row(in.k, b, t) + row_elems);
+        v_phys.insert(v_phys.end(), kv_row(in.v, b, t), kv_row(in.v, b, t) + row_elems);
+      }
+      ph.cu_k.push_back(ph.cu_k.back() + c.seq_k[b]);
+    }
+    ph.kv_shape = {ph.cu_k.back(), Hkv, D};
+  } else {
+    const int32_t ps = c.page_size;
+    const int32_t max_pages = (in.max_k + ps - 1) / ps;
+    const int32_t pages = B * max_pages + 3;  // a few spare pages so ids are not the identity
+    std::vector<int32_t> order(pages);
+    for (int32_t i = 0; i < pages; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    k_phys.assign(size_t(pages) * ps * row_elems, 7.f);  // unused slots hold junk that must never be read
+    v_phys.assign(size_t(pages) * ps * row_elems, 7.f);
+    ph.page_table.assign(size_t(B) * max_pages, 0);
+    for (int32_t b = 0; b < B; ++b) {
+      for (int32_t pg = 0; pg < max_pages; ++pg) ph.page_table[size_t(b) * max_pages + pg] = order[b * max_pages + pg];
+      for (int32_t t = 0; t < c.seq_k[b]; ++t) {
+        const size_t slot = (size_t(ph.page_table[size_t(b) * max_pages + t / ps]) * ps + t % ps) * row_elems;
+        std::copy(kv_row(in.k, b, t), kv_row(in.k, b, t) + row_elems, k_phys.begin() + slot);
+        std::copy(kv_row(in.v, b, t), kv_row(in.v, b, t) + row_elems, v_phys.begin() + slot);
+      }
+    }
+    ph.kv_shape = {pages, ps, Hkv, D};
+    ph.page_table_shape = {B, max_pages};
+    ph.seq_lens_k.assign(c.seq_k.begin(), c.seq_k.end());
+  }
+  ph.q = encode(q_phys, c.dtype);
+  ph.k = encode(k_phys, c.dtype);
+  ph.v = encode(v_phys, c.dtype);
+  return ph;
+}
+
+Inputs make_inputs(const Case& c, std::mt19937& rng) {
+  Inputs in;
+  in.batch = int32_t(c.seq_q.size());
+  in.max_q = *std::max_element(c.seq_q.begin(), c.seq_q.end());
+  in.max_k = *std::max_element(c.seq_k.begin(), c.seq_k.end());
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto fill = [&](std::vector<float>& x, size_t n) {
+    x.resize(n);
+    for (auto& e : x) e = std::clamp(normal(rng), -4.f, 4.f);
+  };
+  fill(in.q, size_t(in.batch) * in.max_q * c.q_heads * c.head_dim);
+  for (auto& e : in.q) e *= c.q_scale;
+  fill(in.k, size_t(in.batch) * in.max_k * c.kv_heads * c.head_dim);
+  fill(in.v, size_t(in.batch) * in.max_k * c.kv_heads * c.head_dim);
+  if (c.policy == SPARSA_POLICY_BLOCK_SPARSE) {
+    const int64_t rows = (in.max_q + c.block_q - 1) / c.block_q, cols = (in.max_k + c.block_k - 1) / c.block_k;
+    std::bernoulli_distribution keep(c.mask_density);
+    in.mask.resize(size_t(in.batch) * c.q_heads * rows * cols);
+    for (auto& m : in.mask) m = keep(rng) ? 1 : 0;
+  }
+  return in;
+}
+
+// Runs the case on a context; all tensors in host memory for the CPU context, copied to the device otherwise.
+struct RunResult {
+  sparsa_status status = SPARSA_STATUS_INTERNAL;
+  std::string message;
+  std::vector<float> out;  // physical out layout
+  std::vector<float> lse;  // physical lse layout
+};
+
+RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_gpu) {
+  RunResult result;
+  sparsa_context_options options;
+  sparsa_context_options_init(&options);
+  options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
+  sparsa_context* ctx = nullptr;
+  result.status = sparsa_context_create(&options, &ctx);
+  if (result.status != SPARSA_STATUS_SUCCESS) {
+    result.message = sparsa_last_error_message();
+    return result;
+  }
+  const int32_t dev = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
+  const size_t out_bytes = size_t(ph.q_rows) * c.q_heads * c.head_dim * element_bytes(c.dtype);
+  const size_t lse_count = size_t(ph.q_rows) * c.q_heads;
+  // Host mirrors (CPU run) or device buffers (GPU run).
+  std::vector<uint8_t> host_out(out_bytes, 0xff);
+  std::vector<float> host_lse(lse_count, std::numeric_limits<float>::quiet_NaN());
+  std::deque<DeviceBuffer> buffers;  // stable addresses; DeviceBuffer is not movable
+  auto place = [&](const void* host, size_t bytes) -> void* {
+    if (!on_gpu) return const_cast<void*>(host);
+    buffers.emplace_back(bytes);
+    buffers.back().upload(host, bytes);
+    return buffers.back().data();
+  };
+  void* q = place(ph.q.data(), ph.q.size());
+  void* k = place(ph.k.data(), ph.k.size());
+  void* v = place(ph.v.data(), ph.v.size());
+  void* out = place(host_out.data(), out_bytes);  // poisoned (0xff = NaN)
+  void* lse = place(host_lse.data(), lse_count * 4);
+  sparsa_tensor tq = make_tensor(q, c.dtype, ph.q_shape, dev), tk = make_tensor(k, c.dtype, ph.kv_shape, dev),
+                tv = make_tensor(v, c.dtype, ph.kv_shape, dev), tout = make_tensor(out, c.dtype, ph.out_shape, dev),
+                tlse = make_tensor(lse, SPARSA_DTYPE_F32, ph.lse_shape, dev);
+  sparsa_tensor tcu_q, tcu_k, tpage, tlens, tmask;
+  sparsa_attention_args args;
+  sparsa_attention_args_init(&args);
+  args.q = &tq;
+  args.k = &tk;
+  args.v = &tv;
+  args.out = &tout;
+  args.lse = c.lse ? &tlse : nullptr;
+  args.causal = c.causal ? 1 : 0;
+  if (!ph.cu_q.empty()) {
+    tcu_q = make_tensor(place(ph.cu_q.data(), ph.cu_q.size() * 4), SPARSA_DTYPE_I32, {int64_t(ph.cu_q.size())}, dev);
+    args.cu_seqlens_q = &tcu_q;
+  }
+  if (!ph.cu_k.empty()) {
+    tcu_k = make_tensor(place(ph.cu_k.data(), ph.cu_k.size() * 4), SPARSA_DTYPE_I32, {int64_t(ph.cu_k.size())}, dev);
+    args.cu_seqlens_k = &tcu_k;
+  }
+  if (!ph.page_table.empty()) {
+    void* table = place(ph.page_table.data(), ph.page_table.size() * 4);
+    tpage = make_tensor(table, SPARSA_DTYPE_I32, ph.page_table_shape, dev);
+    args.page_table = &tpage;
+  }
+  if (!ph.seq_lens_k.empty()) {
+    tlens = make_tensor(place(ph.seq_lens_k.data(), ph.seq_lens_k.size() * 4), SPARSA_DTYPE_I32,
+                        {int64_t(ph.seq_lens_k.size())}, dev);
+    args.seq_lens_k = &tlens;
+  }
+  sparsa_policy policy;
+  sparsa_policy_init(&policy, c.policy);
+  policy.sink_tokens = c.sink_tokens;
+  policy.sink_window = c.sink_window;
+  policy.block_q = c.block_q;
+  policy.block_k = c.block_k;
+  if (c.policy == SPARSA_POLICY_BLOCK_SPARSE) {
+    const int64_t rows = (in.max_q + c.block_q - 1) / c.block_q, cols = (in.max_k + c.block_k - 1) / c.block_k;
+    tmask = make_tensor(place(in.mask.data(), in.mask.size()), SPARSA_DTYPE_U8, {in.batch, c.q_heads, rows, cols}, dev);
+    policy.block_mask = &tmask;
+  }
+  result.status = sparsa_attention_run(ctx, &args, &policy);
+  result.message = sparsa_last_error_message();
+  if (result.status == SPARSA_STATUS_SUCCESS) {
+    if (on_gpu) {
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<uint8_t> out_back = buffers[3].download<uint8_t>(out_bytes);
+      result.out = decode(out_back, c.dtype);
+      result.lse = buffers[4].download<float>(lse_count);
+    } else {
+      result.out = decode(host_out, c.dtype);
+      result.lse = host_lse;
+    }
+  }
+  sparsa_context_destroy(ctx);
+  return result;
+}
+
+// Compares a run's physical outputs (written rows only) with the float64 reference.
+void expect_matches(const Case& c, const Inputs& in, const Physical& ph, const RunResult& run,
+                    const std::vector<double>& ref_out, const std::vector<double>& ref_lse, const char* who) {
+  const int32_t D = c.head_dim, Hq = c.q_heads;
+  const double tol = tolerance(c.dtype);
+  double worst = 0, worst_lse = 0;
+  int64_t bad = 0;
+  for (int32_t b = 0; b < in.batch; ++b) {
+    for (int32_t i = 0; i < c.seq_q[b]; ++i) {
+      const int64_t phys_row = c.q_layout == Layout::kPacked ? ph.cu_q[b] + i : int64_t(b) * in.max_q + i;
+      for (int32_t h = 0; h < Hq; ++h) {
+        for (int32_t d = 0; d < D; ++d) {
+          const double got = run.out[(size_t(phys_row) * Hq + h) * D + d];
+          const double want = ref_out[((size_t(b) * in.max_q + i) * Hq + h) * D + d];
+          const double err = std::fabs(got - want);
+          if (!(err <= tol)) ++bad;  // NaN counts as bad
+          worst = std::max(worst, std::isnan(err) ? 1e30 : err);
+        }
+        if (c.lse) {
+          const size_t li = c.q_layout == Layout::kPacked ? size_t(h) * ph.q_rows + phys_row
+                                                          : (size_t(b) * Hq + h) * in.max_q + i;
+          const double got = run.lse[li];
+          const double want = ref_lse[(size_t(b) * Hq + h) * in.max_q + i];
+          if (std::isinf(want)) {
+            if (!(std::isinf(got) && got < 0)) ++bad;
+          } else {
+            const double err = std::fabs(got - want);
+            if (!(err <= 1e-3 + 1e-4 * std::fabs(want))) ++bad;
+            worst_lse = std::max(worst_lse, std::isnan(err) ? 1e30 : err);
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << who << " " << c.name << ": max |out - ref| = " << worst << " (tol " << tol
+                    << "), max |lse - ref| = " << worst_lse;
+}
+
+class GpuWgmma : public ::testing::TestWithParam<Case> {};
+
+// SPARSA_GPU_TESTS_SELFCHECK=1 on a machine without a GPU runs only the CPU half of each case (checks this file's
+// reference and harness against the CPU backend before spending device time); otherwise the case is skipped.
+bool cpu_selfcheck_requested() {
+  const char* flag = std::getenv("SPARSA_GPU_TESTS_SELFCHECK");
+  return flag != nullptr && std::string(flag) == "1";
+}
+
+TEST_P(GpuWgmma, MatchesReferenceAndCpuBackend) {
+  const bool gpu_present = cuda_device_present();
+  if (!gpu_present && !cpu_selfcheck_requested()) GTEST_SKIP() << "no CUDA device/driver";
+  const Case& c = GetParam();
+  std::mt19937 rng(1234);
+  Inputs in = make_inputs(c, rng);
+  Physical ph = build_physical(c, in, rng);
+  // encode() rounded the physical copies; round the logical ones the same way for the reference.
+  encode(in.q, c.dtype);
+  encode(in.k, c.dtype);
+  encode(in.v, c.dtype);
+  std::vector<double> ref_out, ref_lse;
+  reference(c, in, &ref_out, &ref_lse);
+
+  const RunResult cpu = run_case(c, in, ph, /*on_gpu=*/false);
+  if (cpu.status != SPARSA_STATUS_SUCCESS) {
+    ADD_FAILURE() << "CPU backend failed on " << c.name << ": " << cpu.message;
+  } else {
+    expect_matches(c, in, ph, cpu, ref_out, ref_lse, "cpu");
+  }
+  if (!gpu_present) return;
+
+  const RunResult gpu = run_case(c, in, ph, /*on_gpu=*/true);
+  ASSERT_EQ(gpu.status, SPARSA_STATUS_SUCCESS) << gpu.message;
+  expect_matches(c, in, ph, gpu, ref_out, ref_lse, "cuda");
+  if (cpu.status != SPARSA_STATUS_SUCCESS) return;
+  // GPU vs CPU directly, on the written rows.
+  double worst = 0;
+  for (size_t i = 0; i < gpu.out.size(); ++i) {
+    if (std::isnan(cpu.out[i])) continue;  // padding rows past a sequence end are not outputs
+    worst = std::max(worst, double(std::fabs(gpu.out[i] - cpu.out[i])));
+  }
+  EXPECT_LE(worst, 2 * tolerance(c.dtype)) << "cuda vs cpu " << c.name;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> list;
+  auto add = [&](Case c) { list.push_back(c); };
+  Case c;
+  // Dense, one 128-row tile with a tail in the second consumer half, several key tiles.
+  c.name = "dense_bf16_d128_noncausal_tail";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.q_heads = 2;
+  c.kv_heads = 2;
+  c.seq_q = {100};
+  c.seq_k = {700};
+  add(c);
+  c = Case{};
+  c.name = "dense_f16_d64_noncausal_many_tiles";  // 9 key tiles: the 3-slot ring wraps three times
+  c.head_dim = 64;
+  c.q_heads = 2;
+  c.kv_heads = 2;
+  c.seq_q = {257};
+  c.seq_k = {1100};
+  add(c);
+  c = Case{};
+  c.name = "dense_bf16_d64_causal_square_gqa8";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.q_heads = 8;
+  c.kv_heads = 1;
+  c.seq_q = {389};
+  c.seq_k = {389};
+  c.causal = true;
+  add(c);
+  c = Case{};
+  c.name = "dense_f16_d128_causal_sq_lt_skv_gqa4";  // bottom-right: row i sees keys <= i + 500
+  c.head_dim = 128;
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.seq_q = {130};
+  c.seq_k = {630};
+  c.causal = true;
+  add(c);
+  c = Case{};
+  c.name = "dense_bf16_d128_causal_sq_gt_skv_empty_rows";  // the first 171 rows see nothing
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.q_heads = 2;
+  c.kv_heads = 1;
+  c.seq_q = {300};
+  c.seq_k = {129};
+  c.causal = true;
+  add(c);
+  c = Case{};
+  c.name = "dense_bf16_d128_large_scores";  // |q| ~ 6: the running max changes between tiles
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.q_heads = 2;
+  c.kv_heads = 2;
+  c.seq_q = {200};
+  c.seq_k = {600};
+  c.q_scale = 6.f;
+  add(c);
+  c = Case{};
+  c.name = "dense_f16_d64_causal_large_scores_batch3";
+  c.head_dim = 64;
+  c.q_heads = 4;
+  c.kv_heads = 4;
+  c.q_layout = Layout::kPacked;
+  c.kv_layout = Layout::kPacked;
+  c.seq_q = {129, 200, 64};
+  c.seq_k = {129, 450, 64};
+  c.causal = true;
+  c.q_scale = 5.f;
+  add(c);
+  c = Case{};
+  c.name = "varlen_packed_bf16_d128_causal_gqa4";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.q_layout = Layout::kPacked;
+  c.kv_layout = Layout::kPacked;
+  c.seq_q = {5, 130, 257, 1, 64};
+  c.seq_k = {5, 200, 257, 90, 400};
+  c.causal = true;
+  add(c);
+  c = Case{};
+  c.name = "varlen_packed_f16_d64_noncausal";
+  c.head_dim = 64;
+  c.q_layout = Layout::kPacked;
+  c.kv_layout = Layout::kPacked;
+  c.seq_q = {33, 140, 9};
+  c.seq_k = {300, 17, 129};
+  add(c);
+  c = Case{};
+  c.name = "paged_ps16_bf16_d128_gqa4_causal";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.q_layout = Layout::kPacked;
+  c.kv_layout = Layout::kPaged;
+  c.page_size = 16;
+  c.seq_q = {140, 30};
+  c.seq_k = {500, 30};
+  c.causal = true;
+  add(c);
+  c = Case{};
+  c.name = "paged_ps1_f16_d64_prefill";
+  c.head_dim = 64;
+  c.q_layout = Layout::kPacked;
+  c.kv_layout = Layout::kPaged;
+  c.page_size = 1;
+  c.q_heads = 4;
+  c.kv_heads = 1;
+  c.seq_q = {150, 40};
+  c.seq_k = {333, 41};
+  c.causal = true;
+  add(c);
+  c = Case{};
+  c.name = "padded_seq_lens_bf16_d64_no_lse";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 64;
+  c.seq_q = {200, 200};
+  c.seq_k = {30, 333};
+  c.lse = false;
+  add(c);
+  c = Case{};
+  c.name = "block_sparse_bf16_d128_causal_128x128";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.q_heads = 2;
+  c.kv_heads = 2;
+  c.policy = SPARSA_POLICY_BLOCK_SPARSE;
+  c.block_q = 128;
+  c.block_k = 128;
+  c.seq_q = {700};
+  c.seq_k = {700};
+  c.causal = true;
+  add(c);
+  c = Case{};
+  c.name = "block_sparse_f16_d64_odd_cells_48x80";  // cells cut tiles: element predicate inside tiles
+  c.head_dim = 64;
+  c.q_heads = 2;
+  c.kv_heads = 1;
+  c.policy = SPARSA_POLICY_BLOCK_SPARSE;
+  c.block_q = 48;
+  c.block_k = 80;
+  c.mask_density = 0.3f;
+  c.seq_q = {301};
+  c.seq_k = {517};
+  add(c);
+  c = Case{};
+  c.name = "sink_window_bf16_d128_causal_long";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.q_heads = 2;
+  c.kv_heads = 2;
+  c.policy = SPARSA_POLICY_SINK_WINDOW;
+  c.sink_tokens = 20;
+  c.sink_window = 150;
+  c.seq_q = {900};
+  c.seq_k = {900};
+  c.causal = true;
+  add(c);
+  c = Case{};
+  c.name = "sink_window_f16_d64_noncausal";
+  c.head_dim = 64;
+  c.policy = SPARSA_POLICY_SINK_WINDOW;
+  c.sink_tokens = 3;
+  c.sink_window = 200;
+  c.seq_q = {260};
+  c.seq_k = {700};
+  add(c);
+  c = Case{};
+  c.name = "short_prefill_f16_d128_long_keys";  // 2 thread blocks, 40 key tiles
+  c.head_dim = 128;
+  c.q_heads = 2;
+  c.kv_heads = 2;
+  c.seq_q = {9};
+  c.seq_k = {5000};
+  c.causal = true;
+  add(c);
+  return list;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuWgmma, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+}  // namespace
