@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(
   for (int32_t s = threadIdx.x; s < p.num_splits; s += blockDim.x) local_max = fmaxf(local_max, split_lse(s));
   const float max_lse = block_reduce<true>(local_max, reduce_scratch);
   const bool empty = max_lse == -INFINITY;
-  // 0 for an empty split (lse -inf), whose partial output every split kernel writes as 0.
+  // 0 for an empty split (lse -inf); its partial output is then not read into the sum.
   auto weight_of = [&](int32_t s) { return empty ? 0.f : expf(split_lse(s) - max_lse); };
   float local_sum = 0.f;
   for (int32_t s = threadIdx.x; s < p.num_splits; s += blockDim.x) {
@@ -334,10 +334,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(
   const int slice = int(threadIdx.x) / dim_threads;
   const int d0 = (int(threadIdx.x) % dim_threads) * vector;
   float acc[kCombineVector] = {0.f, 0.f, 0.f, 0.f};
-  auto add_split = [&](int32_t s, const float (&x)[kCombineVector]) {
+  auto add_split = [&](int32_t s, const float (&x)[kCombineVector]) {  // an empty split (weight 0) adds nothing
     const float weight = cached_weight(s);
 #pragma unroll
-    for (int e = 0; e < kCombineVector; ++e) acc[e] = fmaf(weight, x[e], acc[e]);
+    for (int e = 0; e < kCombineVector; ++e) acc[e] = weight > 0.f ? fmaf(weight, x[e], acc[e]) : acc[e];
   };
   auto load_split = [&](int32_t s, float (&x)[kCombineVector]) {
     const float* src = p.partial_out + (state0 + s * split_stride) * p.head_dim + d0;
