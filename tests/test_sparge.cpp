@@ -69,6 +69,8 @@ sparsa_policy sparge_policy(int bq, int bk, double theta, double tau) {
   return pol;
 }
 
+constexpr int kMaxDraws = 8;  // fresh inputs tried before a test accepts one too close to a threshold (and fails)
+
 bool decisions_are_robust(const ref::SpargeResult& r) {
   return r.theta_margin > kDecisionMargin && r.tau_margin > kDecisionMargin && r.topk_margin > kDecisionMargin;
 }
@@ -105,10 +107,18 @@ TEST_P(Sparge, PredictedMaskAndOutputMatchReference) {
   int counter = 0;
   for (bool causal : {false, true})
     for (double tau : {0.5, 0.9}) {
-      ST_RNG(rng, counter++);
       SCOPED_TRACE(::testing::Message() << "causal=" << causal << " tau=" << tau);
+      // Inputs are drawn until no decision lies within kDecisionMargin of a threshold (the data depends on the
+      // backend's test name, and a backend that rounds differently may legitimately flip a knife-edge decision).
       ref::Problem p = st::make_problem(2, 4, 2, 64, {256}, {256}, causal);
-      fill_smooth(p, rng, 32, 16);
+      for (int draw = 0; draw < kMaxDraws; ++draw) {
+        ST_RNG(rng, counter++);
+        fill_smooth(p, rng, 32, 16);
+        if (decisions_are_robust(ref::sparge(p, std::vector<ref::SpargeParams>(
+                                                    p.Hq, params_from(sparge_policy(32, 16, 0.3, tau)))))) {
+          break;
+        }
+      }
       const ref::SpargeResult want = check(ctx(), p, sparge_policy(32, 16, 0.3, tau));
       // The prediction must actually drop something for this test to mean anything.
       EXPECT_LT(want.blocks_computed, want.blocks_total);

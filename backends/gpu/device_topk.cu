@@ -1,10 +1,364 @@
-// Segmented device top-k (device_topk.h): not written yet.
+// Segmented device top-k (device_topk.h says what and how). Reads top to bottom: order keys, per-segment state,
+// the four kernels (init, digit pass, count, ordered write), the launcher.
+//
+// Order keys: a value's bits mapped to an unsigned integer that sorts like the value (sign flipped for positives,
+// all bits flipped for negatives), -0 folded onto +0 and every NaN onto key 0, below -inf. The top-k is then "the k
+// largest keys, ties to the smaller index": a threshold key K and a count r such that every key > K is taken and
+// the r equal keys with the smallest indices.
+//
+// A segment's state (prefix, mask, remaining) says which high bits of K are known: elements whose masked key is
+// above the prefix are certainly taken, those equal to it are still undecided, and `remaining` of those are taken.
+// Each digit pass histograms the next 11 bits of the undecided elements; the last block to finish the segment
+// walks the histogram from the top and extends the prefix. When the chosen bin holds exactly `remaining` elements,
+// they are all taken and the segment is resolved without further passes.
 #include "device_topk.h"
 
+#include <cstdint>
+
 SPARSA_GPU_NAMESPACE_BEGIN
+namespace {
 
-size_t device_topk_scratch_bytes(int32_t, int64_t) { return 0; }
+constexpr int kThreads = 256;
+constexpr int kDigitBits = 11;
+constexpr int kBins = 1 << kDigitBits;
+constexpr int kBinsPerThread = kBins / kThreads;
+constexpr int kElementsPerThread = 32;  // write pass: each thread compacts a contiguous run, in index order
+constexpr int kLoadsInFlight = 8;       // histogram/count passes: loads a thread issues before using any
+constexpr int64_t kElementsPerBlock = int64_t(kThreads) * kElementsPerThread;
+constexpr uint64_t kScratchAlignment = 256;
+// The ordered write packs a block's (greater, equal) counts into one 32-bit scan value.
+constexpr int kEqualBits = 16;
+static_assert(kElementsPerBlock < (int64_t(1) << kEqualBits), "per-block counts must fit the packed scan");
+static_assert(kBins % kThreads == 0, "every thread owns the same number of histogram bins");
 
-cudaError_t device_topk(const TopkArgs&, void*, cudaStream_t) { return cudaErrorNotSupported; }
+enum SegmentStatus : int32_t { kActive = 0, kResolved = 1, kSkipped = 2 };
+
+struct SegmentState {
+  unsigned long long prefix;  // known high bits of the threshold key
+  unsigned long long mask;    // which bits `prefix` fixes
+  int32_t k;                  // k_s
+  int32_t remaining;          // undecided elements ((key & mask) == prefix) to take, smallest indices first
+  int32_t length;
+  int32_t status;             // SegmentStatus
+  unsigned int arrivals;      // blocks of the current pass that finished this segment
+  int32_t unused;
+};
+
+// ---- Order keys ----
+
+__device__ __forceinline__ uint64_t order_key(float value) {
+  if (value != value) return 0;  // NaN: below every number
+  uint32_t bits = __float_as_uint(value);
+  if (bits == 0x80000000u) bits = 0;  // -0 ties +0
+  return (bits & 0x80000000u) ? uint64_t(~bits) : uint64_t(bits | 0x80000000u);
+}
+
+__device__ __forceinline__ uint64_t order_key(double value) {
+  if (value != value) return 0;
+  constexpr uint64_t kSign = uint64_t(1) << 63;
+  uint64_t bits = static_cast<uint64_t>(__double_as_longlong(value));
+  if (bits == kSign) bits = 0;
+  return (bits & kSign) ? ~bits : (bits | kSign);
+}
+
+// Exclusive prefix sum of `value` over the block's threads in thread order; every thread calls it. `buffer` holds
+// 2 * kThreads entries of shared memory; *total receives the block's sum.
+__device__ uint32_t block_exclusive_scan(uint32_t value, uint32_t* buffer, uint32_t* total) {
+  const int t = threadIdx.x;
+  int in = 0;
+  buffer[t] = value;
+  __syncthreads();
+  for (int offset = 1; offset < kThreads; offset <<= 1) {
+    uint32_t sum = buffer[in * kThreads + t];
+    if (t >= offset) sum += buffer[in * kThreads + t - offset];
+    buffer[(in ^ 1) * kThreads + t] = sum;
+    in ^= 1;
+    __syncthreads();
+  }
+  const uint32_t inclusive = buffer[in * kThreads + t];
+  *total = buffer[in * kThreads + kThreads - 1];
+  __syncthreads();  // the buffer may be reused right after
+  return inclusive - value;
+}
+
+__device__ __forceinline__ int32_t* segment_output(const TopkArgs& a, int64_t s) {
+  if (a.out_segments_per_group > 0) {
+    return a.out + (s / a.out_segments_per_group) * a.out_group_stride + (s % a.out_segments_per_group) * a.out_stride;
+  }
+  return a.out + s * a.out_stride;
+}
+
+// ---- Kernels ----
+
+// One block per segment: k_s, length and status; zeroes the segment's histogram.
+__global__ void __launch_bounds__(kThreads) topk_init_kernel(const TopkArgs a, SegmentState* states,
+                                                             uint32_t* histograms) {
+  const int64_t s = blockIdx.x;
+  const bool skipped = a.skip != nullptr && a.skip[s / a.segments_per_skip] != 0;
+  if (threadIdx.x == 0) {
+    int64_t length = a.max_length;
+    if (a.lengths != nullptr) length = a.lengths[s] < 0 ? 0 : (a.lengths[s] < length ? a.lengths[s] : length);
+    int64_t k = a.k_device != nullptr ? a.k_device[s / a.segments_per_k] : a.k;
+    k = k < 0 ? 0 : (k < length ? k : length);
+    SegmentState& st = states[s];
+    st.prefix = 0;
+    st.mask = 0;  // every element undecided; when k == length all of them are taken
+    st.k = int32_t(k);
+    st.remaining = int32_t(k);
+    st.length = int32_t(length);
+    st.status = skipped ? kSkipped : (k == length ? kResolved : kActive);
+    st.arrivals = 0;
+  }
+  if (skipped) return;
+  for (int i = threadIdx.x; i < kBins; i += kThreads) histograms[s * kBins + i] = 0;
+}
+
+// One digit pass: bits [shift, shift + digit_bits) of the undecided elements; grid = segments × blocks_per_segment.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, SegmentState* states,
+                                                             uint32_t* histograms, int32_t blocks_per_segment,
+                                                             int32_t shift, int32_t digit_bits) {
+  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t scan_buffer[2 * kThreads];
+  __shared__ int32_t is_last;
+  const int64_t s = blockIdx.x / blocks_per_segment;
+  const int64_t part = blockIdx.x % blocks_per_segment;
+  SegmentState* st = states + s;
+  if (st->status != kActive) return;  // uniform over the segment's blocks: only a pass's last block changes it
+  const uint64_t mask = st->mask, prefix = st->prefix;
+  const int64_t length = st->length;
+  for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+  __syncthreads();
+
+  // Histogram of this block's share. Clustered data (votes share their exponent bits) would serialise the shared
+  // atomics on one bin, so each thread merges runs of equal digits first.
+  const T* row = static_cast<const T*>(a.values) + s * a.row_stride;
+  const int64_t begin = part * kElementsPerBlock;
+  const int64_t end = begin + kElementsPerBlock < length ? begin + kElementsPerBlock : length;
+  const uint32_t digit_mask = (1u << digit_bits) - 1u;
+  uint32_t run_digit = 0, run_count = 0;
+  for (int64_t first = begin + threadIdx.x; first < end; first += int64_t(kThreads) * kLoadsInFlight) {
+    uint64_t keys[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int64_t t = first + int64_t(u) * kThreads;
+      keys[u] = t < end ? order_key(row[t]) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (first + int64_t(u) * kThreads >= end || (keys[u] & mask) != prefix) continue;
+      const uint32_t digit = uint32_t(keys[u] >> shift) & digit_mask;
+      if (digit != run_digit) {
+        if (run_count != 0) atomicAdd(&hist[run_digit], run_count);
+        run_digit = digit;
+        run_count = 0;
+      }
+      ++run_count;
+    }
+  }
+  if (run_count != 0) atomicAdd(&hist[run_digit], run_count);
+  __syncthreads();
+  uint32_t* global_hist = histograms + s * kBins;
+  for (int i = threadIdx.x; i < kBins; i += kThreads) {
+    if (hist[i] != 0) atomicAdd(&global_hist[i], hist[i]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&st->arrivals, 1u) == unsigned(blocks_per_segment - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+
+  // Last block of the segment: walk the bins from the top to the one holding the remaining-th undecided element.
+  // Thread t owns bins kBins-1-t*kBinsPerThread downwards (bins above 2^digit_bits are empty).
+  const volatile uint32_t* counts = global_hist;  // written by other blocks' atomics: bypass the L1 cache
+  uint32_t own[kBinsPerThread];
+  uint32_t own_sum = 0;
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    own[j] = counts[kBins - 1 - (threadIdx.x * kBinsPerThread + j)];
+    own_sum += own[j];
+  }
+  uint32_t total = 0;
+  uint32_t above = block_exclusive_scan(own_sum, scan_buffer, &total);
+  const uint32_t remaining = uint32_t(st->remaining);
+  if (above < remaining && above + own_sum >= remaining) {
+#pragma unroll
+    for (int j = 0; j < kBinsPerThread; ++j) {
+      if (above + own[j] >= remaining) {
+        const uint32_t digit = uint32_t(kBins - 1 - (threadIdx.x * kBinsPerThread + j));
+        const uint32_t left = remaining - above;
+        st->prefix = prefix | (uint64_t(digit) << shift);
+        st->mask = mask | (uint64_t(digit_mask) << shift);
+        st->remaining = int32_t(left);
+        st->status = (own[j] == left || shift == 0) ? kResolved : kActive;
+        break;
+      }
+      above += own[j];
+    }
+  }
+  __syncthreads();  // every count read before the histogram is cleared for the next pass
+  for (int i = threadIdx.x; i < kBins; i += kThreads) global_hist[i] = 0;
+  if (threadIdx.x == 0) st->arrivals = 0;
+}
+
+// Per block: how many of its elements are taken for sure (greater) and how many equal the threshold.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) topk_count_kernel(const TopkArgs a, const SegmentState* states,
+                                                              int32_t* block_counts, int32_t blocks_per_segment) {
+  __shared__ unsigned int sums[2];
+  const int64_t s = blockIdx.x / blocks_per_segment;
+  const int64_t part = blockIdx.x % blocks_per_segment;
+  const SegmentState& st = states[s];
+  if (st.status == kSkipped) return;
+  if (threadIdx.x < 2) sums[threadIdx.x] = 0;
+  __syncthreads();
+  const uint64_t mask = st.mask, prefix = st.prefix;
+  const T* row = static_cast<const T*>(a.values) + s * a.row_stride;
+  const int64_t begin = part * kElementsPerBlock;
+  const int64_t end = begin + kElementsPerBlock < st.length ? begin + kElementsPerBlock : st.length;
+  unsigned int greater = 0, equal = 0;
+  for (int64_t first = begin + threadIdx.x; first < end; first += int64_t(kThreads) * kLoadsInFlight) {
+    uint64_t keys[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int64_t t = first + int64_t(u) * kThreads;
+      keys[u] = t < end ? order_key(row[t]) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (first + int64_t(u) * kThreads >= end) break;
+      const uint64_t masked = keys[u] & mask;
+      greater += masked > prefix;
+      equal += masked == prefix;
+    }
+  }
+  if (greater != 0) atomicAdd(&sums[0], greater);
+  if (equal != 0) atomicAdd(&sums[1], equal);
+  __syncthreads();
+  if (threadIdx.x < 2) block_counts[(s * blocks_per_segment + part) * 2 + threadIdx.x] = int32_t(sums[threadIdx.x]);
+}
+
+// Stable compaction: selected element t goes to slot (greater before t) + min(equal before t, remaining), so the
+// output is in ascending index order. Block 0 of each segment also writes the count and the -1 padding.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) topk_write_kernel(const TopkArgs a, const SegmentState* states,
+                                                              const int32_t* block_counts,
+                                                              int32_t blocks_per_segment) {
+  __shared__ uint32_t scan_buffer[2 * kThreads];
+  __shared__ unsigned int before_block[2];
+  const int64_t s = blockIdx.x / blocks_per_segment;
+  const int64_t part = blockIdx.x % blocks_per_segment;
+  const SegmentState& st = states[s];
+  if (st.status == kSkipped) return;
+  int32_t* out = segment_output(a, s);
+  if (part == 0) {
+    for (int64_t j = int64_t(st.k) + threadIdx.x; j < a.out_capacity; j += kThreads) out[j * a.out_element_stride] = -1;
+    if (threadIdx.x == 0 && a.counts != nullptr) a.counts[s] = st.k;
+  }
+  if (threadIdx.x < 2) before_block[threadIdx.x] = 0;
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < part; j += kThreads) {
+    atomicAdd(&before_block[0], unsigned(block_counts[(s * blocks_per_segment + j) * 2]));
+    atomicAdd(&before_block[1], unsigned(block_counts[(s * blocks_per_segment + j) * 2 + 1]));
+  }
+  const uint64_t mask = st.mask, prefix = st.prefix;
+  const uint32_t remaining = uint32_t(st.remaining);
+  const T* row = static_cast<const T*>(a.values) + s * a.row_stride;
+  const int64_t begin = part * kElementsPerBlock + int64_t(threadIdx.x) * kElementsPerThread;
+  const int64_t end = begin + kElementsPerThread < st.length ? begin + kElementsPerThread : st.length;
+  // The run's masked keys, all loaded before any is used.
+  const int32_t count = end > begin ? int32_t(end - begin) : 0;
+  uint64_t masked[kElementsPerThread];
+#pragma unroll
+  for (int u = 0; u < kElementsPerThread; ++u) masked[u] = u < count ? order_key(row[begin + u]) & mask : 0;
+  uint32_t packed = 0;  // greater << kEqualBits | equal, of this thread's run
+#pragma unroll
+  for (int u = 0; u < kElementsPerThread; ++u) {
+    if (u < count) packed += masked[u] > prefix ? (1u << kEqualBits) : (masked[u] == prefix ? 1u : 0u);
+  }
+  uint32_t total = 0;
+  const uint32_t before = block_exclusive_scan(packed, scan_buffer, &total);  // also orders before_block's sums
+  uint32_t greater_before = before_block[0] + (before >> kEqualBits);
+  uint32_t equal_before = before_block[1] + (before & ((1u << kEqualBits) - 1u));
+  if (packed == 0) return;
+#pragma unroll
+  for (int u = 0; u < kElementsPerThread; ++u) {
+    if (u >= count) break;
+    int64_t slot = -1;
+    if (masked[u] > prefix) {
+      slot = int64_t(greater_before) + (equal_before < remaining ? equal_before : remaining);
+      ++greater_before;
+    } else if (masked[u] == prefix) {
+      if (equal_before < remaining) slot = int64_t(greater_before) + equal_before;
+      ++equal_before;
+    }
+    if (slot >= 0 && slot < a.out_capacity) out[slot * a.out_element_stride] = int32_t(begin + u) + a.index_base;
+  }
+}
+
+// ---- Scratch layout ----
+
+uint64_t align_up(uint64_t bytes) { return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment; }
+
+int64_t blocks_per_segment_for(int64_t max_length) {
+  const int64_t blocks = (max_length + kElementsPerBlock - 1) / kElementsPerBlock;
+  return blocks < 1 ? 1 : blocks;
+}
+
+struct ScratchParts {
+  uint64_t states = 0, histograms = 0, block_counts = 0, total = 0;
+  ScratchParts(int32_t segments, int64_t max_length) {
+    const uint64_t n = segments > 0 ? uint64_t(segments) : 0;
+    histograms = align_up(n * sizeof(SegmentState));
+    block_counts = histograms + align_up(n * kBins * sizeof(uint32_t));
+    total = block_counts + align_up(n * uint64_t(blocks_per_segment_for(max_length)) * 2 * sizeof(int32_t));
+  }
+};
+
+template <typename T>
+cudaError_t launch_passes(const TopkArgs& a, SegmentState* states, uint32_t* histograms, int32_t* block_counts,
+                          int32_t blocks_per_segment, uint32_t grid, cudaStream_t stream) {
+  constexpr int kKeyBits = int(sizeof(T) * 8);
+  for (int high = kKeyBits; high > 0; high -= kDigitBits) {
+    const int low = high > kDigitBits ? high - kDigitBits : 0;
+    topk_pass_kernel<T><<<grid, kThreads, 0, stream>>>(a, states, histograms, blocks_per_segment, low, high - low);
+    const cudaError_t status = cudaGetLastError();
+    if (status != cudaSuccess) return status;
+  }
+  topk_count_kernel<T><<<grid, kThreads, 0, stream>>>(a, states, block_counts, blocks_per_segment);
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return status;
+  topk_write_kernel<T><<<grid, kThreads, 0, stream>>>(a, states, block_counts, blocks_per_segment);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t device_topk_scratch_bytes(int32_t segments, int64_t max_length) {
+  return size_t(ScratchParts(segments, max_length).total);
+}
+
+cudaError_t device_topk(const TopkArgs& args, void* scratch, cudaStream_t stream) {
+  if (args.segments <= 0) return cudaSuccess;
+  constexpr int64_t kMaxGrid = 0x7fffffff;
+  const int64_t blocks_per_segment = blocks_per_segment_for(args.max_length);
+  if (args.max_length > kMaxGrid || int64_t(args.segments) * blocks_per_segment > kMaxGrid || scratch == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const ScratchParts parts(args.segments, args.max_length);
+  char* base = static_cast<char*>(scratch);
+  auto* states = reinterpret_cast<SegmentState*>(base + parts.states);
+  auto* histograms = reinterpret_cast<uint32_t*>(base + parts.histograms);
+  auto* block_counts = reinterpret_cast<int32_t*>(base + parts.block_counts);
+  topk_init_kernel<<<args.segments, kThreads, 0, stream>>>(args, states, histograms);
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return status;
+  const uint32_t grid = uint32_t(int64_t(args.segments) * blocks_per_segment);
+  if (args.value_type == TopkValueType::kF32) {
+    return launch_passes<float>(args, states, histograms, block_counts, int32_t(blocks_per_segment), grid, stream);
+  }
+  return launch_passes<double>(args, states, histograms, block_counts, int32_t(blocks_per_segment), grid, stream);
+}
 
 SPARSA_GPU_NAMESPACE_END

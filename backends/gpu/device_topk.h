@@ -3,6 +3,12 @@
 // their indices in ascending index order. A radix select over the values' order-preserving bit patterns, so the
 // result is exact and deterministic; no host synchronisation (k and lengths may live on the device; the grids are
 // sized for the worst case and segments with nothing to do exit early).
+//
+// How (device_topk.cu): 11-bit digit passes from the most significant end (3 for F32, 6 for F64) narrow each
+// segment's threshold key and how many of the elements equal to it are taken; the last thread block of a pass to
+// finish a segment picks the digit (no extra launch). A segment is done early when the chosen digit's elements are
+// all taken. Then a count pass and a stable compaction in index order keep every element above the threshold and
+// the first `remaining` equal ones — ascending indices without a sort. Launches: 1 + passes + 2.
 #pragma once
 
 #include <cstddef>
@@ -21,10 +27,10 @@ struct TopkArgs {
   int64_t row_stride = 0;       // elements
   int32_t segments = 0;
   int64_t max_length = 0;       // length_s when `lengths` is null; an upper bound otherwise (sizes grids/scratch)
-  const int32_t* lengths = nullptr;  // device [segments], or null
+  const int32_t* lengths = nullptr;  // device [segments], or null (a length above max_length counts as max_length)
 
   // How many to keep: k_s = min(length_s, k_device ? k_device[s / segments_per_k] : k). A NaN value ranks below
-  // every number (it is selected only when nothing else is left).
+  // every number (it is selected only when nothing else is left); -0 and +0 tie.
   int32_t k = 0;
   const int32_t* k_device = nullptr;
   int32_t segments_per_k = 1;
@@ -36,8 +42,17 @@ struct TopkArgs {
   // Output: out[s * out_stride + j], j < k_s, ascending indices; slots k_s..out_capacity-1 set to -1.
   int32_t* out = nullptr;
   int64_t out_stride = 0;
-  int32_t out_capacity = 0;   // >= every k_s
+  int32_t out_capacity = 0;   // >= every k_s (writes past it are dropped)
   int32_t* counts = nullptr;  // device [segments] = k_s, or null
+
+  // Optional output refinements (the defaults keep the layout above):
+  // with out_segments_per_group > 0, segment s starts at (s / out_segments_per_group) * out_group_stride +
+  // (s % out_segments_per_group) * out_stride (e.g. [B, H, k] with any strides, or a cache slot per sequence);
+  // entry j is at j * out_element_stride from there; index_base is added to every index written (not to -1).
+  int32_t out_segments_per_group = 0;
+  int64_t out_group_stride = 0;
+  int64_t out_element_stride = 1;
+  int32_t index_base = 0;
 };
 
 // Scratch bytes device_topk needs for `segments` segments of at most `max_length` values.

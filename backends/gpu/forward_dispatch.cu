@@ -191,7 +191,13 @@ ForwardLaunch plan_forward(const GpuDevice& device, const ForwardParams& p, int6
                         kDecodeMaxSplits, max_seq_q, flat_rows, heads, p.head_dim);
   }
   const char* why_not = nullptr;
-  if (tensors_aligned16 && forward_wgmma_supports(p, device.compute_major, &why_not)) {
+  // The wgmma kernel walks 128 × 128 tiles: a block mask with smaller cells (SPARGE's default 128 × 64) would put
+  // the per-element predicate, one mask read per element, in every tile; mma.sync's 64 × 64 tiles stay in one cell.
+  const bool mask_cells_cover_wgmma_tiles =
+      p.rule != VisibilityRule::kBlockMask ||
+      (p.mask_block_q % kWgmmaBlockRows == 0 && p.mask_block_k % kWgmmaBlockKeys == 0);
+  if (tensors_aligned16 && mask_cells_cover_wgmma_tiles &&
+      forward_wgmma_supports(p, device.compute_major, &why_not)) {
     // One wgmma block per multiprocessor (its shared memory and registers take the whole SM): split the keys of
     // launches with fewer blocks than SMs, at least kMinTilesPerSplit / 2 tiles of kWgmmaBlockKeys keys per split.
     const int64_t query_tiles = (max_seq_q + kWgmmaBlockRows - 1) / kWgmmaBlockRows;

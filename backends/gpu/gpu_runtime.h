@@ -84,7 +84,12 @@
 #define cudaMemcpyAsync hipMemcpyAsync
 #define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define cudaStream_t hipStream_t
+#define cudaStreamSynchronize hipStreamSynchronize
+#define cudaMemcpyHostToDevice hipMemcpyHostToDevice
+#define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
 #define cudaPointerAttributes hipPointerAttribute_t
+#define cudaPointerGetAttributes hipPointerGetAttributes
+#define cudaDevAttrPageableMemoryAccess hipDeviceAttributePageableMemoryAccess
 #endif
 
 SPARSA_GPU_NAMESPACE_BEGIN
@@ -100,6 +105,29 @@ constexpr int kWarpLanes = 32;  // RDNA wave32 (and the host pass, which never r
 using lane_mask_t = uint64_t;  // 32 significant bits on NVIDIA; 64-bit so callers need no #if
 constexpr int kWarpLanes = 32;
 #endif
+
+// Where a pointer lives (from cudaPointerGetAttributes), one spelling for both vendors: HIP 5.2 names the field
+// `memoryType` and marks managed memory with `isManaged` instead of a kind of its own.
+enum class PointerKind { kUnknown, kHost, kDevice, kManaged };
+inline PointerKind pointer_kind(const cudaPointerAttributes& attributes) {
+#if SPARSA_GPU_IS_HIP
+  if (attributes.isManaged) return PointerKind::kManaged;
+  if (attributes.memoryType == hipMemoryTypeHost) return PointerKind::kHost;
+  if (attributes.memoryType == hipMemoryTypeDevice) return PointerKind::kDevice;
+  return PointerKind::kUnknown;
+#else
+  switch (attributes.type) {
+    case cudaMemoryTypeHost:
+      return PointerKind::kHost;
+    case cudaMemoryTypeDevice:
+      return PointerKind::kDevice;
+    case cudaMemoryTypeManaged:
+      return PointerKind::kManaged;
+    default:
+      return PointerKind::kUnknown;
+  }
+#endif
+}
 
 // ---- Warp primitives (all lanes of the warp/wavefront participate) ----
 template <typename T>

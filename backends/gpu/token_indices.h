@@ -35,6 +35,8 @@ struct IndexSetParams {
   int32_t* key_counts = nullptr; // [B, Hq / heads_per_list]
   // Query heads sharing one list: 1 (TOKEN_INDICES: a list per query head), the GQA group (a list per kv head) or
   // Hq (one list per sequence, TOKEN_SELECT). Head h reads list b * (Hq / heads_per_list) + h / heads_per_list.
+  // token_indices_launch chooses it itself (Hq / H_idx without a head_map, 1 with one); index_attention_launch
+  // uses the caller's value.
   int32_t heads_per_list = 1;
   // Optional selected_indices output [B, Hq, cap] (sorted, -1 padded).
   int32_t* selected = nullptr;

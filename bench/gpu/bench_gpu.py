@@ -192,35 +192,41 @@ def main():
         torch.cuda.empty_cache()
 
     # ---- TOKEN_INDICES decode (~90 % sparsity: 10 % of the keys, one index row per query head) vs dense decode ----
+    # One index row per query head (each head gathers its own keys), and one per kv head (a GQA group shares its
+    # keys: the K/V rows are read once per group).
     for N in ([] if not want("indices") else [32768] if quick else [32768, 131072]):
-        q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        out = torch.empty_like(q)
-        n_sel = N // 10
-        idx = torch.stack([torch.randperm(N, device="cuda")[:n_sel].sort().values for _ in range(H)])
-        idx = idx.to(torch.int32).unsqueeze(0).contiguous()  # [1, H, n_sel]
-        fn = sp.prepare(q, k, v, out, True, kind=POLICY_TOKEN_INDICES, indices=idx)
-        fn()
-        # Reference: dense attention over the gathered keys of each head.
-        g = H // Hkv
-        kh = k[0].transpose(0, 1).repeat_interleave(g, 0)  # [H, N, D]
-        vh = v[0].transpose(0, 1).repeat_interleave(g, 0)
-        sel = idx[0].long()
-        ks = torch.gather(kh, 1, sel.unsqueeze(-1).expand(-1, -1, D))
-        vs = torch.gather(vh, 1, sel.unsqueeze(-1).expand(-1, -1, D))
-        ref = F.scaled_dot_product_attention(q[0].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0))
-        err = rel_err(out[0].transpose(0, 1), ref[0])
-        ms = bench(fn)
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            cudnn = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-        dense = sp.prepare(q, k, v, out, True)
-        dense_ms = bench(dense)
-        record(kind="indices_decode", N=N, rel_err=err, sparsa_ms=ms, sparsa_dense_ms=dense_ms, cudnn_ms=cudnn,
-               vs_cudnn_dense=cudnn / ms, vs_sparsa_dense=dense_ms / ms)
-        del q, k, v, out, kh, vh, ks, vs
-        torch.cuda.empty_cache()
+        for rows_per in ("q_head", "kv_head"):
+            q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            out = torch.empty_like(q)
+            n_sel = N // 10
+            h_idx = H if rows_per == "q_head" else Hkv
+            idx = torch.stack([torch.randperm(N, device="cuda")[:n_sel].sort().values for _ in range(h_idx)])
+            idx = idx.to(torch.int32).unsqueeze(0).contiguous()  # [1, H_idx, n_sel]
+            fn = sp.prepare(q, k, v, out, True, kind=POLICY_TOKEN_INDICES, indices=idx)
+            fn()
+            # Reference: dense attention over the gathered keys of each head.
+            g = H // Hkv
+            kh = k[0].transpose(0, 1).repeat_interleave(g, 0)  # [H, N, D]
+            vh = v[0].transpose(0, 1).repeat_interleave(g, 0)
+            sel = idx[0].long().repeat_interleave(H // h_idx, 0)  # [H, n_sel]
+            ks = torch.gather(kh, 1, sel.unsqueeze(-1).expand(-1, -1, D))
+            vs = torch.gather(vh, 1, sel.unsqueeze(-1).expand(-1, -1, D))
+            ref = F.scaled_dot_product_attention(q[0].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0),
+                                                 vs.unsqueeze(0))
+            err = rel_err(out[0].transpose(0, 1), ref[0])
+            ms = bench(fn)
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                cudnn = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+            dense = sp.prepare(q, k, v, out, True)
+            dense_ms = bench(dense)
+            record(kind="indices_decode", N=N, index_rows_per=rows_per, rel_err=err, sparsa_ms=ms,
+                   sparsa_dense_ms=dense_ms, cudnn_ms=cudnn, vs_cudnn_dense=cudnn / ms,
+                   vs_sparsa_dense=dense_ms / ms)
+            del q, k, v, out, kh, vh, ks, vs
+            torch.cuda.empty_cache()
 
     # ---- block-sparse and sink+window vs FlexAttention ----
     if want("sparse"):

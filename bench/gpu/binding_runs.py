@@ -24,7 +24,7 @@ def context(sp):
     import torch
     if getattr(sp, "binding_ctx", None) is None:
         sparsa = binding(sp)
-        sp.binding_ctx = sparsa.Context("cuda", stream=torch.cuda.current_stream().cuda_stream)
+        sp.binding_ctx = sparsa.Context("cuda", stream=torch.cuda.current_stream().cuda_stream or None)
     return sp.binding_ctx
 
 

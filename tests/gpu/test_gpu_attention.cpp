@@ -758,21 +758,27 @@ TEST(GpuAttentionGraph, CaptureAndReplay) {
 }
 
 // What the backend does not implement is refused with UNSUPPORTED and a reason, never computed wrongly.
-TEST(GpuAttentionSupport, UnimplementedPolicyIsUnsupported) {
+// Every policy runs on the GPU now; a case beyond the backend's limits (head_dim > 256) must still be refused up
+// front with UNSUPPORTED and a reason naming the limit, with the output untouched.
+TEST(GpuAttentionSupport, CaseBeyondTheLimitsIsUnsupportedWithAReason) {
   SKIP_WITHOUT_GPU();
+  constexpr int64_t kTooLargeHeadDim = 320;
   sparsa_context_options options;
   sparsa_context_options_init(&options);
   options.device_type = SPARSA_DEVICE_CUDA;
   sparsa_context* ctx = nullptr;
   SPARSA_OK(sparsa_context_create(&options, &ctx));
-  const int64_t shape[4] = {1, 1, 2, 64};
-  DeviceBuffer buf(2 * 64 * 2);
+  const int64_t shape[4] = {1, 1, 2, kTooLargeHeadDim};
+  const size_t bytes = 2 * kTooLargeHeadDim * 2;
+  DeviceBuffer buf(bytes);
   sparsa_tensor t;
   sparsa_tensor_init(&t, buf.data(), SPARSA_DTYPE_F16, 4, shape);
   t.device_type = SPARSA_DEVICE_CUDA;
   sparsa_attention_args args;
   sparsa_attention_args_init(&args);
-  DeviceBuffer out(2 * 64 * 2);
+  DeviceBuffer out(bytes);
+  const std::vector<uint8_t> poison(bytes, 0xAB);
+  CUDA_OK(cudaMemcpy(out.data(), poison.data(), bytes, cudaMemcpyHostToDevice));
   sparsa_tensor tout = t;
   tout.data = out.data();
   args.q = &t;
@@ -780,9 +786,13 @@ TEST(GpuAttentionSupport, UnimplementedPolicyIsUnsupported) {
   args.v = &t;
   args.out = &tout;
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_SPARGE);
+  sparsa_policy_init(&policy, SPARSA_POLICY_DENSE);
   EXPECT_EQ(sparsa_attention_run(ctx, &args, &policy), SPARSA_STATUS_UNSUPPORTED);
-  EXPECT_NE(std::string(sparsa_last_error_message()).find("SPARGE"), std::string::npos) << sparsa_last_error_message();
+  EXPECT_NE(std::string(sparsa_last_error_message()).find("head_dim"), std::string::npos)
+      << sparsa_last_error_message();
+  std::vector<uint8_t> after(bytes);
+  CUDA_OK(cudaMemcpy(after.data(), out.data(), bytes, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(after, poison);
   sparsa_context_destroy(ctx);
 }
 

@@ -1,0 +1,215 @@
+"""TOKEN_SELECT decode on the CUDA backend vs dense cuDNN decode (a bench_gpu.py module: run(sp, record, quick)).
+
+The issue's shape: GQA 32/8, D = 128, bf16, B = 1, one query row, I = 128 sinks + top_k 2048 + 512 local tokens, at
+N = 128K and 1M keys. Timed in the same process against SDPA's cuDNN backend (enable_gqa) on the same K/V:
+  - miss: a decode step whose query is unrelated to the cached one (the cache misses: scoring all N keys in float64,
+    the head vote, the device top-k, the index attention); two captured CUDA graphs (each copies its own query into
+    q, then runs) replayed alternately, and the same eagerly (host launch cost included);
+  - hit: the same query again (cos = 1 >= theta): the selection is reused, only the index attention runs; a captured
+    graph replayed, and eagerly.
+Bars (issue 3): miss <= 1.0x dense cuDNN decode at 1M, hit <= 0.05 ms.
+Checks first: the selection against a float64 torch reference of the head vote (overlap of the top-k sets), and the
+output against SDPA over sparsa's own index set (read back from selected_indices).
+"""
+import ctypes
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench_gpu import bench, rel_err
+
+MAX_DIMS = 8
+DTYPE_BF16, DTYPE_I32 = 3, 5
+DEVICE_CUDA = 2
+POLICY_TOKEN_SELECT = 5
+# offsetof(sparsa_policy, select_n_init); then select_n_local, select_top_k, select_scale_scores,
+# select_cache_theta (float), select_per_kv_head.
+POLICY_SELECT_OFFSET = 88
+N_INIT, TOP_K, N_LOCAL = 128, 2048, 512
+THETA = 0.9
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("dtype", ctypes.c_int32), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32), ("data", ctypes.c_void_p),
+                ("shape", ctypes.c_int64 * MAX_DIMS), ("strides", ctypes.c_int64 * MAX_DIMS)]
+
+
+P = ctypes.POINTER(Tensor)
+
+
+class Args(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("q", P), ("k", P), ("v", P), ("out", P), ("lse", P),
+                ("causal", ctypes.c_int32), ("softmax_scale", ctypes.c_float), ("cu_seqlens_q", P),
+                ("cu_seqlens_k", P), ("page_table", P), ("seq_lens_k", P), ("selection_cache", ctypes.c_void_p),
+                ("selected_indices", P), ("block_mask_out", P), ("stats", P)]
+
+
+def to_tensor(t, dtype_code):
+    d = Tensor()
+    d.struct_size = ctypes.sizeof(Tensor)
+    d.dtype, d.device_type, d.device_id, d.ndim = dtype_code, DEVICE_CUDA, t.device.index or 0, t.dim()
+    d.data = t.data_ptr()
+    for i in range(t.dim()):
+        d.shape[i], d.strides[i] = t.shape[i], t.stride(i)
+    return d
+
+
+class SelectRunner:
+    """Its own context (so its stream can follow graph capture) and selection cache; run() enqueues one decode."""
+
+    def __init__(self, sp, q, k, v, out, selected):
+        self.lib = ctypes.CDLL(sp.lib._name)
+        lib = self.lib
+        lib.sparsa_last_error_message.restype = ctypes.c_char_p
+        opts = (ctypes.c_uint8 * 256)()
+        lib.sparsa_context_options_init(opts)
+        ctypes.c_int32.from_buffer(opts, 4).value = DEVICE_CUDA
+        ctypes.c_void_p.from_buffer(opts, 16).value = torch.cuda.current_stream().cuda_stream
+        self.ctx = ctypes.c_void_p()
+        self.check(lib.sparsa_context_create(opts, ctypes.byref(self.ctx)), "context_create")
+        B, _, H, D = q.shape
+        Hkv = k.shape[2]
+        self.cache = ctypes.c_void_p()
+        self.check(lib.sparsa_selection_cache_create(self.ctx, B, H, Hkv, D, TOP_K, ctypes.byref(self.cache)),
+                   "selection_cache_create")
+        self.keep = [to_tensor(x, DTYPE_BF16) for x in (q, k, v, out)] + [to_tensor(selected, DTYPE_I32)]
+        self.args = Args()
+        lib.sparsa_attention_args_init(ctypes.byref(self.args))
+        self.args.q, self.args.k, self.args.v, self.args.out, self.args.selected_indices = (
+            ctypes.pointer(x) for x in self.keep)
+        self.args.causal = 1
+        self.args.selection_cache = self.cache
+        self.policy = (ctypes.c_uint8 * 1024)()
+        lib.sparsa_policy_init(self.policy, POLICY_TOKEN_SELECT)
+        for i, value in enumerate((N_INIT, N_LOCAL, TOP_K)):
+            ctypes.c_int32.from_buffer(self.policy, POLICY_SELECT_OFFSET + 4 * i).value = value
+        ctypes.c_float.from_buffer(self.policy, POLICY_SELECT_OFFSET + 16).value = THETA
+        self.check(lib.sparsa_attention_plan(self.ctx, ctypes.byref(self.args), self.policy), "attention_plan")
+
+    def check(self, status, what):
+        if status != 0:
+            raise RuntimeError(f"sparsa {what} failed ({status}): {self.lib.sparsa_last_error_message().decode()}")
+
+    def set_stream(self, stream):
+        self.check(self.lib.sparsa_context_set_stream(self.ctx, ctypes.c_void_p(stream.cuda_stream)), "set_stream")
+
+    def run(self):
+        self.check(self.lib.sparsa_attention_run(self.ctx, ctypes.byref(self.args), self.policy), "attention_run")
+
+    def counts(self):
+        hits, misses = ctypes.c_int64(), ctypes.c_int64()
+        self.check(self.lib.sparsa_selection_cache_counts(self.cache, ctypes.byref(hits), ctypes.byref(misses)),
+                   "cache_counts")
+        return hits.value, misses.value
+
+    def close(self):
+        self.lib.sparsa_selection_cache_destroy(self.cache)
+        self.lib.sparsa_context_destroy(self.ctx)
+
+
+def reference_selection(q, k, N):
+    """float64 head soft vote of §6 (shared set): the top_k candidate ids, as a set."""
+    H, D = q.shape[2], q.shape[3]
+    Hkv = k.shape[2]
+    g = H // Hkv
+    qbar = q[0, 0].double()  # [H, D]; one query row: the mean is the row
+    cand = slice(N_INIT, N - N_LOCAL)
+    scores = torch.empty(H, N - N_INIT - N_LOCAL, dtype=torch.float64, device=q.device)
+    chunk = 1 << 16
+    for start in range(0, scores.shape[1], chunk):
+        kc = k[0, cand][start:start + chunk].double()  # [n, Hkv, D]
+        for hk in range(Hkv):
+            scores[hk * g:(hk + 1) * g, start:start + chunk] = qbar[hk * g:(hk + 1) * g] @ kc[:, hk].T
+    vote = torch.softmax(scores, dim=1).sum(0)
+    del scores
+    # ties to the smaller index: stable sort on -vote
+    order = torch.sort(-vote, stable=True).indices[:TOP_K]
+    return set((order + N_INIT).tolist())
+
+
+def graph_of(runner, q, q_src, stream):
+    """A CUDA graph that copies q_src into q and runs one decode step (captured on `stream`)."""
+    graph = torch.cuda.CUDAGraph()
+    runner.set_stream(stream)
+    with torch.cuda.graph(graph, stream=stream):
+        q.copy_(q_src)
+        runner.run()
+    runner.set_stream(torch.cuda.current_stream())
+    return graph
+
+
+def run(sp, record, quick):
+    B, H, Hkv, D = 1, 32, 8, 128
+    capture_stream = torch.cuda.Stream()
+    for N in ([131072] if quick else [131072, 1048576]):
+        torch.manual_seed(0)
+        q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+        q_other = torch.randn_like(q)  # unrelated: cos ~ 0 < theta, every switch misses
+        q_first = q.clone()
+        k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        out = torch.empty_like(q)
+        cap = N_INIT + TOP_K + N_LOCAL
+        selected = torch.full((B, 1, cap), -7, device="cuda", dtype=torch.int32)
+        runner = SelectRunner(sp, q, k, v, out, selected)
+
+        # ---- correctness ----
+        runner.run()
+        torch.cuda.synchronize()
+        ids = selected[0, 0].long()
+        assert bool((ids >= 0).all()), "selected_indices not fully written"
+        got = set(ids[N_INIT:N_INIT + TOP_K].tolist())
+        overlap = len(got & reference_selection(q, k, N)) / TOP_K
+        kh = k[0, ids].transpose(0, 1).repeat_interleave(H // Hkv, 0)  # [H, |I|, D]
+        vh = v[0, ids].transpose(0, 1).repeat_interleave(H // Hkv, 0)
+        ref = F.scaled_dot_product_attention(q[0].transpose(0, 1).unsqueeze(2), kh.unsqueeze(0).transpose(0, 1),
+                                             vh.unsqueeze(0).transpose(0, 1))  # [H, 1, 1, D]
+        err = rel_err(out[0, 0], ref[:, 0, 0])
+        del kh, vh, ref
+
+        # ---- peers: dense decode on the same K/V ----
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            cudnn = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+        dense = sp.prepare(q, k, v, out, True)
+        dense_ms = bench(dense)
+
+        # ---- miss: alternate two unrelated queries ----
+        graph_a = graph_of(runner, q, q_other, capture_stream)
+        graph_b = graph_of(runner, q, q_first, capture_stream)
+        hits0, misses0 = runner.counts()
+
+        def miss_pair():
+            graph_a.replay()
+            graph_b.replay()
+        miss_graph = bench(miss_pair) / 2
+        hits1, misses1 = runner.counts()
+        state = {"flip": False}
+
+        def miss_eager():
+            state["flip"] = not state["flip"]
+            q.copy_(q_other if state["flip"] else q_first)
+            runner.run()
+        miss_ms = bench(miss_eager)
+
+        # ---- hit: the same query again ----
+        q.copy_(q_first)
+        runner.run()
+        graph_hit = graph_of(runner, q, q_first, capture_stream)
+        hits2, misses2 = runner.counts()
+        hit_graph = bench(graph_hit.replay)
+        hit_ms = bench(runner.run)
+        hits3, misses3 = runner.counts()
+        torch.cuda.synchronize()
+
+        common = dict(N=N, n_init=N_INIT, top_k=TOP_K, n_local=N_LOCAL, rel_err=err, selection_overlap=overlap,
+                      cudnn_ms=cudnn, sparsa_dense_ms=dense_ms)
+        record(kind="select_miss", sparsa_ms=miss_graph, eager_ms=miss_ms, vs_cudnn=cudnn / miss_graph,
+               cache_hits_during=hits1 - hits0, bar_ok=miss_graph <= cudnn, **common)
+        record(kind="select_hit", sparsa_ms=hit_graph, eager_ms=hit_ms, vs_cudnn=cudnn / hit_graph,
+               cache_misses_during=misses3 - misses2, bar_ok=hit_graph <= 0.05, **common)
+        runner.close()
+        del q, q_other, q_first, k, v, out, qt, kt, vt, graph_a, graph_b, graph_hit
+        torch.cuda.empty_cache()

@@ -1,0 +1,664 @@
+// §4 SPARGE on the CUDA backend against the CPU backend (the project's oracle) on the same inputs: the predicted
+// block mask (block_mask_out) must be equal, the stats equal, the outputs and LSE close. Every GPU output is
+// poisoned before the run (NaN for out/lse, 0xAB for the mask) so an unwritten element fails.
+//
+// Inputs are "smooth" (slow sinusoidal position features plus noise, periods a few blocks long): neighbouring
+// tokens are alike, so blocks are self-similar and the prediction actually drops blocks; chosen query/key blocks
+// get extra noise so that their rows/columns are forced, and an optional sink direction makes key block 0 dominate
+// (exercises the λ PV skip). Skips cleanly without a CUDA device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <sparsa/sparsa.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+bool cuda_device_present() {
+  int count = 0;  // cudaGetDeviceCount leaves it untouched without a driver (error 35)
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) (void)cudaGetLastError();
+  return status == cudaSuccess && count > 0;
+}
+
+#define SKIP_WITHOUT_GPU()                                              \
+  do {                                                                  \
+    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device/driver"; \
+  } while (0)
+
+constexpr double kTwoPi = 6.28318530717958647692;
+constexpr uint8_t kMaskPoison = 0xAB;
+
+// ---- element conversions (host; round to nearest even) ----
+
+uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+uint16_t float_to_f16(float f) {  // normal range only (test data stays well inside it)
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const int32_t exponent = int32_t((x >> 23) & 0xff) - 127 + 15;
+  if (exponent <= 0) return uint16_t(sign);
+  uint32_t half = sign | (uint32_t(exponent) << 10) | ((x & 0x7fffffu) >> 13);
+  const uint32_t rest = x & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return uint16_t(half);
+}
+float f16_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const int32_t exponent = (h >> 10) & 0x1f;
+  const uint32_t mantissa = h & 0x3ffu;
+  float value = exponent == 0 ? std::ldexp(float(mantissa), -24) : std::ldexp(float(mantissa | 0x400u), exponent - 25);
+  if (exponent == 31) value = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  return sign ? -value : value;
+}
+size_t element_bytes(int32_t dtype) { return dtype == SPARSA_DTYPE_F32 ? 4 : 2; }
+
+std::vector<uint8_t> encode(const std::vector<float>& values, int32_t dtype) {
+  std::vector<uint8_t> bytes(values.size() * element_bytes(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == SPARSA_DTYPE_F32) {
+      std::memcpy(&bytes[i * 4], &values[i], 4);
+    } else {
+      const uint16_t h = dtype == SPARSA_DTYPE_F16 ? float_to_f16(values[i]) : float_to_bf16(values[i]);
+      std::memcpy(&bytes[i * 2], &h, 2);
+    }
+  }
+  return bytes;
+}
+std::vector<float> decode(const std::vector<uint8_t>& bytes, int32_t dtype) {
+  std::vector<float> values(bytes.size() / element_bytes(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == SPARSA_DTYPE_F32) {
+      std::memcpy(&values[i], &bytes[i * 4], 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, &bytes[i * 2], 2);
+      values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
+    }
+  }
+  return values;
+}
+
+// ---- device memory ----
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (cudaMalloc(&data_, std::max<size_t>(bytes, 16)) != cudaSuccess) data_ = nullptr;
+  }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) (void)cudaFree(data_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void upload(const void* host) { EXPECT_EQ(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess); }
+  void download(void* host) const {
+    EXPECT_EQ(cudaMemcpy(host, data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape, int32_t device_type) {
+  sparsa_tensor t;
+  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
+  t.device_type = device_type;
+  t.device_id = 0;
+  return t;
+}
+
+// ---- one case ----
+
+struct Case {
+  std::string name;
+  int32_t dtype = SPARSA_DTYPE_F16;
+  int32_t head_dim = 64;
+  int32_t q_heads = 4, kv_heads = 2;
+  std::vector<int32_t> seq_q{512}, seq_k{512};  // per sequence
+  bool causal = true;
+  bool packed = false;  // packed q/out and k/v with cu_seqlens (else padded, with seq_lens_k)
+  int32_t block_q = 64, block_k = 64;
+  float theta = 0.3f, tau = 0.9f, topk_fraction = 0.f, lambda = -INFINITY;
+  bool attention_sink = false, quantized = false;
+  std::vector<float> head_params;  // [Hq, 4] or empty
+  std::vector<int32_t> noisy_q_blocks, noisy_k_blocks;
+  double sink_strength = 0.0;  // > 0: key block 0 and every query share a strong direction
+  double period_blocks = 4.0;  // slowest feature period, in max(block_q, block_k) units
+  double out_tol = 0.0;        // 0: by dtype
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+double out_tolerance(const Case& c) {
+  if (c.out_tol > 0) return c.out_tol;
+  return c.dtype == SPARSA_DTYPE_F32 ? 2e-4 : c.dtype == SPARSA_DTYPE_F16 ? 4e-3 : 3e-2;
+}
+
+struct Inputs {
+  int32_t batch = 0, max_q = 0, max_k = 0;
+  std::vector<float> q, k, v;  // logical padded [b][i][h][d]
+};
+
+Inputs make_inputs(const Case& c, std::mt19937_64& gen) {
+  Inputs in;
+  in.batch = int32_t(c.seq_q.size());
+  in.max_q = *std::max_element(c.seq_q.begin(), c.seq_q.end());
+  in.max_k = *std::max_element(c.seq_k.begin(), c.seq_k.end());
+  const int D = c.head_dim;
+  std::normal_distribution<double> normal(0.0, 1.0);
+  constexpr int kFrequencies = 4;
+  const double amplitude = std::sqrt(2.0 * D / kFrequencies);
+  const double period = c.period_blocks * std::max(c.block_q, c.block_k);
+  std::vector<double> sink(D);
+  for (double& x : sink) x = normal(gen);
+  double sink_norm = 0;
+  for (double x : sink) sink_norm += x * x;
+  sink_norm = std::sqrt(sink_norm);
+  auto noisy = [](const std::vector<int32_t>& blocks, int32_t block) {
+    return std::find(blocks.begin(), blocks.end(), block) != blocks.end();
+  };
+  auto features = [&](float* x, double pos, double noise, bool with_sink) {
+    for (int d = 0; d < D; ++d) x[d] = float(noise * normal(gen));
+    for (int f = 0; f < kFrequencies; ++f) {
+      const double omega = kTwoPi / (period * (f + 1));
+      x[2 * f] += float(amplitude * std::cos(omega * pos));
+      x[2 * f + 1] += float(amplitude * std::sin(omega * pos));
+    }
+    if (with_sink)
+      for (int d = 0; d < D; ++d) x[d] += float(c.sink_strength * sink[d] / sink_norm);
+  };
+  in.q.assign(size_t(in.batch) * in.max_q * c.q_heads * D, 0.f);
+  in.k.assign(size_t(in.batch) * in.max_k * c.kv_heads * D, 0.f);
+  in.v.assign(in.k.size(), 0.f);
+  for (int b = 0; b < in.batch; ++b) {
+    const int o = c.seq_k[b] - c.seq_q[b];
+    for (int i = 0; i < c.seq_q[b]; ++i)
+      for (int h = 0; h < c.q_heads; ++h)
+        features(&in.q[((size_t(b) * in.max_q + i) * c.q_heads + h) * D], i + o,
+                 noisy(c.noisy_q_blocks, i / c.block_q) ? 3.0 : 1.0, c.sink_strength > 0);
+    for (int j = 0; j < c.seq_k[b]; ++j)
+      for (int h = 0; h < c.kv_heads; ++h)
+        features(&in.k[((size_t(b) * in.max_k + j) * c.kv_heads + h) * D], j,
+                 noisy(c.noisy_k_blocks, j / c.block_k) ? 3.0 : 1.0, c.sink_strength > 0 && j < c.block_k);
+  }
+  for (float& x : in.v) x = float(normal(gen));
+  return in;
+}
+
+struct Physical {
+  std::vector<uint8_t> q, k, v;
+  std::vector<int32_t> cu_q, cu_k, seq_lens_k;
+  std::vector<int64_t> q_shape, kv_shape, lse_shape;
+  int64_t q_rows = 0;
+};
+
+Physical build_physical(const Case& c, const Inputs& in) {
+  Physical ph;
+  const size_t q_row = size_t(c.q_heads) * c.head_dim, kv_row = size_t(c.kv_heads) * c.head_dim;
+  std::vector<float> q, k, v;
+  if (c.packed) {
+    ph.cu_q = {0};
+    ph.cu_k = {0};
+    for (int b = 0; b < in.batch; ++b) {
+      for (int i = 0; i < c.seq_q[b]; ++i) {
+        const float* row = &in.q[(size_t(b) * in.max_q + i) * q_row];
+        q.insert(q.end(), row, row + q_row);
+      }
+      for (int j = 0; j < c.seq_k[b]; ++j) {
+        const size_t at = (size_t(b) * in.max_k + j) * kv_row;
+        k.insert(k.end(), in.k.begin() + at, in.k.begin() + at + kv_row);
+        v.insert(v.end(), in.v.begin() + at, in.v.begin() + at + kv_row);
+      }
+      ph.cu_q.push_back(ph.cu_q.back() + c.seq_q[b]);
+      ph.cu_k.push_back(ph.cu_k.back() + c.seq_k[b]);
+    }
+    ph.q_rows = ph.cu_q.back();
+    ph.q_shape = {ph.q_rows, c.q_heads, c.head_dim};
+    ph.kv_shape = {ph.cu_k.back(), c.kv_heads, c.head_dim};
+    ph.lse_shape = {c.q_heads, ph.q_rows};
+  } else {
+    q = in.q;
+    k = in.k;
+    v = in.v;
+    ph.q_rows = int64_t(in.batch) * in.max_q;
+    ph.q_shape = {in.batch, in.max_q, c.q_heads, c.head_dim};
+    ph.kv_shape = {in.batch, in.max_k, c.kv_heads, c.head_dim};
+    ph.lse_shape = {in.batch, c.q_heads, in.max_q};
+    ph.seq_lens_k.assign(c.seq_k.begin(), c.seq_k.end());
+  }
+  ph.q = encode(q, c.dtype);
+  ph.k = encode(k, c.dtype);
+  ph.v = encode(v, c.dtype);
+  return ph;
+}
+
+struct RunResult {
+  sparsa_status status = SPARSA_STATUS_INTERNAL;
+  std::string message;
+  std::vector<float> out, lse;
+  std::vector<uint8_t> mask;
+  std::vector<int64_t> stats;
+};
+
+constexpr int kStats = SPARSA_STAT_PV_BLOCKS_SKIPPED + 1;
+
+// Runs the case through the C API on the CPU (host memory) or the CUDA backend (device copies, poisoned outputs).
+// `stream` (CUDA only) is given to the context; `capture` replays the run from a CUDA graph instead (after a plan).
+RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_gpu, bool capture = false) {
+  RunResult result;
+  sparsa_context_options options;
+  sparsa_context_options_init(&options);
+  options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
+  cudaStream_t stream = nullptr;
+  if (capture) {
+    EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    options.stream = stream;
+  }
+  sparsa_context* ctx = nullptr;
+  result.status = sparsa_context_create(&options, &ctx);
+  if (result.status != SPARSA_STATUS_SUCCESS) {
+    result.message = sparsa_last_error_message();
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+    return result;
+  }
+  const int32_t dev = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
+  const int64_t q_blocks = (in.max_q + c.block_q - 1) / c.block_q, k_blocks = (in.max_k + c.block_k - 1) / c.block_k;
+  const size_t out_bytes = size_t(ph.q_rows) * c.q_heads * c.head_dim * element_bytes(c.dtype);
+  const size_t lse_count = size_t(ph.q_rows) * c.q_heads;
+  const size_t mask_count = size_t(in.batch) * c.q_heads * q_blocks * k_blocks;
+  std::vector<uint8_t> host_out(out_bytes, 0xff);  // NaN in every dtype
+  std::vector<float> host_lse(lse_count, std::numeric_limits<float>::quiet_NaN());
+  std::vector<uint8_t> host_mask(mask_count, kMaskPoison);
+  std::vector<int64_t> host_stats(kStats, -1);
+  std::deque<DeviceBuffer> buffers;
+  auto place = [&](void* host, size_t bytes) -> void* {
+    if (!on_gpu) return host;
+    buffers.emplace_back(bytes);
+    buffers.back().upload(host);
+    return buffers.back().data();
+  };
+  std::vector<uint8_t> q = ph.q, k = ph.k, v = ph.v;
+  sparsa_tensor tq = make_tensor(place(q.data(), q.size()), c.dtype, ph.q_shape, dev);
+  sparsa_tensor tk = make_tensor(place(k.data(), k.size()), c.dtype, ph.kv_shape, dev);
+  sparsa_tensor tv = make_tensor(place(v.data(), v.size()), c.dtype, ph.kv_shape, dev);
+  void* out = place(host_out.data(), out_bytes);
+  void* lse = place(host_lse.data(), lse_count * 4);
+  void* mask = place(host_mask.data(), mask_count);
+  void* stats = place(host_stats.data(), kStats * 8);
+  sparsa_tensor tout = make_tensor(out, c.dtype, ph.q_shape, dev);
+  sparsa_tensor tlse = make_tensor(lse, SPARSA_DTYPE_F32, ph.lse_shape, dev);
+  sparsa_tensor tmask = make_tensor(mask, SPARSA_DTYPE_U8, {in.batch, c.q_heads, q_blocks, k_blocks}, dev);
+  sparsa_tensor tstats = make_tensor(stats, SPARSA_DTYPE_I64, {kStats}, dev);
+  sparsa_attention_args args;
+  sparsa_attention_args_init(&args);
+  args.q = &tq;
+  args.k = &tk;
+  args.v = &tv;
+  args.out = &tout;
+  args.lse = &tlse;
+  args.causal = c.causal ? 1 : 0;
+  args.block_mask_out = &tmask;
+  args.stats = &tstats;
+  std::vector<int32_t> cu_q = ph.cu_q, cu_k = ph.cu_k, lens = ph.seq_lens_k;
+  sparsa_tensor tcu_q, tcu_k, tlens, thead;
+  if (!cu_q.empty()) {
+    tcu_q = make_tensor(place(cu_q.data(), cu_q.size() * 4), SPARSA_DTYPE_I32, {int64_t(cu_q.size())}, dev);
+    tcu_k = make_tensor(place(cu_k.data(), cu_k.size() * 4), SPARSA_DTYPE_I32, {int64_t(cu_k.size())}, dev);
+    args.cu_seqlens_q = &tcu_q;
+    args.cu_seqlens_k = &tcu_k;
+  }
+  if (!lens.empty()) {
+    tlens = make_tensor(place(lens.data(), lens.size() * 4), SPARSA_DTYPE_I32, {int64_t(lens.size())}, dev);
+    args.seq_lens_k = &tlens;
+  }
+  sparsa_policy policy;
+  sparsa_policy_init(&policy, SPARSA_POLICY_SPARGE);
+  policy.block_q = c.block_q;
+  policy.block_k = c.block_k;
+  policy.sparge_theta = c.theta;
+  policy.sparge_tau = c.tau;
+  policy.sparge_topk_fraction = c.topk_fraction;
+  policy.sparge_lambda = c.lambda;
+  policy.sparge_attention_sink = c.attention_sink ? 1 : 0;
+  policy.sparge_quantized = c.quantized ? 1 : 0;
+  std::vector<float> head_params = c.head_params;
+  if (!head_params.empty()) {
+    thead = make_tensor(place(head_params.data(), head_params.size() * 4), SPARSA_DTYPE_F32, {c.q_heads, 4}, dev);
+    policy.sparge_head_params = &thead;
+  }
+
+  if (capture) {
+    result.status = sparsa_attention_plan(ctx, &args, &policy);
+    if (result.status == SPARSA_STATUS_SUCCESS) {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+      result.status = sparsa_attention_run(ctx, &args, &policy);
+      EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      if (result.status == SPARSA_STATUS_SUCCESS && graph != nullptr) {
+        EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        for (int replay = 0; replay < 2; ++replay) {
+          EXPECT_EQ(cudaMemset(out, 0xff, out_bytes), cudaSuccess);  // each replay must write everything again
+          EXPECT_EQ(cudaMemset(mask, kMaskPoison, mask_count), cudaSuccess);
+          EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+          EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        }
+        (void)cudaGraphExecDestroy(exec);
+      }
+      if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    }
+  } else {
+    result.status = sparsa_attention_run(ctx, &args, &policy);
+  }
+  result.message = sparsa_last_error_message();
+  if (result.status == SPARSA_STATUS_SUCCESS && on_gpu) {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    buffers[3].download(host_out.data());
+    buffers[4].download(host_lse.data());
+    buffers[5].download(host_mask.data());
+    buffers[6].download(host_stats.data());
+  }
+  if (result.status == SPARSA_STATUS_SUCCESS) {
+    result.out = decode(host_out, c.dtype);
+    result.lse = host_lse;
+    result.mask = host_mask;
+    result.stats = host_stats;
+  }
+  sparsa_context_destroy(ctx);
+  if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  return result;
+}
+
+// Compares the GPU run with the CPU run: mask and stats exactly, outputs and LSE of the written rows closely.
+void expect_gpu_matches_cpu(const Case& c, const Inputs& in, const Physical& ph, const RunResult& cpu,
+                            const RunResult& gpu) {
+  const int64_t q_blocks = (in.max_q + c.block_q - 1) / c.block_q, k_blocks = (in.max_k + c.block_k - 1) / c.block_k;
+  int64_t mask_diffs = 0, ones = 0;
+  for (size_t i = 0; i < cpu.mask.size(); ++i) {
+    mask_diffs += cpu.mask[i] != gpu.mask[i] ? 1 : 0;
+    ones += cpu.mask[i];
+  }
+  EXPECT_EQ(mask_diffs, 0) << "block_mask_out differs in " << mask_diffs << " of " << cpu.mask.size() << " cells";
+  EXPECT_LT(ones, int64_t(cpu.mask.size())) << "the prediction kept every block (input not structured enough)";
+  for (int s = 0; s < kStats; ++s) EXPECT_EQ(gpu.stats[s], cpu.stats[s]) << "stat " << s;
+
+  const int D = c.head_dim, Hq = c.q_heads;
+  double worst = 0, worst_lse = 0, reference_max = 0;
+  int64_t lse_bad = 0, nan_rows = 0;
+  for (int b = 0; b < in.batch; ++b)
+    for (int i = 0; i < c.seq_q[b]; ++i) {
+      const int64_t row = c.packed ? ph.cu_q[b] + i : int64_t(b) * in.max_q + i;
+      for (int h = 0; h < Hq; ++h) {
+        for (int d = 0; d < D; ++d) {
+          const size_t e = (size_t(row) * Hq + h) * D + d;
+          reference_max = std::max(reference_max, double(std::fabs(cpu.out[e])));
+          const double err = std::fabs(double(gpu.out[e]) - cpu.out[e]);
+          if (std::isnan(err)) ++nan_rows;
+          worst = std::max(worst, std::isnan(err) ? 1e30 : err);
+        }
+        const size_t l = c.packed ? size_t(h) * ph.q_rows + row : (size_t(b) * Hq + h) * in.max_q + i;
+        const double want = cpu.lse[l], got = gpu.lse[l];
+        if (std::isinf(want)) {
+          lse_bad += (std::isinf(got) && got < 0) ? 0 : 1;
+        } else {
+          const double err = std::fabs(got - want);
+          lse_bad += err <= 2e-3 * std::max(1.0, std::fabs(want)) ? 0 : 1;
+          worst_lse = std::max(worst_lse, std::isnan(err) ? 1e30 : err);
+        }
+      }
+    }
+  EXPECT_EQ(nan_rows, 0) << "unwritten (NaN) output elements";
+  EXPECT_LE(worst, out_tolerance(c) * std::max(1.0, reference_max)) << "max |gpu - cpu| (|cpu| <= " << reference_max << ")";
+  EXPECT_EQ(lse_bad, 0) << "LSE mismatches; max |gpu - cpu| = " << worst_lse;
+  (void)q_blocks;
+  (void)k_blocks;
+}
+
+class GpuSparge : public ::testing::TestWithParam<Case> {};
+
+// SPARSA_GPU_TESTS_SELFCHECK=1 on a machine without a GPU runs only the CPU half of each case (checks that the
+// inputs make the prediction drop blocks before spending device time); otherwise the case is skipped.
+bool cpu_selfcheck_requested() {
+  const char* flag = std::getenv("SPARSA_GPU_TESTS_SELFCHECK");
+  return flag != nullptr && std::string(flag) == "1";
+}
+
+TEST_P(GpuSparge, MatchesCpuBackend) {
+  const bool gpu_present = cuda_device_present();
+  if (!gpu_present && !cpu_selfcheck_requested()) GTEST_SKIP() << "no CUDA device/driver";
+  const Case& c = GetParam();
+  std::mt19937_64 gen(20261121);
+  const Inputs in = make_inputs(c, gen);
+  const Physical ph = build_physical(c, in);
+  const RunResult cpu = run_case(c, in, ph, /*on_gpu=*/false);
+  ASSERT_EQ(cpu.status, SPARSA_STATUS_SUCCESS) << "CPU backend: " << cpu.message;
+  if (!gpu_present) {
+    int64_t ones = 0;
+    for (uint8_t m : cpu.mask) ones += m;
+    EXPECT_LT(ones, int64_t(cpu.mask.size())) << "the prediction kept every block";
+    std::printf("[ selfcheck ] %s: density %.3f, pv skipped %lld, blocks %lld/%lld\n", c.name.c_str(),
+                double(ones) / double(cpu.mask.size()), (long long)cpu.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED],
+                (long long)cpu.stats[SPARSA_STAT_BLOCKS_COMPUTED], (long long)cpu.stats[SPARSA_STAT_BLOCKS_TOTAL]);
+    return;
+  }
+  const RunResult gpu = run_case(c, in, ph, /*on_gpu=*/true);
+  if (gpu.status == SPARSA_STATUS_UNSUPPORTED) GTEST_SKIP() << "unsupported on this build: " << gpu.message;
+  ASSERT_EQ(gpu.status, SPARSA_STATUS_SUCCESS) << gpu.message;
+  expect_gpu_matches_cpu(c, in, ph, cpu, gpu);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> list;
+  Case c;
+  c.name = "large_bf16_d128_causal_gqa4_tau";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.seq_q = {4096};
+  c.seq_k = {4096};
+  c.block_q = 128;
+  c.block_k = 64;
+  c.noisy_q_blocks = {7};
+  c.noisy_k_blocks = {21, 40};
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "f16_d64_noncausal_tails_topk";
+  c.causal = false;
+  c.seq_q = {1000};
+  c.seq_k = {1500};
+  c.topk_fraction = 0.3f;
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "varlen_f16_d128_causal_gqa4_ragged";
+  c.head_dim = 128;
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.packed = true;
+  c.seq_q = {300, 1000, 17};
+  c.seq_k = {300, 1200, 17};
+  c.block_q = 128;
+  c.block_k = 64;
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "padded_batch_seq_lens_k_bf16_noncausal";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.causal = false;
+  c.seq_q = {640, 640};
+  c.seq_k = {700, 333};
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "f32_d64_gqa8_small_blocks_sink";
+  c.dtype = SPARSA_DTYPE_F32;
+  c.q_heads = 8;
+  c.kv_heads = 1;
+  c.seq_q = {256};
+  c.seq_k = {256};
+  c.block_q = 32;
+  c.block_k = 16;
+  c.attention_sink = true;
+  c.noisy_k_blocks = {3};
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "many_key_blocks_global_sort_f16";
+  c.causal = false;
+  c.q_heads = 2;
+  c.kv_heads = 1;
+  c.seq_q = {256};
+  c.seq_k = {40000};  // 2500 key blocks of 16: sorted in global scratch
+  c.block_q = 128;
+  c.block_k = 16;
+  c.period_blocks = 64;
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "causal_sq_gt_skv_empty_blocks_f16";
+  c.seq_q = {700};
+  c.seq_k = {300};
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "head_params_theta_tau_topk_f16";
+  c.head_dim = 128;
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  c.seq_q = {1024};
+  c.seq_k = {1024};
+  c.block_q = 128;
+  c.block_k = 64;
+  {
+    const float nan = NAN;
+    c.head_params = {nan, nan, nan, nan, 1.0f, nan, nan, nan, nan, 0.6f, nan, nan, nan, nan, 0.25f, nan};
+  }
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "pv_skip_bf16_d128_bq128_bk64";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.seq_q = {2048};
+  c.seq_k = {2048};
+  c.block_q = 128;
+  c.block_k = 64;
+  c.topk_fraction = 0.5f;
+  c.lambda = -4.f;
+  c.sink_strength = 14.0;
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "pv_skip_f32_small_blocks_head_lambda";
+  c.dtype = SPARSA_DTYPE_F32;
+  c.seq_q = {256};
+  c.seq_k = {256};
+  c.block_q = 32;
+  c.block_k = 16;
+  c.topk_fraction = 0.5f;
+  c.sink_strength = 14.0;
+  {
+    const float nan = NAN;
+    c.head_params = {nan, nan, nan, -2.f, nan, nan, nan, -6.f, nan, nan, nan, nan, nan, nan, nan, -1.f};
+  }
+  list.push_back(c);
+
+  // Quantized (Sage): the CPU emulation keeps V in fp32; the GPU's PV runs in fp16/bf16.
+  c = Case{};
+  c.name = "sage_f32_d64_small_blocks";
+  c.dtype = SPARSA_DTYPE_F32;
+  c.seq_q = {256};
+  c.seq_k = {256};
+  c.block_q = 32;
+  c.block_k = 16;
+  c.quantized = true;
+  c.out_tol = 5e-3;
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "sage_bf16_d128_causal_gqa4_varlen";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.packed = true;
+  c.seq_q = {500, 1300};
+  c.seq_k = {600, 1300};
+  c.block_q = 128;
+  c.block_k = 64;
+  c.quantized = true;
+  list.push_back(c);
+
+  c = Case{};
+  c.name = "sage_f16_d128_pv_skip_bq128";
+  c.head_dim = 128;
+  c.seq_q = {2048};
+  c.seq_k = {2048};
+  c.block_q = 128;
+  c.block_k = 64;
+  c.topk_fraction = 0.5f;
+  c.lambda = -4.f;
+  c.sink_strength = 14.0;
+  c.quantized = true;
+  list.push_back(c);
+  return list;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuSparge, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// The same run twice gives the same bits (every reduction has a fixed order), and a CUDA-graph replay of a
+// planned run gives them too.
+TEST(GpuSpargeRuns, DeterministicAndGraphReplay) {
+  SKIP_WITHOUT_GPU();
+  Case c;
+  c.name = "replay";
+  c.dtype = SPARSA_DTYPE_BF16;
+  c.head_dim = 128;
+  c.seq_q = {1500};
+  c.seq_k = {1500};
+  c.block_q = 128;
+  c.block_k = 64;
+  std::mt19937_64 gen(7);
+  const Inputs in = make_inputs(c, gen);
+  const Physical ph = build_physical(c, in);
+  const RunResult first = run_case(c, in, ph, true);
+  if (first.status == SPARSA_STATUS_UNSUPPORTED) GTEST_SKIP() << first.message;
+  ASSERT_EQ(first.status, SPARSA_STATUS_SUCCESS) << first.message;
+  const RunResult second = run_case(c, in, ph, true);
+  ASSERT_EQ(second.status, SPARSA_STATUS_SUCCESS) << second.message;
+  EXPECT_EQ(first.mask, second.mask);
+  EXPECT_EQ(std::memcmp(first.out.data(), second.out.data(), first.out.size() * 4), 0) << "outputs differ";
+  const RunResult replay = run_case(c, in, ph, true, /*capture=*/true);
+  ASSERT_EQ(replay.status, SPARSA_STATUS_SUCCESS) << replay.message;
+  EXPECT_EQ(first.mask, replay.mask);
+  EXPECT_EQ(std::memcmp(first.out.data(), replay.out.data(), first.out.size() * 4), 0) << "graph replay differs";
+}
+
+}  // namespace
