@@ -1,6 +1,7 @@
 // Hopper forward (sm_90a): FlashAttention-3-style warp specialisation on warpgroup MMA. fp16/bf16 inputs, fp32
-// accumulation, head dims 64 and 128, every layout and visibility rule of forward_common.cuh (row map kAll, no PV
-// skip). One thread block = 3 warpgroups for one 128-row query tile of one (sequence, query head):
+// accumulation, head dims 64 and 128, every layout and visibility rule of forward_common.cuh, and the query-row maps
+// of forward_params.h (Δ's rows, TOKEN_SPARSE's position lists; dense rule, unsplit), no PV skip. One thread block =
+// 3 warpgroups for one 128-row query tile (launch rows) of one (sequence, query head):
 //
 //   warpgroup 0 (producer, few registers)   cp.async Q once, then K/V tiles into a kStages-deep ring, K one tile
 //                                           ahead of V; each copy completes on an mbarrier
@@ -21,7 +22,9 @@
 // boundaries (the swizzle pattern repeats every 8 rows × 128 bytes and the hardware applies it to the address).
 //
 // The key tiles walked are the same as forward_mma.cu's (tile_has_visible_key in ascending order, here checked 32
-// at a time by a warp ballot); split-KV writes partial states exactly like it. Compiled to a stub for every target
+// at a time by a warp ballot); split-KV writes partial states exactly like it. A row map changes only where rows
+// are read and written (per-row copies and stores through forward_common.cuh's launch_* offsets) and each row's
+// causal horizon (its position, not its launch index); the tile loop is the same. Compiled to a stub for every target
 // other than sm_90a (sm_80, HIP); forward_wgmma_supports() asks the runtime whether sm_90a code was loaded.
 #include "forward_wgmma.h"
 
@@ -394,10 +397,16 @@ __device__ __forceinline__ void produce(const BlockTile<kHeadDim, kStages>& bloc
   const ForwardParams& p = block.p;
   const SequenceView& seq = block.seq;
   const uint16_t* q_base = static_cast<const uint16_t*>(p.q);
-  const int64_t q_first = query_row_offset(p.q_strides, seq, block.row_begin);
-  copy_rows<kHeadDim, kBlockRows>(
-      block.q_tile(), q_base, [&](int r) { return q_first + r * p.q_strides.s; }, block.row_end - block.row_begin,
-      thread);
+  if (p.row_map == QueryRowMap::kAll) {  // consecutive rows: one offset, then a stride
+    const int64_t q_first = query_row_offset(p.q_strides, seq, block.row_begin);
+    copy_rows<kHeadDim, kBlockRows>(
+        block.q_tile(), q_base, [&](int r) { return q_first + r * p.q_strides.s; }, block.row_end - block.row_begin,
+        thread);
+  } else {  // Δ's anchors and tail, or a position list: every row finds its own
+    copy_rows<kHeadDim, kBlockRows>(
+        block.q_tile(), q_base, [&](int r) { return launch_query_offset(p, p.q_strides, seq, block.row_begin + r); },
+        block.row_end - block.row_begin, thread);
+  }
   barrier_arrive_on_copies(block.q_full());
 
   // K or V rows of `tile` into ring slot `slot`; a fresh empty barrier counts as released.
@@ -407,13 +416,14 @@ __device__ __forceinline__ void produce(const BlockTile<kHeadDim, kStages>& bloc
     const uint16_t* base = static_cast<const uint16_t*>(tensor);
     const int32_t key_begin = tile * kBlockKeys;
     const int valid = min(kBlockKeys, seq.seq_k - key_begin);
-    if (p.page_table == nullptr) {  // padded/packed rows are evenly spaced: one offset, then a stride
+    if (p.page_table == nullptr && p.row_map != QueryRowMap::kTokenLists) {
+      // padded/packed rows are evenly spaced: one offset, then a stride
       const int64_t first = key_row_offset(p, strides, seq, key_begin);
       copy_rows<kHeadDim, kBlockKeys>(
           tile_address, base, [&](int r) { return first + r * strides.s; }, valid, thread);
-    } else {  // paged: every row looks up its page
+    } else {  // paged or a position list: every row looks up its page / its position (a per-row gather)
       copy_rows<kHeadDim, kBlockKeys>(
-          tile_address, base, [&](int r) { return key_row_offset(p, strides, seq, key_begin + r); }, valid,
+          tile_address, base, [&](int r) { return launch_key_offset(p, strides, seq, key_begin + r); }, valid,
           thread);
     }
     barrier_arrive_on_copies(full);
@@ -451,8 +461,10 @@ struct Consumer {
   int consumer = 0;       // 0 or 1: which half of the block's rows
   bool pingpong = false;  // take turns with the other half (both have rows)
   int lane = 0;
-  int32_t wg_row_begin = 0, wg_row_end = 0, wg_key_end = 0;
-  int32_t rows[2] = {0, 0};  // this thread's two query rows
+  int32_t wg_row_begin = 0, wg_row_end = 0, wg_key_end = 0;  // launch rows; wg_key_end: causal bound of the last
+  int32_t wg_first_horizon = 0;  // last causal key of the warpgroup's first row (its smallest horizon)
+  int32_t rows[2] = {0, 0};      // this thread's two launch rows
+  int32_t horizon[2] = {0, 0};   // their last causal keys: position + causal_offset (a row map moves positions)
   uint32_t q_rows = 0;       // shared address of the warpgroup's 64 Q rows
   float o[kOutRegisters];
   float row_max[2] = {-INFINITY, -INFINITY};  // base-2 domain
@@ -462,10 +474,13 @@ struct Consumer {
     const int warp = thread / 32;
     lane = thread % 32;
     wg_row_begin = block.row_begin + consumer * kRowsPerConsumer;
-    wg_row_end = min(wg_row_begin + kRowsPerConsumer, block.seq.seq_q);
-    wg_key_end = wg_row_begin < block.seq.seq_q ? key_end_for_rows(block.p, block.seq, wg_row_end) : 0;
+    wg_row_end = min(wg_row_begin + kRowsPerConsumer, block.seq.rows);
+    wg_key_end = wg_row_begin < block.seq.rows ? key_end_for_rows(block.p, block.seq, wg_row_end) : 0;
+    wg_first_horizon = row_position(block.p, block.seq, wg_row_begin) + block.seq.causal_offset;
     rows[0] = wg_row_begin + warp * 16 + lane / 4;
     rows[1] = rows[0] + 8;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) horizon[r] = row_position(block.p, block.seq, rows[r]) + block.seq.causal_offset;
     q_rows = block.q_tile() + consumer * kRowsPerConsumer * kSwizzleBytes;
 #pragma unroll
     for (int i = 0; i < kOutRegisters; ++i) o[i] = 0.f;
@@ -491,15 +506,14 @@ struct Consumer {
     if (seen) {
       const int32_t tile_key_end = min(key_begin + kBlockKeys, wg_key_end);
       if (tile_rule_uniform(p, seq, wg_row_begin, wg_row_end, key_begin, tile_key_end)) {
-        const int64_t first_diagonal = int64_t(wg_row_begin) + seq.causal_offset;
-        if (key_begin + kBlockKeys <= seq.seq_k && (!p.causal || key_begin + kBlockKeys - 1 <= first_diagonal)) {
+        if (key_begin + kBlockKeys <= seq.seq_k && (!p.causal || key_begin + kBlockKeys - 1 <= wg_first_horizon)) {
           return;
         }
         int32_t limit[2];  // row r sees register i iff 8·(i/4) + i%2 < limit[r]
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           int64_t end = seq.seq_k;
-          if (p.causal) end = min(end, int64_t(rows[r]) + seq.causal_offset + 1);
+          if (p.causal) end = min(end, int64_t(horizon[r]) + 1);
           limit[r] = int32_t(max(int64_t(-1), min(int64_t(kBlockKeys), end - key_column)));
         }
 #pragma unroll
@@ -517,8 +531,7 @@ struct Consumer {
         const int32_t key = key_column + (c / 2) * 8 + c % 2;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const bool visible = key < seq.seq_k &&
-                               (!p.causal || int64_t(key) <= int64_t(rows[r]) + seq.causal_offset) &&
+          const bool visible = key < seq.seq_k && (!p.causal || key <= horizon[r]) &&
                                key_visible(p, seq, rows[r], key);
           visible_bits[r] |= uint32_t(visible) << c;
         }
@@ -541,7 +554,7 @@ struct Consumer {
     int32_t end[2], window_begin[2], window_end[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t diagonal = int64_t(rows[r]) + seq.causal_offset;
+      const int64_t diagonal = horizon[r];
       end[r] = relative(p.causal ? min(int64_t(seq.seq_k), diagonal + 1) : int64_t(seq.seq_k));
       window_begin[r] = relative(diagonal - p.sink_window + 1);
       window_end[r] = relative(p.causal ? diagonal + 1 : diagonal + p.sink_window);
@@ -641,7 +654,7 @@ struct Consumer {
   __device__ void run() {
     TileWalk walk;
     int32_t tile = walk.next(block, block.first_tile);
-    if (wg_row_begin >= block.seq.seq_q) {  // no rows here: only hand the slots back
+    if (wg_row_begin >= block.seq.rows) {  // no rows here: only hand the slots back
       for (RingSlot<kStages> slot; tile < block.tile_count; tile = walk.next(block, tile + 1)) {
         barrier_wait(block.v_full(slot.stage), slot.phase);  // V lands after K: both slots are written
         release(block.k_empty(slot.stage));
@@ -651,7 +664,7 @@ struct Consumer {
       return;
     }
     if (tile >= block.tile_count) return;
-    pingpong = kPingpong && block.row_begin + kRowsPerConsumer < block.seq.seq_q;
+    pingpong = kPingpong && block.row_begin + kRowsPerConsumer < block.seq.rows;
     if (consumer == 1) pass_turn();
     barrier_wait(block.q_full(), 0);
     RingSlot<kStages> slot;
@@ -728,16 +741,13 @@ struct Consumer {
         if (lane % 4 == 0) p.partial_lse[state] = lse;
         continue;
       }
-      uint16_t* out_row = out_base + query_row_offset(p.out_strides, seq, row);
+      uint16_t* out_row = out_base + launch_output_offset(p, seq, row);
 #pragma unroll
       for (int n = 0; n < kHeadDim / 8; ++n) {
         *reinterpret_cast<uint32_t*>(out_row + n * 8 + 2 * (lane % 4)) =
             pack_pair(Tag{}, o[4 * n + 2 * r] * inverse, o[4 * n + 2 * r + 1] * inverse);
       }
-      if (p.lse != nullptr && lane % 4 == 0) {
-        p.lse[seq.b * p.lse_strides.b + int64_t(seq.h) * p.lse_strides.h + (seq.q_row_base + row) * p.lse_strides.s] =
-            lse;
-      }
+      if (p.lse != nullptr && lane % 4 == 0) p.lse[launch_lse_offset(p, seq, row)] = lse;
     }
   }
 };
@@ -757,8 +767,8 @@ __global__ void __launch_bounds__(kThreads, 1) forward_wgmma_kernel(const Forwar
   block.split = blockIdx.x % p.num_splits;
   block.seq = make_sequence_view(p, blockIdx.z, blockIdx.y);
   block.row_begin = query_tile * kBlockRows;
-  if (block.row_begin >= block.seq.seq_q) return;  // uniform over the block, before any barrier exists
-  block.row_end = min(block.row_begin + kBlockRows, block.seq.seq_q);
+  if (block.row_begin >= block.seq.rows) return;  // uniform over the block, before any barrier exists
+  block.row_end = min(block.row_begin + kBlockRows, block.seq.rows);
   block.key_end = key_end_for_rows(p, block.seq, block.row_end);
   const int32_t all_tiles = (block.key_end + kBlockKeys - 1) / kBlockKeys;
   const int32_t tiles_per_split = (all_tiles + p.num_splits - 1) / p.num_splits;
@@ -805,7 +815,11 @@ cudaError_t allow_shared_memory() {
 }
 
 template <typename Tag, int kHeadDim, int kStages = kStagesFor<kHeadDim>, bool kPingpong = kPingpongTurns>
-cudaError_t launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
+cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t stream) {
+  ForwardParams p = params;
+  // A row map writes its own output rows (the partial states' combine writes plain rows): such a launch runs
+  // whole whatever was planned (forward_params.h), as in forward_mma.cu.
+  if (p.row_map != QueryRowMap::kAll) p.num_splits = 1;
   const int32_t query_tiles = (max_seq_q + kBlockRows - 1) / kBlockRows;
   const dim3 grid(query_tiles * p.num_splits, p.num_q_heads, p.batch);
   forward_wgmma_kernel<Tag, kHeadDim, kStages, kPingpong>
@@ -847,8 +861,16 @@ bool forward_wgmma_supports(const ForwardParams& p, int32_t compute_major, const
     *reason = "wgmma path has head_dim 64 and 128 only";
     return false;
   }
-  if (p.row_map != QueryRowMap::kAll || p.pv_skip_log2 != nullptr) {
-    *reason = "wgmma path has no query-row maps or PV skip (the mma.sync kernel serves them)";
+  if (p.pv_skip_log2 != nullptr) {
+    *reason = "wgmma path has no PV skip (the mma.sync kernel serves it)";
+    return false;
+  }
+  if (p.row_map != QueryRowMap::kAll && p.rule != VisibilityRule::kDense) {
+    *reason = "query-row maps run with the dense rule only";
+    return false;
+  }
+  if (p.row_map == QueryRowMap::kDeltaRows && p.delta_gamma <= 0) {
+    *reason = "delta rows need gamma > 0";
     return false;
   }
   if (!sm90a_code_loaded()) {
