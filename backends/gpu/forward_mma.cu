@@ -108,31 +108,7 @@ __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row % kSwizzleRows)) * kChunkElems);
 }
 
-// Copies rows [0, valid_rows) of a tile whose global rows lie `stride` elements apart from element offset `first`
-// (padded/packed layouts) into a swizzled shared tile; rows past valid_rows are zero-filled. Each thread copies one
-// 16-byte column of every kRowsPerPass-th row: its source advances by a fixed stride and, since the swizzle depends
-// on row % 8 only, its destination by a fixed offset, so a chunk costs an address add and the copy.
-template <int kHeadDim, int kRows>
-__device__ __forceinline__ void load_strided_tile_async(uint16_t* tile, const uint16_t* base, int64_t first,
-                                                        int64_t stride, int valid_rows) {
-  constexpr int kChunksPerRow = kHeadDim / kChunkElems;
-  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  static_assert(kRowsPerPass % kSwizzleRows == 0 && kRows % kRowsPerPass == 0, "rows must tile the passes");
-  const int row0 = threadIdx.x / kChunksPerRow;
-  const int chunk = threadIdx.x % kChunksPerRow;
-  const uint16_t* src = base + first + row0 * stride + chunk * kChunkElems;
-  const int64_t pass_stride = kRowsPerPass * stride;
-  const uint32_t dst = shared_address(tile + swizzled_offset<kHeadDim>(row0, chunk));
-#pragma unroll
-  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-    const bool valid = row0 + pass * kRowsPerPass < valid_rows;
-    cp_async_16(dst + pass * kRowsPerPass * kHeadDim * int(sizeof(uint16_t)), valid ? src + pass * pass_stride : base,
-                valid ? 16 : 0);
-  }
-}
-
-// Copies `rows` rows starting at global row offsets given by row_offset(r) into a swizzled shared tile (any layout:
-// paged pages, token lists).
+// Copies `rows` rows starting at global row offsets given by row_offset(r) into a swizzled shared tile.
 template <int kHeadDim, int kRows, typename RowOffset>
 __device__ __forceinline__ void load_tile_async(uint16_t* tile, const uint16_t* base, RowOffset row_offset,
                                                 int valid_rows) {
@@ -177,8 +153,6 @@ using PlainTiling = MmaTiling<2, 64, 1, false, 1>;
 using PlainTiling = MmaTiling<1, 64, 1, true, 2>;
 #elif SPARSA_MMA_TILING_EXPERIMENT == 6
 using PlainTiling = MmaTiling<1, 32, 1, false, 4>;
-#elif SPARSA_MMA_TILING_EXPERIMENT == 7
-using PlainTiling = MmaTiling<1, 64, 1, true, 3>;
 #endif
 using SkipTiling64 = MmaTiling<1, 64, 2, true, 1>;    // PV skip, block_q 64
 using SkipTiling128 = MmaTiling<2, 64, 2, false, 1>;  // PV skip, block_q 128
@@ -187,20 +161,16 @@ static_assert(PlainTiling::kRows == kMmaBlockRows && PlainTiling::kKeys == kMmaB
               "forward_mma.h must describe the plain tiling");
 static_assert(SkipTiling64::kKeys == kSkipBlockKeys && SkipTiling128::kKeys == kSkipBlockKeys, "");
 
-// What a launch may use, fixed at compile time so that a launch carries no code (and no registers) for the rest:
-// the rule's masks and tile skipping cost registers the tiles need, and only sink/window and block-mask launches use
-// them. (ForwardParams is read in place: a modified local copy would pin its fields in registers.)
-enum class LaunchKind {
-  kDense,     // row_map kAll, dense rule (causal bound only), no PV skip
-  kRules,     // row_map kAll, any rule, no PV skip
-  kRowMaps,   // any row map, dense rule, no PV skip, never split
-  kPvSkip,    // row_map kAll, block-mask rule, PV skip, never split
-};
-
-template <typename Tag, int kHeadDim, typename Tiling, LaunchKind kKind>
+// kMapped: the launch has a query-row map or the PV skip. A plain launch is compiled without either (the copy below
+// pins row_map and pv_skip_log2 to constants), which keeps their state out of the registers the tiles need.
+template <typename Tag, int kHeadDim, typename Tiling, bool kMapped>
 __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kernel(const ForwardParams params) {
 #if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
-  const ForwardParams& p = params;
+  ForwardParams p = params;
+  if (!kMapped) {
+    p.row_map = QueryRowMap::kAll;
+    p.pv_skip_log2 = nullptr;
+  }
   constexpr int kFrags = Tiling::kFrags;
   constexpr int kBlockKeys = Tiling::kKeys;
   constexpr int kBlockRows = Tiling::kRows;
@@ -219,8 +189,6 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
   const int32_t split = blockIdx.x % p.num_splits;
   // Causal: the last query tiles see the most keys; blocks start in index order, so they take those first (the
   // last wave then holds the short tiles).
-  constexpr bool kDenseRule = kKind == LaunchKind::kDense || kKind == LaunchKind::kRowMaps;
-  constexpr bool kRowMap = kKind == LaunchKind::kRowMaps;
   const int32_t query_tiles = gridDim.x / p.num_splits;
   const int32_t query_tile = p.causal ? query_tiles - 1 - int32_t(blockIdx.x / p.num_splits)
                                       : int32_t(blockIdx.x / p.num_splits);
@@ -234,18 +202,15 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
   const int32_t first_tile = min(all_tiles, split * tiles_per_split);
   const int32_t tile_count = min(all_tiles, first_tile + tiles_per_split);
   // §4 step 7 (the launcher guarantees one mask cell per tile and no split): the first computed tile is never tested.
-  const float skip_threshold = kKind == LaunchKind::kPvSkip ? p.pv_skip_log2[seq.h] : -INFINITY;
+  const float skip_threshold = p.pv_skip_log2 != nullptr ? p.pv_skip_log2[seq.h] : -INFINITY;
   bool skip_test = false;
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const uint16_t* q_base = static_cast<const uint16_t*>(p.q);
-  // Sequence position of launch row a (only row maps differ; other kinds keep no row-map state alive).
-  auto position = [&](int32_t a) { return kRowMap ? row_position(p, seq, a) : a; };
 
   auto next_visible_tile = [&](int32_t tile) {
-    // (The dense rule sees every tile up to the causal bound.)
-    for (; !kDenseRule && tile < tile_count; ++tile) {
+    for (; tile < tile_count; ++tile) {
       const int32_t key_begin = tile * kBlockKeys;
       if (tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kBlockKeys, key_end))) break;
     }
@@ -256,9 +221,10 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
     const uint16_t* base = static_cast<const uint16_t*>(src);
     const int32_t key_begin = tile * kBlockKeys;
     const int valid = min(kBlockKeys, seq.seq_k - key_begin);
-    if (p.page_table == nullptr && (kKind != LaunchKind::kRowMaps || p.row_map != QueryRowMap::kTokenLists)) {
+    if (p.page_table == nullptr && p.row_map != QueryRowMap::kTokenLists) {
       // padded/packed rows are evenly spaced: one offset, then a stride
-      load_strided_tile_async<kHeadDim, kBlockKeys>(dst, base, key_row_offset(p, st, seq, key_begin), st.s, valid);
+      const int64_t first = key_row_offset(p, st, seq, key_begin);
+      load_tile_async<kHeadDim, kBlockKeys>(dst, base, [&](int r) { return first + r * st.s; }, valid);
     } else {
       load_tile_async<kHeadDim, kBlockKeys>(
           dst, base, [&](int r) { return launch_key_offset(p, st, seq, key_begin + r); }, valid);
@@ -266,9 +232,10 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
   };
 
   // Stage 0: the Q tile and the first key tile's K (and V when double-buffered) in one cp.async group.
-  if (kKind != LaunchKind::kRowMaps || p.row_map == QueryRowMap::kAll) {
-    load_strided_tile_async<kHeadDim, kBlockRows>(q_tile, q_base, query_row_offset(p.q_strides, seq, row_begin),
-                                                  p.q_strides.s, row_end - row_begin);
+  if (p.row_map == QueryRowMap::kAll) {
+    const int64_t q_first = query_row_offset(p.q_strides, seq, row_begin);
+    load_tile_async<kHeadDim, kBlockRows>(
+        q_tile, q_base, [&](int r) { return q_first + r * p.q_strides.s; }, row_end - row_begin);
   } else {
     load_tile_async<kHeadDim, kBlockRows>(
         q_tile, q_base, [&](int r) { return launch_query_offset(p, p.q_strides, seq, row_begin + r); },
@@ -375,19 +342,15 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
 
       // Mask (raw scores; the scale is folded into the exponent below). Fully visible tiles skip this; rule-uniform
       // tiles (inside one mask cell, the sinks or the window) check only the sequence end and the causal bound.
-      // Every key visible to every row: inside the sequence and, causal, at or before the first row's diagonal.
-      const bool fully_visible =
-          (kDenseRule || p.rule == VisibilityRule::kDense) && key_begin + kBlockKeys <= seq.seq_k &&
-          (!p.causal || int64_t(key_begin + kBlockKeys - 1) <= int64_t(position(row_begin)) + seq.causal_offset);
-      if (!fully_visible) {
+      if (!tile_fully_visible(p, seq, row_begin, seq.seq_k, key_begin + kBlockKeys)) {
         const int32_t tile_key_end = min(key_begin + kBlockKeys, key_end);
-        const bool uniform = kDenseRule || tile_rule_uniform(p, seq, row_begin, row_end, key_begin, tile_key_end);
+        const bool uniform = tile_rule_uniform(p, seq, row_begin, row_end, key_begin, tile_key_end);
 #pragma unroll
         for (int f = 0; f < kFrags; ++f) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int32_t row = my_row(f, r);
-            const int64_t horizon = int64_t(position(row)) + seq.causal_offset;  // last causal key
+            const int64_t horizon = int64_t(row_position(p, seq, row)) + seq.causal_offset;  // last causal key
 #pragma unroll
             for (int nb = 0; nb < kKeyBlocks8; ++nb) {
 #pragma unroll
@@ -446,16 +409,13 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
 
     if (warp_active && !skipped) {
       // Online softmax in base 2: m = max(m, scale·log2e·max S), rescale O and l, P = 2^(S·scale·log2e - m).
-      float rescale[kFrags][2];
-      bool max_moved = false;
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float new_max = fmaxf(row_max[f][r], tile_max[f][r] * p.scale_log2);  // scale > 0 keeps the arg max
           const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible stays at 0
-          rescale[f][r] = fast_exp2(row_max[f][r] - reference);
-          max_moved = max_moved || rescale[f][r] != 1.f;
+          const float rescale = fast_exp2(row_max[f][r] - reference);
           row_max[f][r] = new_max;
           float tile_sum = 0.f;
 #pragma unroll
@@ -464,20 +424,11 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
             s_acc[f][nb][2 * r + 1] = fast_exp2(fmaf(s_acc[f][nb][2 * r + 1], p.scale_log2, -reference));
             tile_sum += s_acc[f][nb][2 * r] + s_acc[f][nb][2 * r + 1];
           }
-          row_sum[f][r] = row_sum[f][r] * rescale[f][r] + tile_sum;
-        }
-      }
-      // Once the running maxima settle most tiles move none of the warp's rows: then every factor is exactly 1 and
-      // the O rescale (kFrags·D/2 multiplies per thread) is skipped, warp-uniformly.
-      if (warp_ballot(max_moved) != 0) {
-#pragma unroll
-        for (int f = 0; f < kFrags; ++f) {
+          row_sum[f][r] = row_sum[f][r] * rescale + tile_sum;
 #pragma unroll
           for (int nd = 0; nd < kDimBlocks8; ++nd) {
-            o_acc[f][nd][0] *= rescale[f][0];
-            o_acc[f][nd][1] *= rescale[f][0];
-            o_acc[f][nd][2] *= rescale[f][1];
-            o_acc[f][nd][3] *= rescale[f][1];
+            o_acc[f][nd][2 * r] *= rescale;
+            o_acc[f][nd][2 * r + 1] *= rescale;
           }
         }
       }
@@ -550,39 +501,34 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
         if (lane % 4 == 0) p.partial_lse[state] = lse;
         continue;
       }
-      uint16_t* out_row = out_base + (kRowMap ? launch_output_offset(p, seq, row)
-                                              : query_row_offset(p.out_strides, seq, row));
+      uint16_t* out_row = out_base + launch_output_offset(p, seq, row);
 #pragma unroll
       for (int nd = 0; nd < kDimBlocks8; ++nd) {
         *reinterpret_cast<uint32_t*>(out_row + nd * 8 + 2 * (lane % 4)) =
             pack_pair(Tag{}, o_acc[f][nd][2 * r] * inverse, o_acc[f][nd][2 * r + 1] * inverse);
       }
-      if (p.lse != nullptr && lane % 4 == 0) {
-        p.lse[kRowMap ? launch_lse_offset(p, seq, row)
-                      : seq.b * p.lse_strides.b + int64_t(seq.h) * p.lse_strides.h +
-                            (int64_t(seq.q_row_base) + row) * p.lse_strides.s] = lse;
-      }
+      if (p.lse != nullptr && lane % 4 == 0) p.lse[launch_lse_offset(p, seq, row)] = lse;
     }
   }
 #endif  // SPARSA_GPU_DEVICE_HAS_MMA_SYNC
 }
 
-template <typename Tag, int kHeadDim, typename Tiling, LaunchKind kKind>
+template <typename Tag, int kHeadDim, typename Tiling, bool kMapped>
 cudaError_t allow_shared_memory() {
-  return cudaFuncSetAttribute(forward_mma_kernel<Tag, kHeadDim, Tiling, kKind>,
+  return cudaFuncSetAttribute(forward_mma_kernel<Tag, kHeadDim, Tiling, kMapped>,
                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(Tiling::template kSharedBytes<kHeadDim>));
 }
 
-template <typename Tag, int kHeadDim, typename Tiling, LaunchKind kKind>
+template <typename Tag, int kHeadDim, typename Tiling, bool kMapped>
 cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t stream) {
   ForwardParams p = params;
   // A row map writes its own output rows and the PV skip decides in block order: neither can be split (the
   // partial states' combine writes plain rows), so such a launch runs whole whatever was planned.
-  if (kKind == LaunchKind::kRowMaps || kKind == LaunchKind::kPvSkip) p.num_splits = 1;
+  if (kMapped) p.num_splits = 1;
   const int32_t query_tiles = (max_seq_q + Tiling::kRows - 1) / Tiling::kRows;
   const dim3 grid(query_tiles * p.num_splits, p.num_q_heads, p.batch);
-  forward_mma_kernel<Tag, kHeadDim, Tiling, kKind>
+  forward_mma_kernel<Tag, kHeadDim, Tiling, kMapped>
       <<<grid, kThreads, Tiling::template kSharedBytes<kHeadDim>, stream>>>(p);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
@@ -592,24 +538,19 @@ cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t 
 template <typename Tag, int kHeadDim>
 cudaError_t launch_for(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
   if (p.pv_skip_log2 != nullptr) {  // the tile is exactly the mask's cell (supports() admits no other)
-    return p.mask_block_q == SkipTiling128::kRows
-               ? launch<Tag, kHeadDim, SkipTiling128, LaunchKind::kPvSkip>(p, max_seq_q, stream)
-               : launch<Tag, kHeadDim, SkipTiling64, LaunchKind::kPvSkip>(p, max_seq_q, stream);
+    return p.mask_block_q == SkipTiling128::kRows ? launch<Tag, kHeadDim, SkipTiling128, true>(p, max_seq_q, stream)
+                                                  : launch<Tag, kHeadDim, SkipTiling64, true>(p, max_seq_q, stream);
   }
-  if (p.row_map != QueryRowMap::kAll) {
-    return launch<Tag, kHeadDim, PlainTiling, LaunchKind::kRowMaps>(p, max_seq_q, stream);
-  }
-  if (p.rule == VisibilityRule::kDense) return launch<Tag, kHeadDim, PlainTiling, LaunchKind::kDense>(p, max_seq_q, stream);
-  return launch<Tag, kHeadDim, PlainTiling, LaunchKind::kRules>(p, max_seq_q, stream);
+  if (p.row_map != QueryRowMap::kAll) return launch<Tag, kHeadDim, PlainTiling, true>(p, max_seq_q, stream);
+  return launch<Tag, kHeadDim, PlainTiling, false>(p, max_seq_q, stream);
 }
 
 template <typename Tag, int kHeadDim>
 cudaError_t allow_shared_memory_all() {
-  for (cudaError_t status : {allow_shared_memory<Tag, kHeadDim, PlainTiling, LaunchKind::kDense>(),
-                             allow_shared_memory<Tag, kHeadDim, PlainTiling, LaunchKind::kRules>(),
-                             allow_shared_memory<Tag, kHeadDim, PlainTiling, LaunchKind::kRowMaps>(),
-                             allow_shared_memory<Tag, kHeadDim, SkipTiling64, LaunchKind::kPvSkip>(),
-                             allow_shared_memory<Tag, kHeadDim, SkipTiling128, LaunchKind::kPvSkip>()}) {
+  for (cudaError_t status : {allow_shared_memory<Tag, kHeadDim, PlainTiling, false>(),
+                             allow_shared_memory<Tag, kHeadDim, PlainTiling, true>(),
+                             allow_shared_memory<Tag, kHeadDim, SkipTiling64, true>(),
+                             allow_shared_memory<Tag, kHeadDim, SkipTiling128, true>()}) {
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
