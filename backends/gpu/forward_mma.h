@@ -8,13 +8,8 @@ SPARSA_GPU_NAMESPACE_BEGIN
 
 // Tile of one thread block of a plain launch (split-KV planning in forward_dispatch.cu counts in these). A PV-skip
 // launch uses the tile whose rows equal the mask's block_q (64 or 128) instead, and is never split.
-#if !defined(SPARSA_MMA_TILING_EXPERIMENT)
-constexpr int32_t kMmaBlockRows = 64;  // query rows
-constexpr int32_t kMmaBlockKeys = 64;  // keys per tile
-#else  // device experiment only (forward_mma.cu: PlainTiling)
-constexpr int32_t kMmaBlockRows = SPARSA_MMA_TILING_EXPERIMENT == 1 || SPARSA_MMA_TILING_EXPERIMENT == 4 ? 128 : 64;
-constexpr int32_t kMmaBlockKeys = SPARSA_MMA_TILING_EXPERIMENT == 6 ? 32 : 64;
-#endif
+constexpr int32_t kMmaBlockRows = 128;  // query rows
+constexpr int32_t kMmaBlockKeys = 64;   // keys per tile
 
 // True when the tensor-core kernel can run `p`; otherwise false with a static reason.
 bool forward_mma_supports(const ForwardParams& p, const char** reason);
