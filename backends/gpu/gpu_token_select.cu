@@ -44,12 +44,12 @@ constexpr int kPrepareThreads = 128;
 constexpr int kReduceThreads = 1024;  // lookup and merge: one block per sequence or head, few loads per thread
 constexpr int kScoreThreads = 128;
 constexpr int kScoreTile = 2 * kScoreThreads;  // candidates per score/vote tile: two rows per score thread
-constexpr int kPieceBytes = 16;                // one vector load
-constexpr int kChunkBytes = 64;                // bytes of each key row staged per step
+constexpr int kPieceBytes = 16;                // one vector load / one cp.async
+constexpr int kChunkBytes = 32;                // bytes of each key row per pipeline stage: one whole DRAM sector
 constexpr int kPiecesPerRow = kChunkBytes / kPieceBytes;
-constexpr int kChunkPitch = kChunkBytes + kPieceBytes;  // padding: conflict-free 16-byte reads of 32 rows
-constexpr int kRowsPerLoadPass = kScoreThreads / kPiecesPerRow;
-constexpr int kLoadPasses = kScoreTile / kRowsPerLoadPass;
+constexpr int kRowsPerCopyPass = kScoreThreads / kPiecesPerRow;
+constexpr int kCopyPasses = kScoreTile / kRowsPerCopyPass;  // 16-byte copies per thread per stage
+constexpr int kStageBytes = kScoreTile * kChunkBytes;
 constexpr int kMaxHeadDim = 256;
 constexpr int kVoteHeadsPerPass = 64;
 constexpr int kListThreads = 1024;    // one block per key list: few entries per thread (decode hit path)
@@ -144,12 +144,43 @@ __device__ __forceinline__ int32_t keys_up_to(const int32_t* list, int32_t n, in
 __device__ __forceinline__ double widen_f32(uint32_t w) {
   return __hiloint2double(int(((w & 0x7fffffffu) >> 3) | (w & 0x80000000u)), int(w << 29));
 }
+// An arithmetic shift moves the 15 magnitude bits into place and copies the sign over the bits above them; the
+// mask keeps the magnitude and bit 31 (same bits as shifting magnitude and sign separately, in fewer instructions).
 template <ElementType kType>
 __device__ __forceinline__ void widen_pair(uint32_t w, double& low, double& high) {
   constexpr int kShift = kType == ElementType::kF16 ? 10 : 13;
-  constexpr uint32_t kMagnitude = 0x7fffu << kShift;
-  low = __hiloint2double(int(((w << kShift) & kMagnitude) | ((w << 16) & 0x80000000u)), 0);
-  high = __hiloint2double(int(((w >> (16 - kShift)) & kMagnitude) | (w & 0x80000000u)), 0);
+  constexpr int kDown = 16 - kShift;
+  constexpr uint32_t kKeep = (0x7fffu << kShift) | 0x80000000u;
+  low = __hiloint2double(int(uint32_t(int(w << 16) >> kDown) & kKeep), 0);
+  high = __hiloint2double(int(uint32_t(int(w) >> kDown) & kKeep), 0);
+}
+
+// 16-byte asynchronous global -> shared copies (sm_80+); elsewhere a plain load and store (visible after the
+// __syncthreads that follows either way), with commit and wait doing nothing.
+__device__ __forceinline__ void copy_16(void* dst, const void* src) {
+#if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
+#else
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+#endif
+}
+__device__ __forceinline__ void copy_commit() {
+#if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void copy_wait() {
+#if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+}
+
+// Where piece p of staged row r lies in a stage: rows of kChunkBytes, the two pieces swapped in every other group of
+// 4 rows, so that 8 threads reading the same piece of 8 consecutive rows hit 8 different 16-byte bank groups.
+__device__ __forceinline__ int staged_offset(int row, int piece) {
+  return row * kChunkBytes + ((piece ^ (row >> 2)) & (kPiecesPerRow - 1)) * kPieceBytes;
 }
 
 // acc[r][j] += q̄'[d][j] · k_r[d] for the two dims of `pair` (q̄' rows d, d + 1 at `q`, kHeads doubles each).
@@ -249,18 +280,23 @@ __global__ void __launch_bounds__(kReduceThreads) cache_lookup_kernel(const Sele
   }
 }
 
-// Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ...: stages 64 bytes of each of the
-// tile's 256 key rows at a time (the next chunk's loads are in flight while this one is computed), each thread
-// accumulates rows r and r + 128 against the chunk's kHeads query heads (float64 FMA over d in order), then the
-// tile's max and Σ exp per head, and exp(s - max) to scratch.
+// Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ...; a tile's 256 key rows come in
+// steps of 32 bytes per row (one DRAM sector each), copied with cp.async into a ring of kStages stages, so that
+// kStages - 1 steps (16 or 24 KB per block) are in flight while one is computed. The ring runs across tiles (the next
+// tile's first steps are fetched during this tile's last ones and its softmax). Each thread accumulates rows r and
+// r + 128 of the tile against the chunk's kHeads query heads (float64 FMA over d in order), then the tile's max and
+// Σ exp per head, and exp(s - max) to scratch.
 template <ElementType kType, int kHeads>
-__global__ void __launch_bounds__(kScoreThreads) score_kernel(const SelectParams sp) {
+__global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm) score_kernel(const SelectParams sp) {
   static_assert(kHeads % 2 == 0, "heads are read from shared memory in pairs");
+  static_assert(kPiecesPerRow == 2, "staged_offset swaps two pieces");
+  constexpr int kStages = kHeads >= 8 ? 3 : 4;  // the ring and q̄ stay under the 48 KB of static shared memory
   constexpr int kElementBytes = kType == ElementType::kF32 ? 4 : 2;
   constexpr int kPerPiece = kPieceBytes / kElementBytes;
   constexpr int kChunkDims = kChunkBytes / kElementBytes;
   constexpr double kRescale = kType == ElementType::kF16 ? kF16Rescale : kWideRescale;
-  __shared__ __align__(16) unsigned char rows[kScoreTile * kChunkPitch];
+  static_assert(kMaxHeadDim % kChunkDims == 0, "q̄ covers every staged dimension");
+  __shared__ __align__(16) unsigned char rows[kStages][kStageBytes];
   __shared__ __align__(16) double qbar[kMaxHeadDim * kHeads];  // [d][head], rescaled
   __shared__ double scratch[kScoreThreads / kWarpLanes * kHeads], maxima[kHeads], sums[kHeads];
 
@@ -283,68 +319,70 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const SelectParams
   const char* keys = static_cast<const char*>(sp.p.k);
   const int32_t chunks = (dim + kChunkDims - 1) / kChunkDims;
   const int32_t part = threadIdx.x % kPiecesPerRow;
-  const int32_t first_row = threadIdx.x / kPiecesPerRow;  // this thread stages rows first_row + j·kRowsPerLoadPass
+  const int32_t first_row = threadIdx.x / kPiecesPerRow;  // this thread copies rows first_row + j·kRowsPerCopyPass
+  const bool vector_rows = sp.p.kv_rows_aligned16 != 0;
 
-  // Staging: element offsets of the key rows this thread loads (-1 past the candidates) and its pieces in flight.
-  int64_t key_at[kLoadPasses];
-  uint4 staged[kLoadPasses];
-  auto locate = [&](int32_t tile) {
+  // The copier: the step it fetches next (tile, chunk), element offsets of its key rows (-1 past the candidates).
+  int32_t copy_tile = blockIdx.x, copy_chunk = 0;
+  int64_t key_at[kCopyPasses];
+  auto issue = [&](unsigned char* stage) {
+    if (copy_tile < tiles) {
+      if (copy_chunk == 0) {
 #pragma unroll
-    for (int j = 0; j < kLoadPasses; ++j) {
-      const int32_t c = tile * kScoreTile + first_row + j * kRowsPerLoadPass;
-      key_at[j] = c < info.candidates ? key_row_offset(sp.p, sp.p.k_strides, s, sp.n_init + c) : -1;
+        for (int j = 0; j < kCopyPasses; ++j) {
+          const int32_t c = copy_tile * kScoreTile + first_row + j * kRowsPerCopyPass;
+          key_at[j] = c < info.candidates ? key_row_offset(sp.p, sp.p.k_strides, s, sp.n_init + c) : -1;
+        }
+      }
+      const int32_t first_dim = copy_chunk * kChunkDims + part * kPerPiece;
+#pragma unroll
+      for (int j = 0; j < kCopyPasses; ++j) {
+        unsigned char* to = stage + staged_offset(first_row + j * kRowsPerCopyPass, part);
+        const char* from = keys + (key_at[j] >= 0 ? key_at[j] + first_dim : 0) * kElementBytes;
+        if (key_at[j] >= 0 && vector_rows && first_dim + kPerPiece <= dim) {
+          copy_16(to, from);
+          continue;
+        }
+        uint32_t words[4] = {0, 0, 0, 0};  // past the candidates, unaligned rows or the tail of D: zeros past D
+        if (key_at[j] >= 0) {
+#pragma unroll
+          for (int e = 0; e < kPerPiece; ++e) {
+            if (first_dim + e >= dim) break;
+            const uint32_t bits = kElementBytes == 4 ? reinterpret_cast<const uint32_t*>(from)[e]
+                                                     : reinterpret_cast<const uint16_t*>(from)[e];
+            words[e * kElementBytes / 4] |= bits << (8 * (e * kElementBytes % 4));
+          }
+        }
+        *reinterpret_cast<uint4*>(to) = make_uint4(words[0], words[1], words[2], words[3]);
+      }
+    }
+    copy_commit();  // one group per step, empty past the last tile: the wait below counts steps
+    if (++copy_chunk == chunks) {
+      copy_chunk = 0;
+      copy_tile += gridDim.x;
     }
   };
-  auto load = [&](int32_t chunk) {
-    const int32_t first_dim = chunk * kChunkDims + part * kPerPiece;
-#pragma unroll
-    for (int j = 0; j < kLoadPasses; ++j) {
-      staged[j] = make_uint4(0, 0, 0, 0);
-      if (key_at[j] < 0) continue;
-      const char* from = keys + (key_at[j] + first_dim) * kElementBytes;
-      if (sp.p.kv_rows_aligned16 && first_dim + kPerPiece <= dim) {
-        staged[j] = *reinterpret_cast<const uint4*>(from);
-        continue;
-      }
-      uint32_t words[4] = {0, 0, 0, 0};  // unaligned rows or the tail of D: element by element, zeros past D
-#pragma unroll
-      for (int e = 0; e < kPerPiece; ++e) {
-        if (first_dim + e >= dim) break;
-        const uint32_t bits = kElementBytes == 4 ? reinterpret_cast<const uint32_t*>(from)[e]
-                                                 : reinterpret_cast<const uint16_t*>(from)[e];
-        words[e * kElementBytes / 4] |= bits << (8 * (e * kElementBytes % 4));
-      }
-      staged[j] = make_uint4(words[0], words[1], words[2], words[3]);
-    }
-  };
 
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) issue(rows[stage]);
+  int32_t compute_stage = 0, copy_stage = kStages - 1;
   int32_t tile = blockIdx.x;
-  locate(tile);
-  load(0);
   while (true) {
     const int32_t c0 = tile * kScoreTile;
-    const int32_t next_tile = tile + gridDim.x;
     double acc[2][kHeads];
 #pragma unroll
     for (int j = 0; j < kHeads; ++j) acc[0][j] = acc[1][j] = 0.0;
     for (int32_t chunk = 0; chunk < chunks; ++chunk) {
-#pragma unroll
-      for (int j = 0; j < kLoadPasses; ++j) {
-        *reinterpret_cast<uint4*>(rows + (first_row + j * kRowsPerLoadPass) * kChunkPitch + part * kPieceBytes) =
-            staged[j];
-      }
-      __syncthreads();
-      if (chunk + 1 < chunks) {  // the next chunk's (or the next tile's first chunk's) loads fly during the FMAs
-        load(chunk + 1);
-      } else if (next_tile < tiles) {
-        locate(next_tile);
-        load(0);
-      }
+      copy_wait<kStages - 2>();  // this thread's copies of this step have landed ...
+      __syncthreads();           // ... and everyone's; every thread is done with the stage refilled next
+      issue(rows[copy_stage]);
+      copy_stage = copy_stage + 1 == kStages ? 0 : copy_stage + 1;
+      const unsigned char* stage = rows[compute_stage];
+      compute_stage = compute_stage + 1 == kStages ? 0 : compute_stage + 1;
 #pragma unroll
       for (int p = 0; p < kPiecesPerRow; ++p) {
-        const uint4 a = *reinterpret_cast<const uint4*>(rows + threadIdx.x * kChunkPitch + p * kPieceBytes);
-        const uint4 z =
-            *reinterpret_cast<const uint4*>(rows + (threadIdx.x + kScoreThreads) * kChunkPitch + p * kPieceBytes);
+        const uint4 a = *reinterpret_cast<const uint4*>(stage + staged_offset(threadIdx.x, p));
+        const uint4 z = *reinterpret_cast<const uint4*>(stage + staged_offset(threadIdx.x + kScoreThreads, p));
         const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wz[4] = {z.x, z.y, z.z, z.w};
         const double* q = qbar + (chunk * kChunkDims + p * kPerPiece) * kHeads;
 #pragma unroll
@@ -360,7 +398,6 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const SelectParams
           }
         }
       }
-      __syncthreads();
     }
 
     // The tile's softmax statistics per head, then exp(s - tile max) for the vote.
@@ -392,9 +429,10 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const SelectParams
       sp.tile_max[(row0 + threadIdx.x) * sp.tiles + tile] = maxima[threadIdx.x];
       sp.tile_sum[(row0 + threadIdx.x) * sp.tiles + tile] = sums[threadIdx.x];
     }
-    if (next_tile >= tiles) break;
-    tile = next_tile;
+    tile += gridDim.x;
+    if (tile >= tiles) break;
   }
+  copy_wait<0>();  // the groups still open are empty; no copy outlives the block
 }
 
 // Block (h, b): m_h = max over the tiles, Z_h = Σ_tiles sum_tile · exp(max_tile - m_h).
