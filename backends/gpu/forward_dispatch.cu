@@ -52,6 +52,15 @@ ForwardLaunch split_launch(ForwardKernel kernel, const GpuDevice& device, int64_
   return launch;
 }
 
+// Row-mapped and PV-skip launches run unsplit (their partial states would be indexed by launch row, and the PV skip
+// is defined over a row block's whole ascending walk).
+ForwardLaunch unsplit_launch(ForwardKernel kernel, int64_t max_seq_q) {
+  ForwardLaunch launch;
+  launch.kernel = kernel;
+  launch.max_seq_q = int32_t(max_seq_q);
+  return launch;
+}
+
 }  // namespace
 
 void check(cudaError_t status, const char* call) {
@@ -198,6 +207,7 @@ ForwardLaunch plan_forward(const GpuDevice& device, const ForwardParams& p, int6
       (p.mask_block_q % kWgmmaBlockRows == 0 && p.mask_block_k % kWgmmaBlockKeys == 0);
   if (tensors_aligned16 && mask_cells_cover_wgmma_tiles &&
       forward_wgmma_supports(p, device.compute_major, &why_not)) {
+    if (!plain_rows) return unsplit_launch(ForwardKernel::kWgmma, max_seq_q);
     // One wgmma block per multiprocessor (its shared memory and registers take the whole SM): split the keys of
     // launches with fewer blocks than SMs, at least kMinTilesPerSplit / 2 tiles of kWgmmaBlockKeys keys per split.
     const int64_t query_tiles = (max_seq_q + kWgmmaBlockRows - 1) / kWgmmaBlockRows;
@@ -206,6 +216,7 @@ ForwardLaunch plan_forward(const GpuDevice& device, const ForwardParams& p, int6
                         kWgmmaBlocksPerSmTarget, kMaxSplits, max_seq_q, flat_rows, heads, p.head_dim);
   }
   if (tensors_aligned16 && forward_mma_supports(p, &why_not)) {
+    if (!plain_rows) return unsplit_launch(ForwardKernel::kTensorCore, max_seq_q);
     const int64_t query_tiles = (max_seq_q + kMmaBlockRows - 1) / kMmaBlockRows;
     return split_launch(ForwardKernel::kTensorCore, device, query_tiles * heads * p.batch,
                         (max_seq_k + kMmaBlockKeys - 1) / kMmaBlockKeys, kMinTilesPerSplit, kBlocksPerSmTarget,
@@ -219,10 +230,7 @@ ForwardLaunch plan_forward(const GpuDevice& device, const ForwardParams& p, int6
     }
     return ForwardLaunch{};
   }
-  ForwardLaunch launch;
-  launch.kernel = ForwardKernel::kPortable;
-  launch.max_seq_q = int32_t(max_seq_q);
-  return launch;
+  return unsplit_launch(ForwardKernel::kPortable, max_seq_q);
 }
 
 ForwardLaunch plan_index_attention(const GpuDevice& device, int64_t batch, int64_t num_q_heads, int64_t head_dim,

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kMaxThreads) forward_simt_kernel(const Forward
     q_tile[r * pitch + d] =
         inside ? load_value(p.q, launch_query_offset(p, p.q_strides, seq, row_begin + r) + d, p.element_type) : 0.f;
   }
-  if (threadIdx.x < tile_rows) {
+  if (int32_t(threadIdx.x) < tile_rows) {
     row_max[threadIdx.x] = -INFINITY;
     row_sum[threadIdx.x] = 0.f;
   }
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kMaxThreads) forward_simt_kernel(const Forward
       scores[r * tile_keys + c] = score;
     }
     __syncthreads();
-    if (threadIdx.x < tile_rows) {
+    if (int32_t(threadIdx.x) < tile_rows) {
       const int r = threadIdx.x;
       float tile_max = -INFINITY;
       for (int c = 0; c < tile_keys; ++c) tile_max = fmaxf(tile_max, scores[r * tile_keys + c]);
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kMaxThreads) forward_simt_kernel(const Forward
       if (skip_block[0] != 0.f) continue;
     }
     skip_test = skip_threshold > -INFINITY;  // every later computed tile is tested
-    if (threadIdx.x < tile_rows) {
+    if (int32_t(threadIdx.x) < tile_rows) {
       const int r = threadIdx.x;
       const float new_max = fmaxf(row_max[r], row_tile_max[r]);
       const float reference = new_max == -INFINITY ? 0.f : new_max;
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kMaxThreads) forward_simt_kernel(const Forward
       }
     }
   }
-  if (p.lse != nullptr && threadIdx.x < tile_rows && row_begin + int32_t(threadIdx.x) < row_end) {
+  if (p.lse != nullptr && int32_t(threadIdx.x) < tile_rows && row_begin + int32_t(threadIdx.x) < row_end) {
     const int r = threadIdx.x;
     p.lse[launch_lse_offset(p, seq, row_begin + r)] =
         row_sum[r] > 0.f ? (row_max[r] + log2f(row_sum[r])) * kLn2 : -INFINITY;

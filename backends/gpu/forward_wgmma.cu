@@ -390,6 +390,36 @@ __device__ __forceinline__ void copy_rows(uint32_t tile_address, const uint16_t*
   }
 }
 
+// copy_rows for rows whose offsets come from memory (paged: the page table; position lists: the list). Looking a
+// row up right before its copy serialises the lookups (each cp.async is a compiler memory barrier, so the next
+// lookup cannot be issued early): one dependent global load per row, 16 per thread and tile. Instead every lane
+// first looks up ONE row of its warp's share (all loads in flight together), and each pass takes its row's offset
+// from the owning lane by a shuffle. A warp copies kWarpRowsPerPass rows per pass, kPasses passes: exactly 32 rows.
+template <int kHeadDim, int kRows, typename RowOffset>
+__device__ __forceinline__ void copy_gathered_rows(uint32_t tile_address, const uint16_t* base, RowOffset row_offset,
+                                                   int valid_rows, int thread) {
+  constexpr int kChunksPerRow = kHeadDim / kChunkElems;
+  constexpr int kRowsPerPass = kWarpgroupThreads / kChunksPerRow;
+  constexpr int kWarpRowsPerPass = 32 / kChunksPerRow;
+  constexpr int kPasses = kRows / kRowsPerPass;
+  static_assert(kPasses * kWarpRowsPerPass == 32, "every lane looks up exactly one row of its warp");
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  // Thread t copies row t / kChunksPerRow + pass·kRowsPerPass = warp·W + lane / kChunksPerRow + pass·kRowsPerPass
+  // (W = kWarpRowsPerPass); lane l looks up that row for pass l / W and lane group l % W.
+  const int owned_row = warp * kWarpRowsPerPass + lane % kWarpRowsPerPass + (lane / kWarpRowsPerPass) * kRowsPerPass;
+  const long long owned = owned_row < valid_rows ? static_cast<long long>(row_offset(owned_row)) : 0;
+  const int chunk = thread % kChunksPerRow;
+#pragma unroll 4
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int row = thread / kChunksPerRow + pass * kRowsPerPass;
+    const long long offset = __shfl_sync(0xffffffffu, owned, pass * kWarpRowsPerPass + lane / kChunksPerRow);
+    const bool valid = row < valid_rows;
+    const uint16_t* src = valid ? base + offset + chunk * kChunkElems : base;
+    cp_async_16(tile_address + swizzled_offset<kRows>(row, chunk), src, valid ? kChunkBytes : 0);
+  }
+}
+
 // Producer warpgroup: Q once, then the walked tiles' K and V into the ring, K one tile ahead of V (the consumers
 // need K of tile n+1 before V of tile n). Never waits on its own copies, only on free slots.
 template <int kHeadDim, int kStages>
@@ -403,7 +433,7 @@ __device__ __forceinline__ void produce(const BlockTile<kHeadDim, kStages>& bloc
         block.q_tile(), q_base, [&](int r) { return q_first + r * p.q_strides.s; }, block.row_end - block.row_begin,
         thread);
   } else {  // Δ's anchors and tail, or a position list: every row finds its own
-    copy_rows<kHeadDim, kBlockRows>(
+    copy_gathered_rows<kHeadDim, kBlockRows>(
         block.q_tile(), q_base, [&](int r) { return launch_query_offset(p, p.q_strides, seq, block.row_begin + r); },
         block.row_end - block.row_begin, thread);
   }
@@ -422,7 +452,7 @@ __device__ __forceinline__ void produce(const BlockTile<kHeadDim, kStages>& bloc
       copy_rows<kHeadDim, kBlockKeys>(
           tile_address, base, [&](int r) { return first + r * strides.s; }, valid, thread);
     } else {  // paged or a position list: every row looks up its page / its position (a per-row gather)
-      copy_rows<kHeadDim, kBlockKeys>(
+      copy_gathered_rows<kHeadDim, kBlockKeys>(
           tile_address, base, [&](int r) { return launch_key_offset(p, strides, seq, key_begin + r); }, valid,
           thread);
     }
