@@ -125,8 +125,12 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
   const int64_t part = blockIdx.x % blocks_per_segment;
   SegmentState* st = states + s;
   if (st->status != kActive) return;  // uniform over the segment's blocks: only a pass's last block changes it
+  // Every field this pass reads is read here, before the first barrier: the last block's picking thread rewrites
+  // prefix, mask, remaining and status below, and a read of them after the barriers could race with that write
+  // (another warp of the same block may already have written `remaining` — it used to be read after the scan).
   const uint64_t mask = st->mask, prefix = st->prefix;
   const int64_t length = st->length;
+  const uint32_t remaining = uint32_t(st->remaining);
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
 
@@ -181,7 +185,6 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
   }
   uint32_t total = 0;
   uint32_t above = block_exclusive_scan(own_sum, scan_buffer, &total);
-  const uint32_t remaining = uint32_t(st->remaining);
   if (above < remaining && above + own_sum >= remaining) {
 #pragma unroll
     for (int j = 0; j < kBinsPerThread; ++j) {
