@@ -121,12 +121,18 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
   __shared__ uint32_t hist[kBins];
   __shared__ uint32_t scan_buffer[2 * kThreads];
   __shared__ int32_t is_last;
+  __shared__ uint32_t remaining_at_start;
   const int64_t s = blockIdx.x / blocks_per_segment;
   const int64_t part = blockIdx.x % blocks_per_segment;
   SegmentState* st = states + s;
   if (st->status != kActive) return;  // uniform over the segment's blocks: only a pass's last block changes it
+  // Every state field is read here, before the first barrier: the last block's picking thread rewrites prefix,
+  // mask, remaining and status below, and a read after the barriers would race with that write (a global
+  // read-after-write between warps that racecheck does not see: `remaining` used to be read after the scan, so a
+  // warp scheduled late could read the picker's new value and pick a second, wrong digit).
   const uint64_t mask = st->mask, prefix = st->prefix;
   const int64_t length = st->length;
+  if (threadIdx.x == 0) remaining_at_start = uint32_t(st->remaining);  // shared: no register held over the passes
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
 
@@ -181,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
   }
   uint32_t total = 0;
   uint32_t above = block_exclusive_scan(own_sum, scan_buffer, &total);
-  const uint32_t remaining = uint32_t(st->remaining);
+  const uint32_t remaining = remaining_at_start;
   if (above < remaining && above + own_sum >= remaining) {
 #pragma unroll
     for (int j = 0; j < kBinsPerThread; ++j) {
