@@ -75,7 +75,7 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   timeout ${MEMCHECK_S:-150} compute-sanitizer --tool memcheck --error-exitcode 3 $TESTS > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1); $(summary "$OUT/memcheck.log" | head -1)"
   echo "=== compute-sanitizer racecheck (small cases, the varlen TOKEN_SPARSE selections) ==="
-  timeout 60 compute-sanitizer --tool racecheck --error-exitcode 3 $TESTS \
+  timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 $TESTS \
     --gtest_filter='*dense_f16_d64_noncausal*:*paged_ps1*:*block_sparse_bf16*:*decode_split_kv*:GpuTokenIndices*:*ragged_varlen_needles*:*fallback_threshold_varlen*' > "$OUT/racecheck.log" 2>&1
   echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1)"
 fi
