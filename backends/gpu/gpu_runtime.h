@@ -97,7 +97,7 @@ SPARSA_GPU_NAMESPACE_BEGIN
 
 #if SPARSA_GPU_IS_HIP
 using lane_mask_t = uint64_t;
-#if defined(__GFX9__) || defined(__gfx90a__) || defined(__gfx940__)
+#if defined(__GFX9__) || defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx942__)
 constexpr int kWarpLanes = 64;  // CDNA wavefront
 #else
 constexpr int kWarpLanes = 32;  // RDNA wave32 (and the host pass, which never runs warp code)
