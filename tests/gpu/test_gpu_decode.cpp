@@ -24,109 +24,13 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
+
 namespace {
 
-bool cuda_device_present() {
-  int count = 0;  // cudaGetDeviceCount leaves it untouched without a driver (error 35)
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess) (void)cudaGetLastError();
-  return status == cudaSuccess && count > 0;
-}
-
-bool cpu_selfcheck_requested() {
-  const char* flag = std::getenv("SPARSA_GPU_TESTS_SELFCHECK");
-  return flag != nullptr && std::string(flag) == "1";
-}
-
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-#define SPARSA_OK(call) ASSERT_EQ((call), SPARSA_STATUS_SUCCESS) << #call << ": " << sparsa_last_error_message()
+using namespace sparsa_gpu_test;
 
 // ---- element conversions (host; test data stays within [-8, 8], normal range) ----
-
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-float bf16_to_float(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-uint16_t float_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const int32_t exponent = int32_t((x >> 23) & 0xff) - 127 + 15;
-  const uint32_t mantissa = x & 0x7fffffu;
-  if (exponent <= 0) return static_cast<uint16_t>(sign);  // below f16's normal range: flush (never in test data)
-  uint32_t half = sign | (uint32_t(exponent) << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-  return static_cast<uint16_t>(half);
-}
-float f16_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  const int32_t exponent = (h >> 10) & 0x1f;
-  const uint32_t mantissa = h & 0x3ffu;
-  float value;
-  if (exponent == 0) {
-    value = std::ldexp(float(mantissa), -24);
-  } else if (exponent == 31) {
-    value = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
-  } else {
-    value = std::ldexp(float(mantissa | 0x400u), exponent - 25);
-  }
-  return sign ? -value : value;
-}
-
-size_t element_bytes(int32_t dtype) { return dtype == SPARSA_DTYPE_F32 ? 4 : 2; }
-
-std::vector<uint8_t> encode(const std::vector<float>& values, int32_t dtype) {
-  std::vector<uint8_t> bytes(values.size() * element_bytes(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == SPARSA_DTYPE_F32) {
-      std::memcpy(&bytes[i * 4], &values[i], 4);
-    } else {
-      const uint16_t h = dtype == SPARSA_DTYPE_F16 ? float_to_f16(values[i]) : float_to_bf16(values[i]);
-      std::memcpy(&bytes[i * 2], &h, 2);
-    }
-  }
-  return bytes;
-}
-std::vector<float> decode(const std::vector<uint8_t>& bytes, int32_t dtype) {
-  std::vector<float> values(bytes.size() / element_bytes(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == SPARSA_DTYPE_F32) {
-      std::memcpy(&values[i], &bytes[i * 4], 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, &bytes[i * 2], 2);
-      values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
-    }
-  }
-  return values;
-}
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (cudaMalloc(&data_, std::max<size_t>(bytes, 16)) != cudaSuccess) data_ = nullptr;
-  }
-  ~DeviceBuffer() {
-    if (data_ != nullptr) (void)cudaFree(data_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // ---- one case ----
 

@@ -24,19 +24,11 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
+
 namespace {
 
-bool cuda_device_present() {
-  int count = 0;  // cudaGetDeviceCount leaves it untouched without a driver
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess) (void)cudaGetLastError();
-  return status == cudaSuccess && count > 0;
-}
-
-#define SKIP_WITHOUT_GPU()                                               \
-  do {                                                                   \
-    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device/driver"; \
-  } while (0)
+using namespace sparsa_gpu_test;
 
 constexpr int kDefaultRuns = 20;
 constexpr int kFreshContexts = 2;        // extra runs, each in a new context
@@ -49,67 +41,6 @@ int runs_requested() {
 }
 
 // ---- host element conversions (round to nearest even; the data stays in the normal f16 range) ----
-
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-uint16_t float_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const int32_t exponent = int32_t((x >> 23) & 0xff) - 127 + 15;
-  if (exponent <= 0) return static_cast<uint16_t>(sign);  // |f| < 6e-5 flushes to zero (fine for test data)
-  uint32_t half = sign | (uint32_t(exponent) << 10) | ((x & 0x7fffffu) >> 13);
-  const uint32_t rest = x & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-  return static_cast<uint16_t>(half);
-}
-
-std::vector<uint8_t> encode(const std::vector<float>& values, int32_t dtype) {
-  std::vector<uint8_t> bytes(values.size() * 2);
-  for (size_t i = 0; i < values.size(); ++i) {
-    const uint16_t h = dtype == SPARSA_DTYPE_F16 ? float_to_f16(values[i]) : float_to_bf16(values[i]);
-    std::memcpy(&bytes[i * 2], &h, 2);
-  }
-  return bytes;
-}
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (cudaMalloc(&data_, std::max<size_t>(bytes, 16)) != cudaSuccess) data_ = nullptr;
-  }
-  ~DeviceBuffer() {
-    if (data_ != nullptr) (void)cudaFree(data_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void upload(const void* host) { EXPECT_EQ(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess); }
-  std::vector<uint8_t> download() const {
-    std::vector<uint8_t> host(bytes_);
-    EXPECT_EQ(cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-    return host;
-  }
-  void fill(uint8_t byte) { EXPECT_EQ(cudaMemset(data_, byte, bytes_), cudaSuccess); }
-  void* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape) {
-  sparsa_tensor t;
-  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
-  t.device_type = SPARSA_DEVICE_CUDA;
-  t.device_id = 0;
-  return t;
-}
 
 class Context {
  public:
@@ -197,14 +128,14 @@ class DeviceProblem {
                      (max_k + s.mask_block_k - 1) / s.mask_block_k};
       mask_ = &buffers_.emplace_back(size_t(mask_shape_[0] * mask_shape_[1] * mask_shape_[2] * mask_shape_[3]));
     }
-    tq_ = make_tensor(q_->data(), s.dtype, {tq, s.q_heads, D});
-    tk_ = make_tensor(k_->data(), s.dtype, {tk, s.kv_heads, D});
-    tv_ = make_tensor(v_->data(), s.dtype, {tk, s.kv_heads, D});
-    tout_ = make_tensor(out_->data(), s.dtype, {tq, s.q_heads, D});
-    tlse_ = make_tensor(lse_->data(), SPARSA_DTYPE_F32, {s.q_heads, tq});
-    tstats_ = make_tensor(stats_->data(), SPARSA_DTYPE_I64, {SPARSA_STAT_COUNT});
-    tcu_q_ = make_tensor(cu_q_->data(), SPARSA_DTYPE_I32, {B + 1});
-    tcu_k_ = make_tensor(cu_k_->data(), SPARSA_DTYPE_I32, {B + 1});
+    tq_ = make_tensor(q_->data(), s.dtype, {tq, s.q_heads, D}, SPARSA_DEVICE_CUDA);
+    tk_ = make_tensor(k_->data(), s.dtype, {tk, s.kv_heads, D}, SPARSA_DEVICE_CUDA);
+    tv_ = make_tensor(v_->data(), s.dtype, {tk, s.kv_heads, D}, SPARSA_DEVICE_CUDA);
+    tout_ = make_tensor(out_->data(), s.dtype, {tq, s.q_heads, D}, SPARSA_DEVICE_CUDA);
+    tlse_ = make_tensor(lse_->data(), SPARSA_DTYPE_F32, {s.q_heads, tq}, SPARSA_DEVICE_CUDA);
+    tstats_ = make_tensor(stats_->data(), SPARSA_DTYPE_I64, {SPARSA_STAT_COUNT}, SPARSA_DEVICE_CUDA);
+    tcu_q_ = make_tensor(cu_q_->data(), SPARSA_DTYPE_I32, {B + 1}, SPARSA_DEVICE_CUDA);
+    tcu_k_ = make_tensor(cu_k_->data(), SPARSA_DTYPE_I32, {B + 1}, SPARSA_DEVICE_CUDA);
     sparsa_attention_args_init(&args_);
     args_.q = &tq_;
     args_.k = &tk_;
@@ -216,11 +147,11 @@ class DeviceProblem {
     args_.cu_seqlens_k = &tcu_k_;
     args_.stats = &tstats_;
     if (selected_ != nullptr) {
-      tselected_ = make_tensor(selected_->data(), SPARSA_DTYPE_I32, {B, s.selected_sets, s.selected_cap});
+      tselected_ = make_tensor(selected_->data(), SPARSA_DTYPE_I32, {B, s.selected_sets, s.selected_cap}, SPARSA_DEVICE_CUDA);
       args_.selected_indices = &tselected_;
     }
     if (mask_ != nullptr) {
-      tmask_ = make_tensor(mask_->data(), SPARSA_DTYPE_U8, mask_shape_);
+      tmask_ = make_tensor(mask_->data(), SPARSA_DTYPE_U8, mask_shape_, SPARSA_DEVICE_CUDA);
       args_.block_mask_out = &tmask_;
     }
   }
@@ -425,8 +356,8 @@ TEST(GpuDeterminism, DeviceTopkTiesAcrossBlocks) {
   }
   DeviceBuffer in(scores.size() * 4), out(want.size() * 4);
   in.upload(scores.data());
-  sparsa_tensor ts = make_tensor(in.data(), SPARSA_DTYPE_F32, {B, H, N});
-  sparsa_tensor to = make_tensor(out.data(), SPARSA_DTYPE_I32, {B, H, k});
+  sparsa_tensor ts = make_tensor(in.data(), SPARSA_DTYPE_F32, {B, H, N}, SPARSA_DEVICE_CUDA);
+  sparsa_tensor to = make_tensor(out.data(), SPARSA_DTYPE_I32, {B, H, k}, SPARSA_DEVICE_CUDA);
   Context ctx;
   ASSERT_EQ(ctx.status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
   const int runs = runs_requested();

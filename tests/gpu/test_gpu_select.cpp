@@ -17,135 +17,15 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
+
 namespace {
 
-bool cuda_device_present() {
-  int count = 0;  // left untouched without a driver (error 35)
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess) (void)cudaGetLastError();
-  return status == cudaSuccess && count > 0;
-}
-
-#define SKIP_WITHOUT_GPU()                                              \
-  do {                                                                  \
-    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device/driver"; \
-  } while (0)
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-#define SPARSA_OK(call) ASSERT_EQ((call), SPARSA_STATUS_SUCCESS) << #call << ": " << sparsa_last_error_message()
+using namespace sparsa_gpu_test;
 
 // ---- element conversions (host; round to nearest even, test data stays well inside the f16 range) ----
 
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return uint16_t(bits >> 16);
-}
-float bf16_to_float(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-uint16_t float_to_f16(float f) {
-  // Round-to-nearest-even for normal values in range (test data stays within [-4, 4]).
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const int32_t exponent = int32_t((x >> 23) & 0xff) - 127 + 15;
-  uint32_t mantissa = x & 0x7fffffu;
-  if (exponent <= 0) {  // subnormal or zero
-    if (exponent < -10) return static_cast<uint16_t>(sign);
-    mantissa |= 0x800000u;
-    const int shift = 14 - exponent;
-    uint32_t half_m = mantissa >> shift;
-    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-    if (rest > halfway || (rest == halfway && (half_m & 1u))) ++half_m;
-    return static_cast<uint16_t>(sign | half_m);
-  }
-  uint32_t half = sign | (uint32_t(exponent) << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-  return static_cast<uint16_t>(half);
-}
-float f16_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  const int32_t exponent = (h >> 10) & 0x1f;
-  const uint32_t mantissa = h & 0x3ffu;
-  float value;
-  if (exponent == 0) {
-    value = std::ldexp(float(mantissa), -24);
-  } else if (exponent == 31) {
-    value = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
-  } else {
-    value = std::ldexp(float(mantissa | 0x400u), exponent - 25);
-  }
-  return sign ? -value : value;
-}
-
-size_t element_bytes(int32_t dtype) { return dtype == SPARSA_DTYPE_F32 ? 4 : 2; }
-
-// Rounds `values` to dtype in place and returns the bytes.
-std::vector<uint8_t> encode(std::vector<float>& values, int32_t dtype) {
-  std::vector<uint8_t> bytes(values.size() * element_bytes(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == SPARSA_DTYPE_F32) {
-      std::memcpy(&bytes[i * 4], &values[i], 4);
-      continue;
-    }
-    const uint16_t h = dtype == SPARSA_DTYPE_F16 ? float_to_f16(values[i]) : float_to_bf16(values[i]);
-    values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
-    std::memcpy(&bytes[i * 2], &h, 2);
-  }
-  return bytes;
-}
-std::vector<float> decode(const std::vector<uint8_t>& bytes, int32_t dtype) {
-  std::vector<float> values(bytes.size() / element_bytes(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == SPARSA_DTYPE_F32) {
-      std::memcpy(&values[i], &bytes[i * 4], 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, &bytes[i * 2], 2);
-      values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
-    }
-  }
-  return values;
-}
-
 // ---- memory and contexts ----
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (cudaMalloc(&data_, std::max<size_t>(bytes, 16)) != cudaSuccess) data_ = nullptr;
-  }
-  ~DeviceBuffer() {
-    if (data_ != nullptr) (void)cudaFree(data_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void upload(const void* host) { EXPECT_EQ(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess); }
-  void poison() { EXPECT_EQ(cudaMemset(data_, 0xff, bytes_), cudaSuccess); }  // NaN / -1
-  void download(void* host) const {
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(host, data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-  void* data() const { return data_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape, int32_t device_type,
-                          std::vector<int64_t> strides = {}) {
-  sparsa_tensor t;
-  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
-  for (size_t i = 0; i < strides.size(); ++i) t.strides[i] = strides[i];
-  t.device_type = device_type;
-  return t;
-}
 
 struct Context {
   explicit Context(int32_t device_type, cudaStream_t stream = nullptr) {
@@ -390,9 +270,9 @@ SelectTensors build_select_tensors(const SelectCase& c, SelectInputs& in, std::m
     t.page_table_shape = {B, max_pages};
     t.seq_lens_k = c.seq_k;
   }
-  t.q = encode(q, c.dtype);
-  t.k = encode(k, c.dtype);
-  t.v = encode(v, c.dtype);
+  t.q = encode_rounded(q, c.dtype);
+  t.k = encode_rounded(k, c.dtype);
+  t.v = encode_rounded(v, c.dtype);
   // The device must see what the CPU sees: read the rounded values back into the logical inputs.
   t.out_bytes = t.q.size();
   t.lse_count = size_t(Hq) * (c.q_packed ? t.cu_q.back() : int64_t(B) * in.max_q);
@@ -696,7 +576,7 @@ TEST(GpuTokenSelectCache, GraphReplayHitThenMiss) {
   for (int step = 0; step < 3; ++step) {
     std::vector<float> q = in.q;
     for (float& x : q) x = step == 0 ? x : step == 1 ? x + 0.4f * normal(rng) : normal(rng);
-    queries.push_back(encode(q, c.dtype));
+    queries.push_back(encode_rounded(q, c.dtype));
   }
 
   cudaStream_t stream;

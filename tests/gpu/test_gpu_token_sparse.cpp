@@ -18,119 +18,13 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
+
 namespace {
 
-bool cuda_device_present() {
-  int count = 0;  // cudaGetDeviceCount leaves it untouched without a driver
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess) (void)cudaGetLastError();
-  return status == cudaSuccess && count > 0;
-}
-
-#define SKIP_WITHOUT_GPU()                                               \
-  do {                                                                   \
-    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device/driver"; \
-  } while (0)
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-#define SPARSA_OK(call) ASSERT_EQ((call), SPARSA_STATUS_SUCCESS) << #call << ": " << sparsa_last_error_message()
+using namespace sparsa_gpu_test;
 
 // ---- element conversions (host; test data stays well inside the f16 range) ----
-
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-float bf16_to_float(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-uint16_t float_to_f16(float f) {  // round to nearest even, normal range (|f| < 65504, no subnormals needed here)
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const int32_t exponent = int32_t((x >> 23) & 0xff) - 127 + 15;
-  if (exponent <= 0) return static_cast<uint16_t>(sign);  // flushes |f| < 6e-5 (the data below avoids them)
-  uint32_t half = sign | (uint32_t(exponent) << 10) | ((x & 0x7fffffu) >> 13);
-  const uint32_t rest = x & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-  return static_cast<uint16_t>(half);
-}
-float f16_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  const int32_t exponent = (h >> 10) & 0x1f;
-  const uint32_t mantissa = h & 0x3ffu;
-  float value = exponent == 0 ? std::ldexp(float(mantissa), -24)
-                              : exponent == 31 ? (mantissa ? std::numeric_limits<float>::quiet_NaN()
-                                                           : std::numeric_limits<float>::infinity())
-                                               : std::ldexp(float(mantissa | 0x400u), exponent - 25);
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  bits |= sign;
-  std::memcpy(&value, &bits, 4);
-  return value;
-}
-
-size_t element_bytes(int32_t dtype) { return dtype == SPARSA_DTYPE_F32 ? 4 : 2; }
-
-std::vector<uint8_t> encode(const std::vector<float>& values, int32_t dtype) {
-  std::vector<uint8_t> bytes(values.size() * element_bytes(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == SPARSA_DTYPE_F32) {
-      std::memcpy(&bytes[i * 4], &values[i], 4);
-    } else {
-      const uint16_t h = dtype == SPARSA_DTYPE_F16 ? float_to_f16(values[i]) : float_to_bf16(values[i]);
-      std::memcpy(&bytes[i * 2], &h, 2);
-    }
-  }
-  return bytes;
-}
-std::vector<float> decode(const std::vector<uint8_t>& bytes, int32_t dtype) {
-  const size_t n = bytes.size() / element_bytes(dtype);
-  std::vector<float> values(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (dtype == SPARSA_DTYPE_F32) {
-      std::memcpy(&values[i], &bytes[i * 4], 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, &bytes[i * 2], 2);
-      values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
-    }
-  }
-  return values;
-}
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (cudaMalloc(&data_, std::max<size_t>(bytes, 16)) != cudaSuccess) data_ = nullptr;
-  }
-  ~DeviceBuffer() {
-    if (data_ != nullptr) (void)cudaFree(data_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void upload(const void* host) { EXPECT_EQ(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess); }
-  void download(void* host) const {
-    EXPECT_EQ(cudaMemcpy(host, data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-  void* data() const { return data_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape, int32_t device_type) {
-  sparsa_tensor t;
-  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
-  t.device_type = device_type;
-  t.device_id = 0;
-  return t;
-}
 
 // ---- one case ----
 
@@ -464,13 +358,6 @@ void expect_matches_cpu(const SparseCase& c, const Inputs& in, const Physical& p
 }
 
 class GpuTokenSparse : public ::testing::TestWithParam<SparseCase> {};
-
-// SPARSA_GPU_TESTS_SELFCHECK=1 on a machine without a GPU runs the CPU half only and checks it against itself (the
-// harness, the layouts and the planted positions) before device time is spent.
-bool cpu_selfcheck_requested() {
-  const char* flag = std::getenv("SPARSA_GPU_TESTS_SELFCHECK");
-  return flag != nullptr && std::string(flag) == "1";
-}
 
 TEST_P(GpuTokenSparse, MatchesCpuBackend) {
   const bool gpu_present = cuda_device_present();

@@ -25,147 +25,17 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
+
 namespace {
+
+using namespace sparsa_gpu_test;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-bool cuda_device_present() {
-  int count = 0;  // cudaGetDeviceCount leaves it untouched without a driver (error 35)
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess) (void)cudaGetLastError();
-  return status == cudaSuccess && count > 0;
-}
-
-#define SKIP_WITHOUT_GPU()                                              \
-  do {                                                                  \
-    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device/driver"; \
-  } while (0)
-
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-#define SPARSA_OK(call) ASSERT_EQ((call), SPARSA_STATUS_SUCCESS) << #call << ": " << sparsa_last_error_message()
-
 // ---- element conversions (host) ----
 
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-float bf16_to_float(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-uint16_t float_to_f16(float f) {
-  // Round-to-nearest-even for normal values in range (test data stays within [-4, 4]).
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const int32_t exponent = int32_t((x >> 23) & 0xff) - 127 + 15;
-  uint32_t mantissa = x & 0x7fffffu;
-  if (exponent <= 0) {  // subnormal or zero
-    if (exponent < -10) return static_cast<uint16_t>(sign);
-    mantissa |= 0x800000u;
-    const int shift = 14 - exponent;
-    uint32_t half_m = mantissa >> shift;
-    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-    if (rest > halfway || (rest == halfway && (half_m & 1u))) ++half_m;
-    return static_cast<uint16_t>(sign | half_m);
-  }
-  uint32_t half = sign | (uint32_t(exponent) << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-  return static_cast<uint16_t>(half);
-}
-float f16_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  const int32_t exponent = (h >> 10) & 0x1f;
-  const uint32_t mantissa = h & 0x3ffu;
-  float value;
-  if (exponent == 0) {
-    value = std::ldexp(float(mantissa), -24);
-  } else if (exponent == 31) {
-    value = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
-  } else {
-    value = std::ldexp(float(mantissa | 0x400u), exponent - 25);
-  }
-  return sign ? -value : value;
-}
-
-size_t element_bytes(int32_t dtype) { return dtype == SPARSA_DTYPE_F32 ? 4 : 2; }
-
-// Rounds `values` to `dtype` in place and returns the raw bytes.
-std::vector<uint8_t> encode(std::vector<float>& values, int32_t dtype) {
-  std::vector<uint8_t> bytes(values.size() * element_bytes(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == SPARSA_DTYPE_F32) {
-      std::memcpy(&bytes[i * 4], &values[i], 4);
-    } else {
-      const uint16_t h = dtype == SPARSA_DTYPE_F16 ? float_to_f16(values[i]) : float_to_bf16(values[i]);
-      values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
-      std::memcpy(&bytes[i * 2], &h, 2);
-    }
-  }
-  return bytes;
-}
-std::vector<float> decode(const std::vector<uint8_t>& bytes, int32_t dtype) {
-  const size_t n = bytes.size() / element_bytes(dtype);
-  std::vector<float> values(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (dtype == SPARSA_DTYPE_F32) {
-      std::memcpy(&values[i], &bytes[i * 4], 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, &bytes[i * 2], 2);
-      values[i] = dtype == SPARSA_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
-    }
-  }
-  return values;
-}
-
 // ---- device memory ----
-
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) { resize(bytes); }
-  ~DeviceBuffer() {
-    if (data_ != nullptr) (void)cudaFree(data_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void resize(size_t bytes) {
-    if (data_ != nullptr) (void)cudaFree(data_);
-    data_ = nullptr;
-    bytes_ = bytes;
-    if (cudaMalloc(&data_, std::max<size_t>(bytes, 16)) != cudaSuccess) data_ = nullptr;
-  }
-  void upload(const void* host, size_t bytes) {
-    ASSERT_EQ(cudaMemcpy(data_, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  void poison() { ASSERT_EQ(cudaMemset(data_, 0xff, bytes_), cudaSuccess); }  // NaN in f32/f16/bf16
-  template <typename T>
-  std::vector<T> download(size_t count) const {
-    std::vector<T> host(count);
-    EXPECT_EQ(cudaMemcpy(host.data(), data_, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return host;
-  }
-  void* data() const { return data_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape, int32_t device_type) {
-  sparsa_tensor t;
-  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
-  t.device_type = device_type;
-  t.device_id = 0;
-  return t;
-}
 
 // ---- one test case ----
 
@@ -333,9 +203,9 @@ Physical build_physical(const Case& c, Inputs& in, std::mt19937& rng) {
     ph.page_table_shape = {B, max_pages};
     ph.seq_lens_k.assign(c.seq_k.begin(), c.seq_k.end());
   }
-  ph.q = encode(q_phys, c.dtype);
-  ph.k = encode(k_phys, c.dtype);
-  ph.v = encode(v_phys, c.dtype);
+  ph.q = encode_rounded(q_phys, c.dtype);
+  ph.k = encode_rounded(k_phys, c.dtype);
+  ph.v = encode_rounded(v_phys, c.dtype);
   return ph;
 }
 
@@ -508,13 +378,6 @@ void expect_matches(const Case& c, const Inputs& in, const Physical& ph, const R
 
 class GpuWgmma : public ::testing::TestWithParam<Case> {};
 
-// SPARSA_GPU_TESTS_SELFCHECK=1 on a machine without a GPU runs only the CPU half of each case (checks this file's
-// reference and harness against the CPU backend before spending device time); otherwise the case is skipped.
-bool cpu_selfcheck_requested() {
-  const char* flag = std::getenv("SPARSA_GPU_TESTS_SELFCHECK");
-  return flag != nullptr && std::string(flag) == "1";
-}
-
 // GPU vs CPU backend on every element the CPU wrote (padding rows past a sequence end stay NaN in both and are not
 // outputs): NaN on the GPU where the CPU has a value counts as a mismatch; LSE likewise when requested.
 void expect_matches_cpu(const Case& c, const RunResult& gpu, const RunResult& cpu) {
@@ -574,10 +437,10 @@ TEST_P(GpuWgmma, MatchesReferenceAndCpuBackend) {
   std::mt19937 rng(1234);
   Inputs in = make_inputs(c, rng);
   Physical ph = build_physical(c, in, rng);
-  // encode() rounded the physical copies; round the logical ones the same way for the reference.
-  encode(in.q, c.dtype);
-  encode(in.k, c.dtype);
-  encode(in.v, c.dtype);
+  // encode_rounded() rounded the physical copies; round the logical ones the same way for the reference.
+  encode_rounded(in.q, c.dtype);
+  encode_rounded(in.k, c.dtype);
+  encode_rounded(in.v, c.dtype);
   std::vector<double> ref_out, ref_lse;
   reference(c, in, &ref_out, &ref_lse);
 
