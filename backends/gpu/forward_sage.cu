@@ -16,7 +16,7 @@
 #include "forward_common.cuh"
 
 #if SPARSA_GPU_HAS_MMA_SYNC
-#include <cuda_bf16.h>
+#include "mma_primitives.cuh"
 #endif
 
 #include <cmath>
@@ -26,6 +26,8 @@ SPARSA_GPU_NAMESPACE_BEGIN
 #if SPARSA_GPU_HAS_MMA_SYNC
 namespace {
 
+using namespace mma;  // the shared PTX wrappers (mma_primitives.cuh)
+
 constexpr float kInt8Max = 127.f;       // §4 quantized path: symmetric int8
 constexpr float kQuantEpsilon = 1e-7f;  // scale = max|x| / 127 + 1e-7
 constexpr int kPrepThreads = 128;
@@ -34,9 +36,6 @@ constexpr int kTileKeys = 64;     // keys per tile (the PV skip needs block_k ==
 constexpr int kRowPadBytes = 16;  // shared-memory row padding (bank spread, keeps 16-byte alignment)
 constexpr int kChunkBytes = 16;   // cp.async granule
 constexpr int kConvertRows = 64;  // V rows per thread block of the conversion pre-pass
-
-struct HalfTag {};
-struct BFloat16Tag {};
 
 // ---- Quantization (the CPU emulation's arithmetic: float scale, IEEE division, round half to even) ----
 
@@ -136,60 +135,12 @@ __global__ void __launch_bounds__(kPrepThreads) convert_values_kernel(const Sage
   }
 }
 
-// ---- PTX wrappers ----
-
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-// 16-byte asynchronous copy; src_bytes = 0 zero-fills (rows past the sequence end).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPendingGroups>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* pointer) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(pointer)));
-}
-
 // D(16x8, s32) += A(16x32, s8) · B(32x8, s8): exact integer sums.
 __device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// D(16x8, f32) += A(16x16) · B(16x8) in fp16 or bf16.
-__device__ __forceinline__ void mma_16816(HalfTag, float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_16816(BFloat16Tag, float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t pack_pair(HalfTag, float lo, float hi) {
-  const __half2 pair = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&pair);
-}
-__device__ __forceinline__ uint32_t pack_pair(BFloat16Tag, float lo, float hi) {
-  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&pair);
-}
-// 2^x in one MUFU op (2^-inf = 0).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // ---- The attention walk ----
@@ -240,7 +191,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     const int r = index / kI8Chunks, c = index % kI8Chunks;
     const bool valid = row_begin + r < row_end;
     const int8_t* src = s.q_i8 + (q_row0 + (valid ? row_begin + r : 0)) * kHeadDim + c * kChunkBytes;
-    cp_async_16(q_tile + r * kI8Pitch + c * kChunkBytes, src, valid ? kChunkBytes : 0);
+    cp_async_16(shared_address(q_tile + r * kI8Pitch + c * kChunkBytes), src, valid ? kChunkBytes : 0);
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -275,7 +226,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
       const int r = index / kI8Chunks, c = index % kI8Chunks;
       const bool valid = r < valid_keys;
       const int8_t* src = s.k_i8 + (kv_row0 + (valid ? key_begin + r : 0)) * kHeadDim + c * kChunkBytes;
-      cp_async_16(k_tile + r * kI8Pitch + c * kChunkBytes, src, valid ? kChunkBytes : 0);
+      cp_async_16(shared_address(k_tile + r * kI8Pitch + c * kChunkBytes), src, valid ? kChunkBytes : 0);
     }
     for (int r = threadIdx.x; r < kTileKeys; r += kThreads) {
       key_scale[r] = r < valid_keys ? key_scales[(key_begin + r) / p.mask_block_k] : 0.f;
@@ -290,7 +241,8 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
       } else {
         src = static_cast<const uint16_t*>(p.v) + key_row_offset(p, p.v_strides, seq, valid ? key_begin + r : 0);
       }
-      cp_async_16(v_tile + r * kVPitch + c * (kChunkBytes / 2), src + c * (kChunkBytes / 2), valid ? kChunkBytes : 0);
+      cp_async_16(shared_address(v_tile + r * kVPitch + c * (kChunkBytes / 2)), src + c * (kChunkBytes / 2),
+                  valid ? kChunkBytes : 0);
     }
     cp_async_commit();
     cp_async_wait<1>();  // K has landed; V may still be in flight
@@ -403,7 +355,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
         for (int nd = 0; nd < kDimBlocks8; nd += 2) {
           uint32_t b[4];
           const int key_row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
-          ldmatrix_x4_trans(b, v_tile + key_row * kVPitch + (nd + lane / 16) * 8);
+          ldmatrix_x4_trans(b, shared_address(v_tile + key_row * kVPitch + (nd + lane / 16) * 8));
           mma_16816(Tag{}, o_acc[nd], a, b[0], b[1]);
           mma_16816(Tag{}, o_acc[nd + 1], a, b[2], b[3]);
         }

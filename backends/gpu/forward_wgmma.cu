@@ -33,7 +33,7 @@
 #include "gpu_runtime.h"
 
 #if !SPARSA_GPU_IS_HIP
-#include <cuda_bf16.h>
+#include "mma_primitives.cuh"
 // The device helpers below are referenced only by the kernel body, which the host pass and the sm_80 pass do not
 // compile (#177: declared but never referenced).
 #pragma nv_diag_suppress 177
@@ -52,6 +52,12 @@ SPARSA_GPU_NAMESPACE_BEGIN
 
 #if !SPARSA_GPU_IS_HIP
 namespace {
+
+using mma::BFloat16Tag;  // element tags and helpers shared with the mma.sync kernels (mma_primitives.cuh)
+using mma::fast_exp2;
+using mma::HalfTag;
+using mma::pack_pair;
+using mma::shared_address;
 
 constexpr int kWarpgroupThreads = 128;  // 4 consecutive warps issue one wgmma together
 constexpr int kConsumerWarpgroups = 2;
@@ -82,14 +88,7 @@ constexpr int kBlockElems = kSwizzleBytes / 2;  // elements per column block
 constexpr int kTileAlignment = 1024;  // kSwizzleRows × kSwizzleBytes: tiles start on a pattern boundary
 constexpr int kMmaK = 16;             // K of one wgmma (16-bit inputs)
 
-struct HalfTag {};
-struct BFloat16Tag {};
-
 // ---- Shared-memory addresses, barriers, copies ----
-
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
 
 __device__ __forceinline__ void barrier_init(uint32_t barrier, int arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals) : "memory");
@@ -243,22 +242,6 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[kRowsA][kCount]) {
 SPARSA_DEFINE_WGMMA(HalfTag, "f16")
 SPARSA_DEFINE_WGMMA(BFloat16Tag, "bf16")
 #undef SPARSA_DEFINE_WGMMA
-
-__device__ __forceinline__ uint32_t pack_pair(HalfTag, float lo, float hi) {
-  const __half2 pair = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&pair);
-}
-__device__ __forceinline__ uint32_t pack_pair(BFloat16Tag, float lo, float hi) {
-  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&pair);
-}
-
-// 2^x in one MUFU op (flush-to-zero; 2^-inf = 0): P carries no more accuracy than fp16/bf16.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // S(64 rows × 128 keys) = Q·Kᵀ of one consumer warpgroup: kHeadDim/16 k-steps over shared Q and K.
 template <typename Tag, int kHeadDim>
@@ -829,7 +812,6 @@ __global__ void __launch_bounds__(kThreads, 1) forward_wgmma_kernel(const Forwar
   }
 #endif  // SPARSA_WGMMA_DEVICE
 }
-
 
 // Ring depth: as many stages as fit beside the Q tile (D = 128: 32 KB + 3 × 64 KB; D = 64: 16 KB + 4 × 32 KB).
 template <int kHeadDim>
