@@ -17,43 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_gpu import bench, rel_err
+from bench_gpu import DEVICE_CUDA, DTYPE_BF16, DTYPE_I32, Args, bench, rel_err, to_tensor  # the C structs, once
 
-MAX_DIMS = 8
-DTYPE_BF16, DTYPE_I32 = 3, 5
-DEVICE_CUDA = 2
 POLICY_TOKEN_SELECT = 5
 # offsetof(sparsa_policy, select_n_init); then select_n_local, select_top_k, select_scale_scores,
 # select_cache_theta (float), select_per_kv_head.
 POLICY_SELECT_OFFSET = 88
 N_INIT, TOP_K, N_LOCAL = 128, 2048, 512
 THETA = 0.9
-
-
-class Tensor(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("dtype", ctypes.c_int32), ("device_type", ctypes.c_int32),
-                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32), ("data", ctypes.c_void_p),
-                ("shape", ctypes.c_int64 * MAX_DIMS), ("strides", ctypes.c_int64 * MAX_DIMS)]
-
-
-P = ctypes.POINTER(Tensor)
-
-
-class Args(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("q", P), ("k", P), ("v", P), ("out", P), ("lse", P),
-                ("causal", ctypes.c_int32), ("softmax_scale", ctypes.c_float), ("cu_seqlens_q", P),
-                ("cu_seqlens_k", P), ("page_table", P), ("seq_lens_k", P), ("selection_cache", ctypes.c_void_p),
-                ("selected_indices", P), ("block_mask_out", P), ("stats", P)]
-
-
-def to_tensor(t, dtype_code):
-    d = Tensor()
-    d.struct_size = ctypes.sizeof(Tensor)
-    d.dtype, d.device_type, d.device_id, d.ndim = dtype_code, DEVICE_CUDA, t.device.index or 0, t.dim()
-    d.data = t.data_ptr()
-    for i in range(t.dim()):
-        d.shape[i], d.strides[i] = t.shape[i], t.stride(i)
-    return d
 
 
 class SelectRunner:

@@ -10,29 +10,10 @@ import ctypes
 
 import torch
 
-from bench_gpu import bench, rel_err
+from bench_gpu import DTYPE_BF16, DTYPE_U8, P, Args, bench, rel_err, to_tensor  # the C structs, once
 
-MAX_DIMS = 8
-DTYPE_BF16, DTYPE_U8 = 3, 7
-DEVICE_CUDA = 2
 POLICY_BLOCK_SPARSE, POLICY_SPARGE = 2, 3
 BLOCK_Q, BLOCK_K = 128, 64
-
-
-class Tensor(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("dtype", ctypes.c_int32), ("device_type", ctypes.c_int32),
-                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32), ("data", ctypes.c_void_p),
-                ("shape", ctypes.c_int64 * MAX_DIMS), ("strides", ctypes.c_int64 * MAX_DIMS)]
-
-
-P = ctypes.POINTER(Tensor)
-
-
-class Args(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("q", P), ("k", P), ("v", P), ("out", P), ("lse", P),
-                ("causal", ctypes.c_int32), ("softmax_scale", ctypes.c_float), ("cu_seqlens_q", P),
-                ("cu_seqlens_k", P), ("page_table", P), ("seq_lens_k", P), ("selection_cache", ctypes.c_void_p),
-                ("selected_indices", P), ("block_mask_out", P), ("stats", P)]
 
 
 class Policy(ctypes.Structure):  # sparsa_policy up to the SPARGE fields; `rest` leaves room for the whole struct
@@ -42,16 +23,6 @@ class Policy(ctypes.Structure):  # sparsa_policy up to the SPARGE fields; `rest`
                 ("sparge_tau", ctypes.c_float), ("sparge_topk_fraction", ctypes.c_float),
                 ("sparge_lambda", ctypes.c_float), ("sparge_attention_sink", ctypes.c_int32),
                 ("sparge_quantized", ctypes.c_int32), ("sparge_head_params", P), ("rest", ctypes.c_uint8 * 1024)]
-
-
-def to_tensor(t, dtype_code):
-    d = Tensor()
-    d.struct_size = ctypes.sizeof(Tensor)
-    d.dtype, d.device_type, d.device_id, d.ndim = dtype_code, DEVICE_CUDA, t.device.index or 0, t.dim()
-    d.data = t.data_ptr()
-    for i in range(t.dim()):
-        d.shape[i], d.strides[i] = t.shape[i], t.stride(i)
-    return d
 
 
 def sparge_call(sp, q, k, v, out, mask_out, topk_fraction, quantized=False):
