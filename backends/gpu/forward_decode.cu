@@ -446,18 +446,6 @@ __device__ __forceinline__ int64_t kv_row_offset(const ForwardParams& p, const T
   return s.b * st.b + (int64_t(s.k_row_base) + t) * st.s + int64_t(s.kv_head) * st.h;
 }
 
-// Number of entries <= horizon of an ascending list: the whole list when its last key is visible (decode), else a
-// binary search.
-__device__ __forceinline__ int32_t visible_prefix(const int32_t* list, int32_t count, int64_t horizon) {
-  if (count == 0 || list[count - 1] <= horizon) return count;
-  int32_t lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi) / 2;
-    if (list[mid] <= horizon) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
-
 template <typename Tag, int kHeadDim, KeySource kSource>
 __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     decode_mma_kernel(const ForwardParams p, const DecodeKeyLists lists, int32_t heads_per_block) {
@@ -496,7 +484,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     const int64_t list_index =
         int64_t(seq.b) * (p.num_q_heads / lists.heads_per_list) + head0 / lists.heads_per_list;
     list = lists.key_lists + list_index * lists.list_capacity;
-    positions = visible_prefix(list, lists.key_counts[list_index], int64_t(last_query) + seq.causal_offset);
+    positions = keys_up_to(list, lists.key_counts[list_index], int64_t(last_query) + seq.causal_offset);
   } else {
     positions = key_end_for_rows(p, seq, last_query + 1);
   }

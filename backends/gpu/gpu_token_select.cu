@@ -129,16 +129,6 @@ __device__ void block_reduce(double (&v)[kN], double* scratch, double* result) {
   __syncthreads();
 }
 
-// Number of list entries <= horizon (the list is ascending).
-__device__ __forceinline__ int32_t keys_up_to(const int32_t* list, int32_t n, int64_t horizon) {
-  int32_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi) / 2;
-    if (list[mid] <= horizon) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
-
 // Key elements as the exactly scaled doubles of the file comment. An f32 word holds one element; a 16-bit word pair
 // two (low half first): the 5- or 8-bit exponent's lowest bit lands on bit 20 of the high word, the sign on bit 31.
 __device__ __forceinline__ double widen_f32(uint32_t w) {

@@ -614,16 +614,6 @@ __global__ void __launch_bounds__(kRowThreads) finish_kernel(const SparseParams 
   }
 }
 
-// Number of list entries < bound (the list is ascending).
-__device__ __forceinline__ int32_t entries_below(const int32_t* list, int32_t n, int32_t bound) {
-  int32_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi) / 2;
-    if (list[mid] < bound) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
-
 // Rows [row0, row0 + kZeroRows) of (b, h) outside S_h: out = 0, lse = −inf (grid: row tiles × heads × sequences).
 __global__ void __launch_bounds__(kZeroThreads) zero_kernel(const SparseParams sp) {
   __shared__ uint32_t kept[kZeroRows / kBitsPerWord];
@@ -637,7 +627,8 @@ __global__ void __launch_bounds__(kZeroThreads) zero_kernel(const SparseParams s
   const int32_t n = sp.counts[head];
   for (int w = threadIdx.x; w < kZeroRows / kBitsPerWord; w += blockDim.x) kept[w] = 0;
   __syncthreads();
-  const int32_t first = entries_below(list, n, row0), last = entries_below(list, n, row0 + rows);
+  // The list entries in [row0, row0 + rows): entries <= row0 - 1 come before, entries <= row0 + rows - 1 end it.
+  const int32_t first = keys_up_to(list, n, int64_t(row0) - 1), last = keys_up_to(list, n, int64_t(row0) + rows - 1);
   for (int32_t at = first + threadIdx.x; at < last; at += blockDim.x) {
     const int32_t r = list[at] - row0;
     atomicOr(&kept[r / kBitsPerWord], 1u << (r % kBitsPerWord));

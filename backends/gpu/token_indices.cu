@@ -72,16 +72,6 @@ __device__ __forceinline__ int32_t block_exclusive_scan(int32_t count, int32_t* 
   return before + inclusive - count;
 }
 
-// Number of list entries <= horizon (the list is ascending).
-__device__ __forceinline__ int32_t keys_up_to(const int32_t* list, int32_t n, int64_t horizon) {
-  int32_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi) / 2;
-    if (list[mid] <= horizon) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
-
 __global__ void __launch_bounds__(kSetThreads) index_set_kernel(const ForwardParams p, const IndexSetParams ix,
                                                                 const StatsParams stats) {
   extern __shared__ uint32_t bitmap[];
