@@ -102,6 +102,15 @@ bool rows_aligned_16(const TensorArg& t) {
   return true;
 }
 
+int64_t flat_rows_of(const AttentionProblem& problem) {
+  return problem.q_packed ? problem.q.extent(0) : int64_t(problem.batch) * problem.max_seq_q;
+}
+
+bool all_rows_aligned_16(const AttentionProblem& problem) {
+  return rows_aligned_16(problem.q) && rows_aligned_16(problem.k) && rows_aligned_16(problem.v) &&
+         rows_aligned_16(problem.out);
+}
+
 ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyParams& policy) {
   ForwardParams p;
   p.q = problem.q.t.data;

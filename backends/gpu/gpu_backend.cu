@@ -82,16 +82,6 @@ bool general_limits_met(const AttentionProblem& problem, std::string* reason) {
   return true;
 }
 
-// Rows of the split-KV partial-state index (forward_params.h) of a run's q.
-int64_t flat_rows_of(const AttentionProblem& problem) {
-  return problem.q_packed ? problem.q.extent(0) : int64_t(problem.batch) * problem.max_seq_q;
-}
-
-bool all_rows_aligned_16(const AttentionProblem& problem) {
-  return rows_aligned_16(problem.q) && rows_aligned_16(problem.k) && rows_aligned_16(problem.v) &&
-         rows_aligned_16(problem.out);
-}
-
 // DENSE, SINK_WINDOW, BLOCK_SPARSE: one forward launch (+ the analytic stats).
 bool single_launch_supports(const GpuDevice& device, const AttentionProblem& problem, const PolicyParams& policy,
                             std::string* reason) {

@@ -68,6 +68,11 @@ TensorStrides lse_strides(const TensorArg& lse, bool packed);
 // Does every row of `t` start on a 16-byte boundary (base aligned, every non-last stride a multiple of 8)?
 bool rows_aligned_16(const TensorArg& t);
 
+// Rows of the split-KV partial-state index (forward_params.h) of a run's q: Tq packed, B·Sq padded.
+int64_t flat_rows_of(const AttentionProblem& problem);
+// Do the rows of q, k, v and out all start on 16-byte boundaries (the cp.async kernels' requirement)?
+bool all_rows_aligned_16(const AttentionProblem& problem);
+
 // ForwardParams of a run: tensors, layouts, sizes, causal flag and scale; the visibility rule of DENSE,
 // SINK_WINDOW and BLOCK_SPARSE (any other policy gets kDense and sets its own fields).
 ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyParams& policy);

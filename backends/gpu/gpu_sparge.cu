@@ -81,15 +81,6 @@ ForwardParams masked_forward_params(const AttentionProblem& problem, const Polic
   return p;
 }
 
-int64_t flat_rows_of(const AttentionProblem& problem) {
-  return problem.q_packed ? problem.q.extent(0) : int64_t(problem.batch) * problem.max_seq_q;
-}
-
-bool all_rows_aligned_16(const AttentionProblem& problem) {
-  return rows_aligned_16(problem.q) && rows_aligned_16(problem.k) && rows_aligned_16(problem.v) &&
-         rows_aligned_16(problem.out);
-}
-
 }  // namespace
 
 bool sparge_supports(const GpuDevice& device, const AttentionProblem& problem, const PolicyParams& policy,

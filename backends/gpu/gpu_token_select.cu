@@ -623,20 +623,11 @@ RunShape run_shape(const AttentionProblem& problem, const PolicyParams& policy) 
   return shape;
 }
 
-int64_t flat_rows_of(const AttentionProblem& problem) {
-  return problem.q_packed ? problem.q.extent(0) : int64_t(problem.batch) * problem.max_seq_q;
-}
-
-bool rows_aligned(const AttentionProblem& problem) {
-  return rows_aligned_16(problem.q) && rows_aligned_16(problem.k) && rows_aligned_16(problem.v) &&
-         rows_aligned_16(problem.out);
-}
-
 ForwardLaunch plan_attention(const GpuDevice& device, const AttentionProblem& problem, const ForwardParams& p,
                              const RunShape& shape, std::string* reason) {
   if (shape.all_dense) {
-    return plan_forward(device, p, problem.max_seq_q, problem.max_seq_k, flat_rows_of(problem), rows_aligned(problem),
-                        reason);
+    return plan_forward(device, p, problem.max_seq_q, problem.max_seq_k, flat_rows_of(problem),
+                        all_rows_aligned_16(problem), reason);
   }
   return plan_index_attention(device, problem.batch, problem.num_q_heads, problem.head_dim, problem.max_seq_q,
                               shape.list_capacity, flat_rows_of(problem));

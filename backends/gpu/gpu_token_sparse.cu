@@ -669,7 +669,7 @@ SparseShape sparse_shape(const AttentionProblem& problem, const PolicyParams& po
     shape.cand_stride = problem.max_seq_q - policy.p.token_sparse_window;
     shape.key_chunks = int32_t((problem.max_seq_q + kKeysPerBlock - 1) / kKeysPerBlock);
   }
-  shape.flat_rows = problem.q_packed ? problem.q.extent(0) : int64_t(problem.batch) * problem.max_seq_q;
+  shape.flat_rows = flat_rows_of(problem);
   return shape;
 }
 
@@ -689,11 +689,6 @@ ForwardParams list_attention_params(const AttentionProblem& problem, const Polic
   p.row_map = QueryRowMap::kTokenLists;
   p.token_list_capacity = capacity;
   return p;
-}
-
-bool all_rows_aligned_16(const AttentionProblem& problem) {
-  return rows_aligned_16(problem.q) && rows_aligned_16(problem.k) && rows_aligned_16(problem.v) &&
-         rows_aligned_16(problem.out);
 }
 
 ForwardLaunch plan_list_attention(const GpuDevice& device, const AttentionProblem& problem, const ForwardParams& p,
