@@ -1,6 +1,7 @@
 // SPARGE's quantized (Sage) forward, NVIDIA sm_80+ (forward_sage.h). Reads top to bottom:
 //   pre-passes   Q → int8 per block_q block (+ each row's scale and LSE shift), centred K → int8 per block_k block,
-//                V → fp16 when it cannot be read in place;
+//                V → e4m3 transposed with per-channel scales (FP8 P·V), or V → fp16 when it cannot be read in
+//                place;
 //   attention    one thread block = 16·kWarps query rows of one (sequence, query head); it walks the key tiles of
 //                64 keys that the predicted mask lets its rows see, in ascending order:
 //                  cp.async  K (int8) and V tiles -> shared, K first (S starts while V is in flight)
@@ -8,9 +9,18 @@
 //                  S  = S·s_q·s_k·scale      the CPU emulation's float product, then masked
 //                  λ test (§4.7)            when the λ table is set: a tile is one mask cell (checked by supports)
 //                  online softmax            base-2 exponentials, fp32
-//                  O += P·V                  mma.sync m16n8k16, P re-packed from S, V by ldmatrix.trans
+//                  O += P·V                  fp16/bf16: mma.sync m16n8k16, P re-packed from S, V by ldmatrix.trans
+//                                            fp8: mma.sync m16n8k32 e4m3, P·448 packed from S, V^T by 32-bit loads
 // Shared-memory rows are padded by 16 bytes so that the 8 rows a fragment load touches fall in distinct banks.
-// The HIP build compiles this file to "unsupported" (no int8 mma.sync).
+//
+// FP8 operand layout. The A fragment of an m16n8k32 8-bit mma gives thread (g, t) = (lane / 4, lane % 4) the 4
+// consecutive k positions 4t..4t+3 (and 16 + 4t..), but the S accumulators it holds are keys 2t, 2t+1, 8+2t, 9+2t
+// (and 16 + those). A sum over keys does not care about their order, so V^T is stored with the keys of every
+// 32-key step permuted to match: k position 4t+i holds key 2t+i (i < 2) or 8+2t+i-2 (i >= 2). Then P packs from
+// registers with no shuffle and each B fragment is one aligned 32-bit shared load. (ldmatrix cannot transpose
+// 8-bit elements before sm_100, hence the transposed copy.)
+// The HIP build compiles this file to "unsupported" (no int8 mma.sync); the FP8 instructions exist in the sm_89+
+// device passes only (the sm_80 pass compiles the FP8 kernels to a trap that is never launched).
 #include "forward_sage.h"
 
 #include "forward_common.cuh"
@@ -20,8 +30,18 @@
 #endif
 
 #include <cmath>
+#include <type_traits>
+
+// FP8 conversions and mma exist from sm_89 on; the host pass parses the same code.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#define SPARSA_SAGE_FP8_DEVICE 0
+#else
+#define SPARSA_SAGE_FP8_DEVICE 1
+#endif
 
 SPARSA_GPU_NAMESPACE_BEGIN
+
+constexpr int kSageTileKeys = 64;  // keys per tile of the attention walk (the PV skip needs block_k == this)
 
 #if SPARSA_GPU_HAS_MMA_SYNC
 namespace {
@@ -32,10 +52,18 @@ constexpr float kInt8Max = 127.f;       // §4 quantized path: symmetric int8
 constexpr float kQuantEpsilon = 1e-7f;  // scale = max|x| / 127 + 1e-7
 constexpr int kPrepThreads = 128;
 constexpr int kPrepWarps = kPrepThreads / 32;
-constexpr int kTileKeys = 64;     // keys per tile (the PV skip needs block_k == kTileKeys)
+constexpr int kTileKeys = kSageTileKeys;
 constexpr int kRowPadBytes = 16;  // shared-memory row padding (bank spread, keeps 16-byte alignment)
 constexpr int kChunkBytes = 16;   // cp.async granule
 constexpr int kConvertRows = 64;  // V rows per thread block of the conversion pre-pass
+constexpr float kFp8Max = 448.f;  // largest finite e4m3: V per channel and P are scaled onto ±448
+constexpr int kFp8StepKeys = 32;  // keys per m16n8k32 step (the unit of the V^T key permutation)
+constexpr int kChannelMaxRows = 256;  // V rows per thread block of the channel-max pre-pass
+constexpr int kMaxHeadDim = 128;
+constexpr int kFp8TilePitch = kTileKeys + 4;  // bytes per channel row of the transposing pre-pass's shared tile
+
+// Element tag of the FP8 P·V instances (HalfTag / BFloat16Tag are the 16-bit ones).
+struct E4m3Tag {};
 
 // ---- Quantization (the CPU emulation's arithmetic: float scale, IEEE division, round half to even) ----
 
@@ -135,6 +163,115 @@ __global__ void __launch_bounds__(kPrepThreads) convert_values_kernel(const Sage
   }
 }
 
+// ---- FP8 (e4m3) helpers ----
+
+// Two floats → e4m3 pair (round to nearest even, saturating to ±448): `low` in bits 0-7, `high` in bits 8-15.
+__device__ __forceinline__ uint32_t e4m3_pair(float low, float high) {
+#if SPARSA_SAGE_FP8_DEVICE
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(high), "f"(low));
+  return pair;
+#else
+  (void)low;
+  (void)high;
+  __trap();
+  return 0;
+#endif
+}
+__device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
+  return e4m3_pair(x0, x1) | (e4m3_pair(x2, x3) << 16);
+}
+
+// D(16x8, f32) += A(16x32, e4m3) · B(32x8, e4m3).
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if SPARSA_SAGE_FP8_DEVICE
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  (void)d;
+  (void)a;
+  (void)b0;
+  (void)b1;
+  __trap();
+#endif
+}
+
+// The scale of one V channel from its max |V| (as float bits); an all-zero channel keeps scale 1.
+__device__ __forceinline__ float fp8_channel_scale(uint32_t abs_max_bits) {
+  const float abs_max = __uint_as_float(abs_max_bits);
+  return abs_max > 0.f ? abs_max / kFp8Max : 1.f;
+}
+
+// Where key `key` of a tile sits in its V^T row: inside each 32-key step, key 2t+i (i < 2) and 8+2t+i (i < 2) go to
+// positions 4t+i and 4t+2+i, for t < 4 and again 16 keys later (the layout note at the top of the file).
+__device__ __forceinline__ int fp8_key_position(int key) {
+  const int in_step = key % kFp8StepKeys;
+  const int half = in_step / 16, q = in_step % 16;
+  return key - in_step + half * 16 + 4 * ((q % 8) / 2) + (q % 2) + (q >= 8 ? 2 : 0);
+}
+
+// Max |V| per channel of each (sequence, kv head), as float bits by atomicMax (|x| orders like its bits; the
+// buffer is zeroed first). grid = (ceil(max Skv / kChannelMaxRows), Hkv, B); blockDim.x is a multiple of D.
+__global__ void __launch_bounds__(kPrepThreads) value_channel_max_kernel(const SageParams s) {
+  __shared__ float partials[kPrepThreads];
+  const ForwardParams& p = s.fwd;
+  const int32_t hk = blockIdx.y;
+  const SequenceView seq = make_sequence_view(p, blockIdx.z, hk * p.group_size);
+  const int64_t first = int64_t(blockIdx.x) * kChannelMaxRows;
+  if (first >= seq.seq_k) return;
+  const int32_t rows = int32_t(min(int64_t(kChannelMaxRows), seq.seq_k - first));
+  const int32_t dim = p.head_dim;
+  const int32_t channel = threadIdx.x % dim, row_step = kPrepThreads / dim;
+  float max_abs = 0.f;
+  for (int32_t r = threadIdx.x / dim; r < rows; r += row_step) {
+    max_abs = fmaxf(max_abs, fabsf(load_value(p.v, key_row_offset(p, p.v_strides, seq, first + r) + channel,
+                                              p.element_type)));
+  }
+  partials[threadIdx.x] = max_abs;
+  __syncthreads();
+  if (threadIdx.x < dim) {
+    for (int32_t t = threadIdx.x + dim; t < kPrepThreads; t += dim) max_abs = fmaxf(max_abs, partials[t]);
+    atomicMax(s.v_abs_max + (int64_t(seq.b) * s.num_kv_heads + hk) * dim + channel, __float_as_uint(max_abs));
+  }
+}
+
+// One tile of kTileKeys keys of kv head hk → e4m3 V^T rows [D][fp8_keys] (key order permuted, keys past the
+// sequence end written as 0). Transposed through shared memory so both the V reads and the V^T writes are
+// coalesced. grid = (fp8_keys / kTileKeys, Hkv, B).
+__global__ void __launch_bounds__(kPrepThreads) quantize_values_fp8_kernel(const SageParams s) {
+  __shared__ __align__(16) uint8_t tile[kMaxHeadDim * kFp8TilePitch];
+  __shared__ float channel_scale[kMaxHeadDim];
+  const ForwardParams& p = s.fwd;
+  const int32_t hk = blockIdx.y;
+  const SequenceView seq = make_sequence_view(p, blockIdx.z, hk * p.group_size);
+  const int64_t first = int64_t(blockIdx.x) * kTileKeys;
+  if (first >= seq.seq_k) return;  // the attention walk never reads a tile past the sequence end
+  const int32_t dim = p.head_dim;
+  const int64_t head = int64_t(seq.b) * s.num_kv_heads + hk;
+  for (int32_t c = threadIdx.x; c < dim; c += blockDim.x) {
+    channel_scale[c] = fp8_channel_scale(s.v_abs_max[head * dim + c]);
+  }
+  __syncthreads();
+  for (int32_t e = threadIdx.x; e < kTileKeys * dim; e += blockDim.x) {
+    const int32_t r = e / dim, c = e % dim;
+    const float x = first + r < seq.seq_k
+                        ? load_value(p.v, key_row_offset(p, p.v_strides, seq, first + r) + c, p.element_type)
+                        : 0.f;
+    tile[c * kFp8TilePitch + fp8_key_position(r)] = uint8_t(e4m3_pair(x / channel_scale[c], 0.f) & 0xffu);
+  }
+  __syncthreads();
+  constexpr int kWordsPerRow = kTileKeys / 4;
+  uint8_t* rows = s.v_fp8 + head * dim * s.fp8_keys + first;
+  for (int32_t e = threadIdx.x; e < dim * kWordsPerRow; e += blockDim.x) {
+    const int32_t c = e / kWordsPerRow, w = e % kWordsPerRow;
+    *reinterpret_cast<uint32_t*>(rows + int64_t(c) * s.fp8_keys + 4 * w) =
+        *reinterpret_cast<const uint32_t*>(tile + c * kFp8TilePitch + 4 * w);
+  }
+}
+
 // D(16x8, s32) += A(16x32, s8) · B(32x8, s8): exact integer sums.
 __device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -148,6 +285,8 @@ __device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], 
 template <typename Tag, int kHeadDim, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageParams s) {
   constexpr int kThreads = kWarps * 32;
+  // The 16-bit type of the fp16/bf16 P·V code (compiled but unused in FP8 instances).
+  using PvTag = typename std::conditional<std::is_same<Tag, E4m3Tag>::value, HalfTag, Tag>::type;
   constexpr int kRows = 16 * kWarps;                 // query rows per thread block
   constexpr int kI8Pitch = kHeadDim + kRowPadBytes;  // bytes per int8 row in shared memory
   constexpr int kVPitch = kHeadDim + kRowPadBytes / 2;  // 16-bit elements per V row
@@ -156,9 +295,14 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
   constexpr int kSteps32 = kHeadDim / 32;            // k-steps of the int8 mma
   constexpr int kI8Chunks = kHeadDim / kChunkBytes;  // cp.async chunks per int8 row
   constexpr int kVChunks = kHeadDim * 2 / kChunkBytes;
+  constexpr bool kFp8 = std::is_same<Tag, E4m3Tag>::value;
+  constexpr int kFp8Pitch = kTileKeys + kRowPadBytes;  // bytes per V^T channel row (FP8)
+  constexpr int kFp8Chunks = kTileKeys / kChunkBytes;  // cp.async chunks per V^T channel row
+  constexpr int kVTileBytes = kFp8 ? kHeadDim * kFp8Pitch : kTileKeys * kVPitch * 2;
   __shared__ __align__(16) int8_t q_tile[kRows * kI8Pitch];
   __shared__ __align__(16) int8_t k_tile[kTileKeys * kI8Pitch];
-  __shared__ __align__(16) uint16_t v_tile[kTileKeys * kVPitch];
+  __shared__ __align__(16) uint8_t v_bytes[kVTileBytes];
+  uint16_t* const v_tile = reinterpret_cast<uint16_t*>(v_bytes);
   __shared__ float key_scale[kTileKeys];
   __shared__ float warp_gain[kWarps];
 
@@ -175,7 +319,8 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t q_row0 = (int64_t(seq.b) * p.num_q_heads + seq.h) * s.max_seq_q;
-  const int64_t kv_row0 = (int64_t(seq.b) * s.num_kv_heads + seq.kv_head) * s.max_seq_k;
+  const int64_t kv_head_index = int64_t(seq.b) * s.num_kv_heads + seq.kv_head;
+  const int64_t kv_row0 = kv_head_index * s.max_seq_k;
   const float* key_scales = s.k_scale + (int64_t(seq.b) * s.num_kv_heads + seq.kv_head) * s.k_blocks;
 
   auto next_visible_tile = [&](int32_t tile) {
@@ -232,7 +377,15 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
       key_scale[r] = r < valid_keys ? key_scales[(key_begin + r) / p.mask_block_k] : 0.f;
     }
     cp_async_commit();
-    for (int index = threadIdx.x; index < kTileKeys * kVChunks; index += kThreads) {
+    if constexpr (kFp8) {  // V^T rows of this tile (zero past the sequence end: written so by the pre-pass)
+      const uint8_t* rows = s.v_fp8 + kv_head_index * kHeadDim * s.fp8_keys + key_begin;
+      for (int index = threadIdx.x; index < kHeadDim * kFp8Chunks; index += kThreads) {
+        const int c = index / kFp8Chunks, chunk = index % kFp8Chunks;
+        cp_async_16(shared_address(v_bytes + c * kFp8Pitch + chunk * kChunkBytes),
+                    rows + int64_t(c) * s.fp8_keys + chunk * kChunkBytes, kChunkBytes);
+      }
+    }
+    for (int index = threadIdx.x; index < (kFp8 ? 0 : kTileKeys * kVChunks); index += kThreads) {
       const int r = index / kVChunks, c = index % kVChunks;
       const bool valid = r < valid_keys;
       const uint16_t* src;
@@ -343,28 +496,67 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     cp_async_wait<0>();
     __syncthreads();  // V has landed
 
+    // FP8 O += P·V: per 32-key step kk, S blocks 4kk..4kk+3 are the A fragment (in the permuted key order the V^T
+    // copy shares); each tile's products sum in a fresh accumulator before they join O.
+    if (kFp8 && warp_active) {
+      uint32_t a[kTileKeys / kFp8StepKeys][4];
+#pragma unroll
+      for (int kk = 0; kk < kTileKeys / kFp8StepKeys; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // registers: (row g, keys 0-15), (g+8, 0-15), (g, 16-31), (g+8, 16-31)
+          const int nb = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);
+          a[kk][r] = pack_e4m3x4(s_acc[nb][e] * kFp8Max, s_acc[nb][e + 1] * kFp8Max, s_acc[nb + 1][e] * kFp8Max,
+                                 s_acc[nb + 1][e + 1] * kFp8Max);
+        }
+      }
+#pragma unroll
+      for (int nd = 0; nd < kDimBlocks8; ++nd) {
+        float tile_pv[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint8_t* row = v_bytes + (nd * 8 + lane / 4) * kFp8Pitch + (lane % 4) * 4;
+#pragma unroll
+        for (int kk = 0; kk < kTileKeys / kFp8StepKeys; ++kk) {
+          mma_e4m3(tile_pv, a[kk], *reinterpret_cast<const uint32_t*>(row + kk * kFp8StepKeys),
+                   *reinterpret_cast<const uint32_t*>(row + kk * kFp8StepKeys + 16));
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[nd][e] += tile_pv[e];
+      }
+    }
     // O += P·V: the S accumulators of key blocks (2kk, 2kk+1) are the A fragment of k-step kk.
-    if (warp_active) {
+    if (!kFp8 && warp_active) {
 #pragma unroll
       for (int kk = 0; kk < kTileKeys / 16; ++kk) {
-        const uint32_t a[4] = {pack_pair(Tag{}, s_acc[2 * kk][0], s_acc[2 * kk][1]),
-                               pack_pair(Tag{}, s_acc[2 * kk][2], s_acc[2 * kk][3]),
-                               pack_pair(Tag{}, s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
-                               pack_pair(Tag{}, s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+        const uint32_t a[4] = {pack_pair(PvTag{}, s_acc[2 * kk][0], s_acc[2 * kk][1]),
+                               pack_pair(PvTag{}, s_acc[2 * kk][2], s_acc[2 * kk][3]),
+                               pack_pair(PvTag{}, s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
+                               pack_pair(PvTag{}, s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
 #pragma unroll
         for (int nd = 0; nd < kDimBlocks8; nd += 2) {
           uint32_t b[4];
           const int key_row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
           ldmatrix_x4_trans(b, shared_address(v_tile + key_row * kVPitch + (nd + lane / 16) * 8));
-          mma_16816(Tag{}, o_acc[nd], a, b[0], b[1]);
-          mma_16816(Tag{}, o_acc[nd + 1], a, b[2], b[3]);
+          mma_16816(PvTag{}, o_acc[nd], a, b[0], b[1]);
+          mma_16816(PvTag{}, o_acc[nd + 1], a, b[2], b[3]);
         }
       }
     }
     __syncthreads();  // every warp is done with the tiles before they are refilled
   }
 
-  // Normalise and write: O / l (0 for a row that saw nothing); LSE = (m + log2 l)·ln 2 + scale·q·mean(K).
+  // Normalise and write: O / l (0 for a row that saw nothing), and for FP8 × scale_c / 448;
+  // LSE = (m + log2 l)·ln 2 + scale·q·mean(K).
+  float channel_scale[kDimBlocks8][2];
+#pragma unroll
+  for (int nd = 0; nd < kDimBlocks8; ++nd) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      channel_scale[nd][e] = 1.f;
+      if constexpr (kFp8) {
+        const int col = nd * 8 + 2 * (lane % 4) + e;
+        channel_scale[nd][e] = fp8_channel_scale(s.v_abs_max[kv_head_index * kHeadDim + col]) / kFp8Max;
+      }
+    }
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float total = row_sum[r];
@@ -377,8 +569,8 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
 #pragma unroll
     for (int nd = 0; nd < kDimBlocks8; ++nd) {
       const int col = nd * 8 + 2 * (lane % 4);
-      store_value(p.out, out_row + col, p.element_type, o_acc[nd][2 * r] * inverse);
-      store_value(p.out, out_row + col + 1, p.element_type, o_acc[nd][2 * r + 1] * inverse);
+      store_value(p.out, out_row + col, p.element_type, o_acc[nd][2 * r] * (inverse * channel_scale[nd][0]));
+      store_value(p.out, out_row + col + 1, p.element_type, o_acc[nd][2 * r + 1] * (inverse * channel_scale[nd][1]));
     }
     if (p.lse != nullptr && lane % 4 == 0) {
       p.lse[seq.b * p.lse_strides.b + int64_t(seq.h) * p.lse_strides.h + (seq.q_row_base + row) * p.lse_strides.s] =
@@ -405,6 +597,18 @@ cudaError_t launch_for_dim(const SageParams& s, cudaStream_t stream) {
   return s.fwd.head_dim == 64 ? launch_for_warps<Tag, 64>(s, stream) : launch_for_warps<Tag, 128>(s, stream);
 }
 
+// FP8 pre-passes: zero the channel maxima, take them, then write the transposed e4m3 V.
+cudaError_t quantize_values_fp8(const SageParams& s, cudaStream_t stream) {
+  const ForwardParams& p = s.fwd;
+  const cudaError_t zeroed = cudaMemsetAsync(
+      s.v_abs_max, 0, size_t(p.batch) * s.num_kv_heads * p.head_dim * sizeof(uint32_t), stream);
+  if (zeroed != cudaSuccess) return zeroed;
+  const int32_t row_blocks = (s.max_seq_k + kChannelMaxRows - 1) / kChannelMaxRows;
+  value_channel_max_kernel<<<dim3(row_blocks, s.num_kv_heads, p.batch), kPrepThreads, 0, stream>>>(s);
+  quantize_values_fp8_kernel<<<dim3(s.fp8_keys / kTileKeys, s.num_kv_heads, p.batch), kPrepThreads, 0, stream>>>(s);
+  return cudaGetLastError();
+}
+
 }  // namespace
 #endif  // SPARSA_GPU_HAS_MMA_SYNC
 
@@ -427,8 +631,25 @@ bool sage_supports(const GpuDevice& device, const ForwardParams& p, std::string*
 #endif
 }
 
-SageParams sage_plan(const ForwardParams& p, int32_t num_kv_heads, float scale, int64_t max_seq_q,
-                     int64_t max_seq_k, int64_t k_blocks) {
+bool sage_fp8_pv_available(const GpuDevice& device) {
+#if SPARSA_GPU_HAS_MMA_SYNC
+  constexpr int kFirstFp8Arch = 89;  // compute capability 8.9: FP8 mma.sync and cvt
+  if (device.compute_major * 10 + device.compute_minor < kFirstFp8Arch) return false;
+  // The device runs the image built for the highest compatible target; only sm_89+ images hold the FP8 kernels.
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, sage_attention_kernel<E4m3Tag, 128, 4>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attributes.binaryVersion >= kFirstFp8Arch;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+SageParams sage_plan(const GpuDevice& device, const ForwardParams& p, int32_t num_kv_heads, float scale,
+                     int64_t max_seq_q, int64_t max_seq_k, int64_t k_blocks) {
   SageParams s;
   s.fwd = p;
   s.num_kv_heads = num_kv_heads;
@@ -437,7 +658,9 @@ SageParams sage_plan(const ForwardParams& p, int32_t num_kv_heads, float scale, 
   s.max_seq_k = int32_t(max_seq_k);
   s.k_blocks = int32_t(k_blocks);
   s.warps = p.pv_skip_log2 != nullptr && p.mask_block_q == 128 ? 8 : 4;
-  s.convert_v = p.element_type == ElementType::kF32 || !p.kv_rows_aligned16;
+  s.fp8_pv = sage_fp8_pv_available(device);
+  s.convert_v = !s.fp8_pv && (p.element_type == ElementType::kF32 || !p.kv_rows_aligned16);
+  s.fp8_keys = int32_t((max_seq_k + kSageTileKeys - 1) / kSageTileKeys * kSageTileKeys);
   return s;
 }
 
@@ -452,6 +675,11 @@ void sage_carve(ScratchCarver& carver, SageParams& s) {
   s.k_i8 = carver.take<int8_t>(k_rows * dim);
   s.k_scale = carver.take<float>(uint64_t(p.batch) * s.num_kv_heads * s.k_blocks);
   s.v_f16 = s.convert_v ? carver.take<uint16_t>(k_rows * dim) : nullptr;
+  if (s.fp8_pv) {
+    const uint64_t kv_heads = uint64_t(p.batch) * s.num_kv_heads;
+    s.v_fp8 = carver.take<uint8_t>(kv_heads * dim * uint64_t(s.fp8_keys));
+    s.v_abs_max = carver.take<uint32_t>(kv_heads * dim);
+  }
 }
 
 cudaError_t sage_launch(const SageParams& s, cudaStream_t stream) {
@@ -465,9 +693,14 @@ cudaError_t sage_launch(const SageParams& s, cudaStream_t stream) {
       const int32_t row_blocks = (s.max_seq_k + kConvertRows - 1) / kConvertRows;
       convert_values_kernel<<<dim3(row_blocks, s.num_kv_heads, p.batch), kPrepThreads, 0, stream>>>(s);
     }
+    if (s.fp8_pv) {
+      const cudaError_t status = quantize_values_fp8(s, stream);
+      if (status != cudaSuccess) return status;
+    }
   }
   const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return status;
+  if (s.fp8_pv) return launch_for_dim<E4m3Tag>(s, stream);
   if (s.convert_v || p.element_type == ElementType::kF16) return launch_for_dim<HalfTag>(s, stream);
   return launch_for_dim<BFloat16Tag>(s, stream);
 #else

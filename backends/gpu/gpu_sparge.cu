@@ -162,7 +162,7 @@ void sparge_run(const GpuDevice& device, const AttentionProblem& problem, const 
   ForwardLaunch launch;
   SageParams sage;
   if (quantized) {
-    sage = sage_plan(p, problem.num_kv_heads, problem.scale, problem.max_seq_q, problem.max_seq_k, d.k_blocks);
+    sage = sage_plan(device, p, problem.num_kv_heads, problem.scale, problem.max_seq_q, problem.max_seq_k, d.k_blocks);
     sage_carve(carver, sage);
   } else {
     launch = plan_forward(device, p, problem.max_seq_q, problem.max_seq_k, flat_rows_of(problem), aligned16, nullptr);

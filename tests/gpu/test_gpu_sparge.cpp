@@ -57,7 +57,42 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
+// ---- FP8 P·V (§4 quantized path: V in e4m3 with per-channel scale on sm89+, fp16/bf16 otherwise) ----
+
+constexpr double kFp8Max = 448.0;            // largest finite e4m3
+constexpr double kFp8OutTolerance = 8e-2;    // max |gpu - cpu| / max(1, max |cpu|) of a Sage case with FP8 P·V
+constexpr double kFp8RelativeRms = 3e-2;     // rms(gpu - cpu) / rms(cpu) of a Sage case with FP8 P·V
+
+// Which P·V the GPU's Sage path runs on this device: FP8 where the device (compute capability >= 8.9) runs an image
+// built for sm_89+, which this build has for Hopper when its architectures include 90a (SPARSA_TEST_CUDA_ARCHS).
+enum class PvPrecision { kFp8, kHalf, kEither };
+PvPrecision expected_pv_precision() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return PvPrecision::kEither;
+  }
+  if (major * 10 + minor < 89) return PvPrecision::kHalf;
+  const std::string archs = SPARSA_TEST_CUDA_ARCHS;
+  if (major == 9 && archs.find("90a") != std::string::npos) return PvPrecision::kFp8;
+  return PvPrecision::kEither;
+}
+
+// x rounded to the nearest e4m3 value (ties to even), saturated to ±448: what cvt.rn.satfinite.e4m3 gives.
+double round_e4m3(double x) {
+  constexpr int kMantissaBits = 3, kMinExponent = -6;  // normals from 2^-6; subnormal spacing 2^-9
+  if (x == 0.0 || std::isnan(x)) return x;
+  const double magnitude = std::fabs(x);
+  const int exponent = std::max(kMinExponent, int(std::floor(std::log2(magnitude))));
+  const double spacing = std::ldexp(1.0, exponent - kMantissaBits);
+  const double rounded = std::min(kFp8Max, std::nearbyint(magnitude / spacing) * spacing);
+  return std::copysign(rounded, x);
+}
+
 double out_tolerance(const Case& c) {
+  if (c.quantized && expected_pv_precision() != PvPrecision::kHalf) return kFp8OutTolerance;
   if (c.out_tol > 0) return c.out_tol;
   return c.dtype == SPARSA_DTYPE_F32 ? 2e-4 : c.dtype == SPARSA_DTYPE_F16 ? 4e-3 : 3e-2;
 }
@@ -311,7 +346,7 @@ void expect_gpu_matches_cpu(const Case& c, const Inputs& in, const Physical& ph,
   for (int s = 0; s < kStats; ++s) EXPECT_EQ(gpu.stats[s], cpu.stats[s]) << "stat " << s;
 
   const int D = c.head_dim, Hq = c.q_heads;
-  double worst = 0, worst_lse = 0, reference_max = 0;
+  double worst = 0, worst_lse = 0, reference_max = 0, error_squares = 0, reference_squares = 0;
   int64_t lse_bad = 0, nan_rows = 0;
   for (int b = 0; b < in.batch; ++b)
     for (int i = 0; i < c.seq_q[b]; ++i) {
@@ -321,6 +356,8 @@ void expect_gpu_matches_cpu(const Case& c, const Inputs& in, const Physical& ph,
           const size_t e = (size_t(row) * Hq + h) * D + d;
           reference_max = std::max(reference_max, double(std::fabs(cpu.out[e])));
           const double err = std::fabs(double(gpu.out[e]) - cpu.out[e]);
+          error_squares += std::isnan(err) ? 0.0 : err * err;
+          reference_squares += double(cpu.out[e]) * cpu.out[e];
           if (std::isnan(err)) ++nan_rows;
           worst = std::max(worst, std::isnan(err) ? 1e30 : err);
         }
@@ -337,6 +374,14 @@ void expect_gpu_matches_cpu(const Case& c, const Inputs& in, const Physical& ph,
     }
   EXPECT_EQ(nan_rows, 0) << "unwritten (NaN) output elements";
   EXPECT_LE(worst, out_tolerance(c) * std::max(1.0, reference_max)) << "max |gpu - cpu| (|cpu| <= " << reference_max << ")";
+  const double relative_rms = std::sqrt(error_squares / std::max(reference_squares, 1e-300));
+  if (c.quantized) {
+    std::printf("[ sage ] %s: max |gpu - cpu| %.3g (|cpu| <= %.3g), relative rms %.3g\n", c.name.c_str(), worst,
+                reference_max, relative_rms);
+    if (expected_pv_precision() != PvPrecision::kHalf) {
+      EXPECT_LE(relative_rms, kFp8RelativeRms);
+    }
+  }
   EXPECT_EQ(lse_bad, 0) << "LSE mismatches; max |gpu - cpu| = " << worst_lse;
   (void)q_blocks;
   (void)k_blocks;
@@ -529,6 +574,128 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuSparge, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// §4 quantized path, "V in fp8 e4m3 with per-channel scale on sm89+, fp16/bf16 otherwise". Each query row is a
+// multiple of one "needle" key, so its softmax puts weight ~1 (others < e^-30) on that key and its output is the
+// needle's V row as the P·V product stores it: e4m3(V / scale_c) · scale_c with scale_c = max_j |V[j, c]| / 448
+// under FP8, V itself under fp16. The needles cover every position of the 32-key steps (a wrong key order in the
+// transposed V^T copy returns another key's row) and the channels have different ranges (a per-tensor scale loses
+// the small channels). Non-causal, GQA 2, key count not a multiple of the tile, two sequences of different lengths.
+// Under SPARSA_GPU_TESTS_SELFCHECK=1 without a device it runs the CPU backend, which keeps V unquantized (checks the
+// references and the needles themselves).
+TEST(GpuSpargeSage, PvPrecisionFollowsDevice) {
+  const bool on_gpu = cuda_device_present();
+  if (!on_gpu && !cpu_selfcheck_requested()) GTEST_SKIP() << "no CUDA device/driver";
+  Case c;
+  c.name = "sage_needles";
+  c.dtype = SPARSA_DTYPE_F16;
+  c.head_dim = 128;
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  c.seq_q = {256, 130};
+  c.seq_k = {1000, 611};
+  c.causal = false;
+  c.block_q = 128;
+  c.block_k = 64;
+  c.topk_fraction = 1.f;  // every block: this test is about P·V, not the mask
+  c.quantized = true;
+  constexpr double kNeedleGain = 4.0;  // q = gain·k_needle: a score gap of ~30 nats over the other keys
+  const int D = c.head_dim, group = c.q_heads / c.kv_heads;
+  Inputs in;
+  in.batch = 2;
+  in.max_q = 256;
+  in.max_k = 1000;
+  std::mt19937_64 gen(20261122);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  in.k.assign(size_t(in.batch) * in.max_k * c.kv_heads * D, 0.f);
+  in.v.assign(in.k.size(), 0.f);
+  in.q.assign(size_t(in.batch) * in.max_q * c.q_heads * D, 0.f);
+  for (size_t e = 0; e < in.k.size(); ++e) {
+    in.k[e] = normal(gen);
+    in.v[e] = normal(gen) * float(1 + (e % D) % 5);  // channel ranges 1x..5x
+  }
+  (void)encode_rounded(in.k, c.dtype);
+  (void)encode_rounded(in.v, c.dtype);
+  auto needle_of = [&](int b, int i, int h) { return (i * 37 + h * 11 + b * 5) % c.seq_k[b]; };
+  for (int b = 0; b < in.batch; ++b)
+    for (int i = 0; i < c.seq_q[b]; ++i)
+      for (int h = 0; h < c.q_heads; ++h) {
+        const float* key = &in.k[((size_t(b) * in.max_k + needle_of(b, i, h)) * c.kv_heads + h / group) * D];
+        float* query = &in.q[((size_t(b) * in.max_q + i) * c.q_heads + h) * D];
+        for (int d = 0; d < D; ++d) query[d] = float(kNeedleGain) * key[d];
+      }
+  (void)encode_rounded(in.q, c.dtype);
+  const Physical ph = build_physical(c, in);
+  const RunResult gpu = run_case(c, in, ph, on_gpu);
+  if (gpu.status == SPARSA_STATUS_UNSUPPORTED) GTEST_SKIP() << gpu.message;
+  ASSERT_EQ(gpu.status, SPARSA_STATUS_SUCCESS) << gpu.message;
+
+  // Float64 references: softmax over every key, with V as is and with V through e4m3 (per channel of each
+  // sequence and kv head; the scale and the division in float, as the device computes them).
+  const double scale = 1.0 / std::sqrt(double(D));
+  double fp8_squares = 0, half_squares = 0, gap_squares = 0, fp8_worst = 0, value_max = 0;
+  int64_t nan_count = 0;
+  for (int b = 0; b < in.batch; ++b)
+    for (int hk = 0; hk < c.kv_heads; ++hk) {
+      std::vector<float> channel_scale(D, 0.f);
+      for (int j = 0; j < c.seq_k[b]; ++j)
+        for (int d = 0; d < D; ++d) {
+          const float x = std::fabs(in.v[((size_t(b) * in.max_k + j) * c.kv_heads + hk) * D + d]);
+          channel_scale[d] = std::max(channel_scale[d], x);
+          value_max = std::max(value_max, double(x));
+        }
+      for (float& x : channel_scale) x = x > 0.f ? x / float(kFp8Max) : 1.f;
+      for (int h = hk * group; h < (hk + 1) * group; ++h)
+        for (int i = 0; i < c.seq_q[b]; ++i) {
+          const float* q = &in.q[((size_t(b) * in.max_q + i) * c.q_heads + h) * D];
+          std::vector<double> weight(c.seq_k[b]);
+          double top = -INFINITY, sum = 0;
+          for (int j = 0; j < c.seq_k[b]; ++j) {
+            const float* k = &in.k[((size_t(b) * in.max_k + j) * c.kv_heads + hk) * D];
+            double dot = 0;
+            for (int d = 0; d < D; ++d) dot += double(q[d]) * k[d];
+            weight[j] = dot * scale;
+            top = std::max(top, weight[j]);
+          }
+          for (double& w : weight) sum += (w = std::exp(w - top));
+          const int64_t row = int64_t(b) * in.max_q + i;
+          for (int d = 0; d < D; ++d) {
+            double plain = 0, fp8 = 0;
+            for (int j = 0; j < c.seq_k[b]; ++j) {
+              const float x = in.v[((size_t(b) * in.max_k + j) * c.kv_heads + hk) * D + d];
+              plain += weight[j] * x;
+              fp8 += weight[j] * round_e4m3(double(x / channel_scale[d])) * channel_scale[d];
+            }
+            plain /= sum;
+            fp8 /= sum;
+            const double got = gpu.out[(size_t(row) * c.q_heads + h) * D + d];
+            if (std::isnan(got)) ++nan_count;
+            fp8_squares += (got - fp8) * (got - fp8);
+            half_squares += (got - plain) * (got - plain);
+            gap_squares += (fp8 - plain) * (fp8 - plain);
+            fp8_worst = std::max(fp8_worst, std::fabs(got - fp8));
+          }
+        }
+    }
+  EXPECT_EQ(nan_count, 0) << "unwritten (NaN) output elements";
+  const double fp8_rms = std::sqrt(fp8_squares), half_rms = std::sqrt(half_squares), gap = std::sqrt(gap_squares);
+  std::printf("[ sage ] needles: |out - fp8 ref| %.3g, |out - fp16 ref| %.3g, |fp8 ref - fp16 ref| %.3g (root of summed squares); "
+              "max |out - fp8 ref| %.3g\n", fp8_rms, half_rms, gap, fp8_worst);
+  ASSERT_GT(gap, 0.0);
+  constexpr double kDistinct = 0.1;  // the run must sit this much closer to one reference than their distance
+  switch (on_gpu ? expected_pv_precision() : PvPrecision::kHalf) {
+    case PvPrecision::kFp8:
+      EXPECT_LE(fp8_rms, kDistinct * gap) << "expected FP8 P·V on this device";
+      EXPECT_LE(fp8_worst, 1e-2 * value_max);
+      break;
+    case PvPrecision::kHalf:
+      EXPECT_LE(half_rms, kDistinct * gap) << "expected fp16 P·V on this device";
+      break;
+    case PvPrecision::kEither:
+      EXPECT_LE(std::min(fp8_rms, half_rms), kDistinct * gap);
+      break;
+  }
+}
 
 // The same run twice gives the same bits (every reduction has a fixed order), and a CUDA-graph replay of a
 // planned run gives them too.
