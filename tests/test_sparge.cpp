@@ -283,9 +283,13 @@ TEST_P(Sparge, PerHeadParametersOverrideScalarsAndNanFallsBack) {
 
 TEST_P(Sparge, QuantizedPathMatchesInt8Emulation) {
   // Int8 Q per bq-row block, int8 centred K per bk-row block, scale = max|x|/127 + 1e-7. The reference keeps V in
-  // float64; the tolerance leaves room for a lower-precision V and for round-half ties resolved differently.
-  constexpr double kQuantizedTolerance = 5e-3;
-  constexpr double kQuantizedVsExact = 5e-2;
+  // float64; the tolerance leaves room for a lower-precision V and for round-half ties resolved differently. A GPU
+  // may run P·V in fp8 e4m3 (§4: "V in fp8 e4m3 with per-channel scale on sm89+"), which on these zero-mean random
+  // values costs ~3 % relative error (3 mantissa bits on P and V); tests/gpu/test_gpu_sparge.cpp checks on the
+  // device which precision ran and how close it comes to the matching float64 reference.
+  const bool cpu = ctx().device_type() == SPARSA_DEVICE_CPU;
+  const double kQuantizedTolerance = cpu ? 5e-3 : 8e-2;
+  const double kQuantizedVsExact = cpu ? 5e-2 : 1e-1;
   int counter = 0;
   for (bool causal : {false, true}) {
     ST_RNG(rng, counter++);

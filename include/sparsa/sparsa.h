@@ -274,7 +274,9 @@ typedef struct sparsa_policy {
   float sparge_lambda;         /**< PV-skip threshold, natural-log units, <= 0; -INFINITY (default) = off */
   int32_t sparge_attention_sink; /**< 1 = always keep key block 0; default 0 */
   /** 1 = Sage path: int8 Q·Kᵀ with centred K (§4, quantized path; round half to even); scale·q·mean(K) is added
-      back, so LSE is that of the uncentred scores; V is not quantized on CPU; default 0 */
+      back, so LSE is that of the uncentred scores. P·V: the CPU keeps V unquantized; a CUDA device of compute
+      capability >= 8.9 that runs this build's sm_90a code (Hopper) uses fp8 e4m3 P and V (V scaled per channel;
+      about 3 % relative error on zero-mean data), other GPUs fp16/bf16; default 0 */
   int32_t sparge_quantized;
   /** Optional per-head overrides: f32 [Hq, 4] holding (theta, tau, topk_fraction, lambda) per query head; a NaN
       entry falls back to the scalar field. `sparsa_sparge_tune` writes exactly this layout. */

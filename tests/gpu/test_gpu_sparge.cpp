@@ -61,7 +61,9 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 constexpr double kFp8Max = 448.0;            // largest finite e4m3
 constexpr double kFp8OutTolerance = 8e-2;    // max |gpu - cpu| / max(1, max |cpu|) of a Sage case with FP8 P·V
-constexpr double kFp8RelativeRms = 3e-2;     // rms(gpu - cpu) / rms(cpu) of a Sage case with FP8 P·V
+// rms(gpu - cpu) / rms(cpu) of a Sage case with FP8 P·V: e4m3 rounds P and V to 3 mantissa bits (~2.4 % rms
+// each), and on zero-mean random V the output shrinks as fast as the averaged error does (measured: 2.9 %).
+constexpr double kFp8RelativeRms = 5e-2;
 
 // Which P·V the GPU's Sage path runs on this device: FP8 where the device (compute capability >= 8.9) runs an image
 // built for sm_89+, which this build has for Hopper when its architectures include 90a (SPARSA_TEST_CUDA_ARCHS).
