@@ -8,8 +8,9 @@
 // DENSE and SINK_WINDOW: its dense pass reads anchor + tail rows at their positions and writes them compact) and
 // TOKEN_SPARSE (§5: queries and keys gathered through per-head position lists, outputs scattered) are checked
 // against the CPU backend only (the float64 reference here knows neither). The harness is attention_case.h,
-// shared with test_gpu_attention.cpp. Skips cleanly without a CUDA device (on pre-Hopper devices the same cases exercise the
-// mma.sync kernel).
+// shared with test_gpu_attention.cpp. GpuWgmmaCells and GpuWgmmaSparge cover block masks whose cells the kernel
+// walks as gathered 64-key halves (forward_wgmma.h: wgmma_gathers_mask_cells), SPARGE's default cells included.
+// Skips cleanly without a CUDA device (on pre-Hopper devices the same cases exercise the mma.sync kernel).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sparsa/sparsa.h>
