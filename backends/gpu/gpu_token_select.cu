@@ -425,6 +425,251 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm) score_kernel
   copy_wait<0>();  // the groups still open are empty; no copy outlives the block
 }
 
+// ---- The tensor-core score kernel (NVIDIA sm_80+): float64 MMA m8n8k4 (DMMA) ----
+// The FMA kernel above issues one instruction per 32 FMAs plus the shared loads and widening around them, so it is
+// bound by instruction issue, far from the memory floor of reading K once. One DMMA does 8 candidates × 8 heads × 4
+// dims (256 FMAs) per instruction. A = 8 candidates × 4 dims of widened K, B = 4 dims × 8 heads of q̄ (a chunk of
+// the group; with a group of 4 half of every MMA multiplies zeros, which still leaves the tensor pipe under the
+// memory floor), C = the 8 × 8 scores. The order of d inside a dot product is free, so a lane's 16-byte piece of
+// its candidate row (8 or 4 consecutive dims) feeds 8 or 4 consecutive MMAs: lane (r = lane/4, c = lane%4) holds
+// candidate r and, in MMA i of round p, dim p·kRoundDims + c·kPerPiece + i; B's lane (k = c, n = r) then holds the
+// q̄ of head r at the same dims, which therefore sit in registers for the whole block (head_dim/4 doubles a lane).
+// Products are the exact ones of the FMA kernel (same widening, same pre-scaled q̄); only how the 4-term partial
+// sums round differs, a few ulps (see the file comment).
+constexpr int kMmaThreads = 128;  // 4 warps; warp w owns candidates [64w, 64w + 64) of every tile
+constexpr int kMmaWarps = kMmaThreads / 32;
+constexpr int kMmaM = 8, kMmaN = 8, kMmaK = 4;  // candidates × heads × dims of one m8n8k4
+constexpr int kMmaHeads = kMmaN;                 // query heads per block: a chunk of the group
+constexpr int kWarpCandidates = kScoreTile / kMmaWarps;
+constexpr int kWarpGroups = kWarpCandidates / kMmaM;  // accumulators per lane: 8 candidates × 8 heads each
+constexpr int kHalves = 2;                            // a tile's rows are staged half by half (shared memory)
+constexpr int kHalfGroups = kWarpGroups / kHalves;
+constexpr int kHalfCandidates = kHalfGroups * kMmaM;  // of one warp in one half
+constexpr int kRoundBytes = kMmaK * kPieceBytes;       // one round: the 4 lanes of a candidate read 16 bytes each
+constexpr int kMmaStageRows = kScoreTile / kHalves;
+constexpr int kMmaStageBytes = kMmaStageRows * kRoundBytes;  // 8 KB: one round of half a tile
+constexpr int kMmaStages = 4;                                // 3 steps (24 KB) in flight per block
+constexpr int kMmaCopiesPerRow = kRoundBytes / kPieceBytes;
+constexpr int kMmaCopyRows = kMmaThreads / kMmaCopiesPerRow;  // rows one copy pass covers (one per warp's half)
+constexpr int kMmaMaxHeadDim = 128;                           // q̄ fragments stay in registers up to here
+constexpr int kQbarSlots = kMmaMaxHeadDim / kMmaK;            // doubles of q̄ per lane
+constexpr int kMmaBlocksPerSm = 3;  // ~168 registers a thread: 3 blocks (12 warps, 72 KB of copies in flight) per SM
+constexpr int kMmaMinGroup = 4;     // below this most of every MMA would multiply zeros: the FMA kernel serves it
+static_assert(kMmaCopyRows == kHalfCandidates, "copy pass k stages warp k's rows of the half");
+static_assert(kWarpLanes == 32 || !SPARSA_GPU_DEVICE_HAS_MMA_SYNC, "m8n8k4 fragments are laid out over 32 lanes");
+
+#if SPARSA_GPU_HAS_MMA_SYNC
+// Piece `part` of the round at `first_dim` of key row `key_at` (-1: past the candidates) into `to` without a
+// 16-byte load: unaligned rows and the tail of D (zeros past D). Kept out of line: the copier is unrolled per round.
+template <ElementType kType>
+__device__ __noinline__ void stage_piece_slowly(unsigned char* to, const char* keys, int64_t key_at, int32_t first_dim,
+                                                int32_t dim) {
+  constexpr int kElementBytes = kType == ElementType::kF32 ? 4 : 2;
+  constexpr int kPerPiece = kPieceBytes / kElementBytes;
+  uint32_t words[4] = {0, 0, 0, 0};
+  if (key_at >= 0) {
+    const char* from = keys + (key_at + first_dim) * kElementBytes;
+    for (int e = 0; e < kPerPiece && first_dim + e < dim; ++e) {
+      const uint32_t bits = kElementBytes == 4 ? reinterpret_cast<const uint32_t*>(from)[e]
+                                               : reinterpret_cast<const uint16_t*>(from)[e];
+      words[e * kElementBytes / 4] |= bits << (8 * (e * kElementBytes % 4));
+    }
+  }
+  *reinterpret_cast<uint4*>(to) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+__device__ __forceinline__ void dmma(double (&acc)[2], double a, double b) {
+#if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+  asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+               : "+d"(acc[0]), "+d"(acc[1])
+               : "d"(a), "d"(b));
+#endif
+}
+
+// Block (x, y = kv head · chunk of 8 heads, b) walks candidate tiles x, x + gridDim.x, ... like score_kernel. A step
+// stages one round (64 bytes of each row) of half a tile with cp.async into a ring of kMmaStages stages that runs
+// across tiles; warp w reads the rows of its candidates from it (one 16-byte shared load per 8 or 4 MMAs). Then the
+// tile's softmax statistics per head and exp(s - tile max) to scratch, from the accumulators' own layout.
+template <ElementType kType>
+__global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel(const SelectParams sp) {
+#if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+  constexpr int kElementBytes = kType == ElementType::kF32 ? 4 : 2;
+  constexpr int kPerPiece = kPieceBytes / kElementBytes;  // MMAs one 16-byte piece feeds
+  constexpr int kRoundDims = kMmaK * kPerPiece;
+  constexpr int kMaxRounds = kMmaMaxHeadDim / kRoundDims;
+  constexpr double kRescale = kType == ElementType::kF16 ? kF16Rescale : kWideRescale;
+  static_assert(kMaxRounds * kPerPiece == kQbarSlots, "one q̄ slot per (round, MMA)");
+  __shared__ __align__(16) unsigned char ring[kMmaStages][kMmaStageBytes];
+  __shared__ double warp_max[kMmaWarps][kMmaHeads], warp_sum[kMmaWarps][kMmaHeads];
+
+  const int32_t b = blockIdx.z;
+  const SequenceInfo info = sp.sequences[b];
+  if (info.mode != kSelects || sp.skip[b] != 0) return;
+  const int32_t group = sp.p.group_size, chunks_per_group = (group + kMmaHeads - 1) / kMmaHeads;
+  const int32_t kv_head = blockIdx.y / chunks_per_group;
+  const int32_t head0 = kv_head * group + (blockIdx.y % chunks_per_group) * kMmaHeads;
+  const int32_t heads = min(kMmaHeads, (kv_head + 1) * group - head0);
+  const int32_t tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
+  if (int32_t(blockIdx.x) >= tiles) return;
+  const SequenceView s = make_sequence_view(sp.p, b, head0);
+  const int32_t dim = sp.p.head_dim;
+  const int32_t rounds = (dim + kRoundDims - 1) / kRoundDims;
+  const int64_t row0 = int64_t(b) * sp.p.num_q_heads + head0;  // (b, head0) row of q̄ / scores / tile stats
+  const int warp = threadIdx.x / kWarpLanes, lane = threadIdx.x % kWarpLanes;
+  const int r = lane / 4, c = lane % 4;  // fragment row (candidate; B: head) and column (k)
+
+  // B fragments: q̄ of head r at the dims lane c multiplies in every (round, MMA); zero past the heads and D.
+  double qf[kQbarSlots];
+#pragma unroll
+  for (int p = 0; p < kMaxRounds; ++p) {
+#pragma unroll
+    for (int i = 0; i < kPerPiece; ++i) {
+      const int32_t d = p * kRoundDims + c * kPerPiece + i;
+      qf[p * kPerPiece + i] = r < heads && d < dim ? sp.qbar[(row0 + r) * dim + d] * kRescale : 0.0;
+    }
+  }
+
+  // The copier: thread t stages piece t % 4 of rows t / 4 + kMmaCopyRows·k, i.e. candidate
+  // 64k + 32·half + t / 4 of the tile (warp k's candidates of the half); it runs kMmaStages - 1 steps ahead.
+  const char* keys = static_cast<const char*>(sp.p.k);
+  const int32_t part = threadIdx.x % kMmaCopiesPerRow, copy_row = threadIdx.x / kMmaCopiesPerRow;
+  const bool vector_rows = sp.p.kv_rows_aligned16 != 0;
+  int32_t copy_tile = blockIdx.x, copy_half = 0, copy_round = 0;
+  int64_t key_at[kMmaWarps];
+  auto issue = [&](unsigned char* stage) {
+    if (copy_tile < tiles) {
+      if (copy_round == 0) {
+#pragma unroll
+        for (int k = 0; k < kMmaWarps; ++k) {
+          const int32_t cand = copy_tile * kScoreTile + k * kWarpCandidates + copy_half * kHalfCandidates + copy_row;
+          key_at[k] = cand < info.candidates ? key_row_offset(sp.p, sp.p.k_strides, s, sp.n_init + cand) : -1;
+        }
+      }
+      const int32_t first_dim = copy_round * kRoundDims + part * kPerPiece;
+#pragma unroll
+      for (int k = 0; k < kMmaWarps; ++k) {
+        unsigned char* to = stage + (copy_row + k * kMmaCopyRows) * kRoundBytes + part * kPieceBytes;
+        if (key_at[k] >= 0 && vector_rows && first_dim + kPerPiece <= dim) {
+          copy_16(to, keys + (key_at[k] + first_dim) * kElementBytes);
+        } else {
+          stage_piece_slowly<kType>(to, keys, key_at[k], first_dim, dim);
+        }
+      }
+    }
+    copy_commit();  // one group per step, empty past the last tile: the wait below counts steps
+    if (++copy_round == rounds) {
+      copy_round = 0;
+      if (++copy_half == kHalves) {
+        copy_half = 0;
+        copy_tile += gridDim.x;
+      }
+    }
+  };
+
+#pragma unroll
+  for (int stage = 0; stage < kMmaStages - 1; ++stage) issue(ring[stage]);
+  int32_t compute_stage = 0, copy_stage = kMmaStages - 1;
+  for (int32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    double acc[kWarpGroups][2];
+#pragma unroll
+    for (int g = 0; g < kWarpGroups; ++g) acc[g][0] = acc[g][1] = 0.0;
+#pragma unroll
+    for (int half = 0; half < kHalves; ++half) {
+#pragma unroll
+      for (int p = 0; p < kMaxRounds; ++p) {
+        if (p >= rounds) break;
+        copy_wait<kMmaStages - 2>();  // this thread's copies of this step have landed ...
+        __syncthreads();              // ... and everyone's; every thread is done with the stage refilled next
+        issue(ring[copy_stage]);
+        copy_stage = copy_stage + 1 == kMmaStages ? 0 : copy_stage + 1;
+        const unsigned char* stage = ring[compute_stage];
+        compute_stage = compute_stage + 1 == kMmaStages ? 0 : compute_stage + 1;
+        uint4 pieces[kHalfGroups];
+#pragma unroll
+        for (int j = 0; j < kHalfGroups; ++j) {
+          const int row = warp * kHalfCandidates + j * kMmaM + r;
+          pieces[j] = *reinterpret_cast<const uint4*>(stage + row * kRoundBytes + c * kPieceBytes);
+        }
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+#pragma unroll
+          for (int j = 0; j < kHalfGroups; ++j) {
+            const uint32_t word = w == 0 ? pieces[j].x : w == 1 ? pieces[j].y : w == 2 ? pieces[j].z : pieces[j].w;
+            double (&into)[2] = acc[half * kHalfGroups + j];
+            if (kElementBytes == 4) {
+              dmma(into, widen_f32(word), qf[p * kPerPiece + w]);
+            } else {
+              double low, high;
+              widen_pair<kType>(word, low, high);
+              dmma(into, low, qf[p * kPerPiece + 2 * w]);
+              dmma(into, high, qf[p * kPerPiece + 2 * w + 1]);
+            }
+          }
+        }
+      }
+    }
+
+    // Softmax statistics of the tile per head. Lane (r, c) holds candidates first + 8g and heads 2c, 2c + 1.
+    const int32_t first = tile * kScoreTile + warp * kWarpCandidates + r;
+    const bool head_ok[2] = {2 * c < heads, 2 * c + 1 < heads};
+    double m[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int g = 0; g < kWarpGroups; ++g) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        acc[g][e] *= sp.score_scale;
+        if (first + g * kMmaM < info.candidates) m[e] = fmax(m[e], acc[g][e]);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int offset = 4; offset < kWarpLanes; offset *= 2) m[e] = fmax(m[e], warp_shfl_xor(m[e], offset));
+      if (r == 0) warp_max[warp][2 * c + e] = m[e];
+    }
+    __syncthreads();
+    double sum[2] = {0.0, 0.0};
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      m[e] = warp_max[0][2 * c + e];
+#pragma unroll
+      for (int w = 1; w < kMmaWarps; ++w) m[e] = fmax(m[e], warp_max[w][2 * c + e]);
+      if (!head_ok[e]) continue;
+#pragma unroll
+      for (int g = 0; g < kWarpGroups; ++g) {
+        acc[g][e] = first + g * kMmaM < info.candidates ? exp(acc[g][e] - m[e]) : 0.0;
+        sum[e] += acc[g][e];
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int offset = 4; offset < kWarpLanes; offset *= 2) sum[e] += warp_shfl_xor(sum[e], offset);
+      if (r == 0) warp_sum[warp][2 * c + e] = sum[e];
+    }
+    __syncthreads();  // the next writes of warp_max / warp_sum follow at least one more ring barrier
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (!head_ok[e]) continue;
+      double* row = sp.scores + (row0 + 2 * c + e) * sp.score_stride;
+#pragma unroll
+      for (int g = 0; g < kWarpGroups; ++g) {
+        if (first + g * kMmaM < info.candidates) row[first + g * kMmaM] = acc[g][e];
+      }
+      if (warp == 0 && r == 0) {
+        double total = warp_sum[0][2 * c + e];
+#pragma unroll
+        for (int w = 1; w < kMmaWarps; ++w) total += warp_sum[w][2 * c + e];
+        sp.tile_max[(row0 + 2 * c + e) * sp.tiles + tile] = m[e];
+        sp.tile_sum[(row0 + 2 * c + e) * sp.tiles + tile] = total;
+      }
+    }
+  }
+  copy_wait<0>();  // the groups still open are empty; no copy outlives the block
+#endif
+}
+#endif  // SPARSA_GPU_HAS_MMA_SYNC
+
 // Block (h, b): m_h = max over the tiles, Z_h = Σ_tiles sum_tile · exp(max_tile - m_h).
 __global__ void __launch_bounds__(kReduceThreads) merge_kernel(const SelectParams sp) {
   __shared__ double scratch[kReduceThreads / kWarpLanes], result[1];
@@ -649,9 +894,40 @@ void launch_score(const SelectParams& sp, dim3 grid, cudaStream_t stream) {
   check(cudaGetLastError(), "token_select score_kernel launch");
 }
 
+#if SPARSA_GPU_HAS_MMA_SYNC
+void launch_score_mma(const SelectParams& sp, dim3 grid, cudaStream_t stream) {
+  switch (sp.p.element_type) {
+    case ElementType::kF32:
+      score_mma_kernel<ElementType::kF32><<<grid, kMmaThreads, 0, stream>>>(sp);
+      break;
+    case ElementType::kF16:
+      score_mma_kernel<ElementType::kF16><<<grid, kMmaThreads, 0, stream>>>(sp);
+      break;
+    default:
+      score_mma_kernel<ElementType::kBF16><<<grid, kMmaThreads, 0, stream>>>(sp);
+      break;
+  }
+  check(cudaGetLastError(), "token_select score_mma_kernel launch");
+}
+#endif
+
+// True when the tensor-core score kernel serves this run: NVIDIA sm_80+, q̄ fragments that fit the registers, and
+// groups large enough that an 8-head MMA is at least half useful.
+bool scores_on_tensor_cores(const GpuDevice& device, const AttentionProblem& problem) {
+#if SPARSA_GPU_HAS_MMA_SYNC
+  const int32_t group = problem.num_q_heads / std::max(problem.num_kv_heads, 1);
+  return device.compute_major >= 8 && problem.head_dim <= kMmaMaxHeadDim && group >= kMmaMinGroup;
+#else
+  (void)device;
+  (void)problem;
+  return false;
+#endif
+}
+
 // Blocks of a tile-walking grid: enough to keep every SM busy, no more (an early-exiting grid stays cheap).
-unsigned tile_blocks(const GpuDevice& device, int32_t tiles, int64_t other_blocks) {
-  const int64_t target = int64_t(device.multiprocessors) * kScoreBlocksPerSm / std::max<int64_t>(other_blocks, 1);
+unsigned tile_blocks(const GpuDevice& device, int32_t tiles, int64_t other_blocks,
+                     int32_t blocks_per_sm = kScoreBlocksPerSm) {
+  const int64_t target = int64_t(device.multiprocessors) * blocks_per_sm / std::max<int64_t>(other_blocks, 1);
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(tiles, target)));
 }
 
@@ -746,10 +1022,17 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   if (!shape.all_dense) {
     constexpr int kSmallHeadChunk = 4, kLargeHeadChunk = 8;
     const int32_t group = sp.p.group_size;
-    const int32_t head_chunk = group <= kSmallHeadChunk ? kSmallHeadChunk : kLargeHeadChunk;
+    const bool mma = scores_on_tensor_cores(device, problem);
+    const int32_t head_chunk = mma || group > kSmallHeadChunk ? kLargeHeadChunk : kSmallHeadChunk;
     const int64_t score_y = int64_t(problem.num_kv_heads) * ((group + head_chunk - 1) / head_chunk);
-    const dim3 score_grid(tile_blocks(device, shape.tiles, score_y * batch), unsigned(score_y), unsigned(batch));
-    if (head_chunk == kSmallHeadChunk) {
+    const int32_t blocks_per_sm = mma ? kMmaBlocksPerSm : kScoreBlocksPerSm;
+    const dim3 score_grid(tile_blocks(device, shape.tiles, score_y * batch, blocks_per_sm), unsigned(score_y),
+                          unsigned(batch));
+    if (mma) {
+#if SPARSA_GPU_HAS_MMA_SYNC
+      launch_score_mma(sp, score_grid, stream);
+#endif
+    } else if (head_chunk == kSmallHeadChunk) {
       launch_score<kSmallHeadChunk>(sp, score_grid, stream);
     } else {
       launch_score<kLargeHeadChunk>(sp, score_grid, stream);
