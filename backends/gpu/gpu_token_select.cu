@@ -52,6 +52,9 @@ constexpr int kCopyPasses = kScoreTile / kRowsPerCopyPass;  // 16-byte copies pe
 constexpr int kStageBytes = kScoreTile * kChunkBytes;
 constexpr int kMaxHeadDim = 256;
 constexpr int kVoteHeadsPerPass = 64;
+// Query rows per sequence up to which one block per sequence computes q̄ and the cache lookup (decode; a prefill
+// chunk spreads q̄ over Hq blocks per sequence instead).
+constexpr int kFusedLookupRows = 8;
 constexpr int kListThreads = 1024;    // one block per key list: few entries per thread (decode hit path)
 constexpr int kScoreBlocksPerSm = 4;  // score/vote grids: blocks walking tiles in a loop, all resident at once (no tail wave)
 constexpr uint64_t kMaxScoreBytes = uint64_t(16) << 30;
@@ -213,6 +216,75 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const SelectPa
     double sum = 0.0;
     for (int32_t i = 0; i < s.seq_q; ++i) sum += double(load_value(sp.p.q, query_row_offset(sp.p.q_strides, s, i) + d, sp.p.element_type));
     qbar[d] = sum / double(s.seq_q);
+  }
+}
+
+// Block b, for calls with a cache and at most kFusedLookupRows query rows per sequence (decode): prepare_kernel and
+// cache_lookup_kernel in one launch. Each thread keeps the q̄ elements it computes and compares them with the cached
+// ones at once (same elements per thread and same order as the two kernels, so the same sums and decisions): one
+// launch and one write-then-read of q̄ fewer on the hit path.
+__global__ void __launch_bounds__(kReduceThreads) prepare_lookup_kernel(const SelectParams sp) {
+  __shared__ double scratch[3 * kReduceThreads / kWarpLanes], sums[3];
+  __shared__ int32_t ids_outside;
+  const int32_t b = blockIdx.x;
+  const SequenceView s = make_sequence_view(sp.p, b, 0);
+  const int64_t always_kept = int64_t(sp.n_init) + sp.n_local;
+  const int32_t mode = s.seq_q <= 0 ? kNoRows : (always_kept + sp.top_k >= s.seq_k ? kDense : kSelects);
+  const int32_t candidates = mode == kSelects ? int32_t(s.seq_k - always_kept) : 0;
+  if (threadIdx.x == 0) sp.sequences[b] = SequenceInfo{mode, candidates};
+  for (int32_t set = threadIdx.x; set < sp.n_sets; set += blockDim.x) sp.segment_lengths[b * sp.n_sets + set] = candidates;
+  if (mode != kSelects) {  // dense and empty sequences leave their slot alone and count nothing
+    if (threadIdx.x == 0) sp.skip[b] = 1;
+    return;
+  }
+  const int32_t dim = sp.p.head_dim;
+  const int64_t qbar_len = int64_t(sp.p.num_q_heads) * dim;
+  int32_t* slot = sp.cache.slots + int64_t(b) * kSlotFields;
+  double* now = sp.qbar + b * qbar_len;
+  double* cached = sp.cache.qbars + b * sp.cache.qbar_capacity;
+  const bool same_layout = slot[kSlotFilled] != 0 && slot[kSlotQbarLength] == qbar_len &&
+                           slot[kSlotSets] == sp.n_sets && slot[kSlotTopK] == sp.top_k;
+  if (threadIdx.x == 0) ids_outside = 0;
+  double v[3] = {0.0, 0.0, 0.0};  // q̄·cached, |q̄|², |cached|²
+  for (int64_t i = threadIdx.x; i < qbar_len; i += blockDim.x) {
+    const int64_t at = query_row_offset(sp.p.q_strides, s, 0) + (i / dim) * sp.p.q_strides.h + i % dim;
+    double sum = 0.0;
+    for (int32_t row = 0; row < s.seq_q; ++row) sum += double(load_value(sp.p.q, at + row * sp.p.q_strides.s, sp.p.element_type));
+    const double mean = sum / double(s.seq_q);
+    now[i] = mean;  // the score kernel's q̄ (a miss); this thread copies it into the cache below
+    if (same_layout) {
+      v[0] = fma(mean, cached[i], v[0]);
+      v[1] = fma(mean, mean, v[1]);
+      v[2] = fma(cached[i], cached[i], v[2]);
+    }
+  }
+  __syncthreads();
+  if (same_layout) {
+    const int32_t* ids = sp.cache.selections + b * sp.cache.selection_capacity;
+    const int64_t first = sp.n_init, last = int64_t(s.seq_k) - sp.n_local;
+    for (int64_t i = threadIdx.x; i < int64_t(sp.n_sets) * sp.top_k; i += blockDim.x) {
+      if (ids[i] < first || ids[i] >= last) ids_outside = 1;
+    }
+  }
+  block_reduce<3, false>(v, scratch, sums);  // also orders ids_outside
+  const bool hit = same_layout && ids_outside == 0 && sums[1] > 0.0 && sums[2] > 0.0 &&
+                   sums[0] / (sqrt(sums[1]) * sqrt(sums[2])) >= sp.cache_theta;
+  if (threadIdx.x == 0) sp.skip[b] = hit ? 1 : 0;
+  if (hit) {
+    if (threadIdx.x == 0) {
+      atomicAdd(&sp.cache.totals[0], 1ull);
+      stats_add(sp.stats, SPARSA_STAT_CACHE_HITS, 1);
+    }
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < qbar_len; i += blockDim.x) cached[i] = now[i];  // reads finished above
+  if (threadIdx.x == 0) {
+    slot[kSlotFilled] = 1;
+    slot[kSlotQbarLength] = int32_t(qbar_len);
+    slot[kSlotSets] = sp.n_sets;
+    slot[kSlotTopK] = sp.top_k;
+    atomicAdd(&sp.cache.totals[1], 1ull);
+    stats_add(sp.stats, SPARSA_STAT_CACHE_MISSES, 1);
   }
 }
 
@@ -478,12 +550,45 @@ __device__ __noinline__ void stage_piece_slowly(unsigned char* to, const char* k
   *reinterpret_cast<uint4*>(to) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
 __device__ __forceinline__ void dmma(double (&acc)[2], double a, double b) {
 #if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
   asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-               : "+d"(acc[0]), "+d"(acc[1])
-               : "d"(a), "d"(b));
+      : "+d"(acc[0]), "+d"(acc[1])
+      : "d"(a), "d"(b));
 #endif
+}
+#endif
+
+// Hopper runs the m8n8k4 shape at half its FP64 tensor rate (ncu: 43 % of the DMMA pipe's peak was only 14 TFLOPS);
+// the sm_90 shapes do 16 candidates × 8 heads × 16 dims per instruction at the full rate. Fragments (the PTX
+// layout): a[v0 + 2·v1] = A[r + 8·v0][c + 4·v1], b[v] = B[c + 4·v][r], {low, high} = C rows r and r + 8, columns
+// 2c, 2c + 1.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void dmma_16x8x16(double (&low)[2], double (&high)[2], const double (&a)[8],
+                                             const double (&b)[4]) {
+#if defined(__CUDA_ARCH__)
+  asm("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7,%8,%9,%10,%11}, "
+      "{%12,%13,%14,%15}, {%0,%1,%2,%3};\n"
+      : "+d"(low[0]), "+d"(low[1]), "+d"(high[0]), "+d"(high[1])
+      : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]), "d"(b[0]), "d"(b[1]),
+        "d"(b[2]), "d"(b[3]));
+#endif
+}
+#endif
+
+// The elements of a staged 16-byte piece as the exactly scaled doubles of the file comment, in order.
+template <ElementType kType, int kCount>
+__device__ __forceinline__ void widen_piece(const uint4& piece, double (&out)[kCount]) {
+  const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    if (kType == ElementType::kF32) {
+      out[w] = widen_f32(words[w]);
+    } else {
+      widen_pair<kType>(words[w], out[2 * w], out[2 * w + 1]);
+    }
+  }
 }
 
 // Block (x, y = kv head · chunk of 8 heads, b) walks candidate tiles x, x + gridDim.x, ... like score_kernel. A step
@@ -590,6 +695,27 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
           const int row = warp * kHalfCandidates + j * kMmaM + r;
           pieces[j] = *reinterpret_cast<const uint4*>(stage + row * kRoundBytes + c * kPieceBytes);
         }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // m16n8k16: rows r and r + 8 of a 16-candidate pair of groups are pieces 2j and 2j + 1; k-slot c + 4v of
+        // MMA i is element 4i + v of lane c's piece (the dims qf holds for that lane).
+        double low[kHalfGroups / 2][kPerPiece], high[kHalfGroups / 2][kPerPiece];
+#pragma unroll
+        for (int j = 0; j < kHalfGroups / 2; ++j) {
+          widen_piece<kType>(pieces[2 * j], low[j]);
+          widen_piece<kType>(pieces[2 * j + 1], high[j]);
+        }
+#pragma unroll
+        for (int i = 0; i < kPerPiece / kMmaK; ++i) {
+          const double b_frag[4] = {qf[p * kPerPiece + 4 * i], qf[p * kPerPiece + 4 * i + 1],
+                                    qf[p * kPerPiece + 4 * i + 2], qf[p * kPerPiece + 4 * i + 3]};
+#pragma unroll
+          for (int j = 0; j < kHalfGroups / 2; ++j) {
+            const double a_frag[8] = {low[j][4 * i],     high[j][4 * i],     low[j][4 * i + 1], high[j][4 * i + 1],
+                                      low[j][4 * i + 2], high[j][4 * i + 2], low[j][4 * i + 3], high[j][4 * i + 3]};
+            dmma_16x8x16(acc[half * kHalfGroups + 2 * j], acc[half * kHalfGroups + 2 * j + 1], a_frag, b_frag);
+          }
+        }
+#else
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
 #pragma unroll
@@ -606,6 +732,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
             }
           }
         }
+#endif
       }
     }
 
@@ -1013,11 +1140,16 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   if (carver.sizing() || batch == 0 || heads == 0) return;
 
   const cudaStream_t stream = device.stream;
-  prepare_kernel<<<dim3(unsigned(heads), unsigned(batch)), kPrepareThreads, 0, stream>>>(sp);
-  check(cudaGetLastError(), "token_select prepare_kernel launch");
-  if (cache != nullptr) {
-    cache_lookup_kernel<<<unsigned(batch), kReduceThreads, 0, stream>>>(sp);
-    check(cudaGetLastError(), "token_select cache_lookup_kernel launch");
+  if (cache != nullptr && problem.max_seq_q <= kFusedLookupRows) {
+    prepare_lookup_kernel<<<unsigned(batch), kReduceThreads, 0, stream>>>(sp);
+    check(cudaGetLastError(), "token_select prepare_lookup_kernel launch");
+  } else {
+    prepare_kernel<<<dim3(unsigned(heads), unsigned(batch)), kPrepareThreads, 0, stream>>>(sp);
+    check(cudaGetLastError(), "token_select prepare_kernel launch");
+    if (cache != nullptr) {
+      cache_lookup_kernel<<<unsigned(batch), kReduceThreads, 0, stream>>>(sp);
+      check(cudaGetLastError(), "token_select cache_lookup_kernel launch");
+    }
   }
   if (!shape.all_dense) {
     constexpr int kSmallHeadChunk = 4, kLargeHeadChunk = 8;
