@@ -583,7 +583,7 @@ __device__ __forceinline__ void widen_piece(const uint4& piece, double (&out)[kC
   const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    if (kType == ElementType::kF32) {
+    if constexpr (kType == ElementType::kF32) {
       out[w] = widen_f32(words[w]);
     } else {
       widen_pair<kType>(words[w], out[2 * w], out[2 * w + 1]);
@@ -738,7 +738,6 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 
     // Softmax statistics of the tile per head. Lane (r, c) holds candidates first + 8g and heads 2c, 2c + 1.
     const int32_t first = tile * kScoreTile + warp * kWarpCandidates + r;
-    const bool head_ok[2] = {2 * c < heads, 2 * c + 1 < heads};
     double m[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int g = 0; g < kWarpGroups; ++g) {
@@ -755,40 +754,62 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
       if (r == 0) warp_max[warp][2 * c + e] = m[e];
     }
     __syncthreads();
+    // exp(s - tile max) to scratch and its sums. With at most 4 heads in the chunk (a group of 4) lanes c >= 2 hold
+    // no head; instead of idling through the exponentials they take the odd groups of lane c - 2 (a shuffle), so
+    // every lane computes 8 of them instead of half the lanes 16.
+    const bool fold = heads <= kMmaHeads / 2;
+    const int pair = fold ? (c & 1) : c;  // this lane finishes heads 2·pair, 2·pair + 1
+    const bool pair_ok[2] = {2 * pair < heads, 2 * pair + 1 < heads};
     double sum[2] = {0.0, 0.0};
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      m[e] = warp_max[0][2 * c + e];
+      m[e] = warp_max[0][2 * pair + e];
 #pragma unroll
-      for (int w = 1; w < kMmaWarps; ++w) m[e] = fmax(m[e], warp_max[w][2 * c + e]);
-      if (!head_ok[e]) continue;
+      for (int w = 1; w < kMmaWarps; ++w) m[e] = fmax(m[e], warp_max[w][2 * pair + e]);
+    }
+    auto finish = [&](double score, int g, int e) {  // candidate group g, head 2·pair + e
+      const int32_t candidate = first + g * kMmaM;
+      if (candidate >= info.candidates) return;
+      const double value = exp(score - m[e]);
+      sp.scores[(row0 + 2 * pair + e) * sp.score_stride + candidate] = value;
+      sum[e] += value;
+    };
+    if (fold) {
+#pragma unroll
+      for (int g = 0; g < kWarpGroups; g += 2) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const double odd = warp_shfl_xor(acc[g + 1][e], 2);  // lane c ^ 2's group g + 1
+          if (pair_ok[e]) finish(c < 2 ? acc[g][e] : odd, c < 2 ? g : g + 1, e);
+        }
+      }
+    } else {
 #pragma unroll
       for (int g = 0; g < kWarpGroups; ++g) {
-        acc[g][e] = first + g * kMmaM < info.candidates ? exp(acc[g][e] - m[e]) : 0.0;
-        sum[e] += acc[g][e];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (pair_ok[e]) finish(acc[g][e], g, e);
+        }
       }
     }
+    const bool sum_writer = r == 0 && (!fold || c < 2);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
+      if (fold) sum[e] += warp_shfl_xor(sum[e], 2);
 #pragma unroll
       for (int offset = 4; offset < kWarpLanes; offset *= 2) sum[e] += warp_shfl_xor(sum[e], offset);
-      if (r == 0) warp_sum[warp][2 * c + e] = sum[e];
+      if (sum_writer) warp_sum[warp][2 * pair + e] = sum[e];
     }
     __syncthreads();  // the next writes of warp_max / warp_sum follow at least one more ring barrier
+    if (warp == 0 && sum_writer) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (!head_ok[e]) continue;
-      double* row = sp.scores + (row0 + 2 * c + e) * sp.score_stride;
+      for (int e = 0; e < 2; ++e) {
+        if (!pair_ok[e]) continue;
+        double total = warp_sum[0][2 * pair + e];
 #pragma unroll
-      for (int g = 0; g < kWarpGroups; ++g) {
-        if (first + g * kMmaM < info.candidates) row[first + g * kMmaM] = acc[g][e];
-      }
-      if (warp == 0 && r == 0) {
-        double total = warp_sum[0][2 * c + e];
-#pragma unroll
-        for (int w = 1; w < kMmaWarps; ++w) total += warp_sum[w][2 * c + e];
-        sp.tile_max[(row0 + 2 * c + e) * sp.tiles + tile] = m[e];
-        sp.tile_sum[(row0 + 2 * c + e) * sp.tiles + tile] = total;
+        for (int w = 1; w < kMmaWarps; ++w) total += warp_sum[w][2 * pair + e];
+        sp.tile_max[(row0 + 2 * pair + e) * sp.tiles + tile] = m[e];
+        sp.tile_sum[(row0 + 2 * pair + e) * sp.tiles + tile] = total;
       }
     }
   }
