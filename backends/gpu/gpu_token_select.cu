@@ -10,8 +10,10 @@
 //   prepare   (Hq × B)      per-sequence mode (no rows / dense / selects), candidate counts, q̄ (float64)
 //   lookup    (B)           [cache only] cosine vs the cached concat q̄ and the cached ids' range: hit → skip flag,
 //                           miss → store q̄; counts both
-//   score     (tiles, Hkv, B)  float64 dot products of a 256-candidate tile for the group's heads, the tile's
-//                           softmax max/sum per head, exp(s - tile max) kept in scratch
+//   score     (tiles, Hkv·chunks, B)  float64 dot products of a 256-candidate tile for a chunk of the group's
+//                           heads, the tile's softmax max/sum per head, exp(s - tile max) kept in scratch; on
+//                           sm_90 with groups >= 4 and head_dim <= 128 on FP64 tensor cores (score_mma_kernel),
+//                           elsewhere with FMAs (score_kernel)
 //   merge     (Hq × B)      per head: max and denominator over the tiles
 //   vote      (tiles, sets, B) vote[t] = Σ_h exp(s - m_h) / Z_h over the set's heads
 //   device_topk             T (token ids, ascending) straight into the cache slot (or scratch); skipped on a hit
@@ -23,9 +25,10 @@
 // double's exponent/mantissa fields is the element times 2^-1008 (f16) or 2^-896 (bf16, f32) exactly, subnormals
 // included; q̄ is pre-multiplied by the inverse power of two (exact, and it cannot overflow: |q̄| is at most the
 // type's largest finite value). Every product and FMA is therefore the one of the unscaled values. (An inf/NaN key
-// element becomes a finite value: such inputs give garbage either way.) The dot products use FMA and the sums of
-// the softmax run in tree order, so votes equal the CPU's to a few ulps, not bit for bit: selections agree unless
-// two votes at the top-k boundary are that close.
+// element becomes a finite value: such inputs give garbage either way.) The dot products use FMA (or the tensor
+// cores' float64 MMA, whose partial sums round differently again) and the sums of the softmax run in tree order, so
+// votes equal the CPU's to a few ulps, not bit for bit: selections agree unless two votes at the top-k boundary are
+// that close.
 #include "../../src/error.h"
 #include "device_topk.h"
 #include "forward_common.cuh"
@@ -52,9 +55,6 @@ constexpr int kCopyPasses = kScoreTile / kRowsPerCopyPass;  // 16-byte copies pe
 constexpr int kStageBytes = kScoreTile * kChunkBytes;
 constexpr int kMaxHeadDim = 256;
 constexpr int kVoteHeadsPerPass = 64;
-// Query rows per sequence up to which one block per sequence computes q̄ and the cache lookup (decode; a prefill
-// chunk spreads q̄ over Hq blocks per sequence instead).
-constexpr int kFusedLookupRows = 8;
 constexpr int kListThreads = 1024;    // one block per key list: few entries per thread (decode hit path)
 constexpr int kScoreBlocksPerSm = 4;  // score/vote grids: blocks walking tiles in a loop, all resident at once (no tail wave)
 constexpr uint64_t kMaxScoreBytes = uint64_t(16) << 30;
@@ -216,75 +216,6 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const SelectPa
     double sum = 0.0;
     for (int32_t i = 0; i < s.seq_q; ++i) sum += double(load_value(sp.p.q, query_row_offset(sp.p.q_strides, s, i) + d, sp.p.element_type));
     qbar[d] = sum / double(s.seq_q);
-  }
-}
-
-// Block b, for calls with a cache and at most kFusedLookupRows query rows per sequence (decode): prepare_kernel and
-// cache_lookup_kernel in one launch. Each thread keeps the q̄ elements it computes and compares them with the cached
-// ones at once (same elements per thread and same order as the two kernels, so the same sums and decisions): one
-// launch and one write-then-read of q̄ fewer on the hit path.
-__global__ void __launch_bounds__(kReduceThreads) prepare_lookup_kernel(const SelectParams sp) {
-  __shared__ double scratch[3 * kReduceThreads / kWarpLanes], sums[3];
-  __shared__ int32_t ids_outside;
-  const int32_t b = blockIdx.x;
-  const SequenceView s = make_sequence_view(sp.p, b, 0);
-  const int64_t always_kept = int64_t(sp.n_init) + sp.n_local;
-  const int32_t mode = s.seq_q <= 0 ? kNoRows : (always_kept + sp.top_k >= s.seq_k ? kDense : kSelects);
-  const int32_t candidates = mode == kSelects ? int32_t(s.seq_k - always_kept) : 0;
-  if (threadIdx.x == 0) sp.sequences[b] = SequenceInfo{mode, candidates};
-  for (int32_t set = threadIdx.x; set < sp.n_sets; set += blockDim.x) sp.segment_lengths[b * sp.n_sets + set] = candidates;
-  if (mode != kSelects) {  // dense and empty sequences leave their slot alone and count nothing
-    if (threadIdx.x == 0) sp.skip[b] = 1;
-    return;
-  }
-  const int32_t dim = sp.p.head_dim;
-  const int64_t qbar_len = int64_t(sp.p.num_q_heads) * dim;
-  int32_t* slot = sp.cache.slots + int64_t(b) * kSlotFields;
-  double* now = sp.qbar + b * qbar_len;
-  double* cached = sp.cache.qbars + b * sp.cache.qbar_capacity;
-  const bool same_layout = slot[kSlotFilled] != 0 && slot[kSlotQbarLength] == qbar_len &&
-                           slot[kSlotSets] == sp.n_sets && slot[kSlotTopK] == sp.top_k;
-  if (threadIdx.x == 0) ids_outside = 0;
-  double v[3] = {0.0, 0.0, 0.0};  // q̄·cached, |q̄|², |cached|²
-  for (int64_t i = threadIdx.x; i < qbar_len; i += blockDim.x) {
-    const int64_t at = query_row_offset(sp.p.q_strides, s, 0) + (i / dim) * sp.p.q_strides.h + i % dim;
-    double sum = 0.0;
-    for (int32_t row = 0; row < s.seq_q; ++row) sum += double(load_value(sp.p.q, at + row * sp.p.q_strides.s, sp.p.element_type));
-    const double mean = sum / double(s.seq_q);
-    now[i] = mean;  // the score kernel's q̄ (a miss); this thread copies it into the cache below
-    if (same_layout) {
-      v[0] = fma(mean, cached[i], v[0]);
-      v[1] = fma(mean, mean, v[1]);
-      v[2] = fma(cached[i], cached[i], v[2]);
-    }
-  }
-  __syncthreads();
-  if (same_layout) {
-    const int32_t* ids = sp.cache.selections + b * sp.cache.selection_capacity;
-    const int64_t first = sp.n_init, last = int64_t(s.seq_k) - sp.n_local;
-    for (int64_t i = threadIdx.x; i < int64_t(sp.n_sets) * sp.top_k; i += blockDim.x) {
-      if (ids[i] < first || ids[i] >= last) ids_outside = 1;
-    }
-  }
-  block_reduce<3, false>(v, scratch, sums);  // also orders ids_outside
-  const bool hit = same_layout && ids_outside == 0 && sums[1] > 0.0 && sums[2] > 0.0 &&
-                   sums[0] / (sqrt(sums[1]) * sqrt(sums[2])) >= sp.cache_theta;
-  if (threadIdx.x == 0) sp.skip[b] = hit ? 1 : 0;
-  if (hit) {
-    if (threadIdx.x == 0) {
-      atomicAdd(&sp.cache.totals[0], 1ull);
-      stats_add(sp.stats, SPARSA_STAT_CACHE_HITS, 1);
-    }
-    return;
-  }
-  for (int64_t i = threadIdx.x; i < qbar_len; i += blockDim.x) cached[i] = now[i];  // reads finished above
-  if (threadIdx.x == 0) {
-    slot[kSlotFilled] = 1;
-    slot[kSlotQbarLength] = int32_t(qbar_len);
-    slot[kSlotSets] = sp.n_sets;
-    slot[kSlotTopK] = sp.top_k;
-    atomicAdd(&sp.cache.totals[1], 1ull);
-    stats_add(sp.stats, SPARSA_STAT_CACHE_MISSES, 1);
   }
 }
 
@@ -497,16 +428,16 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm) score_kernel
   copy_wait<0>();  // the groups still open are empty; no copy outlives the block
 }
 
-// ---- The tensor-core score kernel (NVIDIA sm_80+): float64 MMA m8n8k4 (DMMA) ----
+// ---- The tensor-core score kernel (NVIDIA; used on sm_90): float64 MMA (DMMA) ----
 // The FMA kernel above issues one instruction per 32 FMAs plus the shared loads and widening around them, so it is
-// bound by instruction issue, far from the memory floor of reading K once. One DMMA does 8 candidates × 8 heads × 4
-// dims (256 FMAs) per instruction. A = 8 candidates × 4 dims of widened K, B = 4 dims × 8 heads of q̄ (a chunk of
+// bound by instruction issue, far from the memory floor of reading K once. One m8n8k4 DMMA does 8 candidates × 8
+// heads × 4 dims (256 FMAs) per instruction (the sm_90 m16n8k16 below: two of them × 4 dims at once). A = 8 candidates × 4 dims of widened K, B = 4 dims × 8 heads of q̄ (a chunk of
 // the group; with a group of 4 half of every MMA multiplies zeros, which still leaves the tensor pipe under the
 // memory floor), C = the 8 × 8 scores. The order of d inside a dot product is free, so a lane's 16-byte piece of
 // its candidate row (8 or 4 consecutive dims) feeds 8 or 4 consecutive MMAs: lane (r = lane/4, c = lane%4) holds
 // candidate r and, in MMA i of round p, dim p·kRoundDims + c·kPerPiece + i; B's lane (k = c, n = r) then holds the
 // q̄ of head r at the same dims, which therefore sit in registers for the whole block (head_dim/4 doubles a lane).
-// Products are the exact ones of the FMA kernel (same widening, same pre-scaled q̄); only how the 4-term partial
+// Products are the exact ones of the FMA kernel (same widening, same pre-scaled q̄); only how the MMA's partial
 // sums round differs, a few ulps (see the file comment).
 constexpr int kMmaThreads = 128;  // 4 warps; warp w owns candidates [64w, 64w + 64) of every tile
 constexpr int kMmaWarps = kMmaThreads / 32;
@@ -525,7 +456,7 @@ constexpr int kMmaCopiesPerRow = kRoundBytes / kPieceBytes;
 constexpr int kMmaCopyRows = kMmaThreads / kMmaCopiesPerRow;  // rows one copy pass covers (one per warp's half)
 constexpr int kMmaMaxHeadDim = 128;                           // q̄ fragments stay in registers up to here
 constexpr int kQbarSlots = kMmaMaxHeadDim / kMmaK;            // doubles of q̄ per lane
-constexpr int kMmaBlocksPerSm = 3;  // ~168 registers a thread: 3 blocks (12 warps, 72 KB of copies in flight) per SM
+constexpr int kMmaBlocksPerSm = 3;  // 164 registers a thread: 3 blocks (12 warps, 72 KB of copies in flight) per SM
 constexpr int kMmaMinGroup = 4;     // below this most of every MMA would multiply zeros: the FMA kernel serves it
 static_assert(kMmaCopyRows == kHalfCandidates, "copy pass k stages warp k's rows of the half");
 static_assert(kWarpLanes == 32 || !SPARSA_GPU_DEVICE_HAS_MMA_SYNC, "m8n8k4 fragments are laid out over 32 lanes");
@@ -560,8 +491,8 @@ __device__ __forceinline__ void dmma(double (&acc)[2], double a, double b) {
 }
 #endif
 
-// Hopper runs the m8n8k4 shape at half its FP64 tensor rate (ncu: 43 % of the DMMA pipe's peak was only 14 TFLOPS);
-// the sm_90 shapes do 16 candidates × 8 heads × 16 dims per instruction at the full rate. Fragments (the PTX
+// Hopper runs the m8n8k4 shape at half its FP64 tensor rate (ncu on an H200: 43 % of the DMMA pipe's peak was only
+// 14 TFLOPS, the kernel 1.24 ms); the sm_90 shape does 16 candidates × 8 heads × 16 dims per instruction (0.85 ms). Fragments (the PTX
 // layout): a[v0 + 2·v1] = A[r + 8·v0][c + 4·v1], b[v] = B[c + 4·v][r], {low, high} = C rows r and r + 8, columns
 // 2c, 2c + 1.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -1059,12 +990,15 @@ void launch_score_mma(const SelectParams& sp, dim3 grid, cudaStream_t stream) {
 }
 #endif
 
-// True when the tensor-core score kernel serves this run: NVIDIA sm_80+, q̄ fragments that fit the registers, and
-// groups large enough that an 8-head MMA is at least half useful.
+// True when the tensor-core score kernel serves this run: Hopper or newer, q̄ fragments that fit the registers, and
+// groups large enough that an 8-head MMA is at least half useful. Measured on an H200 (1M keys, GQA 32/8, D 128):
+// m16n8k16 0.85 ms against 0.95 ms for score_kernel, but m8n8k4 1.24 ms; so sm_80 keeps score_kernel (m8n8k4 stays
+// in score_mma_kernel only for code that was not compiled for sm_90, e.g. compute_80 PTX run on a Hopper GPU).
 bool scores_on_tensor_cores(const GpuDevice& device, const AttentionProblem& problem) {
 #if SPARSA_GPU_HAS_MMA_SYNC
+  constexpr int32_t kHopperMajor = 9;
   const int32_t group = problem.num_q_heads / std::max(problem.num_kv_heads, 1);
-  return device.compute_major >= 8 && problem.head_dim <= kMmaMaxHeadDim && group >= kMmaMinGroup;
+  return device.compute_major >= kHopperMajor && problem.head_dim <= kMmaMaxHeadDim && group >= kMmaMinGroup;
 #else
   (void)device;
   (void)problem;
@@ -1161,16 +1095,11 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   if (carver.sizing() || batch == 0 || heads == 0) return;
 
   const cudaStream_t stream = device.stream;
-  if (cache != nullptr && problem.max_seq_q <= kFusedLookupRows) {
-    prepare_lookup_kernel<<<unsigned(batch), kReduceThreads, 0, stream>>>(sp);
-    check(cudaGetLastError(), "token_select prepare_lookup_kernel launch");
-  } else {
-    prepare_kernel<<<dim3(unsigned(heads), unsigned(batch)), kPrepareThreads, 0, stream>>>(sp);
-    check(cudaGetLastError(), "token_select prepare_kernel launch");
-    if (cache != nullptr) {
-      cache_lookup_kernel<<<unsigned(batch), kReduceThreads, 0, stream>>>(sp);
-      check(cudaGetLastError(), "token_select cache_lookup_kernel launch");
-    }
+  prepare_kernel<<<dim3(unsigned(heads), unsigned(batch)), kPrepareThreads, 0, stream>>>(sp);
+  check(cudaGetLastError(), "token_select prepare_kernel launch");
+  if (cache != nullptr) {
+    cache_lookup_kernel<<<unsigned(batch), kReduceThreads, 0, stream>>>(sp);
+    check(cudaGetLastError(), "token_select cache_lookup_kernel launch");
   }
   if (!shape.all_dense) {
     constexpr int kSmallHeadChunk = 4, kLargeHeadChunk = 8;
