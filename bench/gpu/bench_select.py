@@ -184,3 +184,90 @@ def run(sp, record, quick):
         runner.close()
         del q, q_other, q_first, k, v, out, qt, kt, vt, graph_a, graph_b, graph_hit
         torch.cuda.empty_cache()
+
+
+def kernel_timeline(fn, label, replays=3):
+    """Runs fn `replays` times under the torch profiler and prints the kernels of the last run: start offset from
+    the first kernel, duration, name (the hit path's launches and gaps; the miss path's per-kernel costs)."""
+    import json
+    import os
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    marks = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+            torch.cuda.synchronize()
+            marks.append(None)
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
+    events.sort(key=lambda e: e["ts"])
+    runs, current = [], []
+    for e in events:  # a gap of > 50 us separates two runs (each ends with a synchronize)
+        if current and e["ts"] - (current[-1]["ts"] + current[-1]["dur"]) > 50:
+            runs.append(current)
+            current = []
+        current.append(e)
+    if current:
+        runs.append(current)
+    last = runs[-1]
+    t0 = last[0]["ts"]
+    end = last[-1]["ts"] + last[-1]["dur"]
+    print(f"--- {label}: {len(last)} kernels, first start to last end {end - t0:.1f} us, "
+          f"busy {sum(e['dur'] for e in last):.1f} us", flush=True)
+    for e in last:
+        print(f"  +{e['ts'] - t0:8.1f} us  {e['dur']:8.1f} us  {e['name'][:110]}", flush=True)
+
+
+def profile_main():
+    """python3 bench_select.py LIB --profile: one 1M-key miss (for ncu -k regex:score), nothing else.
+    python3 bench_select.py LIB --timeline [N]: miss and hit graph replays timed, and their kernel timelines."""
+    import sys
+    from bench_gpu import Sparsa
+    sp = Sparsa(sys.argv[1])
+    N = int(sys.argv[3]) if len(sys.argv) > 3 else 1048576
+    B, H, Hkv, D = 1, 32, 8, 128
+    torch.manual_seed(0)
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    q_other, q_first = torch.randn_like(q), q.clone()
+    k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    selected = torch.full((B, 1, N_INIT + TOP_K + N_LOCAL), -7, device="cuda", dtype=torch.int32)
+    runner = SelectRunner(sp, q, k, v, out, selected)
+    if "--profile" in sys.argv:
+        runner.run()  # empty cache: a miss
+        torch.cuda.synchronize()
+        runner.close()
+        return
+    stream = torch.cuda.Stream()
+    graph_a, graph_b = graph_of(runner, q, q_other, stream), graph_of(runner, q, q_first, stream)
+
+    def miss_pair():
+        graph_a.replay()
+        graph_b.replay()
+    miss = bench(miss_pair) / 2
+    q.copy_(q_first)
+    runner.run()
+    graph_hit = graph_of(runner, q, q_first, stream)
+    hit = bench(graph_hit.replay)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        cudnn = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+    print(f"N={N} miss_graph_ms={miss:.4f} hit_graph_ms={hit:.4f} cudnn_ms={cudnn:.4f} "
+          f"miss/cudnn={miss / cudnn:.3f}", flush=True)
+    flip = {"a": False}
+
+    def miss_one():  # alternating queries: every replay misses
+        flip["a"] = not flip["a"]
+        (graph_a if flip["a"] else graph_b).replay()
+    kernel_timeline(miss_one, "miss (graph)")
+    graph_hit.replay()
+    kernel_timeline(graph_hit.replay, "hit (graph)")
+    runner.close()
+
+
+if __name__ == "__main__":
+    profile_main()
