@@ -324,12 +324,12 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
   const int64_t kv_row0 = kv_head_index * s.max_seq_k;
   const float* key_scales = s.k_scale + (int64_t(seq.b) * s.num_kv_heads + seq.kv_head) * s.k_blocks;
 
+  VisibleTileWalk walk;
   auto next_visible_tile = [&](int32_t tile) {
-    for (; tile < tile_count; ++tile) {
-      const int32_t key_begin = tile * kTileKeys;
-      if (tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kTileKeys, key_end))) break;
-    }
-    return tile;
+    return walk.next(tile, tile_count, [&](int32_t candidate) {
+      const int32_t key_begin = candidate * kTileKeys;
+      return tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kTileKeys, key_end));
+    });
   };
 
   // Q (int8) -> shared -> registers (the A operand of every S mma).
