@@ -209,12 +209,16 @@ ForwardLaunch plan_forward(const GpuDevice& device, const ForwardParams& p, int6
                         kDecodeMaxSplits, max_seq_q, flat_rows, heads, p.head_dim);
   }
   const char* why_not = nullptr;
-  // The wgmma kernel walks 128 × 128 tiles: a block mask with smaller cells (SPARGE's default 128 × 64) would put
-  // the per-element predicate, one mask read per element, in every tile; mma.sync's 64 × 64 tiles stay in one cell.
-  const bool mask_cells_cover_wgmma_tiles =
+  // The wgmma kernel walks 128 × 128 tiles. Block-mask cells of 128 × 128 multiples cover whole tiles; cells whose
+  // rows hold each 64-row warpgroup and whose keys fill 64-key halves (SPARGE's default 128 × 64, 64 × 64, 128 × 32,
+  // ...: wgmma_gathers_mask_cells) are walked as gathered halves with a few mask reads per thread and tile. Any
+  // other cell shape would put the per-element predicate, one mask read per element, in every tile: mma.sync.
+  // SPARGE's PV skip (pv_skip_log2) stays on mma.sync (forward_wgmma_supports refuses it).
+  const bool mask_cells_fit_wgmma =
       p.rule != VisibilityRule::kBlockMask ||
-      (p.mask_block_q % kWgmmaBlockRows == 0 && p.mask_block_k % kWgmmaBlockKeys == 0);
-  if (tensors_aligned16 && mask_cells_cover_wgmma_tiles &&
+      (p.mask_block_q % kWgmmaBlockRows == 0 && p.mask_block_k % kWgmmaBlockKeys == 0) ||
+      wgmma_gathers_mask_cells(p.mask_block_q, p.mask_block_k);
+  if (tensors_aligned16 && mask_cells_fit_wgmma &&
       forward_wgmma_supports(p, device.compute_major, &why_not)) {
     if (!plain_rows) return unsplit_launch(ForwardKernel::kWgmma, max_seq_q);
     // One wgmma block per multiprocessor (its shared memory and registers take the whole SM): split the keys of

@@ -22,10 +22,15 @@
 // boundaries (the swizzle pattern repeats every 8 rows × 128 bytes and the hardware applies it to the address).
 //
 // The key tiles walked are the same as forward_mma.cu's (tile_has_visible_key in ascending order, here checked 32
-// at a time by a warp ballot); split-KV writes partial states exactly like it. A row map changes only where rows
-// are read and written (per-row copies and stores through forward_common.cuh's launch_* offsets) and each row's
-// causal horizon (its position, not its launch index); the tile loop is the same. Compiled to a stub for every target
-// other than sm_90a (sm_80, HIP); forward_wgmma_supports() asks the runtime whether sm_90a code was loaded.
+// at a time by a warp ballot); split-KV writes partial states exactly like it. Block masks whose cells are finer
+// than a tile along the keys but hold each consumer warpgroup's 64 rows in one cell row (wgmma_gathers_mask_cells:
+// SPARGE's default 128 × 64, 64 × 64, 128 × 32, ...) are walked in 64-key halves instead: the visible halves, two
+// per tile wherever they lie (a gathered tile; the producer copies each half from its own keys), and each thread
+// masks its key columns by the few mask cells they lie in, plus the sequence end and the causal bound.
+// A row map changes only where rows are read and written (per-row copies and stores through forward_common.cuh's
+// launch_* offsets) and each row's causal horizon (its position, not its launch index); the tile loop is the same.
+// Compiled to a stub for every target other than sm_90a (sm_80, HIP); forward_wgmma_supports() asks the runtime
+// whether sm_90a code was loaded.
 #include "forward_wgmma.h"
 
 #include "forward_common.cuh"
@@ -64,6 +69,7 @@ constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
 constexpr int kBlockRows = kWgmmaBlockRows;                     // query rows per thread block
 constexpr int kBlockKeys = kWgmmaBlockKeys;                     // keys per tile (the N of S = Q·Kᵀ)
+constexpr int kHalfKeys = kWgmmaHalfKeys;                       // keys of a gathered half tile
 constexpr int kRowsPerConsumer = kBlockRows / kConsumerWarpgroups;  // the M of every wgmma: 64
 constexpr int kConsumerWarps = kConsumerWarpgroups * kWarpgroupThreads / 32;
 static_assert(kRowsPerConsumer == 64, "wgmma's M is 64 rows per warpgroup");
@@ -296,7 +302,9 @@ struct BlockTile {
   int32_t split = 0;
   int32_t row_begin = 0, row_end = 0;  // query rows of the block
   int32_t key_end = 0;                 // causal bound of the block's last row
-  int32_t first_tile = 0, tile_count = 0;  // this split's share of the key tiles: [first_tile, tile_count)
+  bool gather = false;                 // walk 64-key halves of mask cells, two per tile (wgmma_gathers_mask_cells)
+  int32_t unit_keys = kBlockKeys;      // keys of one walked unit: a whole tile, or a half when gathering
+  int32_t first_unit = 0, unit_count = 0;  // this split's share of the walked units: [first_unit, unit_count)
   uint32_t base = 0;                   // shared address of the aligned plan
 
   __device__ uint32_t q_tile() const { return base; }
@@ -311,34 +319,69 @@ struct BlockTile {
   __device__ uint32_t k_empty(int stage) const { return stage_barrier(stage, 2); }  // both halves done with K
   __device__ uint32_t v_empty(int stage) const { return stage_barrier(stage, 3); }  // both halves done with V
 
-  // May some row of the block see a key of `tile`?
-  __device__ bool tile_visible(int32_t tile) const {
-    const int32_t key_begin = tile * kBlockKeys;
-    return tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kBlockKeys, key_end));
+  // May some row of the block see a key of walked unit `unit`?
+  __device__ bool unit_visible(int32_t unit) const {
+    const int32_t key_begin = unit * unit_keys;
+    return tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + unit_keys, key_end));
   }
 };
 
-// The walk every warp of the block follows: the visible key tiles of [first_tile, tile_count), ascending. A warp
-// checks 32 tiles at once (one per lane) and keeps the answer as a bit mask, so a sparse block mask costs one
-// load per 32 tiles instead of one per tile. Warp-collective: every lane calls next() with the same tile.
-struct TileWalk {
-  static constexpr int kWindow = 32;  // tiles checked at once: one per lane
-  int32_t window = -kWindow;  // first tile of the checked window (none yet: every tile >= 0 lies past it)
-  uint32_t bits = 0;          // bit j: tile window + j is visible
+// The walk every warp of the block follows: the visible units (tiles, or halves when gathering) of
+// [first_unit, unit_count), ascending. A warp checks 32 units at once (one per lane) and keeps the answer as a bit
+// mask, so a sparse block mask costs one load per 32 units instead of one per unit. Warp-collective: every lane
+// calls next() with the same unit.
+struct UnitWalk {
+  static constexpr int kWindow = 32;  // units checked at once: one per lane
+  int32_t window = -kWindow;  // first unit of the checked window (none yet: every unit >= 0 lies past it)
+  uint32_t bits = 0;          // bit j: unit window + j is visible
   template <typename Block>
-  __device__ int32_t next(const Block& block, int32_t tile) {
+  __device__ int32_t next(const Block& block, int32_t unit) {
     const int lane = threadIdx.x % kWindow;
-    while (tile < block.tile_count) {
-      if (tile < window || tile >= window + kWindow) {
-        window = tile;
-        const int32_t mine = tile + lane;
-        bits = uint32_t(warp_ballot(mine < block.tile_count && block.tile_visible(mine)));
+    while (unit < block.unit_count) {
+      if (unit < window || unit >= window + kWindow) {
+        window = unit;
+        const int32_t mine = unit + lane;
+        bits = uint32_t(warp_ballot(mine < block.unit_count && block.unit_visible(mine)));
       }
-      const uint32_t ahead = bits >> (tile - window);
-      if (ahead != 0) return tile + __ffs(ahead) - 1;
-      tile = window + kWindow;
+      const uint32_t ahead = bits >> (unit - window);
+      if (ahead != 0) return unit + __ffs(ahead) - 1;
+      unit = window + kWindow;
     }
-    return block.tile_count;
+    return block.unit_count;
+  }
+};
+
+// Keys of one computed tile: columns [0, 64) hold keys begin[0] .., columns [64, 128) keys begin[1] ... A plain tile
+// t has begin = {128t, 128t + 64}; a gathered tile two visible halves wherever they lie, or one and kNoKeys (the odd
+// half at the end of a walk). Keys at or past the sequence end are zero-filled by the copies and masked.
+constexpr int32_t kNoKeys = 1 << 30;  // past every sequence (int32 lengths), with room for + kBlockKeys
+struct KeyTile {
+  int32_t begin[2] = {kNoKeys, kNoKeys};
+  // (A select, not begin[column / 64]: a runtime index would put the pair in local memory.)
+  __device__ int32_t key(int column) const {
+    return column < kHalfKeys ? begin[0] + column : begin[1] + (column - kHalfKeys);
+  }
+};
+
+// The tiles of the walk, in order: plain (one visible unit = one tile) or gathered (the next two visible halves).
+struct TileCursor {
+  UnitWalk walk;
+  int32_t unit = 0;  // first unit not yet taken
+  template <typename Block>
+  __device__ bool next(const Block& block, KeyTile& tile) {
+    const int32_t first = walk.next(block, unit);
+    if (first >= block.unit_count) return false;
+    if (!block.gather) {
+      tile.begin[0] = first * kBlockKeys;
+      tile.begin[1] = tile.begin[0] + kHalfKeys;
+      unit = first + 1;
+      return true;
+    }
+    const int32_t second = walk.next(block, first + 1);
+    tile.begin[0] = first * kHalfKeys;
+    tile.begin[1] = second < block.unit_count ? second * kHalfKeys : kNoKeys;
+    unit = second + 1;
+    return true;
   }
 };
 
@@ -355,19 +398,19 @@ struct RingSlot {
   }
 };
 
-// Copies rows [0, kRows) of a tile into its swizzled shared layout; rows >= valid_rows are zero-filled (so masked
-// keys multiply zeros, never stale data). Row r starts at element row_offset(r) of `base`. Each of the producer
+// Copies rows [0, kRows) of a tile into its swizzled shared layout; rows r with !valid(r) are zero-filled (so
+// masked keys multiply zeros, never stale data). Row r starts at element row_offset(r) of `base`. Each of the producer
 // warpgroup's threads owns one 16-byte column of every kRowsPerPass-th row (a warp reads whole 256-byte rows).
-template <int kHeadDim, int kRows, typename RowOffset>
+template <int kHeadDim, int kRows, typename RowOffset, typename RowValid>
 __device__ __forceinline__ void copy_rows(uint32_t tile_address, const uint16_t* base, RowOffset row_offset,
-                                          int valid_rows, int thread) {
+                                          RowValid valid_row, int thread) {
   constexpr int kChunksPerRow = kHeadDim / kChunkElems;
   constexpr int kRowsPerPass = kWarpgroupThreads / kChunksPerRow;
   static_assert(kRows % kRowsPerPass == 0, "tile rows must divide evenly among the producer threads");
   const int chunk = thread % kChunksPerRow;
 #pragma unroll 4
   for (int row = thread / kChunksPerRow; row < kRows; row += kRowsPerPass) {
-    const bool valid = row < valid_rows;
+    const bool valid = valid_row(row);
     const uint16_t* src = valid ? base + row_offset(row) + chunk * kChunkElems : base;
     cp_async_16(tile_address + swizzled_offset<kRows>(row, chunk), src, valid ? kChunkBytes : 0);
   }
@@ -378,9 +421,9 @@ __device__ __forceinline__ void copy_rows(uint32_t tile_address, const uint16_t*
 // lookup cannot be issued early): one dependent global load per row, 16 per thread and tile. Instead every lane
 // first looks up ONE row of its warp's share (all loads in flight together), and each pass takes its row's offset
 // from the owning lane by a shuffle. A warp copies kWarpRowsPerPass rows per pass, kPasses passes: exactly 32 rows.
-template <int kHeadDim, int kRows, typename RowOffset>
+template <int kHeadDim, int kRows, typename RowOffset, typename RowValid>
 __device__ __forceinline__ void copy_gathered_rows(uint32_t tile_address, const uint16_t* base, RowOffset row_offset,
-                                                   int valid_rows, int thread) {
+                                                   RowValid valid_row, int thread) {
   constexpr int kChunksPerRow = kHeadDim / kChunkElems;
   constexpr int kRowsPerPass = kWarpgroupThreads / kChunksPerRow;
   constexpr int kWarpRowsPerPass = 32 / kChunksPerRow;
@@ -391,13 +434,13 @@ __device__ __forceinline__ void copy_gathered_rows(uint32_t tile_address, const 
   // Thread t copies row t / kChunksPerRow + pass·kRowsPerPass = warp·W + lane / kChunksPerRow + pass·kRowsPerPass
   // (W = kWarpRowsPerPass); lane l looks up that row for pass l / W and lane group l % W.
   const int owned_row = warp * kWarpRowsPerPass + lane % kWarpRowsPerPass + (lane / kWarpRowsPerPass) * kRowsPerPass;
-  const long long owned = owned_row < valid_rows ? static_cast<long long>(row_offset(owned_row)) : 0;
+  const long long owned = valid_row(owned_row) ? static_cast<long long>(row_offset(owned_row)) : 0;
   const int chunk = thread % kChunksPerRow;
 #pragma unroll 4
   for (int pass = 0; pass < kPasses; ++pass) {
     const int row = thread / kChunksPerRow + pass * kRowsPerPass;
     const long long offset = __shfl_sync(0xffffffffu, owned, pass * kWarpRowsPerPass + lane / kChunksPerRow);
-    const bool valid = row < valid_rows;
+    const bool valid = valid_row(row);
     const uint16_t* src = valid ? base + offset + chunk * kChunkElems : base;
     cp_async_16(tile_address + swizzled_offset<kRows>(row, chunk), src, valid ? kChunkBytes : 0);
   }
@@ -410,54 +453,55 @@ __device__ __forceinline__ void produce(const BlockTile<kHeadDim, kStages>& bloc
   const ForwardParams& p = block.p;
   const SequenceView& seq = block.seq;
   const uint16_t* q_base = static_cast<const uint16_t*>(p.q);
+  const int q_rows = block.row_end - block.row_begin;
+  auto q_valid = [&](int r) { return r < q_rows; };
   if (p.row_map == QueryRowMap::kAll) {  // consecutive rows: one offset, then a stride
     const int64_t q_first = query_row_offset(p.q_strides, seq, block.row_begin);
     copy_rows<kHeadDim, kBlockRows>(
-        block.q_tile(), q_base, [&](int r) { return q_first + r * p.q_strides.s; }, block.row_end - block.row_begin,
-        thread);
+        block.q_tile(), q_base, [&](int r) { return q_first + r * p.q_strides.s; }, q_valid, thread);
   } else {  // Δ's anchors and tail, or a position list: every row finds its own
     copy_gathered_rows<kHeadDim, kBlockRows>(
         block.q_tile(), q_base, [&](int r) { return launch_query_offset(p, p.q_strides, seq, block.row_begin + r); },
-        block.row_end - block.row_begin, thread);
+        q_valid, thread);
   }
   barrier_arrive_on_copies(block.q_full());
 
-  // K or V rows of `tile` into ring slot `slot`; a fresh empty barrier counts as released.
+  // K or V rows of `tile` into ring slot `slot`; a fresh empty barrier counts as released. Row r of the tile is key
+  // tile.key(r): one contiguous run of 128 keys for a plain tile, two runs of 64 for a gathered one.
   auto load = [&](const void* tensor, const TensorStrides& strides, uint32_t empty, uint32_t full, uint32_t tile_address,
-                  int32_t tile, uint32_t phase) {
+                  const KeyTile& tile, uint32_t phase) {
     barrier_wait(empty, phase ^ 1);
     const uint16_t* base = static_cast<const uint16_t*>(tensor);
-    const int32_t key_begin = tile * kBlockKeys;
-    const int valid = min(kBlockKeys, seq.seq_k - key_begin);
+    auto valid = [&](int r) { return tile.key(r) < seq.seq_k; };
     if (p.page_table == nullptr && p.row_map != QueryRowMap::kTokenLists) {
       // padded/packed rows are evenly spaced: one offset, then a stride
-      const int64_t first = key_row_offset(p, strides, seq, key_begin);
+      const int64_t first = key_row_offset(p, strides, seq, 0);
       copy_rows<kHeadDim, kBlockKeys>(
-          tile_address, base, [&](int r) { return first + r * strides.s; }, valid, thread);
+          tile_address, base, [&](int r) { return first + int64_t(tile.key(r)) * strides.s; }, valid, thread);
     } else {  // paged or a position list: every row looks up its page / its position (a per-row gather)
       copy_gathered_rows<kHeadDim, kBlockKeys>(
-          tile_address, base, [&](int r) { return launch_key_offset(p, strides, seq, key_begin + r); }, valid,
-          thread);
+          tile_address, base, [&](int r) { return launch_key_offset(p, strides, seq, tile.key(r)); }, valid, thread);
     }
     barrier_arrive_on_copies(full);
   };
-  TileWalk walk;
+  TileCursor cursor;
+  cursor.unit = block.first_unit;
   RingSlot<kStages> slot;
-  int32_t tile = walk.next(block, block.first_tile);
-  if (tile < block.tile_count) {
-    load(p.k, p.k_strides, block.k_empty(0), block.k_full(0), block.k_tile(0), tile, 0);
-  }
-  while (tile < block.tile_count) {
-    const int32_t next = walk.next(block, tile + 1);
+  KeyTile tile, next;
+  bool have = cursor.next(block, tile);
+  if (have) load(p.k, p.k_strides, block.k_empty(0), block.k_full(0), block.k_tile(0), tile, 0);
+  while (have) {
+    const bool more = cursor.next(block, next);
     RingSlot<kStages> next_slot = slot;
     next_slot.advance();
-    if (next < block.tile_count) {
+    if (more) {
       load(p.k, p.k_strides, block.k_empty(next_slot.stage), block.k_full(next_slot.stage),
            block.k_tile(next_slot.stage), next, next_slot.phase);
     }
     load(p.v, p.v_strides, block.v_empty(slot.stage), block.v_full(slot.stage), block.v_tile(slot.stage), tile,
          slot.phase);
     tile = next;
+    have = more;
     slot = next_slot;
   }
   cp_async_wait_all();  // no copy outlives its thread (the Q copy when no tile was visible)
@@ -479,6 +523,7 @@ struct Consumer {
   int32_t rows[2] = {0, 0};      // this thread's two launch rows
   int32_t horizon[2] = {0, 0};   // their last causal keys: position + causal_offset (a row map moves positions)
   uint32_t q_rows = 0;       // shared address of the warpgroup's 64 Q rows
+  const uint8_t* mask_row = nullptr;  // gathered tiles: the mask cell row of the warpgroup's rows
   float o[kOutRegisters];
   float row_max[2] = {-INFINITY, -INFINITY};  // base-2 domain
   float row_sum[2] = {0.f, 0.f};              // this thread's partial; quad-reduced at the end
@@ -495,23 +540,65 @@ struct Consumer {
 #pragma unroll
     for (int r = 0; r < 2; ++r) horizon[r] = row_position(block.p, block.seq, rows[r]) + block.seq.causal_offset;
     q_rows = block.q_tile() + consumer * kRowsPerConsumer * kSwizzleBytes;
+    if (block.gather) {  // rows are positions here (a row map runs with the dense rule only)
+      const ForwardParams& p = block.p;
+      mask_row = p.block_mask + block.seq.b * p.block_mask_strides[0] + block.seq.h * p.block_mask_strides[1] +
+                 (wg_row_begin / p.mask_block_q) * p.block_mask_strides[2];
+    }
 #pragma unroll
     for (int i = 0; i < kOutRegisters; ++i) o[i] = 0.f;
   }
 
-  // May this warpgroup's rows see any key of the tile? (A walked tile may still be invisible to one half.)
-  __device__ bool sees(int32_t key_begin) const {
-    return key_begin < wg_key_end && tile_has_visible_key(block.p, block.seq, wg_row_begin, wg_row_end, key_begin,
-                                                          min(key_begin + kBlockKeys, wg_key_end));
+  // Which 8-key column blocks of `tile` the policy's rule lets this warpgroup's rows see (bit n: columns 8n ..
+  // 8n + 7), before the sequence end and the causal bound, which mask() applies per element. Global reads only:
+  // called while the products are in flight. A plain tile is all or nothing (may any row see any of its keys? A
+  // walked tile may still be invisible to one half). A gathered tile: the warpgroup's rows lie in one mask cell
+  // row, so each key's cell decides for all of them; a 64-key half lies in one cell (block_k >= 64) or holds
+  // 64 / block_k whole cells of 8, 16 or 32 keys, and this thread reads one byte per cell of each half.
+  static constexpr uint32_t kAllBlocks = (1u << (kBlockKeys / 8)) - 1u;
+  __device__ uint32_t visible_blocks(const KeyTile& tile) const {
+    const ForwardParams& p = block.p;
+    if (!block.gather) {
+      const int32_t key_begin = tile.begin[0];
+      const bool seen = key_begin < wg_key_end && tile_has_visible_key(p, block.seq, wg_row_begin, wg_row_end,
+                                                                       key_begin, min(key_begin + kBlockKeys,
+                                                                                      wg_key_end));
+      return seen ? kAllBlocks : 0u;
+    }
+    constexpr int kBlocksPerHalf = kHalfKeys / 8;
+    const int blocks_per_cell = min(kBlocksPerHalf, p.mask_block_k / 8);
+    const uint32_t cell_bits = (1u << blocks_per_cell) - 1u;
+    uint32_t visible = 0u;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int32_t begin = tile.begin[h];
+      // Cells from the causal bound of the last row (or the sequence end) on are not read: their keys are masked
+      // anyway, and a half's last cells may lie past the mask's columns (kNoKeys: no half at all).
+#pragma unroll 1
+      for (int n = 0; n < kBlocksPerHalf && begin + 8 * n < wg_key_end; n += blocks_per_cell) {
+        const int64_t cell = (begin + 8 * n) / p.mask_block_k;
+        if (mask_row[cell * p.block_mask_strides[3]] != 0) visible |= cell_bits << (h * kBlocksPerHalf + n);
+      }
+    }
+    return visible;
   }
 
-  // S = -inf where a key is invisible, cheapest case first. `seen` = sees(key_begin): a tile this half cannot see
-  // at all becomes all -inf (P = 0). A rule-uniform tile (every dense tile; block-mask tiles inside one cell;
-  // sink/window tiles inside the sinks or the window) needs only the sequence end and the causal bound: nothing
-  // when the tile lies inside both, else one key limit per row. Other tiles (mask cells or window edges cutting the
+  // S = -inf where a key is invisible; `blocks` = visible_blocks(tile). Gathered tiles: mask_gathered. Plain tiles,
+  // cheapest case first: a tile this half cannot see at all (blocks == 0) becomes all -inf (P = 0). A rule-uniform
+  // tile (every dense tile; block-mask tiles inside one cell; sink/window tiles inside the sinks or the window)
+  // needs only the sequence end and the causal bound: nothing when the tile lies inside both, else one key limit
+  // per row. Other tiles (mask cells or window edges cutting the
   // tile) take a rolled loop that collects one visibility bit per key and row (few live registers: this runs while
   // the previous tile's P and O are held for its P·V) and then applies the bits.
-  __device__ void mask(float (&s)[64], int32_t key_begin, bool seen) const {
+  __device__ void mask(float (&s)[64], const KeyTile& tile, uint32_t blocks) const {
+    if (block.gather) {
+      mask_gathered(s, tile, blocks);
+    } else {
+      mask_plain(s, tile.begin[0], blocks != 0u);
+    }
+  }
+
+  __device__ void mask_plain(float (&s)[64], int32_t key_begin, bool seen) const {
     const ForwardParams& p = block.p;
     const SequenceView& seq = block.seq;
     const int32_t key_column = key_begin + 2 * (lane % 4);  // key of accumulator 0; register i adds 8·(i/4) + i%2
@@ -553,6 +640,34 @@ struct Consumer {
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
       if (((visible_bits[(i / 2) % 2] >> (2 * (i / 4) + i % 2)) & 1u) == 0) s[i] = -INFINITY;
+    }
+  }
+
+  // A gathered tile: the column blocks that visible_blocks() let through, each half cut by the sequence end and
+  // every row's causal bound (one key limit per half and row, as a rule-uniform plain tile has one per row).
+  // Nothing to do when every block is visible and both halves lie inside the sequence and every row's horizon.
+  __device__ void mask_gathered(float (&s)[64], const KeyTile& tile, uint32_t blocks) const {
+    const ForwardParams& p = block.p;
+    const SequenceView& seq = block.seq;
+    const int32_t column = 2 * (lane % 4);  // column of accumulator 0 in its 8-column block
+    bool inside = blocks == kAllBlocks;
+    int32_t limit[2][2];  // [half][row r]: register i of half i / 32 sees its key iff 8·(i/4 % 8) + i%2 < limit
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int32_t begin = tile.begin[h];
+      inside = inside && begin + kHalfKeys <= seq.seq_k && (!p.causal || begin + kHalfKeys - 1 <= wg_first_horizon);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        int64_t end = seq.seq_k;
+        if (p.causal) end = min(end, int64_t(horizon[r]) + 1);
+        limit[h][r] = int32_t(max(int64_t(-1), min(int64_t(kHalfKeys), end - (int64_t(begin) + column))));
+      }
+    }
+    if (inside) return;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int n = i / 4;  // column block
+      if (((blocks >> n) & 1u) == 0u || 8 * (n % 8) + i % 2 >= limit[n / 8][(i / 2) % 2]) s[i] = -INFINITY;
     }
   }
 
@@ -663,12 +778,19 @@ struct Consumer {
   // P·V of this one are in flight together while the walk finds the tile after and the softmax of the next tile
   // runs; O is rescaled only once P·V has landed. Every walked tile is computed (one this half cannot see is
   // masked to P = 0). Warpgroup 0 takes the first turn; warpgroup 1 hands it over at the start and keeps its last.
+  // Measured and rejected (H200, N = 16K, H = 32, D = 128): a loop that issues no products for a tile this
+  // warpgroup cannot see (visible_blocks == 0, e.g. 64-row cells whose other cell row holds the tile) ran 12-17 %
+  // slower on every shape, dense included (the per-tile branches around the products and the unpeeled first tile
+  // cost more than the skipped products save); skipping the softmax as well spilled registers at D = 128.
   template <bool kPingpong>
   __device__ void run() {
-    TileWalk walk;
-    int32_t tile = walk.next(block, block.first_tile);
+    TileCursor cursor;
+    cursor.unit = block.first_unit;
+    KeyTile tile;  // the tile whose S is being masked
+    KeyTile next;  // the one after it (found while products are in flight)
+    bool more = cursor.next(block, tile);
     if (wg_row_begin >= block.seq.rows) {  // no rows here: only hand the slots back
-      for (RingSlot<kStages> slot; tile < block.tile_count; tile = walk.next(block, tile + 1)) {
+      for (RingSlot<kStages> slot; more; more = cursor.next(block, tile)) {
         barrier_wait(block.v_full(slot.stage), slot.phase);  // V lands after K: both slots are written
         release(block.k_empty(slot.stage));
         release(block.v_empty(slot.stage));
@@ -676,7 +798,7 @@ struct Consumer {
       }
       return;
     }
-    if (tile >= block.tile_count) return;
+    if (!more) return;
     pingpong = kPingpong && block.row_begin + kRowsPerConsumer < block.seq.rows;
     if (consumer == 1) pass_turn();
     barrier_wait(block.q_full(), 0);
@@ -687,27 +809,28 @@ struct Consumer {
     wait_turn();
     issue_qk(s, slot.stage, slot.phase);
     pass_turn();
-    bool seen = sees(tile * kBlockKeys);
-    int32_t next = walk.next(block, tile + 1);  // the walk overlaps the product in flight
+    uint32_t blocks = visible_blocks(tile);
+    more = cursor.next(block, next);  // the walk overlaps the product in flight
     wgmma_wait<0>();
     fence_registers(s);
     release(block.k_empty(slot.stage));
-    mask(s, tile * kBlockKeys, seen);
+    mask(s, tile, blocks);
     softmax(s, rescale);  // O is still zero: no rescale
     pack_p(s, p_frag);
-    while (next < block.tile_count) {
+    while (more) {
       RingSlot<kStages> next_slot = slot;
       next_slot.advance();
       wait_turn();
       issue_qk(s, next_slot.stage, next_slot.phase);
       issue_pv(p_frag, slot.stage, slot.phase);
       pass_turn();
-      seen = sees(next * kBlockKeys);  // overlaps the products in flight
-      const int32_t after = walk.next(block, next + 1);
-      wgmma_wait<1>();  // S of `next` has landed (groups complete in order); P·V of `tile` may still run
+      tile = next;
+      blocks = visible_blocks(tile);  // overlaps the products in flight
+      more = cursor.next(block, next);
+      wgmma_wait<1>();  // S of the new tile has landed (groups complete in order); the last P·V may still run
       fence_registers(s);
       release(block.k_empty(next_slot.stage));
-      mask(s, next * kBlockKeys, seen);
+      mask(s, tile, blocks);
       softmax(s, rescale);
       wgmma_wait<0>();
       fence_registers(o);
@@ -715,7 +838,6 @@ struct Consumer {
       release(block.v_empty(slot.stage));
       rescale_output(rescale);
       pack_p(s, p_frag);
-      next = after;
       slot = next_slot;
     }
     wait_turn();
@@ -783,10 +905,12 @@ __global__ void __launch_bounds__(kThreads, 1) forward_wgmma_kernel(const Forwar
   if (block.row_begin >= block.seq.rows) return;  // uniform over the block, before any barrier exists
   block.row_end = min(block.row_begin + kBlockRows, block.seq.rows);
   block.key_end = key_end_for_rows(p, block.seq, block.row_end);
-  const int32_t all_tiles = (block.key_end + kBlockKeys - 1) / kBlockKeys;
-  const int32_t tiles_per_split = (all_tiles + p.num_splits - 1) / p.num_splits;
-  block.first_tile = min(all_tiles, block.split * tiles_per_split);
-  block.tile_count = min(all_tiles, block.first_tile + tiles_per_split);
+  block.gather = p.rule == VisibilityRule::kBlockMask && wgmma_gathers_mask_cells(p.mask_block_q, p.mask_block_k);
+  block.unit_keys = block.gather ? kHalfKeys : kBlockKeys;
+  const int32_t all_units = (block.key_end + block.unit_keys - 1) / block.unit_keys;
+  const int32_t units_per_split = (all_units + p.num_splits - 1) / p.num_splits;
+  block.first_unit = min(all_units, block.split * units_per_split);
+  block.unit_count = min(all_units, block.first_unit + units_per_split);
 
   if (threadIdx.x == 0) {
     barrier_init(block.q_full(), kWarpgroupThreads);  // every producer thread's copies
