@@ -175,6 +175,31 @@ __device__ __forceinline__ bool tile_has_visible_key(const ForwardParams& p, con
   return true;
 }
 
+// The visible key tiles of a thread block's walk, ascending: a warp checks kWindow tiles at once (one per lane) and
+// keeps the answers as bits, so a sparse block mask costs one dependent load per 32 tiles instead of one per tile.
+// Warp-collective: every lane calls next() with the same arguments, so every warp of a block walks the same tiles.
+// (On 64-wide wavefronts lanes 32-63 repeat lanes 0-31.)
+struct VisibleTileWalk {
+  static constexpr int kWindow = 32;
+  int32_t window = -kWindow;  // first tile of the checked window (none yet: every tile >= 0 lies past it)
+  uint32_t bits = 0;          // bit j: tile window + j is visible
+  template <typename IsVisible>
+  __device__ int32_t next(int32_t tile, int32_t tile_count, const IsVisible& visible) {
+    const int lane = int(threadIdx.x % kWindow);
+    while (tile < tile_count) {
+      if (tile < window || tile >= window + kWindow) {
+        window = tile;
+        const int32_t mine = tile + lane;
+        bits = uint32_t(warp_ballot(mine < tile_count && visible(mine)));
+      }
+      const uint32_t ahead = bits >> (tile - window);
+      if (ahead != 0) return tile + __ffs(int(ahead)) - 1;
+      tile = window + kWindow;
+    }
+    return tile_count;
+  }
+};
+
 // Does the policy's rule (sink/window or mask, not the causal bound) admit every (row, key) of a tile that
 // tile_has_visible_key accepted? Then only the sequence end and the causal bound need checking per element.
 __device__ __forceinline__ bool tile_rule_uniform(const ForwardParams& p, const SequenceView& s, int32_t row_begin,

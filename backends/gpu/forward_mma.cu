@@ -139,12 +139,12 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
   const int lane = threadIdx.x % 32;
   const uint16_t* q_base = static_cast<const uint16_t*>(p.q);
 
+  VisibleTileWalk walk;
   auto next_visible_tile = [&](int32_t tile) {
-    for (; tile < tile_count; ++tile) {
-      const int32_t key_begin = tile * kBlockKeys;
-      if (tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kBlockKeys, key_end))) break;
-    }
-    return tile;
+    return walk.next(tile, tile_count, [&](int32_t candidate) {
+      const int32_t key_begin = candidate * kBlockKeys;
+      return tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kBlockKeys, key_end));
+    });
   };
   // K or V rows of key tile `tile` into `dst`.
   auto issue_rows = [&](int32_t tile, uint16_t* dst, const void* src, const TensorStrides& st) {

@@ -57,6 +57,7 @@ constexpr int kRowPadBytes = 16;  // shared-memory row padding (bank spread, kee
 constexpr int kChunkBytes = 16;   // cp.async granule
 constexpr int kConvertRows = 64;  // V rows per thread block of the conversion pre-pass
 constexpr float kFp8Max = 448.f;  // largest finite e4m3: V per channel and P are scaled onto ±448
+constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P·448 = 2^(S − m + log2 448)
 constexpr int kFp8StepKeys = 32;  // keys per m16n8k32 step (the unit of the V^T key permutation)
 constexpr int kChannelMaxRows = 256;  // V rows per thread block of the channel-max pre-pass
 constexpr int kMaxHeadDim = 128;
@@ -323,12 +324,12 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
   const int64_t kv_row0 = kv_head_index * s.max_seq_k;
   const float* key_scales = s.k_scale + (int64_t(seq.b) * s.num_kv_heads + seq.kv_head) * s.k_blocks;
 
+  VisibleTileWalk walk;
   auto next_visible_tile = [&](int32_t tile) {
-    for (; tile < tile_count; ++tile) {
-      const int32_t key_begin = tile * kTileKeys;
-      if (tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kTileKeys, key_end))) break;
-    }
-    return tile;
+    return walk.next(tile, tile_count, [&](int32_t candidate) {
+      const int32_t key_begin = candidate * kTileKeys;
+      return tile_has_visible_key(p, seq, row_begin, row_end, key_begin, min(key_begin + kTileKeys, key_end));
+    });
   };
 
   // Q (int8) -> shared -> registers (the A operand of every S mma).
@@ -419,17 +420,37 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
       }
       const int32_t tile_key_end = min(key_begin + kTileKeys, key_end);
       const bool uniform = tile_rule_uniform(p, seq, row_begin, row_end, key_begin, tile_key_end);
+      // Interior tile: the rule admits the whole tile, every key exists and lies inside the causal horizon of the
+      // warp's first row; then no element needs a visibility test (warp-uniform).
+      const bool interior = uniform && key_begin + kTileKeys <= seq.seq_k &&
+                            (!p.causal || int64_t(key_begin + kTileKeys - 1) <=
+                                              int64_t(row_begin + warp_row0) + seq.causal_offset);
+      // One K quantization block spans the tile: one key scale, and one factor per row (the same float products,
+      // in the same order, as the per-key form below and the CPU emulation).
+      const bool one_key_block = p.mask_block_k % kTileKeys == 0;
+      float row_factor[2];
 #pragma unroll
-      for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+      for (int r = 0; r < 2; ++r) row_factor[r] = q_scale[r] * key_scale[0] * s.scale;
+      if (interior && one_key_block) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int32_t row = my_rows[e / 2];
-          const int col = nb * 8 + 2 * (lane % 4) + e % 2;
-          const int32_t key = key_begin + col;
-          const bool visible = key < seq.seq_k && (!p.causal || int64_t(key) <= int64_t(row) + seq.causal_offset) &&
-                               (uniform || key_visible(p, seq, row, key));
-          s_acc[nb][e] = visible ? float(dots[nb][e]) * (q_scale[e / 2] * key_scale[col] * s.scale) * kLog2e
-                                 : -INFINITY;
+        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s_acc[nb][e] = float(dots[nb][e]) * row_factor[e / 2] * kLog2e;
+        }
+      } else {
+#pragma unroll
+        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int32_t row = my_rows[e / 2];
+            const int col = nb * 8 + 2 * (lane % 4) + e % 2;
+            const int32_t key = key_begin + col;
+            const bool visible =
+                interior || (key < seq.seq_k && (!p.causal || int64_t(key) <= int64_t(row) + seq.causal_offset) &&
+                             (uniform || key_visible(p, seq, row, key)));
+            s_acc[nb][e] = visible ? float(dots[nb][e]) * (q_scale[e / 2] * key_scale[col] * s.scale) * kLog2e
+                                   : -INFINITY;
+          }
         }
       }
 #pragma unroll
@@ -470,19 +491,21 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     }
     skip_test = skip_threshold > -INFINITY;  // every later computed tile is tested
 
-    // Online softmax: m = max(m, tile max), rescale O and l, P = 2^(S − m).
+    // Online softmax: m = max(m, tile max), rescale O and l, P = 2^(S − m) (FP8: P·448 = 2^(S − m + log2 448),
+    // and l sums the same scaled P, so O / l needs no unscaling).
     if (warp_active) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float new_max = fmaxf(row_max[r], tile_max[r]);
         const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
         const float rescale = fast_exp2(row_max[r] - reference);
+        const float p_reference = kFp8 ? reference - kLog2Fp8Max : reference;
         row_max[r] = new_max;
         float tile_sum = 0.f;
 #pragma unroll
         for (int nb = 0; nb < kKeyBlocks8; ++nb) {
-          s_acc[nb][2 * r] = fast_exp2(s_acc[nb][2 * r] - reference);
-          s_acc[nb][2 * r + 1] = fast_exp2(s_acc[nb][2 * r + 1] - reference);
+          s_acc[nb][2 * r] = fast_exp2(s_acc[nb][2 * r] - p_reference);
+          s_acc[nb][2 * r + 1] = fast_exp2(s_acc[nb][2 * r + 1] - p_reference);
           tile_sum += s_acc[nb][2 * r] + s_acc[nb][2 * r + 1];
         }
         row_sum[r] = row_sum[r] * rescale + tile_sum;
@@ -496,8 +519,8 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     cp_async_wait<0>();
     __syncthreads();  // V has landed
 
-    // FP8 O += P·V: per 32-key step kk, S blocks 4kk..4kk+3 are the A fragment (in the permuted key order the V^T
-    // copy shares); each tile's products sum in a fresh accumulator before they join O.
+    // FP8 O += P·V: per 32-key step kk, S blocks 4kk..4kk+3 (P·448) are the A fragment (in the permuted key order
+    // the V^T copy shares); each tile's products sum in a fresh accumulator before they join O.
     if (kFp8 && warp_active) {
       uint32_t a[kTileKeys / kFp8StepKeys][4];
 #pragma unroll
@@ -505,8 +528,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
 #pragma unroll
         for (int r = 0; r < 4; ++r) {  // registers: (row g, keys 0-15), (g+8, 0-15), (g, 16-31), (g+8, 16-31)
           const int nb = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);
-          a[kk][r] = pack_e4m3x4(s_acc[nb][e] * kFp8Max, s_acc[nb][e + 1] * kFp8Max, s_acc[nb + 1][e] * kFp8Max,
-                                 s_acc[nb + 1][e + 1] * kFp8Max);
+          a[kk][r] = pack_e4m3x4(s_acc[nb][e], s_acc[nb][e + 1], s_acc[nb + 1][e], s_acc[nb + 1][e + 1]);
         }
       }
 #pragma unroll
@@ -543,8 +565,8 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     __syncthreads();  // every warp is done with the tiles before they are refilled
   }
 
-  // Normalise and write: O / l (0 for a row that saw nothing), and for FP8 × scale_c / 448;
-  // LSE = (m + log2 l)·ln 2 + scale·q·mean(K).
+  // Normalise and write: O / l (0 for a row that saw nothing), and for FP8 × scale_c;
+  // LSE = (m + log2 l)·ln 2 + scale·q·mean(K) (FP8: l carries the factor 448, taken out of the log).
   float channel_scale[kDimBlocks8][2];
 #pragma unroll
   for (int nd = 0; nd < kDimBlocks8; ++nd) {
@@ -553,7 +575,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
       channel_scale[nd][e] = 1.f;
       if constexpr (kFp8) {
         const int col = nd * 8 + 2 * (lane % 4) + e;
-        channel_scale[nd][e] = fp8_channel_scale(s.v_abs_max[kv_head_index * kHeadDim + col]) / kFp8Max;
+        channel_scale[nd][e] = fp8_channel_scale(s.v_abs_max[kv_head_index * kHeadDim + col]);
       }
     }
   }
@@ -574,7 +596,8 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     }
     if (p.lse != nullptr && lane % 4 == 0) {
       p.lse[seq.b * p.lse_strides.b + int64_t(seq.h) * p.lse_strides.h + (seq.q_row_base + row) * p.lse_strides.s] =
-          total > 0.f ? (row_max[r] + log2f(total)) * kLn2 + s.q_shift[q_row0 + row] : -INFINITY;
+          total > 0.f ? (row_max[r] + log2f(total) - (kFp8 ? kLog2Fp8Max : 0.f)) * kLn2 + s.q_shift[q_row0 + row]
+                      : -INFINITY;
     }
   }
 }

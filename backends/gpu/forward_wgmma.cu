@@ -326,31 +326,6 @@ struct BlockTile {
   }
 };
 
-// The walk every warp of the block follows: the visible units (tiles, or halves when gathering) of
-// [first_unit, unit_count), ascending. A warp checks 32 units at once (one per lane) and keeps the answer as a bit
-// mask, so a sparse block mask costs one load per 32 units instead of one per unit. Warp-collective: every lane
-// calls next() with the same unit.
-struct UnitWalk {
-  static constexpr int kWindow = 32;  // units checked at once: one per lane
-  int32_t window = -kWindow;  // first unit of the checked window (none yet: every unit >= 0 lies past it)
-  uint32_t bits = 0;          // bit j: unit window + j is visible
-  template <typename Block>
-  __device__ int32_t next(const Block& block, int32_t unit) {
-    const int lane = threadIdx.x % kWindow;
-    while (unit < block.unit_count) {
-      if (unit < window || unit >= window + kWindow) {
-        window = unit;
-        const int32_t mine = unit + lane;
-        bits = uint32_t(warp_ballot(mine < block.unit_count && block.unit_visible(mine)));
-      }
-      const uint32_t ahead = bits >> (unit - window);
-      if (ahead != 0) return unit + __ffs(ahead) - 1;
-      unit = window + kWindow;
-    }
-    return block.unit_count;
-  }
-};
-
 // Keys of one computed tile: columns [0, 64) hold keys begin[0] .., columns [64, 128) keys begin[1] ... A plain tile
 // t has begin = {128t, 128t + 64}; a gathered tile two visible halves wherever they lie, or one and kNoKeys (the odd
 // half at the end of a walk). Keys at or past the sequence end are zero-filled by the copies and masked.
@@ -365,11 +340,12 @@ struct KeyTile {
 
 // The tiles of the walk, in order: plain (one visible unit = one tile) or gathered (the next two visible halves).
 struct TileCursor {
-  UnitWalk walk;
+  VisibleTileWalk walk;  // the visible units (tiles, or halves when gathering), 32 per warp ballot
   int32_t unit = 0;  // first unit not yet taken
   template <typename Block>
   __device__ bool next(const Block& block, KeyTile& tile) {
-    const int32_t first = walk.next(block, unit);
+    const auto visible = [&](int32_t u) { return block.unit_visible(u); };
+    const int32_t first = walk.next(unit, block.unit_count, visible);
     if (first >= block.unit_count) return false;
     if (!block.gather) {
       tile.begin[0] = first * kBlockKeys;
@@ -377,7 +353,7 @@ struct TileCursor {
       unit = first + 1;
       return true;
     }
-    const int32_t second = walk.next(block, first + 1);
+    const int32_t second = walk.next(first + 1, block.unit_count, visible);
     tile.begin[0] = first * kHalfKeys;
     tile.begin[1] = second < block.unit_count ? second * kHalfKeys : kNoKeys;
     unit = second + 1;
