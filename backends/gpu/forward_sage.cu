@@ -286,8 +286,6 @@ __device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], 
 template <typename Tag, int kHeadDim, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageParams s) {
   constexpr int kThreads = kWarps * 32;
-  // The 16-bit type of the fp16/bf16 P·V code (compiled but unused in FP8 instances).
-  using PvTag = typename std::conditional<std::is_same<Tag, E4m3Tag>::value, HalfTag, Tag>::type;
   constexpr int kRows = 16 * kWarps;                 // query rows per thread block
   constexpr int kI8Pitch = kHeadDim + kRowPadBytes;  // bytes per int8 row in shared memory
   constexpr int kVPitch = kHeadDim + kRowPadBytes / 2;  // 16-bit elements per V row
@@ -385,18 +383,19 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
         cp_async_16(shared_address(v_bytes + c * kFp8Pitch + chunk * kChunkBytes),
                     rows + int64_t(c) * s.fp8_keys + chunk * kChunkBytes, kChunkBytes);
       }
-    }
-    for (int index = threadIdx.x; index < (kFp8 ? 0 : kTileKeys * kVChunks); index += kThreads) {
-      const int r = index / kVChunks, c = index % kVChunks;
-      const bool valid = r < valid_keys;
-      const uint16_t* src;
-      if (s.convert_v) {
-        src = s.v_f16 + (kv_row0 + (valid ? key_begin + r : 0)) * kHeadDim;
-      } else {
-        src = static_cast<const uint16_t*>(p.v) + key_row_offset(p, p.v_strides, seq, valid ? key_begin + r : 0);
+    } else {
+      for (int index = threadIdx.x; index < kTileKeys * kVChunks; index += kThreads) {
+        const int r = index / kVChunks, c = index % kVChunks;
+        const bool valid = r < valid_keys;
+        const uint16_t* src;
+        if (s.convert_v) {
+          src = s.v_f16 + (kv_row0 + (valid ? key_begin + r : 0)) * kHeadDim;
+        } else {
+          src = static_cast<const uint16_t*>(p.v) + key_row_offset(p, p.v_strides, seq, valid ? key_begin + r : 0);
+        }
+        cp_async_16(shared_address(v_tile + r * kVPitch + c * (kChunkBytes / 2)), src + c * (kChunkBytes / 2),
+                    valid ? kChunkBytes : 0);
       }
-      cp_async_16(shared_address(v_tile + r * kVPitch + c * (kChunkBytes / 2)), src + c * (kChunkBytes / 2),
-                  valid ? kChunkBytes : 0);
     }
     cp_async_commit();
     cp_async_wait<1>();  // K has landed; V may still be in flight
@@ -428,10 +427,10 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
       // One K quantization block spans the tile: one key scale, and one factor per row (the same float products,
       // in the same order, as the per-key form below and the CPU emulation).
       const bool one_key_block = p.mask_block_k % kTileKeys == 0;
-      float row_factor[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) row_factor[r] = q_scale[r] * key_scale[0] * s.scale;
       if (interior && one_key_block) {
+        float row_factor[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_factor[r] = q_scale[r] * key_scale[0] * s.scale;
 #pragma unroll
         for (int nb = 0; nb < kKeyBlocks8; ++nb) {
 #pragma unroll
@@ -521,44 +520,44 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
 
     // FP8 O += P·V: per 32-key step kk, S blocks 4kk..4kk+3 (P·448) are the A fragment (in the permuted key order
     // the V^T copy shares); each tile's products sum in a fresh accumulator before they join O.
-    if (kFp8 && warp_active) {
-      uint32_t a[kTileKeys / kFp8StepKeys][4];
-#pragma unroll
-      for (int kk = 0; kk < kTileKeys / kFp8StepKeys; ++kk) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {  // registers: (row g, keys 0-15), (g+8, 0-15), (g, 16-31), (g+8, 16-31)
-          const int nb = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);
-          a[kk][r] = pack_e4m3x4(s_acc[nb][e], s_acc[nb][e + 1], s_acc[nb + 1][e], s_acc[nb + 1][e + 1]);
-        }
-      }
-#pragma unroll
-      for (int nd = 0; nd < kDimBlocks8; ++nd) {
-        float tile_pv[4] = {0.f, 0.f, 0.f, 0.f};
-        const uint8_t* row = v_bytes + (nd * 8 + lane / 4) * kFp8Pitch + (lane % 4) * 4;
+    if constexpr (kFp8) {
+      if (warp_active) {
+        uint32_t a[kTileKeys / kFp8StepKeys][4];
 #pragma unroll
         for (int kk = 0; kk < kTileKeys / kFp8StepKeys; ++kk) {
-          mma_e4m3(tile_pv, a[kk], *reinterpret_cast<const uint32_t*>(row + kk * kFp8StepKeys),
-                   *reinterpret_cast<const uint32_t*>(row + kk * kFp8StepKeys + 16));
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {  // registers: (row g, keys 0-15), (g+8, 0-15), (g, 16-31), (g+8, 16-31)
+            const int nb = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);
+            a[kk][r] = pack_e4m3x4(s_acc[nb][e], s_acc[nb][e + 1], s_acc[nb + 1][e], s_acc[nb + 1][e + 1]);
+          }
         }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[nd][e] += tile_pv[e];
+        for (int nd = 0; nd < kDimBlocks8; ++nd) {
+          float tile_pv[4] = {0.f, 0.f, 0.f, 0.f};
+          const uint8_t* row = v_bytes + (nd * 8 + lane / 4) * kFp8Pitch + (lane % 4) * 4;
+#pragma unroll
+          for (int kk = 0; kk < kTileKeys / kFp8StepKeys; ++kk) {
+            mma_e4m3(tile_pv, a[kk], *reinterpret_cast<const uint32_t*>(row + kk * kFp8StepKeys),
+                     *reinterpret_cast<const uint32_t*>(row + kk * kFp8StepKeys + 16));
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o_acc[nd][e] += tile_pv[e];
+        }
       }
-    }
-    // O += P·V: the S accumulators of key blocks (2kk, 2kk+1) are the A fragment of k-step kk.
-    if (!kFp8 && warp_active) {
+    } else if (warp_active) {  // O += P·V: the S accumulators of key blocks (2kk, 2kk+1) are the A fragment of kk
 #pragma unroll
       for (int kk = 0; kk < kTileKeys / 16; ++kk) {
-        const uint32_t a[4] = {pack_pair(PvTag{}, s_acc[2 * kk][0], s_acc[2 * kk][1]),
-                               pack_pair(PvTag{}, s_acc[2 * kk][2], s_acc[2 * kk][3]),
-                               pack_pair(PvTag{}, s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
-                               pack_pair(PvTag{}, s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+        const uint32_t a[4] = {pack_pair(Tag{}, s_acc[2 * kk][0], s_acc[2 * kk][1]),
+                               pack_pair(Tag{}, s_acc[2 * kk][2], s_acc[2 * kk][3]),
+                               pack_pair(Tag{}, s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
+                               pack_pair(Tag{}, s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
 #pragma unroll
         for (int nd = 0; nd < kDimBlocks8; nd += 2) {
           uint32_t b[4];
           const int key_row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
           ldmatrix_x4_trans(b, shared_address(v_tile + key_row * kVPitch + (nd + lane / 16) * 8));
-          mma_16816(PvTag{}, o_acc[nd], a, b[0], b[1]);
-          mma_16816(PvTag{}, o_acc[nd + 1], a, b[2], b[3]);
+          mma_16816(Tag{}, o_acc[nd], a, b[0], b[1]);
+          mma_16816(Tag{}, o_acc[nd + 1], a, b[2], b[3]);
         }
       }
     }

@@ -32,35 +32,7 @@ TEST_P(GpuAttention, MatchesReferenceAndCpuBackend) {
   const bool gpu_present = cuda_device_present();
   if (!gpu_present && !cpu_selfcheck_requested()) GTEST_SKIP() << "no CUDA device/driver";
   const Case& c = GetParam();
-  std::mt19937 rng(1234);
-  Inputs in = make_inputs(c, rng);
-  Physical ph = build_physical(c, in, rng);
-  // encode_rounded() rounded the physical copies; round the logical ones the same way for the reference.
-  encode_rounded(in.q, c.dtype);
-  encode_rounded(in.k, c.dtype);
-  encode_rounded(in.v, c.dtype);
-  std::vector<double> ref_out, ref_lse;
-  reference(c, in, &ref_out, &ref_lse);
-
-  const RunResult cpu = run_case(c, in, ph, /*on_gpu=*/false);
-  if (cpu.status != SPARSA_STATUS_SUCCESS) {
-    ADD_FAILURE() << "CPU backend failed on " << c.name << ": " << cpu.message;
-  } else {
-    expect_matches(c, in, ph, cpu, ref_out, ref_lse, "cpu");
-  }
-  if (!gpu_present) return;
-
-  const RunResult gpu = run_case(c, in, ph, /*on_gpu=*/true);
-  ASSERT_EQ(gpu.status, SPARSA_STATUS_SUCCESS) << gpu.message;
-  expect_matches(c, in, ph, gpu, ref_out, ref_lse, "cuda");
-  if (cpu.status != SPARSA_STATUS_SUCCESS) return;
-  // GPU vs CPU directly, on the written rows.
-  double worst = 0;
-  for (size_t i = 0; i < gpu.out.size(); ++i) {
-    if (std::isnan(cpu.out[i])) continue;  // padding rows past a sequence end are not outputs
-    worst = std::max(worst, double(std::fabs(gpu.out[i] - cpu.out[i])));
-  }
-  EXPECT_LE(worst, 2 * tolerance(c.dtype)) << "cuda vs cpu " << c.name;
+  expect_matches_reference_and_cpu(c, gpu_present);
 }
 
 std::vector<Case> cases() {
