@@ -12,6 +12,7 @@ include(CheckLanguage)
 set(SPARSA_GPU_SOURCE_NAMES
     forward_dispatch forward_wgmma forward_mma forward_simt forward_decode merge_states attention_stats
     token_indices device_topk gpu_topk kv_prefetch sparge_predict forward_sage gpu_sparge gpu_token_sparse
+    token_sparse_score
     gpu_token_select token_select_score gpu_delta gpu_backend)
 set(SPARSA_GPU_DIR ${PROJECT_SOURCE_DIR}/backends/gpu)
 

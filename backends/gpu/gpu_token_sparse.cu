@@ -1,17 +1,19 @@
-// §5 TOKEN_SPARSE on the device: any batch, no host synchronisation. Mirrors backends/cpu/cpu_token_sparse.cpp,
-// whose selection scores are float64 so that selections are exact; the device scores in float64 too.
+// §5 TOKEN_SPARSE on the device: any batch, no host synchronisation. Mirrors backends/cpu/cpu_token_sparse.cpp (the
+// float64 oracle).
 //
 // Per (sequence b, query head h) of length L (= min(Sq, Skv): the core checks Sq == Skv where it can read the
 // lengths; device lengths are not checked), with W = window and n = L − W candidates:
 //   0. dense fallback (§5.1) when L <= min_tokens + W or τ == 0: decided on the device per sequence — the head's list
 //      becomes [0, L), so the one attention launch serves dense and sparse sequences alike;
-//   1. score pass 1 (score_kernel<false>): S = scale · Q[L−W, L) · Kᵀ in float64 (tensor-core DMMA m8n8k4 on sm_80+,
-//      FMAs elsewhere), one block per kKeysPerBlock keys, a (max, Σexp) partial per window row under the causal
-//      bound; row_lse_kernel merges them into each window row's log-sum-exp;
-//   2. score pass 2 (score_kernel<true>): recomputes S over the candidates and p_h[j] = (1/W) Σ_r exp(S[r, j] − lse_r)
-//      (the causal softmax of §5.2; every window row sees every candidate). The W × L score matrix is recomputed
-//      instead of stored: it would be B·Hq·W·L doubles (1 GiB at L = 32K, Hq = 32);
-//   3. pool_kernel: avg_pool1d(kernel, zero padding counted) and per-head normalisation ŝ_h (§5.3–4);
+//   1. score pass 1 (token_sparse_score.cu): S = scale · Q[L−W, L) · Kᵀ, one block per kKeysPerBlock keys, a
+//      (max, Σexp) partial per window row under the causal bound; row_lse_kernel merges them into each window row's
+//      log-sum-exp;
+//   2. score pass 2 (token_sparse_score.cu): recomputes S over the candidates and p_h[j] = (1/W) Σ_r exp(S[r, j] −
+//      lse_r) (the causal softmax of §5.2; every window row sees every candidate). The W × L score matrix is
+//      recomputed instead of stored: it would be B·Hq·W·L values (1 GiB at L = 32K, Hq = 32 in float64).
+//      fp16/bf16 inputs score on tensor cores in fp32 within a documented bound of the oracle (ALGORITHMS.md §0;
+//      the bound and its derivation head token_sparse_score.cu); fp32 inputs, other head dims and HIP in float64;
+//   3. pool_kernel: avg_pool1d(kernel, zero padding counted) and per-head normalisation ŝ_h (§5.3–4), float64;
 //   4. layer_kernel + budget_kernel: s_l = mean over heads, normalised; n_drop = #(ascending cumsum < τ) (+1 when
 //      > 0) found by a radix descent over the scores' bit patterns with exact fixed-point partial sums instead of
 //      a sort; budget = max(min_tokens, n − n_drop) (§5.4–5);
@@ -24,13 +26,13 @@
 //   7. attention: the shared forward launch with QueryRowMap::kTokenLists (forward_params.h) — causal attention
 //      inside each head's compressed sequence, reading q/k/v through the list and scattering rows back (§5.7).
 //
-// Exactness: dot products, exponentials and sums are float64 as on the CPU; only summation orders differ (block
-// reductions), i.e. scores agree to ~1e-15 relative and selections match wherever the CPU's own ranking is not
-// decided by such a difference. The coverage count compares exact 2^-62 fixed-point sums with τ.
+// Every step after the scores is deterministic (fixed reduction orders, no atomics on values), so the same inputs
+// give the same selection every time; the coverage count compares exact 2^-62 fixed-point sums with τ.
 #include "../../src/error.h"
 #include "device_topk.h"
 #include "forward_common.cuh"
 #include "gpu_policies.h"
+#include "token_sparse_common.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -40,30 +42,7 @@
 SPARSA_GPU_NAMESPACE_BEGIN
 namespace {
 
-// ---- Scoring tiles (float64) ----
-// A block computes kTileRows window rows × kTileKeys keys; its 8 warps each own kWarpRows × kWarpKeys (4 × 4 DMMA
-// m8n8k4 fragments). The fragment layout is that of 32 lanes; on a 64-wide HIP wavefront each half plays one warp
-// (the FMA fallback runs there, and every shuffle below stays inside a 32-lane half).
-constexpr int kScoreThreads = 256;
-constexpr int kLanes = 32;
-constexpr int kTileRows = 128;
-constexpr int kTileKeys = 64;
-constexpr int kWarpRows = 32;
-constexpr int kWarpKeys = 32;
-constexpr int kWarpsAlongKeys = kTileKeys / kWarpKeys;  // 2
-constexpr int kWarpsAlongRows = kTileRows / kWarpRows;  // 4
-constexpr int kMmaM = 8, kMmaN = 8, kMmaK = 4;            // mma.sync m8n8k4 .f64
-constexpr int kFragsM = kWarpRows / kMmaM;                // 4
-constexpr int kFragsN = kWarpKeys / kMmaN;                // 4
-constexpr int kStageDims = 16;                            // head dims staged in shared memory per step
-// Doubles per staged row: a fragment read touches rows lane/4 (8 rows) × columns lane%4; a pitch of 20 (≡ 4 mod 16
-// double-banks) puts each half-warp's 16 reads in 16 distinct banks.
-constexpr int kStagePitch = kStageDims + 4;
-constexpr int kStageGroup = 8;  // dims one thread stages at a time (one 16-byte load of a 16-bit row)
-constexpr int kGroupsPerRow = kStageDims / kStageGroup;
-// Keys one scoring block walks: pass 1 writes one (max, Σexp) partial per window row per kKeysPerBlock keys.
-constexpr int kKeysPerBlock = 4 * kTileKeys;
-static_assert(kWarpsAlongKeys * kWarpsAlongRows * kLanes == kScoreThreads, "8 warps cover the tile");
+using namespace token_sparse;
 
 // ---- Other kernels ----
 constexpr int kRowThreads = 256;      // row_lse_kernel, pool_kernel, finish_kernel, layer_kernel
@@ -79,51 +58,7 @@ constexpr int kKeyBits = 64;
 // Sizes above this are refused: the selection scratch grows with B · Hq · max Sq (packed: B · Hq · Tq).
 constexpr uint64_t kMaxScratchBytes = uint64_t(4) << 30;
 
-constexpr double kNegInf = -INFINITY;
 using Fixed = unsigned long long;  // fixed-point scores (the shuffle overloads take unsigned long long)
-
-// Everything the selection kernels read (filled on the host by make_sparse_params).
-struct SparseParams {
-  ForwardParams fw;          // tensors, layouts and sizes (row_map kAll)
-  double scale = 0.0;        // softmax scale, float64 as the CPU multiplies it
-  int32_t window = 0;        // W
-  int32_t pool_kernel = 0;   // odd; padding pool_kernel / 2, zeros counted
-  int32_t min_tokens = 0;
-  double coverage = 0.0;     // τ as the CPU reads it: double(float)
-  bool q_aligned16 = false;  // q rows start on 16-byte boundaries (vector staging)
-  int32_t key_chunks = 0;    // kKeysPerBlock chunks of the longest sequence
-  int64_t cand_stride = 0;   // row stride of the per-(b, h) candidate arrays: >= every L − W
-  double* partial_max = nullptr;  // [B·Hq, key_chunks, W]
-  double* partial_sum = nullptr;  // [B·Hq, key_chunks, W]
-  double* row_lse = nullptr;      // [B·Hq, W]
-  double* attention = nullptr;    // p_h: [B·Hq, cand_stride]
-  double* scores = nullptr;       // ŝ_h: [B·Hq, cand_stride]
-  double* layer = nullptr;        // s_l: [B, cand_stride]
-  int32_t* lengths = nullptr;     // [B·Hq]: L − W, 0 for a dense sequence (device_topk's segment lengths)
-  int32_t* budget = nullptr;      // [B]: candidates kept per head, 0 for a dense sequence
-  int32_t* lists = nullptr;       // S_h: [B·Hq, capacity] ascending positions
-  int32_t* counts = nullptr;      // |S_h|: [B·Hq]
-  int32_t capacity = 0;           // >= every L
-  int32_t* selected = nullptr;    // optional selected_indices [B, Hq, cap]
-  int64_t selected_strides[3] = {0, 0, 0};
-  int32_t selected_cap = 0;
-  StatsParams stats;
-};
-
-// One sequence as §5 sees it.
-struct SparseSequence {
-  int32_t length = 0;      // L
-  bool dense = true;       // §5.1
-  int32_t candidates = 0;  // L − W when sparse, else 0
-};
-
-__device__ __forceinline__ SparseSequence sparse_sequence(const SparseParams& sp, const SequenceView& s) {
-  SparseSequence q;
-  q.length = s.seq_q < s.seq_k ? s.seq_q : s.seq_k;
-  q.dense = int64_t(q.length) <= int64_t(sp.min_tokens) + sp.window || sp.coverage == 0.0;
-  q.candidates = q.dense ? 0 : q.length - sp.window;
-  return q;
-}
 
 // Sum over the block (every thread calls it; every thread gets the same total, summed in one fixed order).
 template <typename T>
@@ -136,277 +71,6 @@ __device__ T block_sum(T value, T* warp_totals) {
   T total = 0;
   for (int w = 0; w < int(blockDim.x) / kLanes; ++w) total += warp_totals[w];
   return total;
-}
-
-// ================================================================================== score passes 1 and 2
-
-// Dims [d, d + 8) of the row at element offset `row`, as float64 (zeros past the head dim).
-__device__ __forceinline__ void load_group(const void* base, int64_t row, int32_t d, int32_t dim, ElementType type,
-                                           bool aligned16, double (&out)[kStageGroup]) {
-  if (aligned16 && d + kStageGroup <= dim) {  // row and d are multiples of 8 elements: 16-byte (f32: 32-byte) aligned
-    if (type == ElementType::kF32) {
-      const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(base) + row + d);
-      const float4 lo = src[0], hi = src[1];
-      const float values[kStageGroup] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-      for (int t = 0; t < kStageGroup; ++t) out[t] = values[t];
-      return;
-    }
-    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + row + d);
-    const uint32_t words[kStageGroup / 2] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int t = 0; t < kStageGroup; ++t) {
-      const uint16_t bits = static_cast<uint16_t>(words[t / 2] >> (16 * (t % 2)));
-      out[t] = type == ElementType::kF16 ? f16_bits_to_float(bits) : bf16_bits_to_float(bits);
-    }
-    return;
-  }
-#pragma unroll
-  for (int t = 0; t < kStageGroup; ++t) out[t] = d + t < dim ? double(load_value(base, row + d + t, type)) : 0.0;
-}
-
-// Stages dims [d0, d0 + kStageDims) of window rows [w0, w0 + rows) and of keys [key0, key0 + keys) as float64;
-// rows and keys past those ranges are zero.
-__device__ void stage_dims(const SparseParams& sp, const SequenceView& s, const SparseSequence& seq, int32_t w0,
-                           int32_t rows, int32_t key0, int32_t keys, int32_t d0,
-                           double (*q_tile)[kStagePitch], double (*k_tile)[kStagePitch]) {
-  const ForwardParams& p = sp.fw;
-  for (int item = threadIdx.x; item < (kTileRows + kTileKeys) * kGroupsPerRow; item += blockDim.x) {
-    const int r = item / kGroupsPerRow;
-    const int column = (item % kGroupsPerRow) * kStageGroup;
-    double values[kStageGroup] = {};
-    double* dst;
-    if (r < kTileRows) {
-      dst = &q_tile[r][column];
-      if (r < rows) {
-        const int64_t row = query_row_offset(p.q_strides, s, seq.candidates + w0 + r);  // window row = L − W + w
-        load_group(p.q, row, d0 + column, p.head_dim, p.element_type, sp.q_aligned16, values);
-      }
-    } else {
-      const int key = r - kTileRows;
-      dst = &k_tile[key][column];
-      if (key < keys) {
-        const int64_t row = key_row_offset(p, p.k_strides, s, key0 + key);
-        load_group(p.k, row, d0 + column, p.head_dim, p.element_type, p.kv_rows_aligned16, values);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < kStageGroup; ++t) dst[t] = values[t];
-  }
-}
-
-// Fragment coordinates of this thread: accumulator (i, j, c) holds tile row warp_row0 + 8i + lane/4 and tile key
-// warp_key0 + 8j + 2(lane%4) + c (the m8n8k4 accumulator layout; the FMA fallback computes the same elements).
-struct FragmentPlace {
-  int32_t row0 = 0;  // tile row of i = 0
-  int32_t key0 = 0;  // tile key of j = 0, c = 0
-};
-using Accumulators = double[kFragsM][kFragsN][2];
-
-__device__ __forceinline__ FragmentPlace fragment_place() {
-  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  FragmentPlace f;
-  f.row0 = (warp / kWarpsAlongKeys) * kWarpRows + lane / 4;
-  f.key0 = (warp % kWarpsAlongKeys) * kWarpKeys + 2 * (lane % 4);
-  return f;
-}
-
-// acc += Q_tile · K_tileᵀ over the staged dims.
-__device__ __forceinline__ void tile_product(const double (*q_tile)[kStagePitch], const double (*k_tile)[kStagePitch],
-                                             Accumulators& acc) {
-  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  const int warp_row0 = (warp / kWarpsAlongKeys) * kWarpRows;
-  const int warp_key0 = (warp % kWarpsAlongKeys) * kWarpKeys;
-#if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
-  // A (8 rows × 4 dims, row-major): lane holds row lane/4, dim lane%4; B (4 dims × 8 keys, col-major): lane holds
-  // dim lane%4, key lane/4 — i.e. both read [row or key][dim] of the staged tiles.
-#pragma unroll
-  for (int k = 0; k < kStageDims; k += kMmaK) {
-    double a[kFragsM], b[kFragsN];
-#pragma unroll
-    for (int i = 0; i < kFragsM; ++i) a[i] = q_tile[warp_row0 + kMmaM * i + lane / 4][k + lane % 4];
-#pragma unroll
-    for (int j = 0; j < kFragsN; ++j) b[j] = k_tile[warp_key0 + kMmaN * j + lane / 4][k + lane % 4];
-#pragma unroll
-    for (int i = 0; i < kFragsM; ++i) {
-#pragma unroll
-      for (int j = 0; j < kFragsN; ++j) {
-        asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-            : "+d"(acc[i][j][0]), "+d"(acc[i][j][1])
-            : "d"(a[i]), "d"(b[j]));
-      }
-    }
-  }
-#else
-  const int row0 = warp_row0 + lane / 4, key0 = warp_key0 + 2 * (lane % 4);
-  for (int k = 0; k < kStageDims; ++k) {
-    double a[kFragsM], b[kFragsN][2];
-#pragma unroll
-    for (int i = 0; i < kFragsM; ++i) a[i] = q_tile[row0 + kMmaM * i][k];
-#pragma unroll
-    for (int j = 0; j < kFragsN; ++j) {
-      b[j][0] = k_tile[key0 + kMmaN * j][k];
-      b[j][1] = k_tile[key0 + kMmaN * j + 1][k];
-    }
-#pragma unroll
-    for (int i = 0; i < kFragsM; ++i) {
-#pragma unroll
-      for (int j = 0; j < kFragsN; ++j) {
-        acc[i][j][0] = fma(a[i], b[j][0], acc[i][j][0]);
-        acc[i][j][1] = fma(a[i], b[j][1], acc[i][j][1]);
-      }
-    }
-  }
-#endif
-}
-
-// Pass 1 epilogue: merges the tile's scores (−inf where masked) into the running (max, Σexp) of each tile row.
-// `reduce` slots 0..1 take the two key-warps' partials, slot 2 the new running max.
-__device__ void merge_row_stats(const Accumulators& scores, double (*reduce)[kTileRows], double* row_max,
-                                double* row_sum) {
-  const FragmentPlace f = fragment_place();
-  const int key_warp = (threadIdx.x / kLanes) % kWarpsAlongKeys;
-  const bool writer = threadIdx.x % 4 == 0;
-#pragma unroll
-  for (int i = 0; i < kFragsM; ++i) {
-    double m = kNegInf;
-#pragma unroll
-    for (int j = 0; j < kFragsN; ++j) m = fmax(m, fmax(scores[i][j][0], scores[i][j][1]));
-    m = fmax(m, warp_shfl_xor(m, 1));  // the 4 lanes of one row
-    m = fmax(m, warp_shfl_xor(m, 2));
-    if (writer) reduce[key_warp][f.row0 + kMmaM * i] = m;
-  }
-  __syncthreads();
-  for (int r = threadIdx.x; r < kTileRows; r += blockDim.x) {
-    reduce[2][r] = fmax(row_max[r], fmax(reduce[0][r], reduce[1][r]));
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kFragsM; ++i) {
-    const double m = reduce[2][f.row0 + kMmaM * i];
-    double sum = 0.0;
-#pragma unroll
-    for (int j = 0; j < kFragsN; ++j) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) sum += scores[i][j][c] == kNegInf ? 0.0 : exp(scores[i][j][c] - m);
-    }
-    sum += warp_shfl_xor(sum, 1);
-    sum += warp_shfl_xor(sum, 2);
-    if (writer) reduce[key_warp][f.row0 + kMmaM * i] = sum;
-  }
-  __syncthreads();
-  for (int r = threadIdx.x; r < kTileRows; r += blockDim.x) {
-    const double m = reduce[2][r];
-    const double rescale = row_max[r] == kNegInf ? 0.0 : exp(row_max[r] - m);
-    row_sum[r] = row_sum[r] * rescale + reduce[0][r] + reduce[1][r];
-    row_max[r] = m;
-  }
-}
-
-// Pass 2 epilogue: column_sum[tile key] += Σ_rows exp(S[r, key] − lse_r) over the valid rows (masked scores are
-// −inf and add 0). `reduce` slots 0..3 take the four row-warps' partials.
-__device__ void add_column_sums(const Accumulators& scores, const double* lse, double (*reduce)[kTileRows],
-                                double* column_sum) {
-  const FragmentPlace f = fragment_place();
-  const int row_warp = (threadIdx.x / kLanes) / kWarpsAlongKeys;
-#pragma unroll
-  for (int j = 0; j < kFragsN; ++j) {
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      double sum = 0.0;
-#pragma unroll
-      for (int i = 0; i < kFragsM; ++i) {
-        const double s = scores[i][j][c];
-        sum += s == kNegInf ? 0.0 : exp(s - lse[f.row0 + kMmaM * i]);
-      }
-      sum += warp_shfl_xor(sum, 4);  // the 8 lanes of one key column
-      sum += warp_shfl_xor(sum, 8);
-      sum += warp_shfl_xor(sum, 16);
-      if (threadIdx.x % kLanes < 4) reduce[row_warp][f.key0 + kMmaN * j + c] = sum;
-    }
-  }
-  __syncthreads();
-  for (int k = threadIdx.x; k < kTileKeys; k += blockDim.x) {
-    double sum = 0.0;
-    for (int w = 0; w < kWarpsAlongRows; ++w) sum += reduce[w][k];
-    column_sum[k] += sum;
-  }
-}
-
-// One block per (kKeysPerBlock keys, query head, sequence). kCandidateSums = false: pass 1 over keys [0, L), the
-// window rows' (max, Σexp) partials. true: pass 2 over the candidates [0, L − W), p_h[j].
-template <bool kCandidateSums>
-__global__ void __launch_bounds__(kScoreThreads) score_kernel(const SparseParams sp) {
-  __shared__ double q_tile[kTileRows][kStagePitch];
-  __shared__ double k_tile[kTileKeys][kStagePitch];
-  __shared__ double reduce[kWarpsAlongRows][kTileRows];
-  __shared__ double row_max[kTileRows];  // pass 1: running max; pass 2: the rows' lse
-  __shared__ double row_sum[kTileRows];
-  __shared__ double column_sum[kKeysPerBlock];
-
-  const int32_t chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const SequenceView s = make_sequence_view(sp.fw, b, h);
-  const SparseSequence seq = sparse_sequence(sp, s);
-  const int32_t key_limit = kCandidateSums ? seq.candidates : seq.length;
-  const int32_t chunk_begin = chunk * kKeysPerBlock;
-  if (seq.dense || chunk_begin >= key_limit) return;  // uniform over the block
-  const int32_t chunk_end = min(chunk_begin + kKeysPerBlock, key_limit);
-  const int64_t head = int64_t(b) * sp.fw.num_q_heads + h;
-  const FragmentPlace f = fragment_place();
-  for (int k = threadIdx.x; k < kKeysPerBlock; k += blockDim.x) column_sum[k] = 0.0;
-
-  for (int32_t w0 = 0; w0 < sp.window; w0 += kTileRows) {
-    const int32_t rows = min(kTileRows, sp.window - w0);
-    for (int r = threadIdx.x; r < kTileRows; r += blockDim.x) {
-      row_max[r] = kCandidateSums ? (r < rows ? sp.row_lse[head * sp.window + w0 + r] : 0.0) : kNegInf;
-      row_sum[r] = 0.0;
-    }
-    for (int32_t key0 = chunk_begin; key0 < chunk_end; key0 += kTileKeys) {
-      const int32_t keys = min(kTileKeys, chunk_end - key0);
-      Accumulators acc = {};
-      for (int32_t d0 = 0; d0 < sp.fw.head_dim; d0 += kStageDims) {
-        __syncthreads();  // the previous step's tiles (and epilogue) are done with
-        stage_dims(sp, s, seq, w0, rows, key0, keys, d0, q_tile, k_tile);
-        __syncthreads();
-        tile_product(q_tile, k_tile, acc);
-      }
-      // scale, and −inf outside the tile's rows/keys or (pass 1) past the row's causal bound j <= L − W + w.
-#pragma unroll
-      for (int i = 0; i < kFragsM; ++i) {
-        const int32_t row = f.row0 + kMmaM * i;
-#pragma unroll
-        for (int j = 0; j < kFragsN; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int32_t key = f.key0 + kMmaN * j + c;
-            const bool visible =
-                row < rows && key < keys && (kCandidateSums || key0 + key <= seq.candidates + w0 + row);
-            acc[i][j][c] = visible ? acc[i][j][c] * sp.scale : kNegInf;
-          }
-        }
-      }
-      if (kCandidateSums) {
-        add_column_sums(acc, row_max, reduce, column_sum + (key0 - chunk_begin));
-      } else {
-        merge_row_stats(acc, reduce, row_max, row_sum);
-      }
-    }
-    if (!kCandidateSums) {
-      __syncthreads();
-      const int64_t at = (head * sp.key_chunks + chunk) * sp.window + w0;
-      for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-        sp.partial_max[at + r] = row_max[r];
-        sp.partial_sum[at + r] = row_sum[r];
-      }
-    }
-  }
-  if (kCandidateSums) {
-    __syncthreads();
-    double* p = sp.attention + head * sp.cand_stride;
-    for (int k = threadIdx.x; k < chunk_end - chunk_begin; k += blockDim.x) {
-      p[chunk_begin + k] = column_sum[k] / double(sp.window);
-    }
-  }
 }
 
 // lse of every window row from pass 1's partials (one block per (head, sequence)).
@@ -764,13 +428,12 @@ void token_sparse_run(const GpuDevice& device, const AttentionProblem& problem, 
   const int32_t batch = problem.batch, n_heads = problem.num_q_heads;
   if (sp.stats.out != nullptr) check(stats_count_launch(sp.fw, sp.stats, stream), "stats_count_kernel launch");
   if (shape.any_sparse) {
-    const dim3 score_grid(shape.key_chunks, n_heads, batch), head_grid(n_heads, batch);
-    score_kernel<false><<<score_grid, kScoreThreads, 0, stream>>>(sp);
-    check(cudaGetLastError(), "TOKEN_SPARSE score_kernel (pass 1) launch");
+    const dim3 head_grid(n_heads, batch);
+    const ScorePrecision precision = score_precision(sp);
+    launch_score_pass(sp, precision, false, stream);
     row_lse_kernel<<<head_grid, kRowThreads, 0, stream>>>(sp);
     check(cudaGetLastError(), "TOKEN_SPARSE row_lse_kernel launch");
-    score_kernel<true><<<score_grid, kScoreThreads, 0, stream>>>(sp);
-    check(cudaGetLastError(), "TOKEN_SPARSE score_kernel (pass 2) launch");
+    launch_score_pass(sp, precision, true, stream);
     pool_kernel<<<head_grid, kRowThreads, 0, stream>>>(sp);
     check(cudaGetLastError(), "TOKEN_SPARSE pool_kernel launch");
     const dim3 layer_grid(uint32_t((shape.cand_stride + kRowThreads - 1) / kRowThreads), batch);

@@ -92,4 +92,6 @@ fi
 if [ "$STEPS" = all ] || [ "$STEPS" = bench ]; then
   echo "=== benchmark ==="
   PYTHONUNBUFFERED=1 python3 "$ROOT/bench/gpu/bench_gpu.py" "$LIB" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -30
+  # bench/results/<card>.json (the form docs/performance.md quotes); SPARSA_COMMIT names the commit measured
+  python3 "$ROOT/bench/gpu/results_file.py" "$OUT/bench_gpu.json" "${SPARSA_COMMIT:-unknown}" "$OUT"
 fi

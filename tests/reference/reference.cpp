@@ -362,6 +362,7 @@ TokenSparseResult token_sparse(const Problem& p, const TokenSparseParams& tp) {
   r.budget.assign(p.B, 0);
   r.n_drop.assign(p.B, 0);
   r.cumsum.resize(p.B);
+  r.head_score.resize(p.B);
   std::vector<std::vector<IndexSet>>& sel = r.selected;
   for (int b = 0; b < p.B; ++b) {
     if (p.sq[b] != p.skv[b]) throw std::invalid_argument("token_sparse: sq != skv");
@@ -413,6 +414,7 @@ TokenSparseResult token_sparse(const Problem& p, const TokenSparseParams& tp) {
     }
     r.n_drop[b] = count + (count > 0 ? 1 : 0);
     r.budget[b] = std::max(tp.min_tokens, n_cand - r.n_drop[b]);
+    r.head_score[b] = head_score;
     // Step 6: per-head top-budget plus the window.
     for (int h = 0; h < p.Hq; ++h) {
       double margin = kInf;
@@ -422,6 +424,7 @@ TokenSparseResult token_sparse(const Problem& p, const TokenSparseParams& tp) {
       sel[b][h] = s;
     }
   }
+  if (tp.selection_only) return r;
   // Steps 7–8: causal attention inside each head's compressed sequence; other rows exactly 0.
   std::vector<std::vector<std::vector<uint8_t>>> member(p.B);
   for (int b = 0; b < p.B; ++b) {

@@ -101,6 +101,7 @@ double self_similarity(const std::vector<const double*>& rows, int D);
 struct TokenSparseParams {
   int window = 128, pool_kernel = 7, min_tokens = 1024;
   double coverage = 0.005;
+  bool selection_only = false;  // steps 1–6 only (selected, budgets, scores): no attention output, no pair count
 };
 struct TokenSparseResult {
   Output out;
@@ -108,6 +109,7 @@ struct TokenSparseResult {
   std::vector<bool> ran_dense;                  // [b]
   std::vector<int> budget, n_drop;              // [b] (0 when dense)
   std::vector<std::vector<double>> cumsum;      // [b] ascending-sorted cumulative layer score (for choosing τ)
+  std::vector<std::vector<std::vector<double>>> head_score;  // [b][h] ŝ_h over the L − W candidates (empty: dense)
   double coverage_margin = kInf;                // smallest |cumsum - τ|
   double topk_margin = kInf;                    // smallest relative score gap at a top-budget boundary
   int64_t pairs_computed = 0;
