@@ -297,8 +297,11 @@ typedef struct sparsa_policy {
   int32_t select_per_kv_head; /**< 1 = one selection per kv head (vote over its group); default 0 = shared */
 
   /* TOKEN_INDICES (§7). Always causal (bottom-right), like TOKEN_SELECT. */
-  /** int32 [B, H_idx, k]: token ids (index_block_size == 1) or block ids, -1 = unused slot; any other value
-      outside [0, N) (token ids) or [0, ceil(N/index_block_size)) (block ids) is SPARSA_STATUS_INDEX_OUT_OF_RANGE. */
+  /** int32 [B, H_idx, k]: token ids (index_block_size == 1) or block ids, -1 = unused slot. Any other value
+      outside [0, N) (token ids) or [0, ceil(N/index_block_size)) (block ids): in host memory the run fails with
+      SPARSA_STATUS_INDEX_OUT_OF_RANGE and writes nothing; in device memory the contents are not read by the host
+      (that would need a synchronisation), so such a value is ignored like -1 (no error, never read out of bounds).
+      The same holds for head_map entries outside [0, H_idx). */
   const sparsa_tensor* indices;
   /** Optional int32 [Hq]: row of `indices` each query head uses, in [0, H_idx); NULL = h / (Hq / H_idx). */
   const sparsa_tensor* head_map;

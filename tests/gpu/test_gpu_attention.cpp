@@ -407,6 +407,70 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
   }
 }
 
+// The header's promise for device index tensors (sparsa.h, TOKEN_INDICES `indices`): contents in device memory are
+// not validated (that would need a host sync); an id outside its range is ignored like a -1 slot — no error, no
+// out-of-bounds read (run under compute-sanitizer memcheck by bench/gpu/run_device.sh). Planted bad ids (past N,
+// far past it, below -1) must give bit for bit the run with those slots set to -1.
+TEST(GpuTokenIndices, OutOfRangeDeviceIdsAreIgnoredLikeUnusedSlots) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const int B = 1, Sq = 1, Skv = 3000, Hq = 4, Hkv = 2, D = 128, k = 96;
+  std::vector<float> q(size_t(B) * Sq * Hq * D), kv(size_t(B) * Skv * Hkv * D), v(kv.size());
+  for (auto* x : {&q, &kv, &v})
+    for (float& e : *x) e = normal(rng);
+  std::vector<int32_t> clean(size_t(B) * Hq * k), planted;
+  for (int32_t& id : clean) id = int32_t(rng() % Skv);
+  planted = clean;
+  const int32_t bad[] = {Skv, Skv + 5, 1 << 30, -7, -2147483647 - 1};
+  for (size_t e = 0; e < planted.size(); e += 7) {
+    planted[e] = bad[(e / 7) % (sizeof bad / sizeof bad[0])];
+    clean[e] = -1;
+  }
+  const std::vector<uint8_t> qb = encode_rounded(q, SPARSA_DTYPE_BF16), kb = encode_rounded(kv, SPARSA_DTYPE_BF16),
+                             vb = encode_rounded(v, SPARSA_DTYPE_BF16);
+  auto run = [&](const std::vector<int32_t>& ids, std::vector<uint8_t>* out, std::vector<int32_t>* selected) {
+    sparsa_context_options options;
+    sparsa_context_options_init(&options);
+    options.device_type = SPARSA_DEVICE_CUDA;
+    sparsa_context* ctx = nullptr;
+    SPARSA_OK(sparsa_context_create(&options, &ctx));
+    DeviceBuffer dq(qb.size()), dk(kb.size()), dv(vb.size()), dout(qb.size()), dsel(size_t(B) * Hq * Skv * 4),
+        dids(ids.size() * 4);
+    dq.upload(qb.data(), qb.size());
+    dk.upload(kb.data(), kb.size());
+    dv.upload(vb.data(), vb.size());
+    dids.upload(ids.data(), ids.size() * 4);
+    CUDA_OK(cudaMemset(dout.data(), 0xff, qb.size()));
+    sparsa_tensor tq = make_tensor(dq.data(), SPARSA_DTYPE_BF16, {B, Sq, Hq, D}, SPARSA_DEVICE_CUDA);
+    sparsa_tensor tk = make_tensor(dk.data(), SPARSA_DTYPE_BF16, {B, Skv, Hkv, D}, SPARSA_DEVICE_CUDA);
+    sparsa_tensor tv = make_tensor(dv.data(), SPARSA_DTYPE_BF16, {B, Skv, Hkv, D}, SPARSA_DEVICE_CUDA);
+    sparsa_tensor tout = make_tensor(dout.data(), SPARSA_DTYPE_BF16, {B, Sq, Hq, D}, SPARSA_DEVICE_CUDA);
+    sparsa_tensor tsel = make_tensor(dsel.data(), SPARSA_DTYPE_I32, {B, Hq, Skv}, SPARSA_DEVICE_CUDA);
+    sparsa_tensor tids = make_tensor(dids.data(), SPARSA_DTYPE_I32, {B, Hq, k}, SPARSA_DEVICE_CUDA);
+    sparsa_attention_args args;
+    sparsa_attention_args_init(&args);
+    args.q = &tq; args.k = &tk; args.v = &tv; args.out = &tout; args.selected_indices = &tsel;
+    sparsa_policy policy;
+    sparsa_policy_init(&policy, SPARSA_POLICY_TOKEN_INDICES);
+    policy.indices = &tids;
+    SPARSA_OK(sparsa_attention_run(ctx, &args, &policy));
+    CUDA_OK(cudaDeviceSynchronize());
+    *out = dout.download<uint8_t>(qb.size());
+    *selected = dsel.download<int32_t>(size_t(B) * Hq * Skv);
+    sparsa_context_destroy(ctx);
+  };
+  std::vector<uint8_t> out_planted, out_clean;
+  std::vector<int32_t> sel_planted, sel_clean;
+  run(planted, &out_planted, &sel_planted);
+  run(clean, &out_clean, &sel_clean);
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_EQ(out_planted, out_clean) << "out-of-range device ids must act as -1 slots";
+  EXPECT_EQ(sel_planted, sel_clean);
+  const std::vector<float> decoded = decode(out_planted, SPARSA_DTYPE_BF16);
+  for (size_t e = 0; e < decoded.size(); ++e) ASSERT_FALSE(std::isnan(decoded[e])) << "output element " << e;
+}
+
 // §0 merge on the device against the host formula.
 TEST(GpuMergeStates, MatchesFormula) {
   SKIP_WITHOUT_GPU();
