@@ -13,7 +13,8 @@
 //      recomputed instead of stored: it would be B·Hq·W·L values (1 GiB at L = 32K, Hq = 32 in float64).
 //      fp16/bf16 inputs score on tensor cores in fp32 within a documented bound of the oracle (ALGORITHMS.md §0;
 //      the bound and its derivation head token_sparse_score.cu); fp32 inputs, other head dims and HIP in float64;
-//   3. pool_kernel: avg_pool1d(kernel, zero padding counted) and per-head normalisation ŝ_h (§5.3–4), float64;
+//   3. pool_kernel + normalize_kernel: avg_pool1d(kernel, zero padding counted) and per-head normalisation ŝ_h
+//      (§5.3–4), float64, one candidate per thread;
 //   4. layer_kernel + budget_kernel: s_l = mean over heads, normalised; n_drop = #(ascending cumsum < τ) (+1 when
 //      > 0) found by a radix descent over the scores' bit patterns with exact fixed-point partial sums instead of
 //      a sort; budget = max(min_tokens, n − n_drop) (§5.4–5);
@@ -45,7 +46,8 @@ namespace {
 using namespace token_sparse;
 
 // ---- Other kernels ----
-constexpr int kRowThreads = 256;      // row_lse_kernel, pool_kernel, finish_kernel, layer_kernel
+constexpr int kRowThreads = 256;      // row_lse_kernel, pool_kernel, normalize_kernel, finish_kernel, layer_kernel
+constexpr int kRowsPerLseBlock = kRowThreads / kLanes;  // row_lse_kernel: one warp per window row
 constexpr int kBudgetThreads = 1024;  // budget_kernel: one block per sequence
 constexpr int kZeroThreads = 256;
 constexpr int kZeroRows = 128;        // rows per zero_kernel block (their kept flags: a shared bitmap)
@@ -73,49 +75,71 @@ __device__ T block_sum(T value, T* warp_totals) {
   return total;
 }
 
-// lse of every window row from pass 1's partials (one block per (head, sequence)).
+// lse of every window row from pass 1's partials: one warp per row, its lanes over the key chunks (grid: row groups
+// of kRowsPerLseBlock, heads, sequences; the shuffle reductions run in a fixed order, so the result is deterministic).
 __global__ void __launch_bounds__(kRowThreads) row_lse_kernel(const SparseParams sp) {
-  const int32_t h = blockIdx.x, b = blockIdx.y;
+  const int32_t h = blockIdx.y, b = blockIdx.z;
+  const int32_t w = blockIdx.x * kRowsPerLseBlock + int32_t(threadIdx.x) / kLanes, lane = threadIdx.x % kLanes;
   const SparseSequence seq = sparse_sequence(sp, make_sequence_view(sp.fw, b, h));
-  if (seq.dense) return;
+  if (seq.dense || w >= sp.window) return;  // whole warps
   const int64_t head = int64_t(b) * sp.fw.num_q_heads + h;
   const int32_t chunks = (seq.length + kKeysPerBlock - 1) / kKeysPerBlock;
-  for (int32_t w = threadIdx.x; w < sp.window; w += blockDim.x) {
-    double m = kNegInf;
-    for (int32_t c = 0; c < chunks; ++c) m = fmax(m, sp.partial_max[(head * sp.key_chunks + c) * sp.window + w]);
-    double sum = 0.0;
-    for (int32_t c = 0; c < chunks; ++c) {
-      const int64_t at = (head * sp.key_chunks + c) * sp.window + w;
-      if (sp.partial_max[at] != kNegInf) sum += sp.partial_sum[at] * exp(sp.partial_max[at] - m);
-    }
-    sp.row_lse[head * sp.window + w] = m + log(sum);  // key 0 is visible to every row: m finite, sum >= 1
+  const int64_t first = head * sp.key_chunks * sp.window + w;  // chunk c at first + c · W
+  double m = kNegInf;
+  for (int32_t c = lane; c < chunks; c += kLanes) m = fmax(m, sp.partial_max[first + int64_t(c) * sp.window]);
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) m = fmax(m, warp_shfl_xor(m, offset));
+  double sum = 0.0;
+  for (int32_t c = lane; c < chunks; c += kLanes) {
+    const int64_t at = first + int64_t(c) * sp.window;
+    if (sp.partial_max[at] != kNegInf) sum += sp.partial_sum[at] * exp(sp.partial_max[at] - m);
   }
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) sum += warp_shfl_xor(sum, offset);
+  if (lane == 0) sp.row_lse[head * sp.window + w] = m + log(sum);  // key 0 is visible to every row: m finite
 }
 
 // ================================================================================== pooling, layer score, budget
 
-// ŝ_h = avg_pool1d(p_h) normalised to sum 1 (§5.3–4), and device_topk's segment length (one block per (h, b)).
+// avg_pool1d(p_h) (§5.3; zero padding counted), one candidate per thread (grid: candidate blocks, heads, sequences),
+// and each block's sum of its pooled values for the normalisation.
 __global__ void __launch_bounds__(kRowThreads) pool_kernel(const SparseParams sp) {
   __shared__ double warp_totals[kRowThreads / kLanes];
-  const int32_t h = blockIdx.x, b = blockIdx.y;
+  const int32_t h = blockIdx.y, b = blockIdx.z;
   const SparseSequence seq = sparse_sequence(sp, make_sequence_view(sp.fw, b, h));
   const int64_t head = int64_t(b) * sp.fw.num_q_heads + h;
-  if (threadIdx.x == 0) sp.lengths[head] = seq.candidates;
-  if (seq.dense) return;
   const int32_t n = seq.candidates, half = sp.pool_kernel / 2;
+  const int32_t j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (seq.dense || int32_t(blockIdx.x * blockDim.x) >= n) return;  // uniform over the block
   const double* p = sp.attention + head * sp.cand_stride;
-  double* scores = sp.scores + head * sp.cand_stride;
-  double total = 0.0;
-  for (int32_t j = threadIdx.x; j < n; j += blockDim.x) {
+  double pooled = 0.0;
+  if (j < n) {
     double window_sum = 0.0;  // ascending t, as the CPU adds them
     for (int32_t t = max(0, j - half); t <= min(n - 1, j + half); ++t) window_sum += p[t];
-    scores[j] = window_sum / double(sp.pool_kernel);
-    total += scores[j];
+    pooled = window_sum / double(sp.pool_kernel);
+    sp.scores[head * sp.cand_stride + j] = pooled;
   }
-  total = block_sum(total, warp_totals);
-  if (total > 0.0) {  // an all-zero head (underflow only) stays zero, as on the CPU
-    for (int32_t j = threadIdx.x; j < n; j += blockDim.x) scores[j] /= total;  // this thread's own writes
+  const double total = block_sum(pooled, warp_totals);
+  if (threadIdx.x == 0) sp.pool_totals[head * sp.pool_blocks + blockIdx.x] = total;
+}
+
+// ŝ_h = pooled / Σ pooled (§5.4; the head's total summed from pool_kernel's block sums in ascending order by every
+// block alike), and device_topk's segment length (grid as pool_kernel's).
+__global__ void __launch_bounds__(kRowThreads) normalize_kernel(const SparseParams sp) {
+  __shared__ double head_total;
+  const int32_t h = blockIdx.y, b = blockIdx.z;
+  const SparseSequence seq = sparse_sequence(sp, make_sequence_view(sp.fw, b, h));
+  const int64_t head = int64_t(b) * sp.fw.num_q_heads + h;
+  if (blockIdx.x == 0 && threadIdx.x == 0) sp.lengths[head] = seq.candidates;
+  const int32_t n = seq.candidates;
+  if (seq.dense || int32_t(blockIdx.x * blockDim.x) >= n) return;
+  if (threadIdx.x == 0) {
+    const int32_t blocks = (n + kRowThreads - 1) / kRowThreads;
+    double total = 0.0;
+    for (int32_t i = 0; i < blocks; ++i) total += sp.pool_totals[head * sp.pool_blocks + i];
+    head_total = total;
   }
+  __syncthreads();
+  const int32_t j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j < n && head_total > 0.0) sp.scores[head * sp.cand_stride + j] /= head_total;  // an all-zero head stays zero
 }
 
 // s_l[j] = (Σ_h ŝ_h[j]) / Hq, heads added in ascending order as on the CPU (grid: candidate blocks × sequences).
@@ -337,11 +361,15 @@ SparseShape sparse_shape(const AttentionProblem& problem, const PolicyParams& po
   return shape;
 }
 
+// Blocks of pool_kernel / normalize_kernel along the candidates.
+int32_t pool_blocks_of(const SparseShape& shape) { return int32_t((shape.cand_stride + kRowThreads - 1) / kRowThreads); }
+
 uint64_t selection_scratch_bytes(const SparseShape& shape, int32_t batch, int32_t window) {
   uint64_t bytes = uint64_t(shape.heads) * shape.capacity * sizeof(int32_t);  // lists
   if (shape.any_sparse) {
     bytes += 2 * uint64_t(shape.heads) * shape.key_chunks * window * sizeof(double);    // partials
     bytes += (2 * uint64_t(shape.heads) + batch) * shape.cand_stride * sizeof(double);  // p, ŝ, s_l
+    bytes += uint64_t(shape.heads) * pool_blocks_of(shape) * sizeof(double);            // pooled block sums
     bytes += device_topk_scratch_bytes(int32_t(shape.heads), shape.cand_stride);
   }
   return bytes;
@@ -413,6 +441,8 @@ void token_sparse_run(const GpuDevice& device, const AttentionProblem& problem, 
     sp.attention = carver.take<double>(heads * uint64_t(shape.cand_stride));
     sp.scores = carver.take<double>(heads * uint64_t(shape.cand_stride));
     sp.layer = carver.take<double>(uint64_t(problem.batch) * uint64_t(shape.cand_stride));
+    sp.pool_blocks = pool_blocks_of(shape);
+    sp.pool_totals = carver.take<double>(heads * uint64_t(sp.pool_blocks));
     sp.lengths = carver.take<int32_t>(heads);
     sp.budget = carver.take<int32_t>(uint64_t(problem.batch));
     topk_scratch = carver.take<char>(device_topk_scratch_bytes(int32_t(heads), shape.cand_stride));
@@ -428,14 +458,17 @@ void token_sparse_run(const GpuDevice& device, const AttentionProblem& problem, 
   const int32_t batch = problem.batch, n_heads = problem.num_q_heads;
   if (sp.stats.out != nullptr) check(stats_count_launch(sp.fw, sp.stats, stream), "stats_count_kernel launch");
   if (shape.any_sparse) {
-    const dim3 head_grid(n_heads, batch);
     const ScorePrecision precision = score_precision(sp);
     launch_score_pass(sp, precision, false, stream);
-    row_lse_kernel<<<head_grid, kRowThreads, 0, stream>>>(sp);
+    const dim3 lse_grid(uint32_t((sp.window + kRowsPerLseBlock - 1) / kRowsPerLseBlock), n_heads, batch);
+    row_lse_kernel<<<lse_grid, kRowThreads, 0, stream>>>(sp);
     check(cudaGetLastError(), "TOKEN_SPARSE row_lse_kernel launch");
     launch_score_pass(sp, precision, true, stream);
-    pool_kernel<<<head_grid, kRowThreads, 0, stream>>>(sp);
+    const dim3 pool_grid(uint32_t(sp.pool_blocks), n_heads, batch);
+    pool_kernel<<<pool_grid, kRowThreads, 0, stream>>>(sp);
     check(cudaGetLastError(), "TOKEN_SPARSE pool_kernel launch");
+    normalize_kernel<<<pool_grid, kRowThreads, 0, stream>>>(sp);
+    check(cudaGetLastError(), "TOKEN_SPARSE normalize_kernel launch");
     const dim3 layer_grid(uint32_t((shape.cand_stride + kRowThreads - 1) / kRowThreads), batch);
     layer_kernel<<<layer_grid, kRowThreads, 0, stream>>>(sp);
     check(cudaGetLastError(), "TOKEN_SPARSE layer_kernel launch");

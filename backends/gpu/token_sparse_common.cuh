@@ -33,6 +33,8 @@ struct SparseParams {
   double* attention = nullptr;    // p_h: [B·Hq, cand_stride]
   double* scores = nullptr;       // ŝ_h: [B·Hq, cand_stride]
   double* layer = nullptr;        // s_l: [B, cand_stride]
+  double* pool_totals = nullptr;  // [B·Hq, pool_blocks]: block sums of the pooled scores
+  int32_t pool_blocks = 0;        // blocks along the candidates of the pooling launch
   int32_t* lengths = nullptr;     // [B·Hq]: L − W, 0 for a dense sequence (device_topk's segment lengths)
   int32_t* budget = nullptr;      // [B]: candidates kept per head, 0 for a dense sequence
   int32_t* lists = nullptr;       // S_h: [B·Hq, capacity] ascending positions
