@@ -6,6 +6,8 @@
 //   - sizes below 0.1's or above SPARSA_STRUCT_SIZE_MAX are refused.
 // Every init function and, for each struct, the entry points that read it; guard bytes must stay untouched, a
 // refused call writes no output, an accepted one computes what the plain struct computes.
+// 0.2 appended no field, so each struct's 0.1 size is still its sizeof; the helper itself (src/caller_struct.h) is
+// also run on a struct with an appended field, where an older caller's struct really is shorter.
 #include <gtest/gtest.h>
 #include <sparsa/sparsa.h>
 
@@ -14,6 +16,21 @@
 #include <functional>
 #include <string>
 #include <vector>
+
+#include "../src/caller_struct.h"
+
+// A struct whose later version appended `appended` (first release: struct_size and `first` only, 8 bytes).
+struct appended_struct {
+  uint32_t struct_size;
+  int32_t first;
+  int32_t appended;
+  int32_t reserved0;
+};
+template <>
+struct sparsa::CallerStructTraits<appended_struct> {
+  static constexpr const char* type_name = "appended_struct";
+  static constexpr uint32_t first_size = 8;
+};
 
 namespace {
 
@@ -205,6 +222,60 @@ TEST(StructSize, MacrosPassTheCallersSizeof) {
   sparsa_tensor tensor;
   ASSERT_EQ(SPARSA_TENSOR_INIT(&tensor, data, SPARSA_DTYPE_F32, 1, shape), SPARSA_STATUS_SUCCESS);
   EXPECT_EQ(tensor.struct_size, sizeof tensor);
+}
+
+// ---- The helper on a struct with an appended field ---------------------------------------------------------------
+
+constexpr int32_t kAppendedDefault = 77;
+constexpr appended_struct kAppendedDefaults{sizeof(appended_struct), 5, kAppendedDefault, 0};
+
+TEST(StructSize, OlderCallersStructIsReadAndWrittenOnlyUpToItsSize) {
+  // An older caller: 8 bytes of struct, then guard bytes where the newer fields would be.
+  unsigned char older[8 + kGuardBytes];
+  std::memset(older, kGuardByte, sizeof older);
+  sparsa::write_caller_struct(older, 8, "older", kAppendedDefaults);  // an init function's write
+  for (size_t i = 8; i < sizeof older; ++i) ASSERT_EQ(older[i], kGuardByte) << "init wrote byte " << i;
+  uint32_t size = 0;
+  int32_t first = 0;
+  std::memcpy(&size, older, 4);
+  std::memcpy(&first, older + 4, 4);
+  EXPECT_EQ(size, 8u);
+  EXPECT_EQ(first, 5);
+  first = 9;
+  std::memcpy(older + 4, &first, 4);
+  // The read takes the caller's field and the default of the field it does not have (not the guard bytes).
+  const appended_struct read =
+      sparsa::read_caller_struct(*reinterpret_cast<const appended_struct*>(older), "older", kAppendedDefaults);
+  EXPECT_EQ(read.first, 9);
+  EXPECT_EQ(read.appended, kAppendedDefault);
+  EXPECT_EQ(read.struct_size, sizeof(appended_struct));  // the library-side copy is complete
+  for (size_t i = 8; i < sizeof older; ++i) ASSERT_EQ(older[i], kGuardByte);
+  // Below the first release's size: refused, nothing written.
+  unsigned char tiny[4 + kGuardBytes];
+  std::memset(tiny, kGuardByte, sizeof tiny);
+  EXPECT_THROW(sparsa::write_caller_struct(tiny, 4, "tiny", kAppendedDefaults), sparsa::Error);
+  for (unsigned char b : tiny) ASSERT_EQ(b, kGuardByte);
+}
+
+TEST(StructSize, NewerCallersTailMustBeZero) {
+  unsigned char newer[sizeof(appended_struct) + 8 + kGuardBytes];
+  std::memset(newer, kGuardByte, sizeof newer);
+  sparsa::write_caller_struct(newer, sizeof(appended_struct) + 8, "newer", kAppendedDefaults);
+  for (size_t i = sizeof(appended_struct); i < sizeof(appended_struct) + 8; ++i) ASSERT_EQ(newer[i], 0);
+  for (size_t i = sizeof(appended_struct) + 8; i < sizeof newer; ++i) ASSERT_EQ(newer[i], kGuardByte);
+  const auto* as_struct = reinterpret_cast<const appended_struct*>(newer);
+  EXPECT_EQ(sparsa::read_caller_struct(*as_struct, "newer", kAppendedDefaults).appended, kAppendedDefault);
+  newer[sizeof(appended_struct) + 7] = 1;
+  try {
+    sparsa::read_caller_struct(*as_struct, "newer", kAppendedDefaults);
+    ADD_FAILURE() << "a non-zero unknown tail was accepted";
+  } catch (const sparsa::Error& e) {
+    EXPECT_EQ(e.status(), SPARSA_STATUS_STRUCT_SIZE);
+    EXPECT_NE(std::string(e.what()).find("newer.struct_size: 24 is larger than this sparsa's appended_struct (16 "
+                                         "bytes) and byte 23 past it is not zero"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // ---- Entry points: each reads each caller struct through its struct_size ------------------------------------------
