@@ -139,13 +139,13 @@ Timing time_run(sparsa_context* ctx, Problem& p, bool causal, const sparsa_polic
   const int64_t kv_shape[4] = {p.batch, p.seq_k, p.heads_kv, p.dim};
   const int64_t stats_shape[1] = {SPARSA_STAT_COUNT};
   Timing timing;
-  sparsa_tensor_init(&q, p.q.data(), SPARSA_DTYPE_F32, 4, q_shape);
-  sparsa_tensor_init(&k, p.k.data(), SPARSA_DTYPE_F32, 4, kv_shape);
-  sparsa_tensor_init(&v, p.v.data(), SPARSA_DTYPE_F32, 4, kv_shape);
-  sparsa_tensor_init(&out, p.out.data(), SPARSA_DTYPE_F32, 4, q_shape);
-  sparsa_tensor_init(&stats, timing.stats, SPARSA_DTYPE_I64, 1, stats_shape);
+  sparsa_tensor_init(&q, sizeof q, p.q.data(), SPARSA_DTYPE_F32, 4, q_shape);
+  sparsa_tensor_init(&k, sizeof k, p.k.data(), SPARSA_DTYPE_F32, 4, kv_shape);
+  sparsa_tensor_init(&v, sizeof v, p.v.data(), SPARSA_DTYPE_F32, 4, kv_shape);
+  sparsa_tensor_init(&out, sizeof out, p.out.data(), SPARSA_DTYPE_F32, 4, q_shape);
+  sparsa_tensor_init(&stats, sizeof stats, timing.stats, SPARSA_DTYPE_I64, 1, stats_shape);
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &q;
   args.k = &k;
   args.v = &v;
@@ -206,7 +206,7 @@ int main(int argc, char** argv) {
   }
 
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.num_threads = threads;
   sparsa_context* ctx = nullptr;
   if (sparsa_context_create(&options, &ctx) != SPARSA_STATUS_SUCCESS) {
@@ -217,7 +217,7 @@ int main(int argc, char** argv) {
   // ---- 2. dense fp32 against the peak ----
   Problem dense = make_problem(1, n, n, kHeads, kHeads, kDim);
   sparsa_policy dense_policy;
-  sparsa_policy_init(&dense_policy, SPARSA_POLICY_DENSE);
+  sparsa_policy_init(&dense_policy, sizeof dense_policy, SPARSA_POLICY_DENSE);
   for (bool causal : {false, true}) {
     const Timing t = time_run(ctx, dense, causal, dense_policy, repeats);
     if (!t.ok) continue;
@@ -246,14 +246,14 @@ int main(int argc, char** argv) {
   for (uint8_t& m : mask_data) m = uint8_t(rng() % 4 == 0 ? 1 : 0);  // 25% of blocks
   sparsa_tensor mask;
   const int64_t mask_shape[4] = {1, kHeads, n_q_blocks, n_k_blocks};
-  sparsa_tensor_init(&mask, mask_data.data(), SPARSA_DTYPE_U8, 4, mask_shape);
+  sparsa_tensor_init(&mask, sizeof mask, mask_data.data(), SPARSA_DTYPE_U8, 4, mask_shape);
 
   const int32_t index_k = policy_n / 8;
   std::vector<int32_t> index_data(size_t(kHeads / 4) * size_t(index_k));
   for (size_t i = 0; i < index_data.size(); ++i) index_data[i] = int32_t((i % size_t(index_k)) * 8);
   sparsa_tensor indices;
   const int64_t index_shape[3] = {1, kHeads / 4, index_k};
-  sparsa_tensor_init(&indices, index_data.data(), SPARSA_DTYPE_I32, 3, index_shape);
+  sparsa_tensor_init(&indices, sizeof indices, index_data.data(), SPARSA_DTYPE_I32, 3, index_shape);
 
   struct Case {
     const char* name;
@@ -290,7 +290,7 @@ int main(int argc, char** argv) {
   };
   for (const Case& c : cases) {
     sparsa_policy policy;
-    sparsa_policy_init(&policy, c.kind);
+    sparsa_policy_init(&policy, sizeof policy, c.kind);
     if (c.tweak) c.tweak(&policy);
     if (c.kind == SPARSA_POLICY_TOKEN_INDICES) policy.indices = &indices;
     const Timing t = time_run(ctx, c.decode ? decode : prefill, true, policy, repeats,
@@ -320,7 +320,7 @@ int main(int argc, char** argv) {
     };
     for (const Case& c : decode_cases) {
       sparsa_policy policy;
-      sparsa_policy_init(&policy, c.kind);
+      sparsa_policy_init(&policy, sizeof policy, c.kind);
       if (c.tweak) c.tweak(&policy);
       const Timing t = time_run(ctx, long_decode, true, policy, repeats);
       if (!t.ok) {

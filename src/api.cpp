@@ -12,6 +12,7 @@
 #include <new>
 #include <string>
 
+#include "caller_struct.h"
 #include "error.h"
 #include "error_state.h"
 #include "handles.h"
@@ -84,10 +85,11 @@ extern "C" SPARSA_API const char* sparsa_last_error_message(void) { return last_
 
 // ---- Tensors -----------------------------------------------------------------------------------------------------
 
-extern "C" SPARSA_API sparsa_status sparsa_tensor_init(sparsa_tensor* t, void* data, int32_t dtype, int32_t ndim,
-                                                       const int64_t* shape) {
+extern "C" SPARSA_API sparsa_status sparsa_tensor_init(sparsa_tensor* t, size_t size, void* data, int32_t dtype,
+                                                       int32_t ndim, const int64_t* shape) {
   return guarded([&] {
     require(t, "t");
+    check_struct_size<sparsa_tensor>(size, "t");
     require(shape, "shape");
     if (ndim < 1 || ndim > SPARSA_MAX_DIMS) {
       fail(SPARSA_STATUS_SHAPE_MISMATCH, "ndim: expected 1..", SPARSA_MAX_DIMS, ", got ", ndim);
@@ -97,7 +99,6 @@ extern "C" SPARSA_API sparsa_status sparsa_tensor_init(sparsa_tensor* t, void* d
     }
     if (dtype_size(dtype) == 0) fail(SPARSA_STATUS_DTYPE_MISMATCH, "dtype: unknown sparsa_dtype ", dtype);
     sparsa_tensor result{};
-    result.struct_size = sizeof(sparsa_tensor);
     result.dtype = dtype;
     result.device_type = SPARSA_DEVICE_CPU;
     result.device_id = 0;
@@ -109,7 +110,7 @@ extern "C" SPARSA_API sparsa_status sparsa_tensor_init(sparsa_tensor* t, void* d
       result.strides[i] = stride;
       stride *= shape[i];
     }
-    *t = result;
+    write_caller_struct(t, size, "t", result);
   });
 }
 
@@ -117,10 +118,10 @@ extern "C" SPARSA_API size_t sparsa_dtype_size(int32_t dtype) { return dtype_siz
 
 // ---- Context -----------------------------------------------------------------------------------------------------
 
-extern "C" SPARSA_API sparsa_status sparsa_context_options_init(sparsa_context_options* options) {
+extern "C" SPARSA_API sparsa_status sparsa_context_options_init(sparsa_context_options* options, size_t size) {
   return guarded([&] {
     require(options, "options");
-    *options = default_context_options();
+    write_caller_struct(options, size, "options", default_context_options());
   });
 }
 
@@ -129,7 +130,7 @@ extern "C" SPARSA_API sparsa_status sparsa_context_create(const sparsa_context_o
     require(out, "out");
     const sparsa_context_options defaults = default_context_options();
     const sparsa_context_options resolved =
-        options ? read_caller_struct(*options, "options", kContextOptionsFirstSize, defaults) : defaults;
+        options ? read_caller_struct(*options, "options", defaults) : defaults;
     if (resolved.num_threads < 0) {
       fail(SPARSA_STATUS_INVALID_ARGUMENT, "options.num_threads: expected >= 0 (0 = one per core), got ",
            resolved.num_threads);
@@ -233,14 +234,15 @@ extern "C" SPARSA_API sparsa_status sparsa_selection_cache_counts(const sparsa_s
 
 // ---- Policies and the run ----------------------------------------------------------------------------------------
 
-extern "C" SPARSA_API sparsa_status sparsa_policy_init(sparsa_policy* policy, int32_t kind) {
+extern "C" SPARSA_API sparsa_status sparsa_policy_init(sparsa_policy* policy, size_t size, int32_t kind) {
   return guarded([&] {
     require(policy, "policy");
+    check_struct_size<sparsa_policy>(size, "policy");
     if (!is_known_policy_kind(kind)) {
       fail(SPARSA_STATUS_INVALID_ARGUMENT, "kind: expected a sparsa_policy_kind in [0, ", SPARSA_POLICY_TOKEN_INDICES,
            "], got ", kind);
     }
-    *policy = default_policy(kind);
+    write_caller_struct(policy, size, "policy", default_policy(kind));
   });
 }
 
@@ -265,10 +267,10 @@ extern "C" SPARSA_API const char* sparsa_policy_kind_name(int32_t kind) {
   }
 }
 
-extern "C" SPARSA_API sparsa_status sparsa_attention_args_init(sparsa_attention_args* args) {
+extern "C" SPARSA_API sparsa_status sparsa_attention_args_init(sparsa_attention_args* args, size_t size) {
   return guarded([&] {
     require(args, "args");
-    *args = default_attention_args();
+    write_caller_struct(args, size, "args", default_attention_args());
   });
 }
 
@@ -333,8 +335,8 @@ extern "C" SPARSA_API sparsa_status sparsa_kv_prefetch(sparsa_context* ctx, cons
 }
 
 extern "C" SPARSA_API sparsa_status sparsa_hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm,
-                                                               int32_t* inverse) {
-  return guarded([&] { hilbert_permutation(t, h, w, perm, inverse); });
+                                                               int32_t* inverse, int64_t capacity) {
+  return guarded([&] { hilbert_permutation(t, h, w, perm, inverse, capacity); });
 }
 
 extern "C" SPARSA_API sparsa_status sparsa_drift_select_layers(const sparsa_tensor* h_in, const sparsa_tensor* h_out,
@@ -343,10 +345,10 @@ extern "C" SPARSA_API sparsa_status sparsa_drift_select_layers(const sparsa_tens
   return guarded([&] { drift_select_layers(h_in, h_out, delta, out_ratio, out_sparse); });
 }
 
-extern "C" SPARSA_API sparsa_status sparsa_sparge_tune_options_init(sparsa_sparge_tune_options* options) {
+extern "C" SPARSA_API sparsa_status sparsa_sparge_tune_options_init(sparsa_sparge_tune_options* options, size_t size) {
   return guarded([&] {
     require(options, "options");
-    *options = default_sparge_tune_options();
+    write_caller_struct(options, size, "options", default_sparge_tune_options());
   });
 }
 

@@ -83,7 +83,7 @@ struct HilbertWalk {
 
 }  // namespace
 
-void hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t* inverse) {
+void hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t* inverse, int64_t capacity) {
   const std::pair<int32_t, const char*> extents[] = {{t, "t"}, {h, "h"}, {w, "w"}};
   for (const auto& [value, name] : extents) {
     if (value < 1) fail(SPARSA_STATUS_INVALID_ARGUMENT, name, ": expected >= 1, got ", value);
@@ -91,6 +91,11 @@ void hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t
   const int64_t n = int64_t(t) * h * w;
   if (n > std::numeric_limits<int32_t>::max()) {
     fail(SPARSA_STATUS_INVALID_ARGUMENT, "t*h*w: ", n, " tokens do not fit int32 ids");
+  }
+  if (capacity < 0) fail(SPARSA_STATUS_INVALID_ARGUMENT, "capacity: expected >= 0, got ", capacity);
+  if ((perm != nullptr || inverse != nullptr) && capacity < n) {
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, "capacity: the buffers hold ", capacity, " int32 entries but the ", t, "x", h,
+         "x", w, " grid needs ", n);
   }
   const int32_t longest = std::max(t, std::max(h, w));
   int bits = 0;

@@ -10,8 +10,8 @@ struct sparsa_context;
 
 namespace sparsa {
 
-// §4 Hilbert permutation of a t×h×w grid; perm/inverse may be NULL.
-void hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t* inverse);
+// §4 Hilbert permutation of a t×h×w grid; perm/inverse may be NULL, each holds `capacity` entries.
+void hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t* inverse, int64_t capacity);
 
 // §5 drift-based layer selection.
 void drift_select_layers(const sparsa_tensor* h_in, const sparsa_tensor* h_out, float delta,

@@ -60,7 +60,7 @@ struct OwnedTensor {
 sparsa_sparge_tune_options resolve_options(const sparsa_sparge_tune_options* in) {
   const sparsa_sparge_tune_options defaults = default_sparge_tune_options();
   const sparsa_sparge_tune_options o =
-      in ? read_caller_struct(*in, "options", kSpargeTuneOptionsFirstSize, defaults) : defaults;
+      in ? read_caller_struct(*in, "options", defaults) : defaults;
   if (!(o.l1 > 0.f) || !std::isfinite(o.l1)) {
     fail(SPARSA_STATUS_INVALID_ARGUMENT, "options.l1: expected a finite value > 0, got ", o.l1);
   }
@@ -171,9 +171,9 @@ void sparge_tune(sparsa_context& ctx, const sparsa_attention_args* args_in, cons
                  const sparsa_tensor* out_metrics_t) {
   if (args_in == nullptr) fail(SPARSA_STATUS_NULL_POINTER, "args: NULL");
   const sparsa_sparge_tune_options options = resolve_options(options_in);
-  sparsa_attention_args args = read_caller_struct(*args_in, "args", kAttentionArgsFirstSize, default_attention_args());
+  sparsa_attention_args args = read_caller_struct(*args_in, "args", default_attention_args());
   const sparsa_policy caller_policy =
-      policy_in ? read_caller_struct(*policy_in, "policy", kPolicyFirstSize, default_policy(SPARSA_POLICY_SPARGE))
+      policy_in ? read_caller_struct(*policy_in, "policy", default_policy(SPARSA_POLICY_SPARGE))
                 : default_policy(SPARSA_POLICY_SPARGE);
   if (ctx.options.device_type != SPARSA_DEVICE_CPU) {
     fail(SPARSA_STATUS_UNSUPPORTED, "sparsa_sparge_tune: the tuner measures outputs on the host and runs on CPU ",

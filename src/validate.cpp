@@ -32,7 +32,7 @@ TensorArg read_tensor(const sparsa_tensor* t, const char* name, bool required) {
   }
   sparsa_tensor defaults{};
   defaults.device_type = SPARSA_DEVICE_CPU;
-  arg.t = read_caller_struct(*t, name, kTensorFirstSize, defaults);
+  arg.t = read_caller_struct(*t, name, defaults);
   arg.present = true;
   const sparsa_tensor& d = arg.t;
   if (d.ndim < 1 || d.ndim > SPARSA_MAX_DIMS) {
@@ -577,9 +577,9 @@ void validate_attention(const sparsa_context& ctx, const sparsa_attention_args* 
     fail(SPARSA_STATUS_NULL_POINTER, "args: NULL (fill a sparsa_attention_args with sparsa_attention_args_init)");
   }
   const sparsa_attention_args args =
-      read_caller_struct(*args_in, "args", kAttentionArgsFirstSize, default_attention_args());
+      read_caller_struct(*args_in, "args", default_attention_args());
   PolicyParams pp;
-  pp.p = policy_in ? read_caller_struct(*policy_in, "policy", kPolicyFirstSize, default_policy(SPARSA_POLICY_DENSE))
+  pp.p = policy_in ? read_caller_struct(*policy_in, "policy", default_policy(SPARSA_POLICY_DENSE))
                    : default_policy(SPARSA_POLICY_DENSE);
   const sparsa_policy& p = pp.p;
   if (!is_known_policy_kind(p.kind)) {

@@ -9,39 +9,13 @@
 #include <initializer_list>
 
 #include "backend.h"
+#include "caller_struct.h"
 #include "error.h"
 #include "problem.h"
 
 struct sparsa_context;
 
 namespace sparsa {
-
-// Sizes of the first released layout of every caller-filled struct (v0.1). A caller's struct_size below these is
-// an error; above sizeof() it comes from a newer sparsa. Later versions append fields and keep these constants.
-constexpr uint32_t kTensorFirstSize = sizeof(sparsa_tensor);
-constexpr uint32_t kContextOptionsFirstSize = sizeof(sparsa_context_options);
-constexpr uint32_t kPolicyFirstSize = sizeof(sparsa_policy);
-constexpr uint32_t kAttentionArgsFirstSize = sizeof(sparsa_attention_args);
-constexpr uint32_t kSpargeTuneOptionsFirstSize = sizeof(sparsa_sparge_tune_options);
-
-// Checks a caller struct's struct_size and returns `defaults` overwritten by the struct_size bytes the caller
-// filled (so fields a caller built against an older layout does not know keep their defaults).
-template <typename Struct>
-Struct read_caller_struct(const Struct& caller, const char* name, uint32_t first_size, const Struct& defaults) {
-  const uint32_t size = caller.struct_size;
-  if (size < first_size) {
-    fail(SPARSA_STATUS_STRUCT_SIZE, name, ".struct_size: expected at least ", first_size, ", got ", size,
-         " (fill it with the matching sparsa_*_init)");
-  }
-  if (size > sizeof(Struct)) {
-    fail(SPARSA_STATUS_STRUCT_SIZE, name, ".struct_size: ", size, " is larger than this sparsa's layout (",
-         sizeof(Struct), " bytes): the caller was built against a newer sparsa than the loaded ", SPARSA_VERSION_MAJOR,
-         ".", SPARSA_VERSION_MINOR, ".", SPARSA_VERSION_PATCH);
-  }
-  Struct result = defaults;
-  std::memcpy(static_cast<void*>(&result), &caller, size);
-  return result;
-}
 
 // Where a tensor must live.
 struct DeviceRule {

@@ -53,7 +53,7 @@ TEST(ApiDtype, SizesAndTensorInit) {
   float data[24];
   const int64_t shape[3] = {2, 3, 4};
   sparsa_tensor t;
-  ASSERT_EQ(sparsa_tensor_init(&t, data, SPARSA_DTYPE_F32, 3, shape), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_tensor_init(&t, sizeof t, data, SPARSA_DTYPE_F32, 3, shape), SPARSA_STATUS_SUCCESS);
   EXPECT_EQ(t.struct_size, sizeof(sparsa_tensor));
   EXPECT_EQ(t.device_type, SPARSA_DEVICE_CPU);
   EXPECT_EQ(t.device_id, 0);
@@ -65,17 +65,20 @@ TEST(ApiDtype, SizesAndTensorInit) {
   sparsa_tensor untouched;
   std::memset(&untouched, 0x5A, sizeof untouched);
   sparsa_tensor copy = untouched;
-  EXPECT_EQ(sparsa_tensor_init(&untouched, data, 77, 3, shape), SPARSA_STATUS_DTYPE_MISMATCH);
+  EXPECT_EQ(sparsa_tensor_init(&untouched, sizeof untouched, data, 77, 3, shape), SPARSA_STATUS_DTYPE_MISMATCH);
   EXPECT_NE(std::string(sparsa_last_error_message()).find("dtype"), std::string::npos);
-  EXPECT_EQ(sparsa_tensor_init(&untouched, data, SPARSA_DTYPE_F32, 9, shape), SPARSA_STATUS_SHAPE_MISMATCH);
-  EXPECT_EQ(sparsa_tensor_init(&untouched, data, SPARSA_DTYPE_F32, 3, nullptr), SPARSA_STATUS_NULL_POINTER);
+  EXPECT_EQ(sparsa_tensor_init(&untouched, sizeof untouched, data, SPARSA_DTYPE_F32, 9, shape),
+            SPARSA_STATUS_SHAPE_MISMATCH);
+  EXPECT_EQ(sparsa_tensor_init(&untouched, sizeof untouched, data, SPARSA_DTYPE_F32, 3, nullptr),
+            SPARSA_STATUS_NULL_POINTER);
   EXPECT_EQ(std::memcmp(&untouched, &copy, sizeof copy), 0) << "a failed init wrote its out-parameter";
-  EXPECT_EQ(sparsa_tensor_init(nullptr, data, SPARSA_DTYPE_F32, 3, shape), SPARSA_STATUS_NULL_POINTER);
+  EXPECT_EQ(sparsa_tensor_init(nullptr, sizeof(sparsa_tensor), data, SPARSA_DTYPE_F32, 3, shape),
+            SPARSA_STATUS_NULL_POINTER);
 }
 
 TEST(ApiMessage, IsThreadLocalClearedOnSuccessAndNamesTheArgument) {
   sparsa_policy p;
-  EXPECT_EQ(sparsa_policy_init(&p, 42), SPARSA_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(sparsa_policy_init(&p, sizeof p, 42), SPARSA_STATUS_INVALID_ARGUMENT);
   const std::string message = sparsa_last_error_message();
   EXPECT_NE(message.find("kind"), std::string::npos) << message;
   // Infallible getters leave the message for the binding to read.
@@ -87,7 +90,7 @@ TEST(ApiMessage, IsThreadLocalClearedOnSuccessAndNamesTheArgument) {
   std::thread([&] { other_thread_message = sparsa_last_error_message(); }).join();
   EXPECT_EQ(other_thread_message, "");
   EXPECT_EQ(std::string(sparsa_last_error_message()), message);
-  EXPECT_EQ(sparsa_policy_init(&p, SPARSA_POLICY_DENSE), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_policy_init(&p, sizeof p, SPARSA_POLICY_DENSE), SPARSA_STATUS_SUCCESS);
   EXPECT_STREQ(sparsa_last_error_message(), "");
 }
 
@@ -134,22 +137,22 @@ TEST(ApiDefaults, PolicyInitSetsTheDocumentedDefaultsForEveryKind) {
     SCOPED_TRACE(names[kind]);
     sparsa_policy p;
     std::memset(&p, 0x7F, sizeof p);
-    ASSERT_EQ(sparsa_policy_init(&p, kind), SPARSA_STATUS_SUCCESS);
+    ASSERT_EQ(sparsa_policy_init(&p, sizeof p, kind), SPARSA_STATUS_SUCCESS);
     expect_documented_defaults(p, kind);
     EXPECT_STREQ(sparsa_policy_kind_name(kind), names[kind]);
   }
   EXPECT_STREQ(sparsa_policy_kind_name(7), "unknown");
   sparsa_policy untouched;
   std::memset(&untouched, 0x11, sizeof untouched);
-  EXPECT_EQ(sparsa_policy_init(&untouched, 7), SPARSA_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(sparsa_policy_init(&untouched, sizeof untouched, 7), SPARSA_STATUS_INVALID_ARGUMENT);
   EXPECT_EQ(untouched.kind, 0x11111111);
-  EXPECT_EQ(sparsa_policy_init(nullptr, 0), SPARSA_STATUS_NULL_POINTER);
+  EXPECT_EQ(sparsa_policy_init(nullptr, sizeof(sparsa_policy), 0), SPARSA_STATUS_NULL_POINTER);
 }
 
 TEST(ApiDefaults, ArgsOptionsAndTuneOptions) {
   sparsa_attention_args a;
   std::memset(&a, 0x7F, sizeof a);
-  ASSERT_EQ(sparsa_attention_args_init(&a), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_attention_args_init(&a, sizeof a), SPARSA_STATUS_SUCCESS);
   EXPECT_EQ(a.struct_size, sizeof(sparsa_attention_args));
   EXPECT_EQ(a.q, nullptr);
   EXPECT_EQ(a.k, nullptr);
@@ -169,7 +172,7 @@ TEST(ApiDefaults, ArgsOptionsAndTuneOptions) {
 
   sparsa_context_options o;
   std::memset(&o, 0x7F, sizeof o);
-  ASSERT_EQ(sparsa_context_options_init(&o), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_context_options_init(&o, sizeof o), SPARSA_STATUS_SUCCESS);
   EXPECT_EQ(o.struct_size, sizeof(sparsa_context_options));
   EXPECT_EQ(o.device_type, SPARSA_DEVICE_CPU);
   EXPECT_EQ(o.device_id, 0);
@@ -178,7 +181,7 @@ TEST(ApiDefaults, ArgsOptionsAndTuneOptions) {
 
   sparsa_sparge_tune_options t;
   std::memset(&t, 0x7F, sizeof t);
-  ASSERT_EQ(sparsa_sparge_tune_options_init(&t), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_sparge_tune_options_init(&t, sizeof t), SPARSA_STATUS_SUCCESS);
   EXPECT_EQ(t.struct_size, sizeof(sparsa_sparge_tune_options));
   EXPECT_FLOAT_EQ(t.l1, 0.07f);
   EXPECT_FLOAT_EQ(t.pv_l1, 0.08f);
@@ -204,7 +207,7 @@ TEST(ApiContext, CpuCreateQueryDestroy) {
   sparsa_context_destroy(nullptr);  // no-op
 
   sparsa_context_options o;
-  ASSERT_EQ(sparsa_context_options_init(&o), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_context_options_init(&o, sizeof o), SPARSA_STATUS_SUCCESS);
   o.num_threads = 1;
   ASSERT_EQ(sparsa_context_create(&o, &ctx), SPARSA_STATUS_SUCCESS);
   sparsa_context_destroy(ctx);
@@ -223,7 +226,7 @@ TEST(ApiContext, CpuCreateQueryDestroy) {
 // Without a CUDA build or device, a CUDA context is unavailable with a message; with one, it works.
 TEST(ApiContext, CudaWithoutCudaIsUnavailableWithAMessage) {
   sparsa_context_options o;
-  ASSERT_EQ(sparsa_context_options_init(&o), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_context_options_init(&o, sizeof o), SPARSA_STATUS_SUCCESS);
   o.device_type = SPARSA_DEVICE_CUDA;
   sparsa_context* ctx = nullptr;
   const sparsa_status status = sparsa_context_create(&o, &ctx);

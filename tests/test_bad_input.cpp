@@ -21,7 +21,7 @@ constexpr int64_t kDraftN = 8;                // top-k scores: [1, 2, kDraftN]
 
 sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape) {
   sparsa_tensor t;
-  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_tensor_init(&t, sizeof t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
   return t;
 }
 
@@ -84,14 +84,14 @@ struct Baseline {
     tv_dst = make_tensor(v_dst.data(), SPARSA_DTYPE_F32, {kB, kS, kHkv, kD});
     tpositions = make_tensor(positions.data(), SPARSA_DTYPE_I32, {kB, kS});
     tremapped = make_tensor(remapped.data(), SPARSA_DTYPE_I32, {kB, kHkv, 4});
-    EXPECT_EQ(sparsa_attention_args_init(&args), SPARSA_STATUS_SUCCESS);
+    EXPECT_EQ(sparsa_attention_args_init(&args, sizeof args), SPARSA_STATUS_SUCCESS);
     args.q = &tq;
     args.k = &tk;
     args.v = &tv;
     args.out = &tout;
     args.lse = &tlse;
     args.causal = 1;
-    EXPECT_EQ(sparsa_policy_init(&policy, SPARSA_POLICY_DENSE), SPARSA_STATUS_SUCCESS);
+    EXPECT_EQ(sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_DENSE), SPARSA_STATUS_SUCCESS);
     EXPECT_EQ(sparsa_context_create(nullptr, &ctx), SPARSA_STATUS_SUCCESS);
     EXPECT_EQ(sparsa_context_create(nullptr, &other_ctx), SPARSA_STATUS_SUCCESS);
     EXPECT_EQ(sparsa_selection_cache_create(other_ctx, kB, kHq, kHkv, kD, 64, &foreign_cache), SPARSA_STATUS_SUCCESS);
@@ -118,7 +118,7 @@ struct Baseline {
     args.page_table = &tpage;
     args.seq_lens_k = &tseq;
   }
-  void use_policy(int32_t kind) { ASSERT_EQ(sparsa_policy_init(&policy, kind), SPARSA_STATUS_SUCCESS); }
+  void use_policy(int32_t kind) { ASSERT_EQ(sparsa_policy_init(&policy, sizeof policy, kind), SPARSA_STATUS_SUCCESS); }
   void run_merge() {
     call = [](Baseline& b) {
       return sparsa_merge_states(b.ctx, &b.tq, &b.tlse_in, &b.tq, &b.tlse_in, &b.tout, &b.tlse);
@@ -376,9 +376,10 @@ std::vector<Row> bad_input_rows() {
        SPARSA_STATUS_DEVICE_MISMATCH, "out: tensor on ROCM"},
       // struct_size.
       {"policy struct_size too small", [](Baseline& b) { b.policy.struct_size = 8; }, SPARSA_STATUS_STRUCT_SIZE,
-       "policy.struct_size: expected at least"},
-      {"args struct_size from a newer sparsa", [](Baseline& b) { b.args.struct_size += 16; }, SPARSA_STATUS_STRUCT_SIZE,
-       "newer sparsa"},
+       "policy.struct_size: 8 is below the smallest sparsa_policy"},
+      // (A newer caller's larger struct needs real bytes behind it: tests/test_struct_size.cpp.)
+      {"args struct_size above the maximum", [](Baseline& b) { b.args.struct_size = SPARSA_STRUCT_SIZE_MAX + 1; },
+       SPARSA_STATUS_STRUCT_SIZE, "args.struct_size: 4097 is above SPARSA_STRUCT_SIZE_MAX"},
       {"tensor struct_size 0", [](Baseline& b) { b.tq.struct_size = 0; }, SPARSA_STATUS_STRUCT_SIZE, "q.struct_size"},
       // Contents: offsets, pages, indices.
       {"cu_seqlens_q not starting at 0",

@@ -108,7 +108,7 @@ TEST_P(BlockSparse, MaskIsRequiredAndMustHaveTheBlockGridShape) {
   sparsa_tensor tq = st::host_tensor(q.data(), SPARSA_DTYPE_F32, {1, 64, 2, 64});
   sparsa_tensor to = st::host_tensor(out.data(), SPARSA_DTYPE_F32, {1, 64, 2, 64});
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tq;
   args.v = &tq;

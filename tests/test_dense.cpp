@@ -42,7 +42,7 @@ TEST_P(Dense, NullPolicyMeansDense) {
   sparsa_tensor tv = st::host_tensor(v.data(), SPARSA_DTYPE_F32, {1, 33, 2, 64});
   sparsa_tensor to = st::host_tensor(out.data(), SPARSA_DTYPE_F32, {1, 33, 2, 64});
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;
@@ -151,7 +151,7 @@ TEST_P(Common, ErrorsWriteNothingAndNameTheArgument) {
   sparsa_tensor tv = st::host_tensor(v.data(), SPARSA_DTYPE_F32, {1, 8, 2, 64});
   sparsa_tensor to = st::host_tensor(out.data(), SPARSA_DTYPE_F32, {1, 8, 2, 64});
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;

@@ -13,7 +13,7 @@ namespace {
 
 sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape) {
   sparsa_tensor t;
-  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_tensor_init(&t, sizeof t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
   return t;
 }
 
@@ -21,7 +21,7 @@ sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape)
 
 std::vector<int32_t> hilbert(int32_t t, int32_t h, int32_t w, std::vector<int32_t>* inverse = nullptr) {
   std::vector<int32_t> perm(size_t(t) * h * w, -1), inv(perm.size(), -1);
-  EXPECT_EQ(sparsa_hilbert_permutation(t, h, w, perm.data(), inv.data()), SPARSA_STATUS_SUCCESS)
+  EXPECT_EQ(sparsa_hilbert_permutation(t, h, w, perm.data(), inv.data(), int64_t(perm.size())), SPARSA_STATUS_SUCCESS)
       << sparsa_last_error_message();
   if (inverse) *inverse = inv;
   return perm;
@@ -62,11 +62,48 @@ TEST(Hilbert, TwoByTwoByTwoIsTheGrayCodeOrder) {
 }
 
 TEST(Hilbert, NullOutputsAndBadExtents) {
-  EXPECT_EQ(sparsa_hilbert_permutation(2, 3, 4, nullptr, nullptr), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_hilbert_permutation(2, 3, 4, nullptr, nullptr, 0), SPARSA_STATUS_SUCCESS);
   int32_t perm[4] = {-7, -7, -7, -7};
-  EXPECT_EQ(sparsa_hilbert_permutation(0, 2, 2, perm, nullptr), SPARSA_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(sparsa_hilbert_permutation(0, 2, 2, perm, nullptr, 4), SPARSA_STATUS_INVALID_ARGUMENT);
   EXPECT_NE(std::string(sparsa_last_error_message()).find("t:"), std::string::npos);
   EXPECT_EQ(perm[0], -7);
+}
+
+// Each buffer holds `capacity` entries: a grid larger than that is refused before anything is written, whichever
+// buffer is given; the exact capacity is enough.
+TEST(Hilbert, CapacityIsChecked) {
+  struct Case {
+    int32_t t, h, w;
+    bool give_perm, give_inverse;
+    int64_t capacity;
+    sparsa_status expected;
+    const char* message;
+  };
+  const Case cases[] = {
+      {2, 2, 2, true, true, 8, SPARSA_STATUS_SUCCESS, ""},
+      {2, 2, 2, true, true, 7, SPARSA_STATUS_SHAPE_MISMATCH,
+       "capacity: the buffers hold 7 int32 entries but the 2x2x2 grid needs 8"},
+      {2, 2, 2, true, false, 4, SPARSA_STATUS_SHAPE_MISMATCH, "needs 8"},
+      {2, 2, 2, false, true, 0, SPARSA_STATUS_SHAPE_MISMATCH, "needs 8"},
+      {2, 2, 2, false, false, 0, SPARSA_STATUS_SUCCESS, ""},
+      {2, 2, 2, true, true, -1, SPARSA_STATUS_INVALID_ARGUMENT, "capacity: expected >= 0, got -1"},
+  };
+  constexpr int kGuard = 4;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << c.t << "x" << c.h << "x" << c.w << " capacity " << c.capacity);
+    const size_t room = size_t(std::max<int64_t>(c.capacity, 0)) + kGuard;
+    std::vector<int32_t> perm(room, -7), inverse(room, -7);
+    const sparsa_status status = sparsa_hilbert_permutation(c.t, c.h, c.w, c.give_perm ? perm.data() : nullptr,
+                                                            c.give_inverse ? inverse.data() : nullptr, c.capacity);
+    EXPECT_EQ(status, c.expected) << sparsa_last_error_message();
+    const std::string message = sparsa_last_error_message();
+    EXPECT_NE(message.find(c.message), std::string::npos) << message;
+    const size_t written = status == SPARSA_STATUS_SUCCESS ? size_t(c.t) * c.h * c.w : 0;
+    for (size_t i = written; i < room; ++i) {
+      EXPECT_EQ(perm[i], -7) << "perm[" << i << "]";
+      EXPECT_EQ(inverse[i], -7) << "inverse[" << i << "]";
+    }
+  }
 }
 
 // ---- Drift ------------------------------------------------------------------------------------------------------
@@ -187,7 +224,7 @@ struct TuneProblem {
     tk = make_tensor(k.data(), SPARSA_DTYPE_F32, {1, kS, kHkv, kD});
     tv = make_tensor(v.data(), SPARSA_DTYPE_F32, {1, kS, kHkv, kD});
     tout = make_tensor(out.data(), SPARSA_DTYPE_F32, {1, kS, kHq, kD});
-    sparsa_attention_args_init(&args);
+    sparsa_attention_args_init(&args, sizeof args);
     args.q = &tq;
     args.k = &tk;
     args.v = &tv;
@@ -213,11 +250,11 @@ TEST(SpargeTune, ReturnsValidParametersThatMeetTheirL1) {
   ASSERT_EQ(sparsa_context_create(nullptr, &ctx), SPARSA_STATUS_SUCCESS);
   TuneProblem tp;
   sparsa_policy policy;
-  ASSERT_EQ(sparsa_policy_init(&policy, SPARSA_POLICY_SPARGE), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_SPARGE), SPARSA_STATUS_SUCCESS);
   policy.block_q = TuneProblem::kBlockQ;
   policy.block_k = TuneProblem::kBlockK;
   sparsa_sparge_tune_options options;
-  ASSERT_EQ(sparsa_sparge_tune_options_init(&options), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_sparge_tune_options_init(&options, sizeof options), SPARSA_STATUS_SUCCESS);
   std::vector<float> params(TuneProblem::kHq * 4, -99.f), metrics(TuneProblem::kHq * 2, -99.f);
   sparsa_tensor t_params = make_tensor(params.data(), SPARSA_DTYPE_F32, {TuneProblem::kHq, 4});
   sparsa_tensor t_metrics = make_tensor(metrics.data(), SPARSA_DTYPE_F32, {TuneProblem::kHq, 2});
@@ -244,7 +281,7 @@ TEST(SpargeTune, ReturnsValidParametersThatMeetTheirL1) {
 
   // Running SPARGE with the tuned per-head parameters meets the L1 target against dense.
   sparsa_policy dense;
-  ASSERT_EQ(sparsa_policy_init(&dense, SPARSA_POLICY_DENSE), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_policy_init(&dense, sizeof dense, SPARSA_POLICY_DENSE), SPARSA_STATUS_SUCCESS);
   ASSERT_EQ(sparsa_attention_run(ctx, &tp.args, &dense), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
   const std::vector<float> reference = tp.out;
   policy.sparge_head_params = &t_params;

@@ -227,7 +227,7 @@ TEST_P(Layouts, NonUnitLastStrideIsAShapeMismatch) {
   sparsa_tensor tk = st::host_tensor(q.data(), SPARSA_DTYPE_F32, {1, 4, 1, 32});
   sparsa_tensor to = st::host_tensor(out.data(), SPARSA_DTYPE_F32, {1, 4, 1, 32});
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tk;
@@ -245,7 +245,7 @@ TEST_P(Layouts, PageIdOutsideTheCacheIsAnIndexError) {
   sparsa_tensor tt = st::host_tensor(table.data(), SPARSA_DTYPE_I32, {1, 2});
   sparsa_tensor tl = st::host_tensor(lens.data(), SPARSA_DTYPE_I32, {1});
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tc;
   args.v = &tc;

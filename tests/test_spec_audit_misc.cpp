@@ -428,7 +428,7 @@ TEST(SpecAudit, ZeroStrideBroadcastKeysAndValues) {
     t->strides[3] = 1;
   }
   sparsa_attention_args args;
-  ASSERT_EQ(sparsa_attention_args_init(&args), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_attention_args_init(&args, sizeof args), SPARSA_STATUS_SUCCESS);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;
@@ -568,12 +568,12 @@ TEST(SpecAudit, DriftQuantileLinearInterpolation) {
 
 TEST(SpecAudit, HilbertSingleCellAndLine) {
   int32_t perm[8] = {-1, -1, -1, -1, -1, -1, -1, -1}, inverse[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
-  ASSERT_EQ(sparsa_hilbert_permutation(1, 1, 1, perm, inverse), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_hilbert_permutation(1, 1, 1, perm, inverse, 8), SPARSA_STATUS_SUCCESS);
   EXPECT_EQ(perm[0], 0);
   EXPECT_EQ(inverse[0], 0);
   EXPECT_EQ(perm[1], -1);  // n = 1: nothing else written
   // A 1×1×3 grid: a permutation of {0, 1, 2} whose consecutive cells are grid neighbours (Hilbert locality).
-  ASSERT_EQ(sparsa_hilbert_permutation(1, 1, 3, perm, inverse), SPARSA_STATUS_SUCCESS);
+  ASSERT_EQ(sparsa_hilbert_permutation(1, 1, 3, perm, inverse, 8), SPARSA_STATUS_SUCCESS);
   std::vector<int32_t> seen(perm, perm + 3);
   std::sort(seen.begin(), seen.end());
   EXPECT_EQ(seen, (std::vector<int32_t>{0, 1, 2}));

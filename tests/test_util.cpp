@@ -253,7 +253,7 @@ double round_to_dtype(double x, int32_t dtype) {
 // ------------------------------------------------------------------------------------------------------ C API
 Context::Context(int32_t device_type, int num_threads) : device_type_(device_type) {
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = device_type;
   options.num_threads = num_threads > 0 ? num_threads : kTestThreads;
   status_ = sparsa_context_create(&options, &ctx_);
@@ -282,7 +282,8 @@ Buffer::Buffer(const Context& ctx, int32_t dtype, std::vector<int64_t> shape, st
 sparsa_tensor Buffer::tensor() const {
   sparsa_tensor t;
   void* data = device_data_ ? device_data_ : const_cast<uint8_t*>(host_.data());
-  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype_, int32_t(shape_.size()), shape_.data()), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_tensor_init(&t, sizeof t, data, dtype_, int32_t(shape_.size()), shape_.data()),
+            SPARSA_STATUS_SUCCESS);
   for (size_t i = 0; i < strides_.size(); ++i) t.strides[i] = strides_[i];
   t.device_type = ctx_.device_type() == SPARSA_DEVICE_CPU ? SPARSA_DEVICE_CPU : ctx_.device_type();
   return t;
@@ -358,7 +359,7 @@ thread_local bool host_memory_used = false;
 sparsa_tensor host_tensor(void* data, int32_t dtype, std::vector<int64_t> shape) {
   host_memory_used = true;
   sparsa_tensor t;
-  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_tensor_init(&t, sizeof t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
   return t;
 }
 
@@ -416,7 +417,7 @@ std::string backend_name(const ::testing::TestParamInfo<int32_t>& info) {
 
 sparsa_policy make_policy(int32_t kind) {
   sparsa_policy p;
-  EXPECT_EQ(sparsa_policy_init(&p, kind), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_policy_init(&p, sizeof p, kind), SPARSA_STATUS_SUCCESS);
   return p;
 }
 
@@ -645,7 +646,7 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
     return &t[slot];
   };
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = describe(0, all[0]);
   args.k = describe(1, all[1]);
   args.v = describe(2, all[2]);

@@ -37,7 +37,7 @@ inline void check(sparsa_status status, const std::string& what) {
 using ContextPtr = std::unique_ptr<sparsa_context, void (*)(sparsa_context*)>;
 inline ContextPtr make_context(int32_t threads) {
   sparsa_context_options options;
-  check(sparsa_context_options_init(&options), "sparsa_context_options_init");
+  check(sparsa_context_options_init(&options, sizeof options), "sparsa_context_options_init");
   options.num_threads = threads;
   sparsa_context* raw_ctx = nullptr;
   check(sparsa_context_create(&options, &raw_ctx), "sparsa_context_create");
@@ -70,8 +70,8 @@ struct HostTensor {
 
   sparsa_tensor view() const {
     sparsa_tensor t;
-    check(sparsa_tensor_init(&t, const_cast<uint8_t*>(bytes.data()), dtype, static_cast<int32_t>(shape.size()),
-                             shape.data()),
+    check(sparsa_tensor_init(&t, sizeof t, const_cast<uint8_t*>(bytes.data()), dtype,
+                             static_cast<int32_t>(shape.size()), shape.data()),
           "sparsa_tensor_init");
     return t;
   }

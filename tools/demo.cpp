@@ -230,7 +230,7 @@ void save_inputs(const AttentionInputs& in, const std::string& dir) {
 
 sparsa_policy make_policy(int32_t kind) {
   sparsa_policy p;
-  check(sparsa_policy_init(&p, kind), "sparsa_policy_init");
+  check(sparsa_policy_init(&p, sizeof p, kind), "sparsa_policy_init");
   return p;
 }
 

@@ -23,7 +23,7 @@ HostTensor run_policy(sparsa_context* ctx, const AttentionInputs& inputs, const 
   const sparsa_tensor out_view = out.view(), stats_view = counters.view();
 
   sparsa_attention_args args;
-  check(sparsa_attention_args_init(&args), "sparsa_attention_args_init");
+  check(sparsa_attention_args_init(&args, sizeof args), "sparsa_attention_args_init");
   args.q = &q;
   args.k = &k;
   args.v = &v;
@@ -49,7 +49,7 @@ HostTensor run_policy(sparsa_context* ctx, const AttentionInputs& inputs, const 
 DenseReference run_dense_reference(sparsa_context* ctx, const AttentionInputs& inputs, const EvalSettings& settings,
                                    const std::string& rows) {
   sparsa_policy dense;
-  check(sparsa_policy_init(&dense, SPARSA_POLICY_DENSE), "sparsa_policy_init");
+  check(sparsa_policy_init(&dense, sizeof dense, SPARSA_POLICY_DENSE), "sparsa_policy_init");
   DenseReference reference;
   std::vector<int64_t> stats;
   reference.native_out =

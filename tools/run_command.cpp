@@ -188,7 +188,7 @@ int run_command(const std::vector<std::string>& args) {
   RunSettings s;
   sparsa_policy policy;
   const int32_t kind = policy_kind_from_name(scan_policy_name(args));
-  check(sparsa_policy_init(&policy, kind), "sparsa_policy_init");
+  check(sparsa_policy_init(&policy, sizeof policy, kind), "sparsa_policy_init");
   parse_options(args, run_options(s, policy), "run");
 
   AttentionInputs inputs;

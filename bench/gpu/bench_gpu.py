@@ -1,6 +1,7 @@
 """sparsa CUDA backend vs its peers, measured in one process on the device GPU (ratios, not absolute times, travel).
 
-Calls libsparsa through ctypes on torch tensors (zero copy: the tensors' device pointers and strides go straight
+Calls libsparsa through the Python binding's ctypes layer (bindings/python/sparsa/_library.py, the header's structs
+field by field) on torch tensors (zero copy: the tensors' device pointers and strides go straight
 into sparsa_tensor), checks each sparsa output against PyTorch SDPA / a masked reference first, then times with
 triton's do_bench (CUDA events, median). Peers: SDPA flash (FA2) and cuDNN for dense prefill and decode,
 FlexAttention for block-sparse and sink+window. Usage: python3 bench_gpu.py path/to/libsparsa.so [--quick]
@@ -18,82 +19,71 @@ import torch.nn.functional as F
 import triton.testing as tt
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-MAX_DIMS = 8
-DTYPE_BF16, DTYPE_U8, DTYPE_I32 = 3, 7, 5
-DEVICE_CUDA = 2
-POLICY_DENSE, POLICY_SINK_WINDOW, POLICY_BLOCK_SPARSE, POLICY_TOKEN_INDICES = 0, 1, 2, 6
-POLICY_INDICES_OFFSET = 112  # offsetof(sparsa_policy, indices); index_block_size follows head_map (+16)
-
-
-class Tensor(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("dtype", ctypes.c_int32), ("device_type", ctypes.c_int32),
-                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32), ("data", ctypes.c_void_p),
-                ("shape", ctypes.c_int64 * MAX_DIMS), ("strides", ctypes.c_int64 * MAX_DIMS)]
-
-
-P = ctypes.POINTER(Tensor)
-
-
-class Args(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("q", P), ("k", P), ("v", P), ("out", P), ("lse", P),
-                ("causal", ctypes.c_int32), ("softmax_scale", ctypes.c_float), ("cu_seqlens_q", P),
-                ("cu_seqlens_k", P), ("page_table", P), ("seq_lens_k", P), ("selection_cache", ctypes.c_void_p),
-                ("selected_indices", P), ("block_mask_out", P), ("stats", P)]
-
-
-class Policy(ctypes.Structure):  # the leading fields this script sets; `rest` leaves room for the whole struct
-    _fields_ = [("struct_size", ctypes.c_uint32), ("kind", ctypes.c_int32), ("flags", ctypes.c_uint32),
-                ("sink_tokens", ctypes.c_int32), ("sink_window", ctypes.c_int32), ("block_q", ctypes.c_int32),
-                ("block_k", ctypes.c_int32), ("block_mask", P), ("rest", ctypes.c_uint8 * 1024)]
-
-
-def to_tensor(t, dtype_code):
-    d = Tensor()
-    d.struct_size = ctypes.sizeof(Tensor)
-    d.dtype, d.device_type, d.device_id, d.ndim = dtype_code, DEVICE_CUDA, t.device.index or 0, t.dim()
-    d.data = t.data_ptr()
-    for i in range(t.dim()):
-        d.shape[i], d.strides[i] = t.shape[i], t.stride(i)
-    return d
+from binding_runs import c_api
 
 
 class Sparsa:
-    def __init__(self, path):
+    """libsparsa at `path` through the Python binding's ctypes layer (`self.L` = sparsa._library: the header's
+    structs, constants and typed functions), with one context on torch's current CUDA stream (device "cpu": a CPU
+    context, for checking the scripts without a GPU)."""
+
+    def __init__(self, path, device="cuda"):
         self.path = path
-        self.lib = ctypes.CDLL(path)
-        self.lib.sparsa_last_error_message.restype = ctypes.c_char_p
-        self.lib.sparsa_policy_init.argtypes = [ctypes.POINTER(Policy), ctypes.c_int32]
-        self.lib.sparsa_attention_args_init.argtypes = [ctypes.POINTER(Args)]
-        self.lib.sparsa_attention_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(Args), ctypes.POINTER(Policy)]
-        opts = (ctypes.c_uint8 * 256)()
-        self.lib.sparsa_context_options_init(opts)
-        ctypes.c_int32.from_buffer(opts, 4).value = DEVICE_CUDA  # device_type follows struct_size
-        ctypes.c_void_p.from_buffer(opts, 16).value = torch.cuda.current_stream().cuda_stream
+        self.L = L = c_api(path)
+        self.lib = L.lib
+        self.device = device
+        options = L.CContextOptions()
+        L.call("sparsa_context_options_init", ctypes.byref(options), ctypes.sizeof(options))
+        if device == "cuda":
+            options.device_type = L.DEVICE_CUDA
+            options.stream = torch.cuda.current_stream().cuda_stream
+        self.stream = options.stream
         self.ctx = ctypes.c_void_p()
-        self.check(self.lib.sparsa_context_create(opts, ctypes.byref(self.ctx)), "context_create")
+        self.check(self.lib.sparsa_context_create(ctypes.byref(options), ctypes.byref(self.ctx)), "context_create")
 
     def check(self, status, what):
         if status != 0:
             raise RuntimeError(f"sparsa {what} failed ({status}): {self.lib.sparsa_last_error_message().decode()}")
 
-    def prepare(self, q, k, v, out, causal, kind=POLICY_DENSE, mask=None, block=(128, 128), sink=(128, 2048),
+    def to_tensor(self, t, dtype_code):
+        """A sparsa_tensor over torch tensor `t` (zero copy: its data pointer and strides)."""
+        d = self.L.CTensor()
+        d.struct_size = ctypes.sizeof(d)
+        d.dtype, d.ndim = dtype_code, t.dim()
+        d.device_type = self.L.DEVICE_CUDA if t.device.type == "cuda" else self.L.DEVICE_CPU
+        d.device_id = (t.device.index or 0) if t.device.type == "cuda" else 0
+        d.data = t.data_ptr()
+        for i in range(t.dim()):
+            d.shape[i], d.strides[i] = t.shape[i], t.stride(i)
+        return d
+
+    def new_args(self):
+        args = self.L.CAttentionArgs()
+        self.L.call("sparsa_attention_args_init", ctypes.byref(args), ctypes.sizeof(args))
+        return args
+
+    def new_policy(self, kind):
+        policy = self.L.CPolicy()
+        self.L.call("sparsa_policy_init", ctypes.byref(policy), ctypes.sizeof(policy), kind)
+        return policy
+
+    def prepare(self, q, k, v, out, causal, kind=None, mask=None, block=(128, 128), sink=(128, 2048),
                 indices=None):
         """Returns a zero-argument callable that enqueues one run (descriptors built once, as a caller would)."""
-        keep = [to_tensor(x, DTYPE_BF16) for x in (q, k, v, out)]
-        args = Args()
-        self.lib.sparsa_attention_args_init(ctypes.byref(args))
+        L = self.L
+        keep = [self.to_tensor(x, L.DTYPE_BF16) for x in (q, k, v, out)]
+        args = self.new_args()
         args.q, args.k, args.v, args.out = (ctypes.pointer(x) for x in keep)
         args.causal = 1 if causal else 0
-        pol = Policy()
-        self.lib.sparsa_policy_init(ctypes.byref(pol), kind)
+        pol = self.new_policy(L.POLICY_DENSE if kind is None else kind)
         pol.sink_tokens, pol.sink_window = sink
         pol.block_q, pol.block_k = block
         if mask is not None:
-            keep.append(to_tensor(mask, DTYPE_U8))
+            keep.append(self.to_tensor(mask, L.DTYPE_U8))
             pol.block_mask = ctypes.pointer(keep[-1])
         if indices is not None:  # TOKEN_INDICES: int32 [B, H_idx, k] token ids
-            keep.append(to_tensor(indices, DTYPE_I32))
-            ctypes.c_void_p.from_buffer(pol, POLICY_INDICES_OFFSET).value = ctypes.addressof(keep[-1])
+            keep.append(self.to_tensor(indices, L.DTYPE_I32))
+            pol.indices = ctypes.pointer(keep[-1])
         run = self.lib.sparsa_attention_run
         ctx = self.ctx
 
@@ -204,7 +194,7 @@ def main():
             h_idx = H if rows_per == "q_head" else Hkv
             idx = torch.stack([torch.randperm(N, device="cuda")[:n_sel].sort().values for _ in range(h_idx)])
             idx = idx.to(torch.int32).unsqueeze(0).contiguous()  # [1, H_idx, n_sel]
-            fn = sp.prepare(q, k, v, out, True, kind=POLICY_TOKEN_INDICES, indices=idx)
+            fn = sp.prepare(q, k, v, out, True, kind=sp.L.POLICY_TOKEN_INDICES, indices=idx)
             fn()
             # Reference: dense attention over the gathered keys of each head.
             g = H // Hkv
@@ -270,7 +260,7 @@ def bench_block_sparse_and_sink_window(sp, record, quick):
         keep = torch.rand(1, H, nb, nb, device="cuda", generator=g) < density
         keep |= torch.eye(nb, dtype=torch.bool, device="cuda")
         mask_u8 = keep.to(torch.uint8).contiguous()
-        fn = sp.prepare(q, k, v, out, False, kind=POLICY_BLOCK_SPARSE, mask=mask_u8, block=(BS, BS))
+        fn = sp.prepare(q, k, v, out, False, kind=sp.L.POLICY_BLOCK_SPARSE, mask=mask_u8, block=(BS, BS))
         fn()
         # correctness on a slice of heads: SDPA with the expanded boolean mask
         rows_checked = min(N, 4096)  # head 0, first rows: keeps the dense boolean mask small
@@ -288,7 +278,7 @@ def bench_block_sparse_and_sink_window(sp, record, quick):
             row["vs_flex"] = row["flex_ms"] / ms
         record(**row)
     SINK, W = 128, 2048
-    fn = sp.prepare(q, k, v, out, True, kind=POLICY_SINK_WINDOW, sink=(SINK, W))
+    fn = sp.prepare(q, k, v, out, True, kind=sp.L.POLICY_SINK_WINDOW, sink=(SINK, W))
     ms = bench(fn)
     row = dict(kind="sink_window", N=N, sink=SINK, window=W, sparsa_ms=ms)
     if flex is not None:

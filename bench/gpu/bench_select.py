@@ -17,12 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_gpu import DEVICE_CUDA, DTYPE_BF16, DTYPE_I32, Args, bench, rel_err, to_tensor  # the C structs, once
+from bench_gpu import bench, rel_err
 
-POLICY_TOKEN_SELECT = 5
-# offsetof(sparsa_policy, select_n_init); then select_n_local, select_top_k, select_scale_scores,
-# select_cache_theta (float), select_per_kv_head.
-POLICY_SELECT_OFFSET = 88
 N_INIT, TOP_K, N_LOCAL = 128, 2048, 512
 THETA = 0.9
 
@@ -31,33 +27,31 @@ class SelectRunner:
     """Its own context (so its stream can follow graph capture) and selection cache; run() enqueues one decode."""
 
     def __init__(self, sp, q, k, v, out, selected):
-        self.lib = ctypes.CDLL(sp.lib._name)
-        lib = self.lib
-        lib.sparsa_last_error_message.restype = ctypes.c_char_p
-        opts = (ctypes.c_uint8 * 256)()
-        lib.sparsa_context_options_init(opts)
-        ctypes.c_int32.from_buffer(opts, 4).value = DEVICE_CUDA
-        ctypes.c_void_p.from_buffer(opts, 16).value = torch.cuda.current_stream().cuda_stream
+        L = sp.L  # the binding's ctypes layer: structs field by field, typed functions
+        self.lib = lib = L.lib
+        options = L.CContextOptions()
+        L.call("sparsa_context_options_init", ctypes.byref(options), ctypes.sizeof(options))
+        if sp.device == "cuda":
+            options.device_type = L.DEVICE_CUDA
+            options.stream = torch.cuda.current_stream().cuda_stream
         self.ctx = ctypes.c_void_p()
-        self.check(lib.sparsa_context_create(opts, ctypes.byref(self.ctx)), "context_create")
+        self.check(lib.sparsa_context_create(ctypes.byref(options), ctypes.byref(self.ctx)), "context_create")
         B, _, H, D = q.shape
         Hkv = k.shape[2]
         self.cache = ctypes.c_void_p()
         self.check(lib.sparsa_selection_cache_create(self.ctx, B, H, Hkv, D, TOP_K, ctypes.byref(self.cache)),
                    "selection_cache_create")
-        self.keep = [to_tensor(x, DTYPE_BF16) for x in (q, k, v, out)] + [to_tensor(selected, DTYPE_I32)]
-        self.args = Args()
-        lib.sparsa_attention_args_init(ctypes.byref(self.args))
+        self.keep = [sp.to_tensor(x, L.DTYPE_BF16) for x in (q, k, v, out)] + [sp.to_tensor(selected, L.DTYPE_I32)]
+        self.args = sp.new_args()
         self.args.q, self.args.k, self.args.v, self.args.out, self.args.selected_indices = (
             ctypes.pointer(x) for x in self.keep)
         self.args.causal = 1
         self.args.selection_cache = self.cache
-        self.policy = (ctypes.c_uint8 * 1024)()
-        lib.sparsa_policy_init(self.policy, POLICY_TOKEN_SELECT)
-        for i, value in enumerate((N_INIT, N_LOCAL, TOP_K)):
-            ctypes.c_int32.from_buffer(self.policy, POLICY_SELECT_OFFSET + 4 * i).value = value
-        ctypes.c_float.from_buffer(self.policy, POLICY_SELECT_OFFSET + 16).value = THETA
-        self.check(lib.sparsa_attention_plan(self.ctx, ctypes.byref(self.args), self.policy), "attention_plan")
+        self.policy = sp.new_policy(L.POLICY_TOKEN_SELECT)
+        self.policy.select_n_init, self.policy.select_n_local, self.policy.select_top_k = N_INIT, N_LOCAL, TOP_K
+        self.policy.select_cache_theta = THETA
+        self.check(lib.sparsa_attention_plan(self.ctx, ctypes.byref(self.args), ctypes.byref(self.policy)),
+                   "attention_plan")
 
     def check(self, status, what):
         if status != 0:
@@ -67,7 +61,8 @@ class SelectRunner:
         self.check(self.lib.sparsa_context_set_stream(self.ctx, ctypes.c_void_p(stream.cuda_stream)), "set_stream")
 
     def run(self):
-        self.check(self.lib.sparsa_attention_run(self.ctx, ctypes.byref(self.args), self.policy), "attention_run")
+        self.check(self.lib.sparsa_attention_run(self.ctx, ctypes.byref(self.args), ctypes.byref(self.policy)),
+                   "attention_run")
 
     def counts(self):
         hits, misses = ctypes.c_int64(), ctypes.c_int64()

@@ -10,34 +10,18 @@ import ctypes
 
 import torch
 
-from bench_gpu import DTYPE_BF16, DTYPE_U8, P, Args, bench, rel_err, to_tensor  # the C structs, once
+from bench_gpu import bench, rel_err
 
-POLICY_BLOCK_SPARSE, POLICY_SPARGE = 2, 3
 BLOCK_Q, BLOCK_K = 128, 64
-
-
-class Policy(ctypes.Structure):  # sparsa_policy up to the SPARGE fields; `rest` leaves room for the whole struct
-    _fields_ = [("struct_size", ctypes.c_uint32), ("kind", ctypes.c_int32), ("flags", ctypes.c_uint32),
-                ("sink_tokens", ctypes.c_int32), ("sink_window", ctypes.c_int32), ("block_q", ctypes.c_int32),
-                ("block_k", ctypes.c_int32), ("block_mask", P), ("sparge_theta", ctypes.c_float),
-                ("sparge_tau", ctypes.c_float), ("sparge_topk_fraction", ctypes.c_float),
-                ("sparge_lambda", ctypes.c_float), ("sparge_attention_sink", ctypes.c_int32),
-                ("sparge_quantized", ctypes.c_int32), ("sparge_head_params", P), ("rest", ctypes.c_uint8 * 1024)]
 
 
 def sparge_call(sp, q, k, v, out, mask_out, topk_fraction, quantized=False):
     """A zero-argument callable that enqueues one SPARGE run (prediction + attention) writing block_mask_out."""
-    lib = ctypes.CDLL(sp.lib._name)  # own function objects: argtypes of this module's structures
-    lib.sparsa_last_error_message.restype = ctypes.c_char_p
-    lib.sparsa_policy_init.argtypes = [ctypes.POINTER(Policy), ctypes.c_int32]
-    lib.sparsa_attention_args_init.argtypes = [ctypes.POINTER(Args)]
-    lib.sparsa_attention_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(Args), ctypes.POINTER(Policy)]
-    keep = [to_tensor(x, DTYPE_BF16) for x in (q, k, v, out)] + [to_tensor(mask_out, DTYPE_U8)]
-    args = Args()
-    lib.sparsa_attention_args_init(ctypes.byref(args))
+    L, lib = sp.L, sp.lib  # the binding's ctypes layer: structs field by field, typed functions
+    keep = [sp.to_tensor(x, L.DTYPE_BF16) for x in (q, k, v, out)] + [sp.to_tensor(mask_out, L.DTYPE_U8)]
+    args = sp.new_args()
     args.q, args.k, args.v, args.out, args.block_mask_out = (ctypes.pointer(x) for x in keep)
-    pol = Policy()
-    lib.sparsa_policy_init(ctypes.byref(pol), POLICY_SPARGE)
+    pol = sp.new_policy(L.POLICY_SPARGE)
     pol.block_q, pol.block_k = BLOCK_Q, BLOCK_K
     pol.sparge_theta = -1.0  # every block self-similar: the top-k fraction alone sets the density
     pol.sparge_topk_fraction = topk_fraction
@@ -79,7 +63,7 @@ def run(sp, record, quick):
         row["sparsa_ms"] = bench(fn)
         # The attention alone on the predicted mask: SPARGE's cost over it is the prediction.
         mask_copy = mask.clone()
-        bs = sp.prepare(q, k, v, torch.empty_like(q), False, kind=POLICY_BLOCK_SPARSE, mask=mask_copy,
+        bs = sp.prepare(q, k, v, torch.empty_like(q), False, kind=sp.L.POLICY_BLOCK_SPARSE, mask=mask_copy,
                         block=(BLOCK_Q, BLOCK_K))
         row["block_sparse_ms"] = bench(bs)
         row["predict_ms"] = row["sparsa_ms"] - row["block_sparse_ms"]

@@ -5,7 +5,10 @@ package sparsa
 */
 import "C"
 
-import "runtime"
+import (
+	"runtime"
+	"unsafe"
+)
 
 // Stat indices into the optional AttentionArgs.Stats output (values of sparsa_stat_index).
 const (
@@ -107,7 +110,7 @@ type SpargeTuneOptions struct {
 // DefaultSpargeTuneOptions returns the library's defaults.
 func DefaultSpargeTuneOptions() SpargeTuneOptions {
 	var c C.sparsa_sparge_tune_options
-	C.sparsa_sparge_tune_options_init(&c)
+	C.sparsa_sparge_tune_options_init(&c, C.size_t(unsafe.Sizeof(c)))
 	return SpargeTuneOptions{L1: float32(c.l1), PVL1: float32(c.pv_l1), SearchSteps: int32(c.search_steps),
 		DenseBelow: float32(c.dense_below), LambdaMin: float32(c.lambda_min)}
 }

@@ -5,7 +5,10 @@ package sparsa
 */
 import "C"
 
-import "runtime"
+import (
+	"runtime"
+	"unsafe"
+)
 
 // ContextOptions choose the backend of a Context.
 type ContextOptions struct {
@@ -18,7 +21,7 @@ type ContextOptions struct {
 // DefaultContextOptions returns the library's defaults (CPU, device 0, default stream, all cores).
 func DefaultContextOptions() ContextOptions {
 	var options C.sparsa_context_options
-	C.sparsa_context_options_init(&options)
+	C.sparsa_context_options_init(&options, C.size_t(unsafe.Sizeof(options)))
 	return ContextOptions{Device: DeviceType(options.device_type), DeviceID: int32(options.device_id),
 		NumThreads: int32(options.num_threads)}
 }
@@ -33,7 +36,7 @@ type Context struct {
 // device fails with ErrBackendUnavailable.
 func NewContext(options *ContextOptions) (*Context, error) {
 	var cOptions C.sparsa_context_options
-	C.sparsa_context_options_init(&cOptions)
+	C.sparsa_context_options_init(&cOptions, C.size_t(unsafe.Sizeof(cOptions)))
 	if options != nil {
 		cOptions.device_type = C.int32_t(options.Device)
 		cOptions.device_id = C.int32_t(options.DeviceID)

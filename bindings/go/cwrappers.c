@@ -30,10 +30,12 @@ static void gs_resolve(const gs_tensors* tensors, void* const* go_data, int coun
   }
 }
 
-gs_result gs_policy_init(sparsa_policy* policy, int32_t kind) { return gs_finish(sparsa_policy_init(policy, kind)); }
+gs_result gs_policy_init(sparsa_policy* policy, int32_t kind) {
+  return gs_finish(sparsa_policy_init(policy, sizeof *policy, kind));
+}
 
 gs_result gs_sparge_tune_options_init(sparsa_sparge_tune_options* options) {
-  return gs_finish(sparsa_sparge_tune_options_init(options));
+  return gs_finish(sparsa_sparge_tune_options_init(options, sizeof *options));
 }
 
 gs_result gs_context_create(const sparsa_context_options* options, sparsa_context** out) {
@@ -70,7 +72,7 @@ gs_result gs_selection_cache_counts(const sparsa_selection_cache* cache, int64_t
 static void gs_build_attention(const sparsa_tensor* const* views, int32_t causal, float softmax_scale,
                                sparsa_selection_cache* cache, sparsa_attention_args* args,
                                const sparsa_policy* policy, sparsa_policy* local_policy) {
-  sparsa_attention_args_init(args);
+  sparsa_attention_args_init(args, sizeof *args);
   args->q = views[GS_Q];
   args->k = views[GS_K];
   args->v = views[GS_V];
@@ -167,8 +169,9 @@ gs_result gs_kv_prefetch(sparsa_context* ctx, const gs_tensors* tensors, void* k
   return gs_finish(sparsa_kv_prefetch(ctx, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]));
 }
 
-gs_result gs_hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t* inverse) {
-  return gs_finish(sparsa_hilbert_permutation(t, h, w, perm, inverse));
+gs_result gs_hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t* inverse,
+                                 int64_t capacity) {
+  return gs_finish(sparsa_hilbert_permutation(t, h, w, perm, inverse, capacity));
 }
 
 gs_result gs_drift_select_layers(const gs_tensors* tensors, float delta, void* h_in, void* h_out, void* out_ratio,

@@ -84,7 +84,8 @@ gs_result gs_topk_from_scores(sparsa_context* ctx, const gs_tensors* tensors, in
 gs_result gs_head_mapping(const gs_tensors* tensors, int32_t k, void* draft, void* target, void* out_map);
 gs_result gs_kv_prefetch(sparsa_context* ctx, const gs_tensors* tensors, void* k_src, void* v_src, void* indices,
                          void* k_dst, void* v_dst, void* positions, void* remapped, void* counts);
-gs_result gs_hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t* inverse);
+gs_result gs_hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t* inverse,
+                                 int64_t capacity);
 gs_result gs_drift_select_layers(const gs_tensors* tensors, float delta, void* h_in, void* h_out, void* out_ratio,
                                  void* out_sparse);
 

@@ -5,6 +5,8 @@ package sparsa
 */
 import "C"
 
+import "unsafe"
+
 // PolicyKind says which keys each query row attends to (values of sparsa_policy_kind; §1–§7).
 type PolicyKind int32
 
@@ -129,7 +131,8 @@ func (p *Policy) cPointer(slots *tensorSlots) *C.sparsa_policy {
 // tensors in their slots. The kind is copied as is, so an unknown kind is reported by the call that uses it.
 func (p *Policy) toC(slots *tensorSlots) C.sparsa_policy {
 	var c C.sparsa_policy
-	C.sparsa_policy_init(&c, C.SPARSA_POLICY_DENSE) // struct_size; every field is overwritten below
+	// struct_size; every field is overwritten below
+	C.sparsa_policy_init(&c, C.size_t(unsafe.Sizeof(c)), C.SPARSA_POLICY_DENSE)
 	c.kind = C.int32_t(p.Kind)
 	c.flags = C.uint32_t(p.Flags)
 	c.sink_tokens = C.int32_t(p.SinkTokens)

@@ -105,7 +105,7 @@ func HilbertPermutationInto(t, h, w int32, perm, inverse []int32) error {
 		}
 	}
 	return check(C.gs_hilbert_permutation(C.int32_t(t), C.int32_t(h), C.int32_t(w),
-		(*C.int32_t)(sliceData(perm)), (*C.int32_t)(sliceData(inverse))))
+		(*C.int32_t)(sliceData(perm)), (*C.int32_t)(sliceData(inverse)), C.int64_t(count)))
 }
 
 // hilbertCount returns t*h*w and whether the grid is one Go can size (no negative extent, fits in int32).
@@ -117,7 +117,7 @@ func hilbertCount(t, h, w int32) (int64, bool) {
 // hilbertRejected reports a grid Go cannot size: the library names the bad extent (it validates before writing,
 // and is given no output to write).
 func hilbertRejected(t, h, w int32) error {
-	if err := check(C.gs_hilbert_permutation(C.int32_t(t), C.int32_t(h), C.int32_t(w), nil, nil)); err != nil {
+	if err := check(C.gs_hilbert_permutation(C.int32_t(t), C.int32_t(h), C.int32_t(w), nil, nil, 0)); err != nil {
 		return err
 	}
 	return errorf(StatusInvalidArgument, "t, h, w: a %d x %d x %d grid does not fit in int32 token ids", t, h, w)

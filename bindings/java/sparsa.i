@@ -74,6 +74,10 @@ static void* sparsa_java_direct(JNIEnv* jenv, jobject buffer, const char* name) 
 /* Replaced by the shims below (out-parameters, void* and fixed arrays do not map to Java). */
 %ignore SPARSA_VERSION;
 %ignore sparsa_tensor_init;
+%ignore sparsa_context_options_init;
+%ignore sparsa_policy_init;
+%ignore sparsa_attention_args_init;
+%ignore sparsa_sparge_tune_options_init;
 %ignore sparsa_tensor::data;
 %ignore sparsa_tensor::shape;
 %ignore sparsa_tensor::strides;
@@ -89,6 +93,20 @@ static void* sparsa_java_direct(JNIEnv* jenv, jobject buffer, const char* name) 
 %include <sparsa/sparsa.h>
 
 %inline %{
+/* The init functions with this binding's sizeof as the caller's struct size (the layout SWIG compiled against). */
+sparsa_status sparsa_java_context_options_init(sparsa_context_options* options) {
+  return sparsa_context_options_init(options, sizeof *options);
+}
+sparsa_status sparsa_java_policy_init(sparsa_policy* policy, int32_t kind) {
+  return sparsa_policy_init(policy, sizeof *policy, kind);
+}
+sparsa_status sparsa_java_attention_args_init(sparsa_attention_args* args) {
+  return sparsa_attention_args_init(args, sizeof *args);
+}
+sparsa_status sparsa_java_sparge_tune_options_init(sparsa_sparge_tune_options* options) {
+  return sparsa_sparge_tune_options_init(options, sizeof *options);
+}
+
 /* Describes `address` (0 = NULL) as a tensor of `ndim` dims; set the dims with sparsa_java_tensor_set_dim.
    The Java layer validates everything before, so nothing here can fail. */
 void sparsa_java_tensor_describe(sparsa_tensor* t, int64_t address, int32_t dtype, int32_t device_type,
@@ -116,7 +134,7 @@ int64_t sparsa_java_buffer_address(JNIEnv* jenv_in, jobject buffer) {
 sparsa_context* sparsa_java_context_create(JNIEnv* jenv_in, const sparsa_context_options* options,
                                            int64_t stream) {
   sparsa_context_options local;
-  sparsa_context_options_init(&local);
+  sparsa_context_options_init(&local, sizeof local);
   if (options != NULL) local = *options;
   local.stream = (void*)(intptr_t)stream;
   sparsa_context* ctx = NULL;
@@ -165,13 +183,21 @@ void sparsa_java_selection_cache_counts(JNIEnv* jenv_in, const sparsa_selection_
   (*jenv_in)->SetLongArrayRegion(jenv_in, counts, 0, 2, values);
 }
 
-/* perm/inverse: direct buffers of t*h*w int32 (checked by the Java layer) or null. */
+/* perm/inverse: direct buffers of t*h*w int32 (checked by the Java layer) or null; the capacity passed is what the
+   smaller given buffer holds, so the library itself refuses a grid larger than the buffers. */
 sparsa_status sparsa_java_hilbert_permutation(JNIEnv* jenv_in, int32_t t, int32_t h, int32_t w, jobject perm,
                                               jobject inverse) {
   int32_t* perm_data = (int32_t*)sparsa_java_direct(jenv_in, perm, "perm: expected a direct ByteBuffer");
   int32_t* inverse_data = (int32_t*)sparsa_java_direct(jenv_in, inverse, "inverse: expected a direct ByteBuffer");
   if ((*jenv_in)->ExceptionCheck(jenv_in)) return SPARSA_STATUS_SUCCESS; /* the pending exception wins */
-  return sparsa_hilbert_permutation(t, h, w, perm_data, inverse_data);
+  int64_t capacity = -1;
+  jobject buffers[2] = {perm, inverse};
+  for (int i = 0; i < 2; ++i) {
+    if (buffers[i] == NULL) continue;
+    int64_t entries = (int64_t)(*jenv_in)->GetDirectBufferCapacity(jenv_in, buffers[i]) / (int64_t)sizeof(int32_t);
+    if (capacity < 0 || entries < capacity) capacity = entries;
+  }
+  return sparsa_hilbert_permutation(t, h, w, perm_data, inverse_data, capacity < 0 ? 0 : capacity);
 }
 
 void sparsa_java_policy_copy(sparsa_policy* destination, const sparsa_policy* source) { *destination = *source; }

@@ -6,8 +6,8 @@
  * ALGORITHMS.md); section numbers below (§n) refer to it.
  *
  * ABI rules kept here (docs/abi.md):
- *   - every struct the caller fills starts with `uint32_t struct_size`; an init function fills it and the defaults;
- *     the library reads only the fields that fit in `struct_size`; new fields are only ever appended;
+ *   - every struct the caller fills starts with `uint32_t struct_size` and follows the extensible-struct rules of the
+ *     Linux kernel's copy_struct_from_user (clone3, openat2), described under "Caller-filled structs" below;
  *   - enums have explicit values, are never renumbered, and cross the ABI as fixed-width integers;
  *   - a changed signature ships as a new `_v2` function, the old one stays;
  *   - only `sparsa_*` symbols are exported.
@@ -52,7 +52,7 @@ extern "C" {
 #endif
 
 #define SPARSA_VERSION_MAJOR 0
-#define SPARSA_VERSION_MINOR 1
+#define SPARSA_VERSION_MINOR 2
 #define SPARSA_VERSION_PATCH 0
 /** Encoded as MAJOR * 10000 + MINOR * 100 + PATCH, the same encoding `sparsa_version()` returns. */
 #define SPARSA_VERSION (SPARSA_VERSION_MAJOR * 10000 + SPARSA_VERSION_MINOR * 100 + SPARSA_VERSION_PATCH)
@@ -97,6 +97,37 @@ SPARSA_API const char* sparsa_status_string(sparsa_status status);
 SPARSA_API const char* sparsa_last_error_message(void);
 
 /* ---------------------------------------------------------------------------------------------------------------- */
+/* Caller-filled structs                                                                                             */
+/* ---------------------------------------------------------------------------------------------------------------- */
+
+/*
+ * sparsa_tensor, sparsa_context_options, sparsa_policy, sparsa_attention_args and sparsa_sparge_tune_options start
+ * with `uint32_t struct_size`, the size in bytes of the layout the caller was compiled against (its `sizeof`):
+ *   - Init: every `*_init(s, size, ...)` takes the caller's size (pass `sizeof *s`, or use the SPARSA_*_INIT macros)
+ *     and writes exactly `size` bytes and no more: struct_size = size, the documented defaults of the fields this
+ *     sparsa knows that fit in `size`, zero beyond. A size below the struct's SPARSA_*_SIZE_V0_1 (its layout in
+ *     sparsa 0.1, the first release) or above SPARSA_STRUCT_SIZE_MAX is refused with SPARSA_STATUS_STRUCT_SIZE and
+ *     nothing is written.
+ *   - Read: every entry point reads only the first struct_size bytes of each caller struct (tensors reached through
+ *     other structs included). Fields past an older caller's struct_size take their documented defaults. A
+ *     struct_size below SPARSA_*_SIZE_V0_1 or above SPARSA_STRUCT_SIZE_MAX, or a newer caller's larger struct whose
+ *     bytes past this sparsa's `sizeof` are not all zero (a field this version does not know was set), fails with
+ *     SPARSA_STATUS_STRUCT_SIZE and a message naming the struct and both sizes; a zero unknown tail is accepted.
+ *   - Layout: new fields are only ever appended; no struct has implicit tail padding (explicit `reserved` fields pad
+ *     to an 8-byte boundary, are written 0 by the init functions, are not read, and never gain a meaning), so every
+ *     appended field changes `sizeof`. Sizes are those of an LP64 target (64-bit pointers).
+ */
+
+/** The largest struct_size accepted for any struct: a bound on how far past its own layout the library reads. */
+#define SPARSA_STRUCT_SIZE_MAX 4096
+/** sizeof of each caller-filled struct in sparsa 0.1, the smallest struct_size accepted. */
+#define SPARSA_TENSOR_SIZE_V0_1 160
+#define SPARSA_CONTEXT_OPTIONS_SIZE_V0_1 32
+#define SPARSA_POLICY_SIZE_V0_1 152
+#define SPARSA_ATTENTION_ARGS_SIZE_V0_1 120
+#define SPARSA_SPARGE_TUNE_OPTIONS_SIZE_V0_1 24
+
+/* ---------------------------------------------------------------------------------------------------------------- */
 /* Tensors                                                                                                           */
 /* ---------------------------------------------------------------------------------------------------------------- */
 
@@ -129,10 +160,11 @@ typedef enum sparsa_device_type {
  * `data` points at element [0, ..., 0]; element [i0, ..., in] lives at `data + Σ i_k * strides[k]` elements.
  * Strides are in elements (not bytes), may be any non-negative value, and the last dimension must have stride 1
  * wherever this header says "last stride 1" (every attention tensor). Entries past `ndim` are ignored.
- * Fill it with `sparsa_tensor_init` (contiguous row-major strides) or by hand.
+ * Fill it with `sparsa_tensor_init` / SPARSA_TENSOR_INIT (contiguous row-major strides), or by hand after zeroing it
+ * and setting struct_size = sizeof(sparsa_tensor).
  */
 typedef struct sparsa_tensor {
-  uint32_t struct_size;           /**< sizeof(sparsa_tensor); set by sparsa_tensor_init */
+  uint32_t struct_size;           /**< the caller's sizeof(sparsa_tensor); set by sparsa_tensor_init */
   int32_t dtype;                  /**< sparsa_dtype */
   int32_t device_type;            /**< sparsa_device_type; default SPARSA_DEVICE_CPU */
   int32_t device_id;              /**< device ordinal; 0 for CPU; default 0 */
@@ -143,12 +175,17 @@ typedef struct sparsa_tensor {
 } sparsa_tensor;
 
 /**
- * Fills `t` as a contiguous row-major CPU tensor of `ndim` dims over `data` (device CPU, id 0).
- * Returns SPARSA_STATUS_NULL_POINTER for a NULL `t` or `shape`, SHAPE_MISMATCH for ndim outside 1..SPARSA_MAX_DIMS
- * or a negative extent, DTYPE_MISMATCH for an unknown dtype. Set device_type/device_id afterwards for device memory.
+ * Fills the `size` bytes at `t` (the caller's sizeof(sparsa_tensor)) as a contiguous row-major CPU tensor of `ndim`
+ * dims over `data` (device CPU, id 0), zero past the fields this sparsa knows. Returns SPARSA_STATUS_NULL_POINTER
+ * for a NULL `t` or `shape`, STRUCT_SIZE for a size outside [SPARSA_TENSOR_SIZE_V0_1, SPARSA_STRUCT_SIZE_MAX],
+ * SHAPE_MISMATCH for ndim outside 1..SPARSA_MAX_DIMS or a negative extent, DTYPE_MISMATCH for an unknown dtype.
+ * Set device_type/device_id afterwards for device memory.
  */
-SPARSA_API sparsa_status sparsa_tensor_init(sparsa_tensor* t, void* data, int32_t dtype, int32_t ndim,
+SPARSA_API sparsa_status sparsa_tensor_init(sparsa_tensor* t, size_t size, void* data, int32_t dtype, int32_t ndim,
                                             const int64_t* shape);
+/** sparsa_tensor_init with the caller's size: `SPARSA_TENSOR_INIT(&t, data, dtype, ndim, shape)`. */
+#define SPARSA_TENSOR_INIT(t, data, dtype, ndim, shape) \
+  sparsa_tensor_init((t), sizeof(*(t)), (data), (dtype), (ndim), (shape))
 
 /** Size in bytes of one element of `dtype`; 0 for an unknown dtype. */
 SPARSA_API size_t sparsa_dtype_size(int32_t dtype);
@@ -160,15 +197,19 @@ SPARSA_API size_t sparsa_dtype_size(int32_t dtype);
 typedef struct sparsa_context sparsa_context;
 
 typedef struct sparsa_context_options {
-  uint32_t struct_size; /**< sizeof(sparsa_context_options); set by sparsa_context_options_init */
+  uint32_t struct_size; /**< the caller's sizeof(sparsa_context_options); set by sparsa_context_options_init */
   int32_t device_type;  /**< backend: SPARSA_DEVICE_CPU (default), SPARSA_DEVICE_CUDA or SPARSA_DEVICE_ROCM */
   int32_t device_id;    /**< GPU ordinal; ignored on CPU; default 0 */
   void* stream;         /**< cudaStream_t / hipStream_t every GPU run enqueues on; NULL = default stream */
   int32_t num_threads;  /**< CPU worker threads; 0 (default) = one per online core */
+  int32_t reserved0;    /**< tail padding made explicit; written 0 by init, not read */
 } sparsa_context_options;
 
-/** Fills `options` with struct_size and the defaults above. */
-SPARSA_API sparsa_status sparsa_context_options_init(sparsa_context_options* options);
+/** Fills the `size` bytes at `options` (the caller's sizeof) with struct_size = size, the defaults above, zero
+    beyond. STRUCT_SIZE for a size outside [SPARSA_CONTEXT_OPTIONS_SIZE_V0_1, SPARSA_STRUCT_SIZE_MAX]. */
+SPARSA_API sparsa_status sparsa_context_options_init(sparsa_context_options* options, size_t size);
+/** `SPARSA_CONTEXT_OPTIONS_INIT(&o)` = sparsa_context_options_init(&o, sizeof o). */
+#define SPARSA_CONTEXT_OPTIONS_INIT(options) sparsa_context_options_init((options), sizeof(*(options)))
 
 /**
  * Creates a context on the backend `options` names (NULL options = CPU defaults). Fails with
@@ -245,11 +286,12 @@ typedef enum sparsa_policy_flag {
 
 /**
  * A selection policy: `kind` plus the parameters of every kind, flat and prefixed by the kind that reads them.
- * Fields a kind does not read are ignored by it. Fill with `sparsa_policy_init(&p, kind)`, which sets struct_size
- * and every default below, then change what you need. Integer fields are counts of tokens unless stated.
+ * Fields a kind does not read are ignored by it. Fill with `sparsa_policy_init(&p, sizeof p, kind)` (or
+ * SPARSA_POLICY_INIT(&p, kind)), which sets struct_size and every default below, then change what you need.
+ * Integer fields are counts of tokens unless stated.
  */
 typedef struct sparsa_policy {
-  uint32_t struct_size; /**< sizeof(sparsa_policy); set by sparsa_policy_init */
+  uint32_t struct_size; /**< the caller's sizeof(sparsa_policy); set by sparsa_policy_init */
   int32_t kind;         /**< sparsa_policy_kind */
   uint32_t flags;       /**< OR of sparsa_policy_flag; default 0 */
 
@@ -312,10 +354,15 @@ typedef struct sparsa_policy {
   /* DELTA (§8), read when flags has SPARSA_POLICY_FLAG_DELTA. */
   int32_t delta_gamma;    /**< stride of the dense anchor rows; > 0; default 64 */
   int32_t delta_tail_min; /**< minimum dense tail rows; >= 0; default 128 */
+  int32_t reserved0;      /**< tail padding made explicit; written 0 by init, not read */
 } sparsa_policy;
 
-/** Fills `policy` with struct_size, `kind`, flags 0 and every default above. INVALID_ARGUMENT for an unknown kind. */
-SPARSA_API sparsa_status sparsa_policy_init(sparsa_policy* policy, int32_t kind);
+/** Fills the `size` bytes at `policy` (the caller's sizeof) with struct_size = size, `kind`, flags 0, every default
+    above, zero beyond. INVALID_ARGUMENT for an unknown kind; STRUCT_SIZE for a size outside
+    [SPARSA_POLICY_SIZE_V0_1, SPARSA_STRUCT_SIZE_MAX]. */
+SPARSA_API sparsa_status sparsa_policy_init(sparsa_policy* policy, size_t size, int32_t kind);
+/** `SPARSA_POLICY_INIT(&p, kind)` = sparsa_policy_init(&p, sizeof p, kind). */
+#define SPARSA_POLICY_INIT(policy, kind) sparsa_policy_init((policy), sizeof(*(policy)), (kind))
 
 /** A static name for a policy kind ("DENSE", "SPARGE", ...); "unknown" otherwise. */
 SPARSA_API const char* sparsa_policy_kind_name(int32_t kind);
@@ -347,7 +394,7 @@ typedef enum sparsa_stat_index {
  * Dtypes: q, k, v, out share one of F32, F16, BF16 (fp32 accumulation always); lse is F32.
  */
 typedef struct sparsa_attention_args {
-  uint32_t struct_size; /**< sizeof(sparsa_attention_args); set by sparsa_attention_args_init */
+  uint32_t struct_size; /**< the caller's sizeof(sparsa_attention_args); set by sparsa_attention_args_init */
 
   const sparsa_tensor* q;   /**< in: queries (required) */
   const sparsa_tensor* k;   /**< in: keys, or the paged key cache (required) */
@@ -390,8 +437,12 @@ typedef struct sparsa_attention_args {
   const sparsa_tensor* stats;
 } sparsa_attention_args;
 
-/** Fills `args` with struct_size and the defaults above (every pointer NULL, causal 0, softmax_scale 0). */
-SPARSA_API sparsa_status sparsa_attention_args_init(sparsa_attention_args* args);
+/** Fills the `size` bytes at `args` (the caller's sizeof) with struct_size = size and the defaults above (every
+    pointer NULL, causal 0, softmax_scale 0), zero beyond. STRUCT_SIZE for a size outside
+    [SPARSA_ATTENTION_ARGS_SIZE_V0_1, SPARSA_STRUCT_SIZE_MAX]. */
+SPARSA_API sparsa_status sparsa_attention_args_init(sparsa_attention_args* args, size_t size);
+/** `SPARSA_ATTENTION_ARGS_INIT(&a)` = sparsa_attention_args_init(&a, sizeof a). */
+#define SPARSA_ATTENTION_ARGS_INIT(args) sparsa_attention_args_init((args), sizeof(*(args)))
 
 /**
  * Computes `out` (and the optional outputs) for one attention call under `policy` (NULL = DENSE defaults).
@@ -461,10 +512,12 @@ SPARSA_API sparsa_status sparsa_kv_prefetch(sparsa_context* ctx, const sparsa_te
  * SpargeAttn's Hilbert permutation (§4): for a T×H×W token grid (token id t*H*W + h*W + w), the order of a 3-D
  * Hilbert curve over the enclosing power-of-two cube, skipping cells outside the grid. Writes n = T*H*W entries to
  * `perm` (perm[i] = token id visited i-th) and `inverse` (inverse[perm[i]] = i); either may be NULL. Host memory.
- * INVALID_ARGUMENT for an extent < 1 or a grid of more than INT32_MAX cells.
+ * `capacity` is the number of int32 entries each non-NULL buffer holds; nothing is written past it.
+ * INVALID_ARGUMENT for an extent < 1, a grid of more than INT32_MAX cells or a negative capacity; SHAPE_MISMATCH
+ * when a buffer is given and capacity < n (the message gives both).
  */
 SPARSA_API sparsa_status sparsa_hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm,
-                                                    int32_t* inverse);
+                                                    int32_t* inverse, int64_t capacity);
 
 /**
  * Drift-based layer selection (§5): h_in, h_out: [L, T, D] (F32/F16/BF16, host memory), the hidden states before
@@ -478,7 +531,7 @@ SPARSA_API sparsa_status sparsa_drift_select_layers(const sparsa_tensor* h_in, c
 
 /** Targets of the SpargeAttn tuner (§4). */
 typedef struct sparsa_sparge_tune_options {
-  uint32_t struct_size; /**< sizeof(sparsa_sparge_tune_options); set by sparsa_sparge_tune_options_init */
+  uint32_t struct_size; /**< the caller's sizeof(sparsa_sparge_tune_options); set by its init */
   float l1;             /**< relative-L1 target of the (theta, tau) search; > 0; default 0.07 */
   float pv_l1;          /**< relative-L1 target of the lambda search; >= l1; default 0.08 */
   int32_t search_steps; /**< bisection steps for tau and for lambda; >= 1; default 10 */
@@ -486,8 +539,11 @@ typedef struct sparsa_sparge_tune_options {
   float lambda_min;     /**< most negative lambda tried; < 0; default -20 */
 } sparsa_sparge_tune_options;
 
-/** Fills `options` with struct_size and the defaults above. */
-SPARSA_API sparsa_status sparsa_sparge_tune_options_init(sparsa_sparge_tune_options* options);
+/** Fills the `size` bytes at `options` (the caller's sizeof) with struct_size = size and the defaults above, zero
+    beyond. STRUCT_SIZE for a size outside [SPARSA_SPARGE_TUNE_OPTIONS_SIZE_V0_1, SPARSA_STRUCT_SIZE_MAX]. */
+SPARSA_API sparsa_status sparsa_sparge_tune_options_init(sparsa_sparge_tune_options* options, size_t size);
+/** `SPARSA_SPARGE_TUNE_OPTIONS_INIT(&o)` = sparsa_sparge_tune_options_init(&o, sizeof o). */
+#define SPARSA_SPARGE_TUNE_OPTIONS_INIT(options) sparsa_sparge_tune_options_init((options), sizeof(*(options)))
 
 /**
  * Tunes SPARGE per query head on one calibration call (`args` as for a run; out, lse and the introspection outputs

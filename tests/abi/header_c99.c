@@ -14,12 +14,12 @@ int main(void) {
     fprintf(stderr, "sparsa_version() = %u but the header says %d\n", (unsigned)sparsa_version(), SPARSA_VERSION);
     return 1;
   }
-  if (sparsa_tensor_init(&tensor, data, SPARSA_DTYPE_F32, 2, shape) != SPARSA_STATUS_SUCCESS ||
+  if (SPARSA_TENSOR_INIT(&tensor, data, SPARSA_DTYPE_F32, 2, shape) != SPARSA_STATUS_SUCCESS ||
       tensor.struct_size != sizeof(sparsa_tensor) || tensor.strides[0] != 3 || tensor.strides[1] != 1) {
     fprintf(stderr, "sparsa_tensor_init did not fill a contiguous [2, 3] descriptor\n");
     return 1;
   }
-  if (sparsa_policy_init(&policy, SPARSA_POLICY_SPARGE) != SPARSA_STATUS_SUCCESS ||
+  if (SPARSA_POLICY_INIT(&policy, SPARSA_POLICY_SPARGE) != SPARSA_STATUS_SUCCESS ||
       strcmp(sparsa_policy_kind_name(policy.kind), "SPARGE") != 0) {
     fprintf(stderr, "sparsa_policy_init(SPARGE) failed: %s\n", sparsa_last_error_message());
     return 1;

@@ -24,7 +24,7 @@ static_assert(std::is_same_v<sparsa_status, int32_t>);
 
 int main() {
   sparsa_attention_args args{};
-  if (sparsa_attention_args_init(&args) != SPARSA_STATUS_SUCCESS || args.struct_size != sizeof(args) ||
+  if (sparsa_attention_args_init(&args, sizeof args) != SPARSA_STATUS_SUCCESS || args.struct_size != sizeof(args) ||
       args.q != nullptr || args.causal != 0) {
     std::fprintf(stderr, "sparsa_attention_args_init did not fill the defaults\n");
     return 1;

@@ -223,7 +223,7 @@ struct RunResult {
 inline RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_gpu) {
   RunResult result;
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
   sparsa_context* ctx = nullptr;
   result.status = sparsa_context_create(&options, &ctx);
@@ -254,7 +254,7 @@ inline RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, b
                 tlse = make_tensor(lse, SPARSA_DTYPE_F32, ph.lse_shape, dev);
   sparsa_tensor tcu_q, tcu_k, tpage, tlens, tmask;
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;
@@ -280,7 +280,7 @@ inline RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, b
     args.seq_lens_k = &tlens;
   }
   sparsa_policy policy;
-  sparsa_policy_init(&policy, c.policy);
+  sparsa_policy_init(&policy, sizeof policy, c.policy);
   policy.sink_tokens = c.sink_tokens;
   policy.sink_window = c.sink_window;
   policy.block_q = c.block_q;

@@ -179,7 +179,7 @@ class DeviceBuffer {
 inline sparsa_tensor make_tensor(void* data, int32_t dtype, std::vector<int64_t> shape, int32_t device_type,
                                  std::vector<int64_t> strides = {}) {
   sparsa_tensor t;
-  EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_tensor_init(&t, sizeof t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
   for (size_t i = 0; i < strides.size(); ++i) t.strides[i] = strides[i];
   t.device_type = device_type;
   t.device_id = 0;

@@ -230,7 +230,7 @@ TEST(GpuAttentionGraph, CaptureAndReplay) {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreate(&stream));
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
   options.stream = stream;
   sparsa_context* ctx = nullptr;
@@ -245,7 +245,7 @@ TEST(GpuAttentionGraph, CaptureAndReplay) {
   sparsa_tensor tv = make_tensor(v.data(), c.dtype, ph.kv_shape, SPARSA_DEVICE_CUDA);
   sparsa_tensor tout = make_tensor(out.data(), c.dtype, ph.out_shape, SPARSA_DEVICE_CUDA);
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;
@@ -277,7 +277,7 @@ TEST(GpuAttentionSupport, CaseBeyondTheLimitsIsUnsupportedWithAReason) {
   SKIP_WITHOUT_GPU();
   constexpr int64_t kTooLargeHeadDim = 320;
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
   sparsa_context* ctx = nullptr;
   SPARSA_OK(sparsa_context_create(&options, &ctx));
@@ -285,10 +285,10 @@ TEST(GpuAttentionSupport, CaseBeyondTheLimitsIsUnsupportedWithAReason) {
   const size_t bytes = 2 * kTooLargeHeadDim * 2;
   DeviceBuffer buf(bytes);
   sparsa_tensor t;
-  sparsa_tensor_init(&t, buf.data(), SPARSA_DTYPE_F16, 4, shape);
+  sparsa_tensor_init(&t, sizeof t, buf.data(), SPARSA_DTYPE_F16, 4, shape);
   t.device_type = SPARSA_DEVICE_CUDA;
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   DeviceBuffer out(bytes);
   const std::vector<uint8_t> poison(bytes, 0xAB);
   CUDA_OK(cudaMemcpy(out.data(), poison.data(), bytes, cudaMemcpyHostToDevice));
@@ -299,7 +299,7 @@ TEST(GpuAttentionSupport, CaseBeyondTheLimitsIsUnsupportedWithAReason) {
   args.v = &t;
   args.out = &tout;
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_DENSE);
+  sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_DENSE);
   EXPECT_EQ(sparsa_attention_run(ctx, &args, &policy), SPARSA_STATUS_UNSUPPORTED);
   EXPECT_NE(std::string(sparsa_last_error_message()).find("head_dim"), std::string::npos)
       << sparsa_last_error_message();
@@ -335,7 +335,7 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
                     std::vector<int32_t> selected; };
     auto run = [&](int32_t device, Result* res) {
       sparsa_context_options options;
-      sparsa_context_options_init(&options);
+      sparsa_context_options_init(&options, sizeof options);
       options.device_type = device;
       sparsa_context* ctx = nullptr;
       SPARSA_OK(sparsa_context_create(&options, &ctx));
@@ -364,11 +364,11 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
                                        {B, Hq, shape.skv}, device);
       sparsa_tensor tids = make_tensor(place(dids, ids.data(), ids.size() * 4), SPARSA_DTYPE_I32, {B, Hq, k}, device);
       sparsa_attention_args args;
-      sparsa_attention_args_init(&args);
+      sparsa_attention_args_init(&args, sizeof args);
       args.q = &tq; args.k = &tk; args.v = &tv; args.out = &tout; args.lse = &tlse; args.stats = &tstats;
       args.selected_indices = &tsel;
       sparsa_policy policy;
-      sparsa_policy_init(&policy, SPARSA_POLICY_TOKEN_INDICES);
+      sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_TOKEN_INDICES);
       policy.indices = &tids;
       policy.index_block_size = shape.block_size;
       policy.index_n_init = shape.n_init;
@@ -485,7 +485,7 @@ TEST(GpuMergeStates, MatchesFormula) {
   la[0] = lb[0] = kNegInf;  // (b0, h0, s0): both empty
   la[1] = kNegInf;          // (b0, h0, s1): only b
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
   sparsa_context* ctx = nullptr;
   SPARSA_OK(sparsa_context_create(&options, &ctx));

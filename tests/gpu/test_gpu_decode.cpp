@@ -244,7 +244,7 @@ void run_case(const Case& c, const Inputs& in, int32_t device, bool plain, bool 
   std::vector<int32_t> seq_lens(c.seq_k.begin(), c.seq_k.end());
 
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = device;
   cudaStream_t stream = nullptr;
   if (graph) {
@@ -262,7 +262,8 @@ void run_case(const Case& c, const Inputs& in, int32_t device, bool plain, bool 
   };
   auto tensor = [&](void* data, int32_t dtype, std::vector<int64_t> shape) {
     sparsa_tensor t;
-    EXPECT_EQ(sparsa_tensor_init(&t, data, dtype, int32_t(shape.size()), shape.data()), SPARSA_STATUS_SUCCESS);
+    EXPECT_EQ(sparsa_tensor_init(&t, sizeof t, data, dtype, int32_t(shape.size()), shape.data()),
+              SPARSA_STATUS_SUCCESS);
     t.device_type = device;
     return t;
   };
@@ -282,7 +283,7 @@ void run_case(const Case& c, const Inputs& in, int32_t device, bool plain, bool 
   sparsa_tensor tstats = tensor(stats_ptr, SPARSA_DTYPE_I64, {SPARSA_STAT_COUNT});
   sparsa_tensor tcu_q, tcu_k, tpages, tlens, tmask, tindices, tmap, tselected;
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;
@@ -305,7 +306,7 @@ void run_case(const Case& c, const Inputs& in, int32_t device, bool plain, bool 
     args.page_table = &tpages;
   }
   sparsa_policy policy;
-  sparsa_policy_init(&policy, c.policy);
+  sparsa_policy_init(&policy, sizeof policy, c.policy);
   policy.sink_tokens = c.sink_tokens;
   policy.sink_window = c.sink_window;
   policy.block_q = c.block_q;

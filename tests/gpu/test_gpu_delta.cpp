@@ -150,7 +150,7 @@ Inputs make_inputs(const Case& c) {
 
 sparsa_policy make_policy(const Case& c, bool delta) {
   sparsa_policy policy;
-  sparsa_policy_init(&policy, c.base);
+  sparsa_policy_init(&policy, sizeof policy, c.base);
   policy.sink_tokens = c.sink_tokens;
   policy.sink_window = c.sink_window;
   policy.block_q = c.block_q;
@@ -181,7 +181,7 @@ RunResult run_case(const Case& c, const Inputs& in, Mode mode, bool delta = true
     return result;
   }
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
   options.stream = stream;
   sparsa_context* ctx = nullptr;
@@ -211,7 +211,7 @@ RunResult run_case(const Case& c, const Inputs& in, Mode mode, bool delta = true
   sparsa_tensor tstats = make_tensor(stats, SPARSA_DTYPE_I64, {SPARSA_STAT_COUNT}, dev);
   sparsa_tensor tcu_q, tcu_k, tpage, tlens, tmask;
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;

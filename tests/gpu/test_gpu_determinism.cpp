@@ -46,7 +46,7 @@ class Context {
  public:
   Context() {
     sparsa_context_options options;
-    sparsa_context_options_init(&options);
+    sparsa_context_options_init(&options, sizeof options);
     options.device_type = SPARSA_DEVICE_CUDA;
     status = sparsa_context_create(&options, &ctx);
   }
@@ -136,7 +136,7 @@ class DeviceProblem {
     tstats_ = make_tensor(stats_->data(), SPARSA_DTYPE_I64, {SPARSA_STAT_COUNT}, SPARSA_DEVICE_CUDA);
     tcu_q_ = make_tensor(cu_q_->data(), SPARSA_DTYPE_I32, {B + 1}, SPARSA_DEVICE_CUDA);
     tcu_k_ = make_tensor(cu_k_->data(), SPARSA_DTYPE_I32, {B + 1}, SPARSA_DEVICE_CUDA);
-    sparsa_attention_args_init(&args_);
+    sparsa_attention_args_init(&args_, sizeof args_);
     args_.q = &tq_;
     args_.k = &tk_;
     args_.v = &tv_;
@@ -255,7 +255,7 @@ TEST(GpuDeterminism, TokenSparseRaggedVarlen) {
   s.selected_sets = s.q_heads;
   s.selected_cap = 900;
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_TOKEN_SPARSE);
+  sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_TOKEN_SPARSE);
   policy.token_sparse_window = 32;
   policy.token_sparse_pool_kernel = 7;
   policy.token_sparse_min_tokens = 64;
@@ -279,7 +279,7 @@ TEST(GpuDeterminism, TokenSparseLongerSequencesGqa2) {
   s.selected_sets = s.q_heads;
   s.selected_cap = 3000;
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_TOKEN_SPARSE);
+  sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_TOKEN_SPARSE);
   policy.token_sparse_window = 160;
   policy.token_sparse_min_tokens = 256;
   policy.token_sparse_coverage = 0.05f;
@@ -301,7 +301,7 @@ TEST(GpuDeterminism, Sparge) {
   s.mask_block_q = 128;
   s.mask_block_k = 64;
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_SPARGE);
+  sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_SPARGE);
   policy.block_q = s.mask_block_q;
   policy.block_k = s.mask_block_k;
   policy.sparge_theta = 0.3f;
@@ -323,7 +323,7 @@ TEST(GpuDeterminism, TokenSelectPerKvHeadMultiBlockTopk) {
   s.seq_q = {4, 1, 7};
   s.seq_k = {30000, 9000, 3000};
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_TOKEN_SELECT);
+  sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_TOKEN_SELECT);
   policy.select_n_init = 64;
   policy.select_n_local = 256;
   policy.select_top_k = 2048;

@@ -84,7 +84,7 @@ struct RunResult {
 RunResult run_case(const Case& c, const Inputs& in, bool on_gpu) {
   RunResult result;
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
   sparsa_context* ctx = nullptr;
   result.status = sparsa_context_create(&options, &ctx);
@@ -113,7 +113,7 @@ RunResult run_case(const Case& c, const Inputs& in, bool on_gpu) {
   sparsa_tensor tout = make_tensor(out, c.dtype, q_shape, dev);
   sparsa_tensor tstats = make_tensor(stats, SPARSA_DTYPE_I64, {SPARSA_STAT_COUNT}, dev);
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;
@@ -121,7 +121,7 @@ RunResult run_case(const Case& c, const Inputs& in, bool on_gpu) {
   args.stats = &tstats;
   args.causal = c.causal ? 1 : 0;
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_SPARGE);
+  sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_SPARGE);
   policy.block_q = c.block_q;
   policy.block_k = c.block_k;
   policy.sparge_theta = 1.f;  // every block kept: only the λ test decides

@@ -30,7 +30,7 @@ using namespace sparsa_gpu_test;
 struct Context {
   explicit Context(int32_t device_type, cudaStream_t stream = nullptr) {
     sparsa_context_options options;
-    sparsa_context_options_init(&options);
+    sparsa_context_options_init(&options, sizeof options);
     options.device_type = device_type;
     options.stream = stream;
     status = sparsa_context_create(&options, &ctx);
@@ -340,7 +340,7 @@ class SelectRunner {
     tsel_ = make_tensor(selected_, SPARSA_DTYPE_I32, {B, t_.sets, t_.cap}, dev);
     tstats_ = make_tensor(stats_, SPARSA_DTYPE_I64, {7}, dev);
     sparsa_attention_args a;
-    sparsa_attention_args_init(&a);
+    sparsa_attention_args_init(&a, sizeof a);
     a.q = &tq_;
     a.k = &tk_;
     a.v = &tv_;
@@ -358,7 +358,7 @@ class SelectRunner {
 
   sparsa_policy policy() const {
     sparsa_policy p;
-    sparsa_policy_init(&p, SPARSA_POLICY_TOKEN_SELECT);
+    sparsa_policy_init(&p, sizeof p, SPARSA_POLICY_TOKEN_SELECT);
     p.select_n_init = c_.n_init;
     p.select_top_k = c_.top_k;
     p.select_n_local = c_.n_local;

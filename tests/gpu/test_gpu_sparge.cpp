@@ -212,7 +212,7 @@ constexpr int kStats = SPARSA_STAT_PV_BLOCKS_SKIPPED + 1;
 RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_gpu, bool capture = false) {
   RunResult result;
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
   cudaStream_t stream = nullptr;
   if (capture) {
@@ -255,7 +255,7 @@ RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_
   sparsa_tensor tmask = make_tensor(mask, SPARSA_DTYPE_U8, {in.batch, c.q_heads, q_blocks, k_blocks}, dev);
   sparsa_tensor tstats = make_tensor(stats, SPARSA_DTYPE_I64, {kStats}, dev);
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;
@@ -277,7 +277,7 @@ RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_
     args.seq_lens_k = &tlens;
   }
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_SPARGE);
+  sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_SPARGE);
   policy.block_q = c.block_q;
   policy.block_k = c.block_k;
   policy.sparge_theta = c.theta;

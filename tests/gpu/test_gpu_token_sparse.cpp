@@ -197,7 +197,7 @@ struct RunResult {
 
 sparsa_policy policy_of(const SparseCase& c) {
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_TOKEN_SPARSE);
+  sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_TOKEN_SPARSE);
   policy.token_sparse_window = c.window;
   policy.token_sparse_pool_kernel = c.pool_kernel;
   policy.token_sparse_min_tokens = c.min_tokens;
@@ -226,7 +226,7 @@ class RunTensors {
     selected_ = make_tensor(place(host_selected_.data(), selected_count_ * 4), SPARSA_DTYPE_I32,
                             {B, c.q_heads, ph.max_len}, dev);
     stats_ = make_tensor(place(host_stats_.data(), SPARSA_STAT_COUNT * 8), SPARSA_DTYPE_I64, {SPARSA_STAT_COUNT}, dev);
-    sparsa_attention_args_init(&args_);
+    sparsa_attention_args_init(&args_, sizeof args_);
     args_.q = &q_;
     args_.k = &k_;
     args_.v = &v_;
@@ -300,7 +300,7 @@ class RunTensors {
 RunResult run_case(const SparseCase& c, const Physical& ph, bool on_gpu) {
   RunResult result;
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
   sparsa_context* ctx = nullptr;
   result.status = sparsa_context_create(&options, &ctx);
@@ -687,7 +687,7 @@ TEST(GpuTokenSparseGraph, CaptureAndReplayVarlen) {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreate(&stream));
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
   options.stream = stream;
   sparsa_context* ctx = nullptr;

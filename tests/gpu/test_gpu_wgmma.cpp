@@ -694,7 +694,7 @@ constexpr uint8_t kMaskPoison = 0xAB;
 SpargeResult run_sparge(const Case& c, const Inputs& in, const Physical& ph, bool on_gpu) {
   SpargeResult result;
   sparsa_context_options options;
-  sparsa_context_options_init(&options);
+  sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
   sparsa_context* ctx = nullptr;
   result.status = sparsa_context_create(&options, &ctx);
@@ -729,7 +729,7 @@ SpargeResult run_sparge(const Case& c, const Inputs& in, const Physical& ph, boo
                 tlse = make_tensor(lse, SPARSA_DTYPE_F32, ph.lse_shape, dev),
                 tmask = make_tensor(mask, SPARSA_DTYPE_U8, {in.batch, c.q_heads, q_blocks, k_blocks}, dev), tlens;
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;
@@ -743,7 +743,7 @@ SpargeResult run_sparge(const Case& c, const Inputs& in, const Physical& ph, boo
     args.seq_lens_k = &tlens;
   }
   sparsa_policy policy;
-  sparsa_policy_init(&policy, SPARSA_POLICY_SPARGE);
+  sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_SPARGE);
   policy.block_q = kSpargeBlockQ;
   policy.block_k = kSpargeBlockK;
   policy.sparge_theta = -1.f;

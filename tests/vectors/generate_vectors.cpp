@@ -106,7 +106,8 @@ struct Tensor {
   // A contiguous CPU descriptor over this tensor's bytes (valid while the tensor lives and is not resized).
   sparsa_tensor view() {
     sparsa_tensor t;
-    const sparsa_status status = sparsa_tensor_init(&t, bytes.data(), dtype, int32_t(shape.size()), shape.data());
+    const sparsa_status status =
+        sparsa_tensor_init(&t, sizeof t, bytes.data(), dtype, int32_t(shape.size()), shape.data());
     if (status != SPARSA_STATUS_SUCCESS) throw std::runtime_error("sparsa_tensor_init failed");
     return t;
   }
@@ -255,7 +256,7 @@ const PolicyField kPolicyFields[] = {
 
 sparsa_policy policy_of(int32_t kind) {
   sparsa_policy p;
-  check(sparsa_policy_init(&p, kind), "sparsa_policy_init");
+  check(sparsa_policy_init(&p, sizeof p, kind), "sparsa_policy_init");
   return p;
 }
 
@@ -335,7 +336,7 @@ Case run_attention(sparsa_context* ctx, AttentionSpec spec) {
     return it == views.end() ? nullptr : &it->second;
   };
   sparsa_attention_args args;
-  check(sparsa_attention_args_init(&args), "sparsa_attention_args_init");
+  check(sparsa_attention_args_init(&args, sizeof args), "sparsa_attention_args_init");
   args.q = find("q"), args.k = find("k"), args.v = find("v"), args.out = find("out"), args.lse = find("lse");
   args.causal = int32_t(spec.causal);
   args.softmax_scale = spec.softmax_scale;
@@ -661,7 +662,7 @@ Case head_mapping_case(Rng& rng) {
 Case hilbert_case(int32_t t, int32_t h, int32_t w) {
   const int64_t n = int64_t(t) * h * w;
   Tensor perm = poisoned(SPARSA_DTYPE_I32, {n}), inverse = poisoned(SPARSA_DTYPE_I32, {n});
-  check(sparsa_hilbert_permutation(t, h, w, perm.as<int32_t>(), inverse.as<int32_t>()), "hilbert_permutation");
+  check(sparsa_hilbert_permutation(t, h, w, perm.as<int32_t>(), inverse.as<int32_t>(), n), "hilbert_permutation");
   VectorFile file;
   file.add_string("op", "hilbert_permutation");
   file.add_i64("arg.t", t), file.add_i64("arg.h", h), file.add_i64("arg.w", w);

@@ -23,6 +23,10 @@ POLICY_DENSE, POLICY_SINK_WINDOW, POLICY_BLOCK_SPARSE, POLICY_SPARGE = 0, 1, 2, 
 POLICY_TOKEN_SPARSE, POLICY_TOKEN_SELECT, POLICY_TOKEN_INDICES = 4, 5, 6
 POLICY_FLAG_DELTA = 1 << 0
 STAT_COUNT = 7
+STRUCT_SIZE_MAX = 4096
+# sizeof of each caller-filled struct in sparsa 0.1, the smallest struct_size the library accepts.
+TENSOR_SIZE_V0_1, CONTEXT_OPTIONS_SIZE_V0_1, POLICY_SIZE_V0_1 = 160, 32, 152
+ATTENTION_ARGS_SIZE_V0_1, SPARGE_TUNE_OPTIONS_SIZE_V0_1 = 120, 24
 
 # ---- Structs ----------------------------------------------------------------------------------------------------
 
@@ -50,6 +54,7 @@ class CContextOptions(ctypes.Structure):
         ("device_id", ctypes.c_int32),
         ("stream", ctypes.c_void_p),
         ("num_threads", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
     ]
 
 
@@ -87,12 +92,13 @@ class CPolicy(ctypes.Structure):
         ("index_n_local", ctypes.c_int32),
         ("delta_gamma", ctypes.c_int32),
         ("delta_tail_min", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
     ]
 
 
 # Scalar policy fields (everything but struct_size and the tensor pointers), in declaration order.
 POLICY_SCALAR_FIELDS = tuple(
-    name for name, ctype in CPolicy._fields_ if name != "struct_size" and ctype is not TensorPtr
+    name for name, ctype in CPolicy._fields_ if name not in ("struct_size", "reserved0") and ctype is not TensorPtr
 )
 POLICY_FLOAT_FIELDS = frozenset(name for name, ctype in CPolicy._fields_ if ctype is ctypes.c_float)
 
@@ -160,14 +166,15 @@ lib = _load()
 _status = ctypes.c_int32
 _void_p = ctypes.c_void_p
 _i32 = ctypes.c_int32
+_size = ctypes.c_size_t
 _PROTOTYPES = {
     "sparsa_version": (ctypes.c_uint32, []),
     "sparsa_version_string": (ctypes.c_char_p, []),
     "sparsa_status_string": (ctypes.c_char_p, [_status]),
     "sparsa_last_error_message": (ctypes.c_char_p, []),
-    "sparsa_tensor_init": (_status, [TensorPtr, _void_p, _i32, _i32, ctypes.POINTER(ctypes.c_int64)]),
+    "sparsa_tensor_init": (_status, [TensorPtr, _size, _void_p, _i32, _i32, ctypes.POINTER(ctypes.c_int64)]),
     "sparsa_dtype_size": (ctypes.c_size_t, [_i32]),
-    "sparsa_context_options_init": (_status, [ctypes.POINTER(CContextOptions)]),
+    "sparsa_context_options_init": (_status, [ctypes.POINTER(CContextOptions), _size]),
     "sparsa_context_create": (_status, [ctypes.POINTER(CContextOptions), ctypes.POINTER(_void_p)]),
     "sparsa_context_destroy": (None, [_void_p]),
     "sparsa_context_set_stream": (_status, [_void_p, _void_p]),
@@ -178,18 +185,18 @@ _PROTOTYPES = {
     "sparsa_selection_cache_destroy": (None, [_void_p]),
     "sparsa_selection_cache_counts": (_status, [_void_p, ctypes.POINTER(ctypes.c_int64),
                                                 ctypes.POINTER(ctypes.c_int64)]),
-    "sparsa_policy_init": (_status, [ctypes.POINTER(CPolicy), _i32]),
+    "sparsa_policy_init": (_status, [ctypes.POINTER(CPolicy), _size, _i32]),
     "sparsa_policy_kind_name": (ctypes.c_char_p, [_i32]),
-    "sparsa_attention_args_init": (_status, [ctypes.POINTER(CAttentionArgs)]),
+    "sparsa_attention_args_init": (_status, [ctypes.POINTER(CAttentionArgs), _size]),
     "sparsa_attention_run": (_status, [_void_p, ctypes.POINTER(CAttentionArgs), ctypes.POINTER(CPolicy)]),
     "sparsa_attention_plan": (_status, [_void_p, ctypes.POINTER(CAttentionArgs), ctypes.POINTER(CPolicy)]),
     "sparsa_merge_states": (_status, [_void_p] + [TensorPtr] * 6),
     "sparsa_topk_from_scores": (_status, [_void_p, TensorPtr, _i32, _i32, TensorPtr]),
     "sparsa_head_mapping": (_status, [TensorPtr, TensorPtr, _i32, TensorPtr]),
     "sparsa_kv_prefetch": (_status, [_void_p] + [TensorPtr] * 8),
-    "sparsa_hilbert_permutation": (_status, [_i32, _i32, _i32, _void_p, _void_p]),
+    "sparsa_hilbert_permutation": (_status, [_i32, _i32, _i32, _void_p, _void_p, ctypes.c_int64]),
     "sparsa_drift_select_layers": (_status, [TensorPtr, TensorPtr, ctypes.c_float, TensorPtr, TensorPtr]),
-    "sparsa_sparge_tune_options_init": (_status, [ctypes.POINTER(CSpargeTuneOptions)]),
+    "sparsa_sparge_tune_options_init": (_status, [ctypes.POINTER(CSpargeTuneOptions), _size]),
     "sparsa_sparge_tune": (_status, [_void_p, ctypes.POINTER(CAttentionArgs), ctypes.POINTER(CPolicy),
                                      ctypes.POINTER(CSpargeTuneOptions), TensorPtr, TensorPtr]),
 }

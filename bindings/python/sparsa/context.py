@@ -18,7 +18,7 @@ class Context:
 
     def __init__(self, device="cpu", device_id=0, stream=None, num_threads=0):
         options = L.CContextOptions()
-        L.call("sparsa_context_options_init", ctypes.byref(options))
+        L.call("sparsa_context_options_init", ctypes.byref(options), ctypes.sizeof(options))
         options.device_type = _DEVICE_BY_NAME[device] if isinstance(device, str) else int(device)
         options.device_id = device_id
         options.stream = stream

@@ -40,7 +40,7 @@ class _Views:
 def _attention_args(views, ctx, q, k, v, out, lse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, page_table,
                     seq_lens_k, selection_cache, selected_indices, block_mask_out, stats):
     args = L.CAttentionArgs()
-    L.call("sparsa_attention_args_init", ctypes.byref(args))
+    L.call("sparsa_attention_args_init", ctypes.byref(args), ctypes.sizeof(args))
     args.q, args.k, args.v = views.ptr(q, "q"), views.ptr(k, "k"), views.ptr(v, "v")
     args.out, args.lse = views.out_ptr(out, "out"), views.out_ptr(lse, "lse")
     args.causal = 1 if causal else 0
@@ -150,7 +150,7 @@ def hilbert_permutation(t, h, w):
     import numpy
     n = max(int(t) * int(h) * int(w), 0)
     perm, inverse = numpy.empty(n, numpy.int32), numpy.empty(n, numpy.int32)
-    L.call("sparsa_hilbert_permutation", t, h, w, perm.ctypes.data, inverse.ctypes.data)
+    L.call("sparsa_hilbert_permutation", t, h, w, perm.ctypes.data, inverse.ctypes.data, perm.size)
     return perm, inverse
 
 
@@ -201,7 +201,7 @@ def sparge_tune(ctx, q, k, v, *, policy=None, causal=False, softmax_scale=0.0, c
     args = _attention_args(views, ctx, q_view, k, v, None, None, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
                            None, None, None, None, None, None)
     options = L.CSpargeTuneOptions()
-    L.call("sparsa_sparge_tune_options_init", ctypes.byref(options))
+    L.call("sparsa_sparge_tune_options_init", ctypes.byref(options), ctypes.sizeof(options))
     options.l1, options.pv_l1, options.search_steps = l1, pv_l1, search_steps
     options.dense_below, options.lambda_min = dense_below, lambda_min
     c_policy = policy.to_c(views.keep, ctx.stream) if policy is not None else None

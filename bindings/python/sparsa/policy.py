@@ -47,7 +47,7 @@ class Policy:
 
     def _scalars_to_c(self):
         c = L.CPolicy()
-        L.call("sparsa_policy_init", ctypes.byref(c), self.KIND)
+        L.call("sparsa_policy_init", ctypes.byref(c), ctypes.sizeof(c), self.KIND)
         for name, value in self.scalar_fields().items():
             setattr(c, name, value)
         return c
@@ -184,7 +184,7 @@ class TokenIndices(Policy):
 
 def _library_defaults(kind):
     c = L.CPolicy()
-    L.call("sparsa_policy_init", ctypes.byref(c), kind)
+    L.call("sparsa_policy_init", ctypes.byref(c), ctypes.sizeof(c), kind)
     return {name: getattr(c, name) for name in L.POLICY_SCALAR_FIELDS}
 
 

@@ -54,7 +54,7 @@ class _FieldsPolicy:
         import ctypes
         from .tensor import as_tensor
         c = L.CPolicy()
-        L.call("sparsa_policy_init", ctypes.byref(c), int(self.fields[0]))
+        L.call("sparsa_policy_init", ctypes.byref(c), ctypes.sizeof(c), int(self.fields[0]))
         for name, value in zip(L.POLICY_SCALAR_FIELDS, self.fields):
             setattr(c, name, float(value) if name in L.POLICY_FLOAT_FIELDS else int(value))
         for name, tensor in self.tensors.items():

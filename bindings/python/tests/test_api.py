@@ -49,17 +49,50 @@ def _reference(q, k, v, causal):
 # ---- Layouts and defaults agree with the C library ------------------------------------------------------------
 
 def test_struct_sizes_match_the_library():
-    """Each *_init writes sizeof(struct) as the library sees it into struct_size."""
-    for cls, init in ((L.CPolicy, lambda p: L.lib.sparsa_policy_init(p, 0)),
-                      (L.CAttentionArgs, L.lib.sparsa_attention_args_init),
-                      (L.CContextOptions, L.lib.sparsa_context_options_init),
-                      (L.CSpargeTuneOptions, L.lib.sparsa_sparge_tune_options_init)):
+    """The ctypes layouts are the header's (no tail padding, at least the 0.1 sizes); each *_init takes the
+    binding's sizeof, writes it into struct_size, and refuses a size below sparsa 0.1's."""
+    shape = (ctypes.c_int64 * 1)(4)
+    for cls, first_size, init in (
+            (L.CPolicy, L.POLICY_SIZE_V0_1, lambda p, n: L.lib.sparsa_policy_init(p, n, 0)),
+            (L.CAttentionArgs, L.ATTENTION_ARGS_SIZE_V0_1, L.lib.sparsa_attention_args_init),
+            (L.CContextOptions, L.CONTEXT_OPTIONS_SIZE_V0_1, L.lib.sparsa_context_options_init),
+            (L.CSpargeTuneOptions, L.SPARGE_TUNE_OPTIONS_SIZE_V0_1, L.lib.sparsa_sparge_tune_options_init),
+            (L.CTensor, L.TENSOR_SIZE_V0_1,
+             lambda t, n: L.lib.sparsa_tensor_init(t, n, None, sparsa.F32, 1, shape))):
+        last_name, last_type = cls._fields_[-1]
+        assert ctypes.sizeof(cls) == getattr(cls, last_name).offset + ctypes.sizeof(last_type), cls.__name__
+        assert ctypes.sizeof(cls) >= first_size and ctypes.sizeof(cls) % 8 == 0, cls.__name__
         c = cls()
-        assert init(ctypes.byref(c)) == 0
+        assert init(ctypes.byref(c), ctypes.sizeof(cls)) == 0
         assert c.struct_size == ctypes.sizeof(cls), cls.__name__
-    t, shape = L.CTensor(), (ctypes.c_int64 * 1)(4)
-    assert L.lib.sparsa_tensor_init(ctypes.byref(t), None, sparsa.F32, 1, shape) == 0
-    assert t.struct_size == ctypes.sizeof(L.CTensor)
+        assert init(ctypes.byref(c), first_size - 4) == sparsa.StructSizeError.status, cls.__name__
+        assert c.struct_size == ctypes.sizeof(cls), "a refused init wrote the struct"
+
+
+def test_newer_callers_unknown_tail_must_be_zero():
+    """A policy from a newer caller (bigger struct) runs when its unknown tail is zero and is refused otherwise."""
+    tail = 16
+
+    class NewerPolicy(ctypes.Structure):
+        _fields_ = [("known", L.CPolicy), ("tail", ctypes.c_uint8 * tail)]
+
+    newer = NewerPolicy()
+    policy = ctypes.cast(ctypes.pointer(newer), ctypes.POINTER(L.CPolicy))
+    L.call("sparsa_policy_init", policy, ctypes.sizeof(newer), L.POLICY_DENSE)
+    assert newer.known.struct_size == ctypes.sizeof(L.CPolicy) + tail and bytes(newer.tail) == bytes(tail)
+    q = numpy.ones((1, 2, 1, 4), numpy.float32)
+    out = numpy.zeros_like(q)
+    views = sparsa.ops._Views()
+    args = L.CAttentionArgs()
+    L.call("sparsa_attention_args_init", ctypes.byref(args), ctypes.sizeof(args))
+    args.q = args.k = args.v = views(q, "q").pointer()
+    args.out = views.out_ptr(out, "out")
+    with sparsa.Context() as ctx:
+        L.call("sparsa_attention_run", ctx.handle, ctypes.byref(args), policy)
+        assert numpy.array_equal(out, q)
+        newer.tail[3] = 1
+        with pytest.raises(sparsa.StructSizeError, match="sparsa_policy"):
+            L.call("sparsa_attention_run", ctx.handle, ctypes.byref(args), policy)
 
 
 @pytest.mark.parametrize("policy", [sparsa.Dense(), sparsa.SinkWindow(), sparsa.BlockSparse(None), sparsa.Sparge(),
@@ -67,7 +100,7 @@ def test_struct_sizes_match_the_library():
                          ids=lambda p: type(p).__name__)
 def test_keyword_defaults_are_the_library_defaults(policy):
     c = L.CPolicy()
-    L.call("sparsa_policy_init", ctypes.byref(c), policy.KIND)
+    L.call("sparsa_policy_init", ctypes.byref(c), ctypes.sizeof(c), policy.KIND)
     for name, value in policy.scalar_fields().items():
         expected = getattr(c, name)
         assert struct.pack("<f" if name in L.POLICY_FLOAT_FIELDS else "<q", value) == \

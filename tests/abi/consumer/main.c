@@ -20,11 +20,11 @@ int main(void) {
     v[i] = 1.0f; /* every row of V is 1, so every output element must be 1 */
     out[i] = 0.0f;
   }
-  sparsa_tensor_init(&tq, q, SPARSA_DTYPE_F32, 4, shape);
-  sparsa_tensor_init(&tk, k, SPARSA_DTYPE_F32, 4, shape);
-  sparsa_tensor_init(&tv, v, SPARSA_DTYPE_F32, 4, shape);
-  sparsa_tensor_init(&tout, out, SPARSA_DTYPE_F32, 4, shape);
-  sparsa_attention_args_init(&args);
+  SPARSA_TENSOR_INIT(&tq, q, SPARSA_DTYPE_F32, 4, shape);
+  SPARSA_TENSOR_INIT(&tk, k, SPARSA_DTYPE_F32, 4, shape);
+  SPARSA_TENSOR_INIT(&tv, v, SPARSA_DTYPE_F32, 4, shape);
+  SPARSA_TENSOR_INIT(&tout, out, SPARSA_DTYPE_F32, 4, shape);
+  SPARSA_ATTENTION_ARGS_INIT(&args);
   args.q = &tq;
   args.k = &tk;
   args.v = &tv;

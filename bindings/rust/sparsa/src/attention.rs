@@ -41,7 +41,8 @@ impl Default for SpargeTuneOptions {
     fn default() -> Self {
         // SAFETY: plain data filled by the init call, which cannot fail on a valid pointer.
         let mut raw: sys::sparsa_sparge_tune_options = unsafe { std::mem::zeroed() };
-        check(unsafe { sys::sparsa_sparge_tune_options_init(&mut raw) }).expect("sparsa_sparge_tune_options_init");
+        check(unsafe { sys::sparsa_sparge_tune_options_init(&mut raw, std::mem::size_of_val(&raw)) })
+            .expect("sparsa_sparge_tune_options_init");
         SpargeTuneOptions {
             l1: raw.l1,
             pv_l1: raw.pv_l1,
@@ -56,7 +57,7 @@ impl SpargeTuneOptions {
     fn as_raw(&self) -> Result<sys::sparsa_sparge_tune_options> {
         // SAFETY: plain data filled by the init call.
         let mut raw: sys::sparsa_sparge_tune_options = unsafe { std::mem::zeroed() };
-        check(unsafe { sys::sparsa_sparge_tune_options_init(&mut raw) })?;
+        check(unsafe { sys::sparsa_sparge_tune_options_init(&mut raw, std::mem::size_of_val(&raw)) })?;
         raw.l1 = self.l1;
         raw.pv_l1 = self.pv_l1;
         raw.search_steps = self.search_steps;
@@ -197,16 +198,15 @@ impl<'a> Attention<'a> {
         let raw_options = options.unwrap_or_default().as_raw()?;
         let metrics = metrics.map_or(ptr::null(), |t| t.raw() as *const _);
         // SAFETY: as in run; the descriptors are borrowed for the call.
-        check(unsafe {
-            sys::sparsa_sparge_tune(ctx.raw(), &args, &raw_policy, &raw_options, params.raw(), metrics)
-        })
+        check(unsafe { sys::sparsa_sparge_tune(ctx.raw(), &args, &raw_policy, &raw_options, params.raw(), metrics) })
     }
 
     fn as_raw(&self) -> sys::sparsa_attention_args {
         let optional = |t: &Option<sys::sparsa_tensor>| t.as_ref().map_or(ptr::null(), |t| t as *const _);
         // SAFETY: plain data, filled by the init call.
         let mut args: sys::sparsa_attention_args = unsafe { std::mem::zeroed() };
-        check(unsafe { sys::sparsa_attention_args_init(&mut args) }).expect("sparsa_attention_args_init");
+        check(unsafe { sys::sparsa_attention_args_init(&mut args, std::mem::size_of_val(&args)) })
+            .expect("sparsa_attention_args_init");
         args.q = &self.q;
         args.k = &self.k;
         args.v = &self.v;

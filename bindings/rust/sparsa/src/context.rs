@@ -39,7 +39,7 @@ impl Context {
     pub fn new(options: ContextOptions) -> Result<Context> {
         // SAFETY: plain data, filled by the init call.
         let mut c: sys::sparsa_context_options = unsafe { std::mem::zeroed() };
-        check(unsafe { sys::sparsa_context_options_init(&mut c) })?;
+        check(unsafe { sys::sparsa_context_options_init(&mut c, std::mem::size_of_val(&c)) })?;
         (c.device_type, c.device_id) = options.device.codes();
         c.stream = options.stream;
         c.num_threads = options.num_threads;

@@ -80,7 +80,8 @@ impl<'a> Policy<'a> {
     pub fn new(kind: PolicyKind) -> Self {
         // SAFETY: plain data, filled by the init call (which cannot fail for a valid kind).
         let mut raw: sys::sparsa_policy = unsafe { std::mem::zeroed() };
-        check(unsafe { sys::sparsa_policy_init(&mut raw, kind.code()) }).expect("sparsa_policy_init of a known kind");
+        check(unsafe { sys::sparsa_policy_init(&mut raw, std::mem::size_of_val(&raw), kind.code()) })
+            .expect("sparsa_policy_init of a known kind");
         Policy { raw, block_mask: None, sparge_head_params: None, indices: None, head_map: None }
     }
     /// §1 every (causal-)allowed key.

@@ -62,8 +62,8 @@ pub fn hilbert_permutation(t: i32, h: i32, w: i32) -> Result<(Vec<i32>, Vec<i32>
         return Err(Error::new(Status::InvalidArgument, format!("hilbert_permutation: grid {t}x{h}x{w} out of range")));
     }
     let (mut perm, mut inverse) = (vec![0i32; n as usize], vec![0i32; n as usize]);
-    // SAFETY: both buffers hold exactly t*h*w entries.
-    check(unsafe { sys::sparsa_hilbert_permutation(t, h, w, perm.as_mut_ptr(), inverse.as_mut_ptr()) })?;
+    // SAFETY: both buffers hold exactly t*h*w entries, the capacity passed.
+    check(unsafe { sys::sparsa_hilbert_permutation(t, h, w, perm.as_mut_ptr(), inverse.as_mut_ptr(), n) })?;
     Ok((perm, inverse))
 }
 

@@ -53,7 +53,7 @@ public final class AttentionArgs {
     private final Object[] kept = new Object[KEPT_COUNT];
 
     private Builder() {
-      SparsaNative.sparsa_attention_args_init(raw);
+      SparsaNative.sparsa_java_attention_args_init(raw);
     }
 
     /** Queries (required). */

@@ -26,7 +26,7 @@ public final class Context implements AutoCloseable {
   public static Context create(ContextOptions options) {
     sparsa_context_options raw = new sparsa_context_options();
     try {
-      SparsaNative.sparsa_context_options_init(raw);
+      SparsaNative.sparsa_java_context_options_init(raw);
       raw.setDevice_type(options.device().code());
       raw.setDevice_id(options.deviceId());
       raw.setNum_threads(options.numThreads());
@@ -106,7 +106,7 @@ public final class Context implements AutoCloseable {
       Tensor outMetrics) {
     sparsa_sparge_tune_options raw = new sparsa_sparge_tune_options();
     try {
-      SparsaNative.sparsa_sparge_tune_options_init(raw);
+      SparsaNative.sparsa_java_sparge_tune_options_init(raw);
       if (options != null) {
         options.fill(raw);
       }

@@ -205,7 +205,7 @@ public final class Policy {
     private Tensor headMap;
 
     private Builder(int kind) {
-      SparsaNative.sparsa_policy_init(raw, kind);
+      SparsaNative.sparsa_java_policy_init(raw, kind);
     }
 
     /** OR of Policy.FLAG_* bits. */

@@ -14,7 +14,7 @@ public final class SpargeTuneOptions {
   public SpargeTuneOptions() {
     sparsa_sparge_tune_options defaults = new sparsa_sparge_tune_options();
     try {
-      SparsaNative.sparsa_sparge_tune_options_init(defaults);
+      SparsaNative.sparsa_java_sparge_tune_options_init(defaults);
       l1 = defaults.getL1();
       pvL1 = defaults.getPv_l1();
       searchSteps = defaults.getSearch_steps();
