@@ -431,7 +431,7 @@ TEST(GpuTokenIndices, OutOfRangeDeviceIdsAreIgnoredLikeUnusedSlots) {
                              vb = encode_rounded(v, SPARSA_DTYPE_BF16);
   auto run = [&](const std::vector<int32_t>& ids, std::vector<uint8_t>* out, std::vector<int32_t>* selected) {
     sparsa_context_options options;
-    sparsa_context_options_init(&options);
+    sparsa_context_options_init(&options, sizeof options);
     options.device_type = SPARSA_DEVICE_CUDA;
     sparsa_context* ctx = nullptr;
     SPARSA_OK(sparsa_context_create(&options, &ctx));
@@ -449,10 +449,10 @@ TEST(GpuTokenIndices, OutOfRangeDeviceIdsAreIgnoredLikeUnusedSlots) {
     sparsa_tensor tsel = make_tensor(dsel.data(), SPARSA_DTYPE_I32, {B, Hq, Skv}, SPARSA_DEVICE_CUDA);
     sparsa_tensor tids = make_tensor(dids.data(), SPARSA_DTYPE_I32, {B, Hq, k}, SPARSA_DEVICE_CUDA);
     sparsa_attention_args args;
-    sparsa_attention_args_init(&args);
+    sparsa_attention_args_init(&args, sizeof args);
     args.q = &tq; args.k = &tk; args.v = &tv; args.out = &tout; args.selected_indices = &tsel;
     sparsa_policy policy;
-    sparsa_policy_init(&policy, SPARSA_POLICY_TOKEN_INDICES);
+    sparsa_policy_init(&policy, sizeof policy, SPARSA_POLICY_TOKEN_INDICES);
     policy.indices = &tids;
     SPARSA_OK(sparsa_attention_run(ctx, &args, &policy));
     CUDA_OK(cudaDeviceSynchronize());
