@@ -123,9 +123,10 @@ class ByteLM(nn.Module):
             self._rope_cache = {key: rope_tables(seq_len, self.config["head_dim"], self.config["rope_base"], device)}
         return self._rope_cache[key]
 
-    def forward(self, tokens, attention=None):
-        """tokens int64 [B, S] -> logits [B, S, vocab] (fp32)."""
-        cos, sin = self.rope(tokens.shape[1], tokens.device)
+    def forward(self, tokens, attention=None, rope=None):
+        """tokens int64 [B, S] -> logits [B, S, vocab] (fp32). `rope`: the (cos, sin) of self.rope(S, device),
+        passed in by the training loop so that a compiled forward does not build them."""
+        cos, sin = rope if rope is not None else self.rope(tokens.shape[1], tokens.device)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attention, i)

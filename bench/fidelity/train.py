@@ -60,8 +60,8 @@ def lr_at(progress, base):
     return base * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def loss_fn(model, tokens, masks, answer_weight):
-    logits = model(tokens[:, :-1])
+def loss_fn(model, tokens, masks, answer_weight, rope):
+    logits = model(tokens[:, :-1], rope=rope)
     targets = tokens[:, 1:]
     per_byte = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
     lm = per_byte.mean()
@@ -120,16 +120,17 @@ def main(argv=None):
         batch_tokens, batch_masks = tasks.batch(rng, text, bsz, seq + 1, mix)
         tokens = torch.from_numpy(batch_tokens.astype(np.int64)).to(device, non_blocking=True)
         masks = torch.from_numpy(batch_masks).to(device, non_blocking=True)
+        rope = model.rope(seq, device)
         try:
             with autocast:
-                loss, lm, answer = loss_fn(step_fn, tokens, masks, args.answer_weight)
+                loss, lm, answer = loss_fn(step_fn, tokens, masks, args.answer_weight, rope)
         except Exception as exc:
             if not compiled:
                 raise
             print(f"train: compiled model failed ({type(exc).__name__}: {exc}); falling back to eager", flush=True)
             step_fn, compiled = model, False
             with autocast:
-                loss, lm, answer = loss_fn(step_fn, tokens, masks, args.answer_weight)
+                loss, lm, answer = loss_fn(step_fn, tokens, masks, args.answer_weight, rope)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
