@@ -343,6 +343,60 @@ def sweep_specs(quick):
     return specs
 
 
+def summarize(results):
+    """The numbers docs/fidelity.md's questions ask for, from the sweep's results."""
+    dense = next((r for r in results if r["policy"] == "dense"), None)
+    if dense is None:
+        return {}
+    summary = {"delta_recovery": [], "max_sparsity_within_budget": {}, "head_vote": [], "sage_vs_sparge": [],
+               "sparge_tune": []}
+
+    def retrieval_ok(r):
+        return all(r[f"{t}_acc"] >= 0.95 * dense[f"{t}_acc"] for t in ("passkey", "multikey"))
+
+    def find(policy, **knobs):
+        return next((r for r in results if r["policy"] == policy and all(r.get(k) == v for k, v in knobs.items())),
+                    None)
+
+    for r in results:
+        if r["policy"] == "sink_window" and not r.get("delta"):
+            d = find("sink_window", window=r["window"], delta=True)
+            if d is None:
+                continue
+            entry = {"window": r["window"], "sparsity_4k": r["sparsity_4k"], "sparsity_4k_delta": d["sparsity_4k"]}
+            for metric, sign in (("ppl_4k", 1), ("ppl_8k", 1), ("passkey_acc", -1), ("multikey_acc", -1)):
+                if metric in r and metric in d:
+                    loss = sign * (r[metric] - dense[metric])
+                    entry[f"{metric}_recovered"] = (sign * (r[metric] - d[metric]) / loss) if abs(loss) > 1e-12 \
+                        else None
+            summary["delta_recovery"].append(entry)
+        key = r["policy"] + ("+delta" if r.get("delta") else "")
+        if r["policy"] != "dense" and r["ppl_4k"] <= 1.01 * dense["ppl_4k"] and retrieval_ok(r):
+            best = summary["max_sparsity_within_budget"].get(key)
+            if best is None or r["sparsity_4k"] > best["sparsity_4k"]:
+                summary["max_sparsity_within_budget"][key] = {"sparsity_4k": r["sparsity_4k"], "label": r["label"]}
+        if r["policy"] == "token_select":
+            row = {"top_k": r["top_k"]}
+            for kind in ("token_select", "token_select_kv", "topk_per_head", "vote01"):
+                other = find(kind, top_k=r["top_k"])
+                if other is not None:
+                    row[kind] = {m: other[m] for m in ("sparsity_4k", "ppl_4k", "ppl_8k", "passkey_acc", "multikey_acc")
+                                 if m in other}
+            summary["head_vote"].append(row)
+        if r["policy"] == "sage":
+            plain = find("sparge", tau=r["tau"], delta=False)
+            if plain is not None:
+                summary["sage_vs_sparge"].append({"tau": r["tau"], "ppl_4k_sage": r["ppl_4k"],
+                                                  "ppl_4k_sparge": plain["ppl_4k"],
+                                                  "sparsity_sage": r["sparsity_4k"],
+                                                  "sparsity_sparge": plain["sparsity_4k"]})
+        if r["policy"] == "sparge_tuned":
+            summary["sparge_tune"].append({"l1_target": r["l1"], "sparsity_4k": r["sparsity_4k"],
+                                           "ppl_ratio_4k": r["ppl_4k"] / dense["ppl_4k"],
+                                           "mean_layer_rel_error": float(np.mean(r["layer_rel_error"]))})
+    return summary
+
+
 def git_commit():
     try:
         return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "HEAD"], text=True).strip()
@@ -424,6 +478,7 @@ def main(argv=None):
                 print(f"harness: FAILED sparge_tune l1={l1}: {exc}", flush=True)
             save()
     out["seconds"] = round(time.time() - start, 1)
+    out["summary"] = summarize(out["results"])
     save()
     print(f"harness: {len(out['results'])} configurations, {len(out['errors'])} errors, {out['seconds']} s; "
           f"wrote {args.out}")
