@@ -123,7 +123,7 @@ def make_policy(spec, head_params=None):
     return None
 
 
-CHUNKED = ("token_select", "token_select_kv", "topk_per_head", "vote01", "token_indices")
+CHUNKED = ("token_select", "token_select_kv", "topk_per_head", "vote01", "token_indices", "softvote_indices")
 
 
 def chunk_policy(spec, q, k, group):
@@ -155,6 +155,9 @@ def chunk_policy(spec, q, k, group):
     s = candidate_scores(q, k, group)[..., SELECT_INIT:n - SELECT_LOCAL]
     if kind == "topk_per_head":
         idx = Ops.topk_sorted(s, top_k) + SELECT_INIT                     # [B, Hq, top_k]
+    elif kind == "softvote_indices":  # TokenSelect's own soft vote (§6 step 3): checks this construction
+        idx = Ops.topk_sorted(Ops.softmax(s).sum(1), top_k)[:, None, :] + SELECT_INIT
+        idx = idx.contiguous() if is_torch(idx) else np.ascontiguousarray(idx)
     else:  # vote01: each head votes for its own top_k; the top_k most voted win (ties: larger soft vote)
         own = Ops.topk_sorted(s, top_k)
         soft = Ops.softmax(s).sum(1)                                       # [B, C]
@@ -168,7 +171,8 @@ def chunk_policy(spec, q, k, group):
             votes = np.zeros_like(soft)
             for b in range(own.shape[0]):
                 np.add.at(votes[b], own[b].reshape(-1), 1.0)
-        idx = Ops.topk_sorted(votes * (hq + 1) + soft, top_k)[:, None, :] + SELECT_INIT
+        idx = Ops.topk_sorted(votes * (hq + 1) + soft, top_k)[:, None, :] + SELECT_INIT   # [B, 1, top_k]
+        idx = idx.contiguous() if is_torch(idx) else np.ascontiguousarray(idx)
     return sparsa.TokenIndices(idx, n_init=SELECT_INIT, n_local=SELECT_LOCAL)
 
 
@@ -221,21 +225,27 @@ class SparsaAttention:
 # ---- models -------------------------------------------------------------------------------------------------------
 
 class TorchRunner:
-    def __init__(self, checkpoint):
+    """model.py in bf16 on the GPU; `device="cpu"` runs it in fp32 on torch's CPU tensors (to test this path)."""
+
+    def __init__(self, checkpoint, device="cuda"):
         import torch
         import model as model_lib
-        self.torch = torch
-        self.model, self.meta = model_lib.load_checkpoint(checkpoint, device="cuda", dtype=torch.bfloat16)
+        self.torch, self.device = torch, device
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        self.model, self.meta = model_lib.load_checkpoint(checkpoint, device=device, dtype=dtype)
         self.config = self.meta["config"]
 
     def context(self):
-        return sparsa.Context("cuda", stream=self.torch.cuda.current_stream().cuda_stream)
+        if self.device != "cuda":
+            return sparsa.Context("cpu")
+        # torch's default stream is handle 0, which DLPack cannot name: None = the legacy default stream
+        return sparsa.Context("cuda", stream=self.torch.cuda.current_stream().cuda_stream or None)
 
     def nll_and_pred(self, tokens, attention):
         """tokens uint8 [B, S] -> (nll float64 [B, S-1], argmax int [B, S-1]) of predicting byte t+1 at t."""
         torch = self.torch
         with torch.no_grad():
-            t = torch.from_numpy(tokens.astype(np.int64)).cuda()
+            t = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
             logits = self.model(t[:, :-1], attention=attention).float()
             logp = torch.log_softmax(logits, -1)
             nll = -logp.gather(-1, t[:, 1:, None])[..., 0]
@@ -406,7 +416,8 @@ def git_commit():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--backend", choices=("cuda", "cpu", "torch-cpu"), default="cuda",
+                   help="cuda: torch model + GPU sparsa; cpu: numpy model; torch-cpu: the torch path on the CPU")
     p.add_argument("--checkpoint", default=os.path.join(HERE, "checkpoint.npz"))
     p.add_argument("--heldout", default=os.path.join(HERE, "data", "heldout.bin"))
     p.add_argument("--out", default="fidelity_results.json")
@@ -423,7 +434,8 @@ def main(argv=None):
     p.add_argument("--time-limit", type=float, default=0, help="stop starting new configurations after S seconds")
     args = p.parse_args(argv)
 
-    runner = TorchRunner(args.checkpoint) if args.backend == "cuda" else NumpyRunner(args.checkpoint)
+    runner = (NumpyRunner(args.checkpoint) if args.backend == "cpu" else
+              TorchRunner(args.checkpoint, "cuda" if args.backend == "cuda" else "cpu"))
     text = tasks.load_bytes(args.heldout)
     data = {"ppl_4k": heldout_windows(text, args.len_4k, args.windows_4k),
             "ppl_8k": heldout_windows(text, args.len_8k, args.windows_8k) if args.len_8k else None,
@@ -444,7 +456,7 @@ def main(argv=None):
             json.dump(out, f, indent=1)
 
     with runner.context() as ctx:
-        if args.backend == "cuda":  # the model's own attention (SDPA) vs sparsa DENSE through the torch op
+        if args.backend != "cpu":  # the model's own attention (SDPA) vs sparsa DENSE through the torch op
             out["model_attention"] = evaluate_model_attention(runner, data)
         for spec in specs:
             if args.time_limit and time.time() - start > args.time_limit:

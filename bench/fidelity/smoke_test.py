@@ -6,6 +6,8 @@ numpy model, sparsa's CPU backend through the Python binding, a short context of
    and the logits agree.
 2. Δ lowers SINK_WINDOW's per-layer attention-output error against dense (the mean over layers), and both runs
    report a sparsity in (0, 1) from their stats.
+3. The harness's head-vote baselines are built right: TokenSelect's soft vote rebuilt on TOKEN_INDICES (the way the
+   per-head top-k and 0/1-vote baselines are) gives TOKEN_SELECT's output at every layer.
 
 Exit 77 (skipped) when numpy is missing. Needs SPARSA_LIBRARY (ctest sets it).
 """
@@ -26,12 +28,14 @@ import harness  # noqa: E402
 import numpy_model  # noqa: E402
 import sparsa  # noqa: E402  (harness put bindings/python on the path)
 
-SEQ = 256
-BATCH = 2
+SEQ = 512
+BATCH = 1
 FP32_NOISE = 1e-5             # relative error of an fp32 attention against the float64 reference
 LOGIT_TOLERANCE = 1e-4        # relative, over the whole logits tensor
 SINK_WINDOW = dict(sink_tokens=4, window=32)
 DELTA = dict(gamma=16, tail_min=32)
+SELECT_TOP_K = 32             # with the harness's n_init 64 + n_local 256: sparse only past 352 keys
+
 
 
 def repository_text():
@@ -91,6 +95,23 @@ def main():
         if not results["SINK_WINDOW+DELTA"][0] < results["SINK_WINDOW"][0]:
             failures.append(f"Δ did not lower SINK_WINDOW's error: {results['SINK_WINDOW+DELTA'][0]:.4f} >= "
                             f"{results['SINK_WINDOW'][0]:.4f}")
+        # 3. TOKEN_SELECT vs its soft vote rebuilt on TOKEN_INDICES, chunked as in the harness
+        outputs = {}
+        for kind in ("token_select", "softvote_indices"):
+            captured = outputs.setdefault(kind, [])
+            hook = harness.SparsaAttention(ctx, {"policy": kind, "top_k": SELECT_TOP_K})
+
+            def capture(layer, q, k, v, hook=hook, captured=captured):
+                out = hook(layer, q, k, v)
+                captured.append(out)
+                return out
+            model.forward(tokens, attention=capture)
+            if not 0.0 < hook.sparsity() < 1.0:
+                failures.append(f"{kind} sparsity {hook.sparsity():.3f} outside (0, 1)")
+        gap = max(harness.Ops.rel_error(a, b) for a, b in zip(outputs["softvote_indices"], outputs["token_select"]))
+        print(f"TOKEN_SELECT vs its soft vote on TOKEN_INDICES: max per-layer rel. difference {gap:.2e}")
+        if not gap < FP32_NOISE:
+            failures.append(f"soft vote on TOKEN_INDICES differs from TOKEN_SELECT by {gap:.3e}")
     for failure in failures:
         print("FAILED:", failure)
     print("fidelity smoke test:", "FAILED" if failures else "passed")

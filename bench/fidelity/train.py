@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--tiny", action="store_true", help="tiny model, short context, a few steps on the CPU")
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--heldout", default=os.path.join(HERE, "data", "heldout.bin"))
+    p.add_argument("--eval-every-s", type=float, default=30.0, help="held-out loss every S seconds (and at the end)")
+    p.add_argument("--eval-windows", type=int, default=4)
     return p.parse_args(argv)
 
 
@@ -68,6 +71,19 @@ def loss_fn(model, tokens, masks, answer_weight, rope):
     answer = masks[:, 1:].reshape(-1).float()
     answer_loss = (per_byte * answer).sum() / answer.sum().clamp(min=1.0)
     return lm + answer_weight * answer_loss, lm.detach(), answer_loss.detach()
+
+
+def heldout_loss(model, windows, device, autocast):
+    """Mean next-byte loss (nats) of the eager model on fixed held-out windows (int64 [N, S+1])."""
+    model.eval()
+    total = 0.0
+    with torch.no_grad(), autocast:
+        for row in windows:
+            tokens = torch.from_numpy(row[None]).to(device)
+            logits = model(tokens[:, :-1])
+            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)))
+    model.train()
+    return total / len(windows)
 
 
 def main(argv=None):
@@ -105,7 +121,26 @@ def main(argv=None):
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
                 else torch.autocast("cpu", enabled=False))
 
+    heldout = tasks.load_bytes(args.heldout) if os.path.exists(args.heldout) else None
+    eval_windows = None
+    if heldout is not None:
+        stride = (len(heldout) - args.seq_len - 1) // args.eval_windows
+        eval_windows = np.stack([heldout[i * stride:i * stride + args.seq_len + 1]
+                                 for i in range(args.eval_windows)]).astype(np.int64)
+
+    def log_heldout(step, elapsed):
+        if eval_windows is None:
+            return None
+        loss = heldout_loss(model, eval_windows, device, autocast)
+        entry = {"step": step, "elapsed_s": round(elapsed, 2), "heldout_loss": loss,
+                 "heldout_bits_per_byte": loss / math.log(2)}
+        log.write(json.dumps(entry) + "\n")
+        log.flush()
+        print(f"train: step={step} heldout bits_per_byte={loss / math.log(2):.4f}", flush=True)
+        return loss
+
     start = time.time()
+    last_eval = start
     step, tokens_seen, progress = 0, 0, 0.0
     while True:
         progress = step / args.steps if args.steps else (time.time() - start) / args.time_budget
@@ -137,6 +172,9 @@ def main(argv=None):
         opt.step()
         step += 1
         tokens_seen += bsz * seq
+        if time.time() - last_eval >= args.eval_every_s:
+            log_heldout(step, time.time() - start)
+            last_eval = time.time()
         if step % args.log_every == 0 or step == 1:
             entry = {"step": step, "elapsed_s": round(time.time() - start, 2), "lr": lr, "seq": seq,
                      "loss_lm": float(lm), "bits_per_byte": float(lm) / math.log(2), "loss_answer": float(answer),
@@ -146,11 +184,13 @@ def main(argv=None):
             print("train: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in entry.items()), flush=True)
     elapsed = time.time() - start
+    final_heldout = log_heldout(step, elapsed)
     summary = {"steps": step, "tokens": tokens_seen, "elapsed_s": round(elapsed, 1), "seed": args.seed,
                "seq_len": args.seq_len, "batch": args.batch, "lr": args.lr, "task_mix": mix,
                "long_after": args.long_after, "answer_weight": args.answer_weight, "compiled": compiled,
                "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-               "torch": torch.__version__, "final_loss_lm": float(lm), "data_bytes": int(len(text))}
+               "torch": torch.__version__, "final_loss_lm": float(lm), "data_bytes": int(len(text)),
+               "heldout_bits_per_byte": final_heldout / math.log(2) if final_heldout is not None else None}
     log.write(json.dumps({"summary": summary}) + "\n")
     log.close()
     model_lib.save_checkpoint(model, args.out, extra=summary)
