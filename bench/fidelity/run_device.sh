@@ -24,7 +24,7 @@ exec > >(tee -a "$OUT/run_device.log") 2>&1
 case $MODE in
   train) TRAIN_SECONDS=${2:-360} ;;
   sweep) SWEEP_SECONDS=${2:-200} ;;
-  all) TRAIN_SECONDS=${2:-330}; SWEEP_SECONDS=${3:-200} ;;
+  all) TRAIN_SECONDS=${2:-300}; SWEEP_SECONDS=${3:-180} ;;
   *) echo "usage: $0 train|sweep|all [seconds...]"; exit 2 ;;
 esac
 
@@ -64,7 +64,7 @@ start_build
 if [ "$MODE" = train ] || [ "$MODE" = all ]; then
   echo "=== train: $TRAIN_SECONDS s budget"
   $PY bench/fidelity/train.py --time-budget "$TRAIN_SECONDS" --out "$OUT/checkpoint.npz" \
-    --log "$OUT/train_log.jsonl" > "$OUT/train.log" 2>&1
+    --log "$OUT/train_log.jsonl" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
   rc=$?
   grep -E "parameters|compile|done|Error|error" "$OUT/train.log" | head -20; tail -3 "$OUT/train.log"
   [ $rc -eq 0 ] || { echo "training failed (exit $rc)"; exit 1; }
@@ -84,8 +84,9 @@ print('checkpoint', sys.argv[1], meta['config'], meta['extra'].get('steps'), 'st
 if meta['config']['d_model'] < 128: print('WARNING: this is the tiny placeholder checkpoint, not the trained model')
 " "$CKPT"
   echo "=== sweep: $SWEEP_SECONDS s limit"
+  # HARNESS_ARGS: extra harness options (a local dry run uses "--backend torch-cpu --quick ...")
   $PY bench/fidelity/harness.py --backend cuda --checkpoint "$CKPT" --out "$OUT/fidelity_results.json" \
-    --time-limit "$SWEEP_SECONDS" > "$OUT/sweep.log" 2>&1
+    --time-limit "$SWEEP_SECONDS" ${HARNESS_ARGS:-} > "$OUT/sweep.log" 2>&1
   echo "harness exit $?"; tail -5 "$OUT/sweep.log"
 fi
 echo "=== $(date -u +%FT%TZ) done"

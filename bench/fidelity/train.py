@@ -77,7 +77,7 @@ def heldout_loss(model, windows, device, autocast):
     """Mean next-byte loss (nats) of the eager model on fixed held-out windows (int64 [N, S+1])."""
     model.eval()
     total = 0.0
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast():
         for row in windows:
             tokens = torch.from_numpy(row[None]).to(device)
             logits = model(tokens[:, :-1])
@@ -118,7 +118,9 @@ def main(argv=None):
             print(f"train: torch.compile unavailable ({exc}); eager", flush=True)
     log_path = args.log or os.path.splitext(args.out)[0] + ".log.jsonl"
     log = open(log_path, "w")
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
+
+    def autocast():  # a fresh context manager per use
+        return (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
                 else torch.autocast("cpu", enabled=False))
 
     heldout = tasks.load_bytes(args.heldout) if os.path.exists(args.heldout) else None
@@ -157,14 +159,14 @@ def main(argv=None):
         masks = torch.from_numpy(batch_masks).to(device, non_blocking=True)
         rope = model.rope(seq, device)
         try:
-            with autocast:
+            with autocast():
                 loss, lm, answer = loss_fn(step_fn, tokens, masks, args.answer_weight, rope)
         except Exception as exc:
             if not compiled:
                 raise
             print(f"train: compiled model failed ({type(exc).__name__}: {exc}); falling back to eager", flush=True)
             step_fn, compiled = model, False
-            with autocast:
+            with autocast():
                 loss, lm, answer = loss_fn(step_fn, tokens, masks, args.answer_weight, rope)
         opt.zero_grad(set_to_none=True)
         loss.backward()
