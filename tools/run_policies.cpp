@@ -223,7 +223,8 @@ int run_policies_command(const std::vector<std::string>& args) {
     for (Row& row : rows) {
       sparsa_policy policy = base;
       policy.kind = row.choice.kind;
-      policy.flags = row.choice.delta ? (base.flags | SPARSA_POLICY_FLAG_DELTA) : (base.flags & ~SPARSA_POLICY_FLAG_DELTA);
+      policy.flags = row.choice.delta ? (base.flags | SPARSA_POLICY_FLAG_DELTA)
+                                      : (base.flags & ~SPARSA_POLICY_FLAG_DELTA);
       const PolicyResult result =
           evaluate_policy(ctx.get(), inputs, dense, name + " " + row.choice.label, all_rows, policy,
                           row.choice.kind == SPARSA_POLICY_TOKEN_SPARSE, s.eval);

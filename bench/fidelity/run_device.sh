@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The fidelity model's GPU work in one device call (docs/fidelity.md). Repository root as cwd, $OUT writable.
 #
-#   bash bench/fidelity/run_device.sh train [TRAIN_SECONDS]   # build libsparsa (background) + train; ~TRAIN_SECONDS+60 s
+#   bash bench/fidelity/run_device.sh train [TRAIN_SECONDS]   # libsparsa build (background) + training
 #   bash bench/fidelity/run_device.sh sweep [SWEEP_SECONDS]   # build libsparsa if needed + the harness sweep
 #   bash bench/fidelity/run_device.sh all [TRAIN_SECONDS] [SWEEP_SECONDS]
 #
 # Needs bench/fidelity/data/{train,heldout}.bin in the working tree (git-ignored: made by prepare_data.py and
 # carried). SPARSA_LIBRARY=/path/libsparsa.so skips the build. The sweep's checkpoint: $CKPT if set, else the one the
-# train step of this machine left in bench/fidelity/data/checkpoint.npz, else the committed bench/fidelity/checkpoint.npz.
+# train step of this machine left in bench/fidelity/data/checkpoint.npz, else the committed
+# bench/fidelity/checkpoint.npz.
 # Files under $OUT (at most 8): checkpoint.npz, train_log.jsonl, train.log, build.log, fidelity_results.json,
 # sweep.log, run_device.log.
 set -u -o pipefail
@@ -38,8 +39,8 @@ done
 BUILD_PID=""
 start_build() {  # libsparsa with the CUDA backend (sm_90a), library target only
   if [ -n "${SPARSA_LIBRARY:-}" ]; then echo "library: $SPARSA_LIBRARY (given)"; return; fi
-  if ls "$BUILD"/libsparsa.so.*.*.* > /dev/null 2>&1 && grep -q "SPARSA_CUDA:BOOL=ON" "$BUILD/CMakeCache.txt" 2>/dev/null; then
-    echo "library: reusing $BUILD"
+  if grep -q "SPARSA_CUDA:BOOL=ON" "$BUILD/CMakeCache.txt" 2>/dev/null; then
+    echo "library: $BUILD exists, building incrementally"
   fi
   ( t0=$(date +%s)
     cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DSPARSA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DSPARSA_HIP=OFF \
@@ -53,7 +54,9 @@ wait_build() {
   if [ -z "${SPARSA_LIBRARY:-}" ]; then
     grep -E "sparsa: CUDA backend|build exit" "$OUT/build.log"
     SPARSA_LIBRARY=$(ls "$ROOT/$BUILD"/libsparsa.so.*.*.* 2>/dev/null | head -1)
-    [ -n "$SPARSA_LIBRARY" ] || { echo "libsparsa build failed:"; grep -E -A3 "error" "$OUT/build.log" | head -30; return 1; }
+    if [ -z "$SPARSA_LIBRARY" ]; then
+      echo "libsparsa build failed:"; grep -E -A3 "error" "$OUT/build.log" | head -30; return 1
+    fi
     grep -q "SPARSA_CUDA:BOOL=ON" "$BUILD/CMakeCache.txt" || { echo "built without CUDA"; return 1; }
   fi
   export SPARSA_LIBRARY
