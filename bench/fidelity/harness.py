@@ -41,6 +41,7 @@ SELECT_INIT, SELECT_LOCAL = 64, 256
 DELTA = dict(gamma=64, tail_min=128)
 DEPTHS = (0.05, 0.25, 0.5, 0.75, 0.95)
 INDEX_BLOCK = 64              # TOKEN_INDICES sweep: block ids of 64 tokens
+PV_L1_OVER_L1 = 0.08 / 0.07   # sparge_tune's PV-skip target relative to its L1 target (the defaults' ratio)
 
 
 # ---- array operations on numpy arrays or torch tensors ------------------------------------------------------------
@@ -325,7 +326,8 @@ def tune_sparge(runner, ctx, windows, l1):
 
     def hook(layer, q, k, v):
         q, k, v = (t.contiguous() if is_torch(t) else np.ascontiguousarray(t) for t in (q, k, v))
-        p, m = sparsa.sparge_tune(ctx, q, k, v, policy=sparsa.Sparge(attention_sink=True), causal=True, l1=l1)
+        p, m = sparsa.sparge_tune(ctx, q, k, v, policy=sparsa.Sparge(attention_sink=True), causal=True, l1=l1,
+                                  pv_l1=l1 * PV_L1_OVER_L1)
         params[layer] = p
         metrics[layer] = (m.cpu().numpy() if is_torch(m) else m).tolist()
         return sparsa.attention(ctx, q, k, v, causal=True)
@@ -334,22 +336,39 @@ def tune_sparge(runner, ctx, windows, l1):
     return params, metrics
 
 
-def sweep_specs(quick):
-    """Every configuration of the sweep: each policy's main knob, Δ off and on where Δ applies."""
-    specs = [{"policy": "dense"}]
+def spread_order(values):
+    """The sweep values, extremes and middle first, so that a sweep cut short by its time limit still spans the knob."""
+    values = list(values)
+    first = [values[0], values[-1], values[len(values) // 2]] if len(values) > 2 else values
+    seen = []
+    for v in first + values:
+        if v not in seen:
+            seen.append(v)
+    return seen
+
+
+def sweep_specs(quick, l1_targets=()):
+    """Every configuration of the sweep: each policy's main knob, Δ off and on where Δ applies. Ordered round-robin
+    over the curves (DENSE first), each curve's values spread_order'ed, so every curve gets points early."""
     windows = (128, 512) if quick else (128, 256, 512, 1024, 2048)
     taus = (0.5, 0.9) if quick else (0.3, 0.5, 0.7, 0.85, 0.95, 0.99)
     coverages = (0.05,) if quick else (0.001, 0.005, 0.02, 0.05, 0.1, 0.2)
     top_ks = (128,) if quick else (128, 256, 512, 1024, 2048)
     densities = (0.25,) if quick else (0.05, 0.1, 0.2, 0.3, 0.5)
+    curves = []
     for delta in (False, True):
-        specs += [{"policy": "sink_window", "window": w, "delta": delta} for w in windows]
-        specs += [{"policy": "sparge", "tau": t, "delta": delta} for t in taus]
-        specs += [{"policy": "token_sparse", "coverage": c, "delta": delta} for c in coverages]
-    specs += [{"policy": "sage", "tau": t} for t in taus]
-    for kind in ("token_select", "token_select_kv", "topk_per_head", "vote01"):
-        specs += [{"policy": kind, "top_k": k} for k in top_ks]
-    specs += [{"policy": "token_indices", "density": d} for d in densities]
+        curves.append([{"policy": "sink_window", "window": w, "delta": delta} for w in spread_order(windows)])
+        curves.append([{"policy": "sparge", "tau": t, "delta": delta} for t in spread_order(taus)])
+        curves.append([{"policy": "token_sparse", "coverage": c, "delta": delta} for c in spread_order(coverages)])
+    curves.append([{"policy": "sage", "tau": t} for t in spread_order(taus)])
+    for kind in ("token_select", "topk_per_head", "vote01", "token_select_kv"):
+        curves.append([{"policy": kind, "top_k": k} for k in spread_order(top_ks)])
+    curves.append([{"policy": "token_indices", "density": d} for d in spread_order(densities)])
+    if l1_targets:
+        curves.append([{"policy": "sparge_tuned", "l1": l1} for l1 in spread_order(l1_targets)])
+    specs = [{"policy": "dense"}]
+    for i in range(max(len(c) for c in curves)):
+        specs += [c[i] for c in curves if i < len(c)]
     return specs
 
 
@@ -442,7 +461,9 @@ def main(argv=None):
             "passkey": retrieval_set(text, args.retrieval_len, args.per_depth, tasks.passkey_sample, 11),
             "multikey": retrieval_set(text, args.retrieval_len, args.per_depth, tasks.multikey_sample, 12)}
     only = set(filter(None, args.only.split(",")))
-    specs = [s for s in sweep_specs(args.quick) if not only or s["policy"] in only or s["policy"] == "dense"]
+    l1_targets = [float(x) for x in args.l1_targets.split(",") if x]
+    specs = [s for s in sweep_specs(args.quick, l1_targets)
+             if not only or s["policy"] in only or s["policy"] == "dense"]
     out = {"device": platform.node(), "backend": args.backend, "commit": git_commit(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "checkpoint": args.checkpoint,
            "model": runner.config, "training": runner.meta.get("extra", {}), "settings": vars(args),
@@ -463,7 +484,12 @@ def main(argv=None):
                 out["errors"].append(f"time limit: skipped {policy_label(spec)}")
                 continue
             try:
-                res = evaluate(runner, ctx, spec, data, args)
+                head_params = tune_metrics = None
+                if spec["policy"] == "sparge_tuned":
+                    head_params, tune_metrics = tune_sparge(runner, ctx, data["ppl_4k"], spec["l1"])
+                res = evaluate(runner, ctx, spec, data, args, head_params=head_params)
+                if tune_metrics is not None:
+                    res["tune_metrics"] = tune_metrics
             except Exception as exc:  # one failing configuration must not lose the others
                 out["errors"].append(f"{policy_label(spec)}: {type(exc).__name__}: {exc}")
                 print(f"harness: FAILED {policy_label(spec)}: {exc}", flush=True)
@@ -472,22 +498,6 @@ def main(argv=None):
             print(f"harness: {res['label']:<42} sparsity {res['sparsity_4k']:.3f}  ppl4k {res['ppl_4k']:.4f}  "
                   f"passkey {res['passkey_acc']:.2f}  multikey {res['multikey_acc']:.2f}  ({res['seconds']} s)",
                   flush=True)
-            save()
-        for l1 in [float(x) for x in args.l1_targets.split(",") if x] if not only or "sparge_tuned" in only else []:
-            if args.time_limit and time.time() - start > args.time_limit:
-                out["errors"].append(f"time limit: skipped sparge_tune l1={l1}")
-                continue
-            try:
-                params, metrics = tune_sparge(runner, ctx, data["ppl_4k"], l1)
-                spec = {"policy": "sparge_tuned", "l1": l1}
-                res = evaluate(runner, ctx, spec, data, args, head_params=params)
-                res["tune_metrics"] = metrics
-                out["results"].append(res)
-                print(f"harness: {res['label']:<42} sparsity {res['sparsity_4k']:.3f}  ppl4k {res['ppl_4k']:.4f}",
-                      flush=True)
-            except Exception as exc:
-                out["errors"].append(f"sparge_tune l1={l1}: {type(exc).__name__}: {exc}")
-                print(f"harness: FAILED sparge_tune l1={l1}: {exc}", flush=True)
             save()
     out["seconds"] = round(time.time() - start, 1)
     out["summary"] = summarize(out["results"])
