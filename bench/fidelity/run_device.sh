@@ -6,9 +6,9 @@
 #   bash bench/fidelity/run_device.sh all [TRAIN_SECONDS] [SWEEP_SECONDS]
 #
 # Needs bench/fidelity/data/{train,heldout}.bin in the working tree (git-ignored: made by prepare_data.py and
-# carried). SPARSA_LIBRARY=/path/libsparsa.so skips the build. The sweep's checkpoint: $CKPT if set, else the one the
-# train step of this machine left in bench/fidelity/data/checkpoint.npz, else the committed
-# bench/fidelity/checkpoint.npz.
+# carried). SPARSA_LIBRARY=/path/libsparsa.so skips the build. The sweep's checkpoint: $CKPT if set, else the one a
+# train step on this machine left in build/fidelity/checkpoint.npz (build/ is git-ignored and not carried, so it stays
+# on a warm machine; bench/fidelity/data would be replaced by the carried copy), else bench/fidelity/checkpoint.npz.
 # Files under $OUT (at most 8): checkpoint.npz, train_log.jsonl, train.log, build.log, fidelity_results.json,
 # sweep.log, run_device.log.
 set -u -o pipefail
@@ -71,14 +71,14 @@ if [ "$MODE" = train ] || [ "$MODE" = all ]; then
   rc=$?
   grep -E "parameters|compile|done|Error|error" "$OUT/train.log" | head -20; tail -3 "$OUT/train.log"
   [ $rc -eq 0 ] || { echo "training failed (exit $rc)"; exit 1; }
-  cp "$OUT/checkpoint.npz" bench/fidelity/data/checkpoint.npz
+  mkdir -p build/fidelity && cp "$OUT/checkpoint.npz" build/fidelity/checkpoint.npz
 fi
 wait_build || exit 1
 $PY -c "import sys; sys.path.insert(0, 'bindings/python'); import sparsa; print('sparsa', sparsa.__version__)" || exit 1
 
 if [ "$MODE" = sweep ] || [ "$MODE" = all ]; then
   CKPT=${CKPT:-}
-  [ -n "$CKPT" ] || { [ -s bench/fidelity/data/checkpoint.npz ] && CKPT=bench/fidelity/data/checkpoint.npz; }
+  [ -n "$CKPT" ] || { [ -s build/fidelity/checkpoint.npz ] && CKPT=build/fidelity/checkpoint.npz; }
   [ -n "$CKPT" ] || CKPT=bench/fidelity/checkpoint.npz
   $PY -c "
 import json, sys, numpy as np
