@@ -6,9 +6,10 @@ each policy, measured against dense attention (docs/fidelity.md).
         --checkpoint bench/fidelity/checkpoint.npz --out results.json                  # the device sweep
     SPARSA_LIBRARY=build/cpu/libsparsa.so /usr/bin/python3 bench/fidelity/harness.py --backend cpu --quick ...
 
-Backends: `cuda` runs model.py (torch, bf16) and sparsa on torch tensors through DLPack (sparsa.attention on a
-Context("cuda") bound to torch's stream: the torch custom op sparsa.torch_ops returns no run statistics, so it is
-only used to cross-check the DENSE output); `cpu` runs numpy_model.py (fp32) and sparsa on numpy arrays.
+Backends: `cuda` runs model.py (torch, bf16 autocast as in training) and sparsa on torch tensors through DLPack
+(sparsa.attention on a Context("cuda") bound to torch's stream: the torch custom op sparsa.torch_ops returns no run
+statistics, so it is only used to cross-check the DENSE output); `cpu` runs numpy_model.py (fp32) and sparsa on
+numpy arrays.
 
 For every policy configuration it reports: achieved sparsity (1 − pairs computed / pairs dense, summed over every
 sparsa call of the run, from the runs' stats), byte-level perplexity on held-out text at 4K and 8K, passkey and
@@ -226,15 +227,18 @@ class SparsaAttention:
 # ---- models -------------------------------------------------------------------------------------------------------
 
 class TorchRunner:
-    """model.py in bf16 on the GPU; `device="cpu"` runs it in fp32 on torch's CPU tensors (to test this path)."""
+    """model.py as trained on the GPU: fp32 weights and residual stream under bf16 autocast (so q/k/v reach sparsa
+    in bf16); `device="cpu"` runs it in fp32 without autocast on torch's CPU tensors (to test this path)."""
 
     def __init__(self, checkpoint, device="cuda"):
+        import contextlib
         import torch
         import model as model_lib
         self.torch, self.device = torch, device
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        self.model, self.meta = model_lib.load_checkpoint(checkpoint, device=device, dtype=dtype)
+        self.model, self.meta = model_lib.load_checkpoint(checkpoint, device=device, dtype=torch.float32)
         self.config = self.meta["config"]
+        self.autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda"
+                         else contextlib.nullcontext)
 
     def context(self):
         if self.device != "cuda":
@@ -245,7 +249,7 @@ class TorchRunner:
     def nll_and_pred(self, tokens, attention):
         """tokens uint8 [B, S] -> (nll float64 [B, S-1], argmax int [B, S-1]) of predicting byte t+1 at t."""
         torch = self.torch
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():
             t = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
             logits = self.model(t[:, :-1], attention=attention).float()
             logp = torch.log_softmax(logits, -1)
