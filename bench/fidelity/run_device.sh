@@ -24,7 +24,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 exec > >(tee -a "$OUT/run_device.log") 2>&1
 case $MODE in
   train) TRAIN_SECONDS=${2:-360} ;;
-  sweep) SWEEP_SECONDS=${2:-200} ;;
+  sweep) SWEEP_SECONDS=${2:-150} ;;
   all) TRAIN_SECONDS=${2:-300}; SWEEP_SECONDS=${3:-180} ;;
   *) echo "usage: $0 train|sweep|all [seconds...]"; exit 2 ;;
 esac
