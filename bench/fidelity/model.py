@@ -130,7 +130,11 @@ class ByteLM(nn.Module):
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attention, i)
-        return self.head(self.norm(x)).float()
+        x = self.norm(x).float()
+        if x.is_cuda:  # the output layer in fp32 even under bf16 autocast: perplexity differences of 1 % are measured
+            with torch.autocast("cuda", enabled=False):
+                return self.head(x)
+        return self.head(x)
 
 
 def parameter_count(model):
