@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cmath>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,6 +16,11 @@
 #include "policy_eval.h"
 
 namespace sparsa_cli {
+
+// `sparsa run --policies` (run_policies.cpp).
+int run_policies_command(const std::vector<std::string>& args);
+void print_run_policies_help(std::ostream& os);
+
 namespace {
 
 constexpr int32_t kMaxInt32Option = 1 << 30;
@@ -182,9 +188,30 @@ void print_run_help(std::ostream& os) {
         "tensors, time and speedup. Policy parameters default to sparsa_policy_init's (docs/algorithms.md).\n\n"
         "options:\n";
   print_options(os, run_options(s, p));
+  print_run_policies_help(os);
+}
+
+std::vector<Option> run_policy_field_options(sparsa_policy& p) {
+  // The policy fields' options write only into `p`; the settings the other options write into live as long as the
+  // options do (shared by every kept option's handler).
+  static const std::vector<std::string> kNotPolicyFields = {
+      "--policy", "--q", "--k", "--v", "--out", "--causal", "--bf16", "--scale", "--threads", "--repeat", "--quiet",
+      "--block-mask", "--indices", "--head-map", "--sparge-head-params", "--delta"};  // Δ: per entry (+delta)
+  auto settings = std::make_shared<RunSettings>();
+  std::vector<Option> kept;
+  for (Option& option : run_options(*settings, p)) {
+    if (std::find(kNotPolicyFields.begin(), kNotPolicyFields.end(), option.name) != kNotPolicyFields.end()) continue;
+    auto apply = std::move(option.apply);
+    option.apply = [settings, apply](const std::string& value) { apply(value); };
+    kept.push_back(std::move(option));
+  }
+  return kept;
 }
 
 int run_command(const std::vector<std::string>& args) {
+  for (const std::string& arg : args) {
+    if (arg == "--policies" || arg.rfind("--policies=", 0) == 0) return run_policies_command(args);
+  }
   RunSettings s;
   sparsa_policy policy;
   const int32_t kind = policy_kind_from_name(scan_policy_name(args));

@@ -22,13 +22,21 @@ def test_torch_cpu_tensors_are_viewed_without_copy():
     assert view.shape == (1, 14, 4, 8) and view.dtype == sparsa.F32
 
 
+def _causal_attention(q, k, v):
+    """torch's SDPA (torch >= 2.0), or the same softmax written out (Debian's torch 1.13 has no SDPA)."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1)
+    return (scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+
 def test_torch_cpu_attention_matches_sdpa():
     q, k, v = _qkv()
     with sparsa.Context() as ctx:
         out = sparsa.attention(ctx, q, k, v, causal=True)
-    reference = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.repeat_interleave(2, dim=2).transpose(1, 2), v.repeat_interleave(2, dim=2).transpose(1, 2),
-        is_causal=True).transpose(1, 2)
+    reference = _causal_attention(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2))
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
 
 
