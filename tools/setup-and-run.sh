@@ -23,7 +23,7 @@ test_packages=(hipcc libamdhip64-dev swig golang-go bindgen libdlpack-dev junit5
 
 # The bindings' tests on a CPU-only build (mode `bindings`): SWIG + JUnit + JDK (Java), Go, cargo's bindgen check,
 # numpy + pytest, and Debian's pip/setuptools/wheel/venv for the Python wheel test.
-binding_packages=(swig default-jdk-headless golang-go bindgen libdlpack-dev junit5 python3-numpy python3-pytest
+binding_packages=(swig openjdk-17-jdk-headless golang-go bindgen libdlpack-dev junit5 python3-numpy python3-pytest
   python3-pip python3-setuptools python3-wheel python3-venv)
 
 log() { printf 'setup-and-run: %s\n' "$*" >&2; }
