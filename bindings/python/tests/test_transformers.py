@@ -5,6 +5,7 @@ same again under torch.compile, and every policy running inside the compiled mod
 Needs torch (>= 2.4) with CUDA, transformers >= 4.53 and a libsparsa built with its CUDA backend; skips, naming
 which is missing, elsewhere (this machine has none of them: the GPU machine runs these).
 """
+import copy
 import math
 
 import pytest
@@ -73,7 +74,8 @@ def tokens():
 @pytest.fixture(scope="module")
 def noise(model, tokens):
     """max |sdpa bf16 − eager fp32| over the prefill logits: how far bf16 alone moves them."""
-    reference = LlamaForCausalLM(model.config).to("cuda", torch.float32).eval()
+    reference = LlamaForCausalLM(copy.deepcopy(model.config)).to("cuda", torch.float32).eval()  # own config:
+    # set_attn_implementation writes the config, which must not switch the model under test
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     _set_attention(reference, "eager")
     with torch.no_grad():
