@@ -2,6 +2,7 @@
 # Usage: cmake -DSPARSA=<path to the sparsa tool> -P cli_bad_arguments_test.cmake
 cmake_minimum_required(VERSION 3.25)
 set(missing_file /nonexistent/sparsa-cli-test.npy)
+set(missing_qkv "--q|${missing_file}|--k|${missing_file}|--v|${missing_file}")
 # One case per line, arguments separated by "|" (a ";" would flatten the list).
 set(cases
   "<none>"
@@ -17,13 +18,13 @@ set(cases
   "run|--policy|dense|--q|${missing_file}|--k|${missing_file}|--v|${missing_file}"
   "run|--policy|dense|--causal=1"
   # Checked before anything is read or computed; each line names what is wrong ("=>" then a regex of the message).
-  "run|--policy|block_sparse|--causal|--q|${missing_file}|--k|${missing_file}|--v|${missing_file}=>needs --block-mask"
-  "run|--policy|token_indices|--q|${missing_file}|--k|${missing_file}|--v|${missing_file}=>needs --indices"
-  "run|--policy|sink_window|--delta|--q|${missing_file}|--k|${missing_file}|--v|${missing_file}=>--delta needs --causal"
-  "run|--policy|dense|--q|${missing_file}|--k|${missing_file}|--v|${missing_file}=>No such file or directory"
+  "run|--policy|block_sparse|--causal|${missing_qkv}=>needs --block-mask"
+  "run|--policy|token_indices|${missing_qkv}=>needs --indices"
+  "run|--policy|sink_window|--delta|${missing_qkv}=>--delta needs --causal"
+  "run|--policy|dense|${missing_qkv}=>No such file or directory"
   "run|--policy|dense|--q|${CMAKE_CURRENT_LIST_DIR}|--k|${missing_file}|--v|${missing_file}=>is a directory"
-  "run|--policy|dense|--out|${CMAKE_CURRENT_LIST_DIR}|--q|${missing_file}|--k|${missing_file}|--v|${missing_file}=>is a directory"
-  "run|--policy|dense|--out|/nonexistent/o.npy|--q|${missing_file}|--k|${missing_file}|--v|${missing_file}=>does not exist"
+  "run|--policy|dense|--out|${CMAKE_CURRENT_LIST_DIR}|${missing_qkv}=>is a directory"
+  "run|--policy|dense|--out|/nonexistent/o.npy|${missing_qkv}=>does not exist"
   "demo|--n|512|--save|${CMAKE_CURRENT_LIST_FILE}/inputs=>cannot create folder")
 set(failures 0)
 foreach(case IN LISTS cases)

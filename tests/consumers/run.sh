@@ -32,7 +32,8 @@ expect_output() {  # expect_output PATTERN OUTPUT
 prefix=$work/prefix
 install_prefix() {
   say "cmake --install $build_dir --prefix $prefix"
-  "$cmake" --install "$build_dir" --prefix "$prefix" >"$work/install.log" || { cat "$work/install.log"; fail "install"; }
+  "$cmake" --install "$build_dir" --prefix "$prefix" >"$work/install.log" ||
+    { cat "$work/install.log"; fail "install"; }
   libdir=$(dirname "$(find "$prefix" -name 'libsparsa.so' | head -1)")
   [[ -f $libdir/libsparsa.so ]] || fail "no libsparsa.so under $prefix"
 }
