@@ -152,6 +152,13 @@ EOF
     install_prefix
     jar=$prefix/share/java/sparsa.jar
     [[ -f $jar && -f $prefix/share/java/pom.xml ]] || fail "no sparsa.jar + pom.xml in $prefix/share/java"
+    coordinates=$("${PYTHON:-/usr/bin/python3}" -c '
+import sys, xml.dom.minidom
+pom = xml.dom.minidom.parse(sys.argv[1]).documentElement
+print(":".join(pom.getElementsByTagName(t)[0].firstChild.data for t in ("groupId", "artifactId", "version")))
+' "$prefix/share/java/pom.xml") || fail "pom.xml is not well-formed XML"
+    [[ $coordinates =~ ^org\.sparsa:sparsa:[0-9]+\.[0-9]+\.[0-9]+$ ]] || fail "pom.xml coordinates: $coordinates"
+    say "pom.xml: $coordinates"
     jni=$libdir/libsparsa_java.so
     [[ -f $jni ]] || fail "no libsparsa_java.so beside libsparsa.so in $libdir"
     for library in "$jni" "$libdir/libsparsa.so"; do
