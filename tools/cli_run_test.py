@@ -5,6 +5,7 @@ and writer, and the mapping of policy options. Exit 77 (ctest: skipped) when num
 Usage: cli_run_test.py <path to sparsa> <scratch dir>
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ except ImportError:
     sys.exit(77)
 
 SPARSA, WORK = sys.argv[1], sys.argv[2]
+shutil.rmtree(WORK, ignore_errors=True)  # demo --save must create its folder itself
 os.makedirs(WORK, exist_ok=True)
 rng = np.random.default_rng(20261121)
 
@@ -127,6 +129,37 @@ if "SINK_WINDOW" not in out:
     failures.append("sink_window table")
 check("SINK_WINDOW sinks 4 window 16", np.load(path("osw.npy")),
       attention(q, k, v, visible_mask(S, S, True, sink_tokens=4, window=16)), 1e-5)
+
+# Refused before any compute: no progress line ("running ...") may appear before the one-line error.
+for policy, missing in (("block_sparse", "--block-mask"), ("token_indices", "--indices")):
+    done = subprocess.run([SPARSA, "run", "--policy", policy, "--causal", "--q", path("q.npy"), "--k", path("k.npy"),
+                           "--v", path("v.npy")], capture_output=True, text=True)
+    if done.returncode != 2 or "running" in done.stderr or missing not in done.stderr:
+        failures.append(f"{policy} without {missing}: exit {done.returncode}, stderr {done.stderr!r}")
+done = subprocess.run([SPARSA, "run", "--policy", "dense", "--delta", "--q", path("q.npy"), "--k", path("k.npy"),
+                       "--v", path("v.npy")], capture_output=True, text=True)
+if done.returncode != 2 or "running" in done.stderr or "--causal" not in done.stderr:
+    failures.append(f"--delta without --causal: exit {done.returncode}, stderr {done.stderr!r}")
+
+# The footer: the unit of "zero rows", negative sparsity under DELTA (dense + anchors computes more than dense), and
+# the timing-noise mark when fewer than 3 runs are timed.
+out = run("--policy", "dense", "--delta", "--causal", "--delta-gamma", "8", "--delta-tail-min", "8", "--repeat", "1",
+          "--q", path("q.npy"), "--k", path("k.npy"), "--v", path("v.npy"))
+for needle in ("zero rows = output rows", "sparsity < 0: +DELTA", "~ speedup within timing noise"):
+    if needle not in out:
+        failures.append(f"footer lacks {needle!r}:\n{out}")
+if not any(line.startswith("DENSE+DELTA") and line.rstrip().endswith("~") for line in out.splitlines()):
+    failures.append(f"DENSE+DELTA speedup not marked as noise with --repeat 1:\n{out}")
+
+# demo --save creates the folder (and its parents), and what it writes replays with `sparsa run`.
+saved = path(os.path.join("saved", "nested"))
+done = subprocess.run([SPARSA, "demo", "--n", "512", "--quiet", "--repeat", "1", "--save", saved],
+                      capture_output=True, text=True)
+if done.returncode != 0 or not all(os.path.isfile(os.path.join(saved, f)) for f in ("q.npy", "k.npy", "v.npy")):
+    failures.append(f"demo --save {saved}: exit {done.returncode}, {done.stderr}")
+else:
+    run("--policy", "dense", "--causal", "--q", os.path.join(saved, "q.npy"), "--k", os.path.join(saved, "k.npy"),
+        "--v", os.path.join(saved, "v.npy"))
 
 if failures:
     sys.exit("FAILED: " + ", ".join(failures))

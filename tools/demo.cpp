@@ -251,11 +251,11 @@ DemoSettings parse_demo_args(const std::vector<std::string>& args, std::vector<O
        }},
       {"--head-dim", "D", "head dimension (default 128; 32..256)",
        [&](const std::string& v) { s.head_dim = parse_int("--head-dim", v, 32, 256); }},
-      {"--repeat", "R", "timed runs per policy, fastest counts (default 1)",
+      {"--repeat", "R", "timed runs per policy, fastest counts (default 3; fewer marks the speedup as noise)",
        [&](const std::string& v) { s.eval.repeat = int(parse_int("--repeat", v, 1, 1000)); }},
       {"--seed", "S", "seed of the synthetic input (default 20261121)",
        [&](const std::string& v) { s.seed = uint64_t(parse_int("--seed", v, 0, INT64_MAX)); }},
-      {"--save", "DIR", "also write the input as DIR/q.npy, k.npy, v.npy (replay with sparsa run)",
+      {"--save", "DIR", "also write the input as DIR/q.npy, k.npy, v.npy (replay with sparsa run); DIR is created",
        [&](const std::string& v) { s.save_dir = v; }},
       {"--quiet", "", "no progress lines on stderr", [&](const std::string&) { s.eval.progress = false; }},
   };
@@ -280,6 +280,7 @@ void print_demo_help(std::ostream& os) {
 int run_demo(const std::vector<std::string>& args) {
   const DemoSettings s = parse_demo_args(args, nullptr);
   const int64_t n = s.seq_len;
+  if (!s.save_dir.empty()) make_output_folder(s.save_dir);  // before any compute: a bad folder fails fast
   // Policy sizes scale with N: a window of N/8 keys, 64 sink tokens, a local tail of 256 tokens for decode policies.
   const int32_t sinks = 64, local = 256, window = int32_t(n / 8), block_q = 128, block_k = 64;
 

@@ -5,6 +5,9 @@
 #include "npy.h"
 
 #include <cctype>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -58,7 +61,27 @@ std::vector<int64_t> parse_shape(const std::string& text, const std::string& pat
   return shape;
 }
 
+// Why the last open/write failed, from errno ("No such file or directory", "Permission denied", ...).
+std::string system_reason() { return errno != 0 ? std::strerror(errno) : "unknown reason"; }
+
 }  // namespace
+
+void check_output_path(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path file(path);
+  if (std::filesystem::is_directory(file, ec)) throw UsageError(path + ": is a directory (expected a file name)");
+  const std::filesystem::path folder = file.parent_path();
+  if (!folder.empty() && !std::filesystem::is_directory(folder, ec)) {
+    throw UsageError(path + ": cannot write: folder " + folder.string() + " does not exist");
+  }
+}
+
+void make_output_folder(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);  // no error when it exists already
+  if (ec) throw UsageError(dir + ": cannot create folder: " + ec.message());
+  if (!std::filesystem::is_directory(dir, ec)) throw UsageError(dir + ": exists and is not a folder");
+}
 
 size_t npy_descr_size(const std::string& descr) {
   static const struct {
@@ -80,8 +103,11 @@ int64_t NpyArray::element_count() const {
 size_t NpyArray::element_size() const { return npy_descr_size(descr); }
 
 NpyArray read_npy(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw UsageError(path + ": is a directory (expected a .npy file)");
+  errno = 0;
   std::ifstream file(path, std::ios::binary);
-  if (!file) throw UsageError(path + ": cannot open for reading");
+  if (!file) throw UsageError(path + ": cannot open for reading: " + system_reason());
   const std::string content((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
 
   if (content.size() < kPreludeV1 || content.compare(0, kMagicSize, kMagic, kMagicSize) != 0) {
@@ -148,11 +174,15 @@ void write_npy(const std::string& path, const NpyArray& array) {
   const size_t size_bytes = v2 ? 4 : 2;
   for (size_t i = 0; i < size_bytes; ++i) prelude_bytes.push_back(static_cast<char>((header.size() >> (8 * i)) & 0xff));
 
+  check_output_path(path);
+  errno = 0;
   std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  if (!file) throw UsageError(path + ": cannot open for writing: " + system_reason());
   file.write(prelude_bytes.data(), static_cast<std::streamsize>(prelude_bytes.size()));
   file.write(header.data(), static_cast<std::streamsize>(header.size()));
   file.write(reinterpret_cast<const char*>(array.bytes.data()), static_cast<std::streamsize>(array.bytes.size()));
-  if (!file) throw RuntimeError(path + ": write failed");
+  file.flush();
+  if (!file) throw RuntimeError(path + ": write failed: " + system_reason());
 }
 
 }  // namespace sparsa_cli

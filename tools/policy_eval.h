@@ -21,8 +21,13 @@ struct AttentionInputs {
   float softmax_scale = 0.f;  // 0 = 1/sqrt(D)
 };
 
+// Timing: the fastest of `repeat` runs counts. A speedup is marked as noise when fewer than kMinRepeatsForSpeedup
+// runs were timed, or when the median run of the policy or of dense is more than kNoisySpread slower than its fastest.
+inline constexpr int kMinRepeatsForSpeedup = 3;
+inline constexpr double kNoisySpread = 0.10;
+
 struct EvalSettings {
-  int repeat = 1;        // timed runs per policy; the fastest counts
+  int repeat = kMinRepeatsForSpeedup;  // timed runs per policy; the fastest counts
   bool progress = true;  // one line per run on stderr
 };
 
@@ -31,6 +36,8 @@ struct DenseReference {
   std::vector<float> out;  // [B, Sq, Hq, D] as floats
   HostTensor native_out;   // the same in q's dtype
   double ms = 0.0;
+  double spread = 0.0;  // (median run − fastest run) / fastest run
+  int runs = 0;
 };
 
 struct PolicyResult {
@@ -43,12 +50,15 @@ struct PolicyResult {
   bool zero_rows_excluded = false;  // TOKEN_SPARSE: zero rows are by design, not counted in rel_error
   double ms = 0.0;
   double speedup = 0.0;  // dense ms / ms
+  bool speedup_noisy = false;  // too few runs, or this policy's or dense's runs spread more than kNoisySpread
   HostTensor out;        // the policy's output, inputs.q's dtype and shape
 };
 
-// Runs `policy` (plan, then settings.repeat timed runs) and returns its output and the run's stats counters.
+// Runs `policy` (plan, then settings.repeat timed runs) and returns its output and the run's stats counters; `ms` is
+// the fastest run, `spread` (optional) the median run's excess over it, relative.
 HostTensor run_policy(sparsa_context* ctx, const AttentionInputs& inputs, const sparsa_policy& policy,
-                      const EvalSettings& settings, const std::string& label, double* ms, std::vector<int64_t>* stats);
+                      const EvalSettings& settings, const std::string& label, double* ms, std::vector<int64_t>* stats,
+                      double* spread = nullptr);
 
 // Dense attention on `inputs` (the reference).
 DenseReference run_dense_reference(sparsa_context* ctx, const AttentionInputs& inputs, const EvalSettings& settings,

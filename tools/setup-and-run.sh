@@ -4,6 +4,9 @@
 #                                                `sparsa` tool (preset "cpu"), runs `sparsa demo`
 #   tools/setup-and-run.sh test                  installs what the build and every test need, configures and builds
 #                                                everything (preset "ci"), runs every ctest; exits non-zero on failure
+#   tools/setup-and-run.sh bindings [ctest opts] installs what the bindings need, builds the CPU library with every
+#                                                binding (preset "cpu": no GPU code is compiled), runs the binding
+#                                                tests and the install/consumer tests (ctest labels bindings, install)
 # Idempotent: apt is skipped when every package is present, and builds are incremental. Works as root (CI) and as a
 # user with sudo.
 set -euo pipefail
@@ -17,6 +20,11 @@ shift || true
 # for Debian's /usr/bin/python3 (the python3 on PATH may be a pyenv that cannot see them).
 build_packages=(g++ cmake pkg-config libgtest-dev libbenchmark-dev)
 test_packages=(hipcc libamdhip64-dev swig golang-go bindgen libdlpack-dev junit5 python3-numpy python3-pytest)
+
+# The bindings' tests on a CPU-only build (mode `bindings`): SWIG + JUnit + JDK (Java), Go, cargo's bindgen check,
+# numpy + pytest, and Debian's pip/setuptools/wheel/venv for the Python wheel test.
+binding_packages=(swig openjdk-17-jdk-headless golang-go bindgen libdlpack-dev junit5 python3-numpy python3-pytest
+  python3-pip python3-setuptools python3-wheel python3-venv)
 
 log() { printf 'setup-and-run: %s\n' "$*" >&2; }
 
@@ -50,6 +58,16 @@ configure_and_build() {
   cmake --build --preset "$preset" ${target:+--target "$target"}
 }
 
+# CPU library + every binding, then the tests a binding user cares about. The `cpu` preset turns the GPU backends
+# off, so this never runs nvcc or hipcc even where they are installed.
+run_bindings() {
+  install_packages "${build_packages[@]}" "${binding_packages[@]}"
+  configure_and_build cpu
+  log "running the binding and install tests (ctest --preset cpu -L 'bindings|install')"
+  cd "$repo"
+  exec ctest --preset cpu -L 'bindings|install' "$@"
+}
+
 case "$mode" in
   demo)
     install_packages "${build_packages[@]}"
@@ -64,8 +82,12 @@ case "$mode" in
     cd "$repo"
     exec ctest --preset ci "$@"
     ;;
+  bindings)
+    run_bindings "$@"
+    ;;
   *)
-    echo "usage: tools/setup-and-run.sh demo [sparsa demo options] | test [ctest options]" >&2
+    echo "usage: tools/setup-and-run.sh demo [sparsa demo options] | test [ctest options]" \
+      "| bindings [ctest options]" >&2
     exit 2
     ;;
 esac

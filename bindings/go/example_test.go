@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"log"
 
-	"sparsa"
+	sparsa "github.com/sparsa-project/sparsa/bindings/go"
 )
 
 // Causal attention over two tokens, one head of dimension 2, on the CPU. Row 0 sees only key 0, so it gets v0;

@@ -1,3 +1,3 @@
-module sparsa
+module github.com/sparsa-project/sparsa/bindings/go
 
 go 1.19

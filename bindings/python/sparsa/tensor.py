@@ -51,7 +51,11 @@ _FROM_DLPACK_DTYPE = {
     (0, 32): L.DTYPE_I32, (0, 64): L.DTYPE_I64, (1, 8): L.DTYPE_U8, (0, 8): L.DTYPE_I8, (6, 8): L.DTYPE_U8,
 }
 _GPU_DEVICES = (L.DEVICE_CUDA, L.DEVICE_ROCM)
-_CUDA_LEGACY_DEFAULT_STREAM = 1  # DLPack's stream code for CUDA's legacy default stream
+# DLPack's consumer-stream codes (the array API's __dlpack__(stream=...)). CUDA: None or 1 = the legacy default
+# stream, 2 = the per-thread default stream, any other value a cudaStream_t; 0 is forbidden (ambiguous) and torch
+# asserts on it. ROCm: None or 0 = the default stream, any other value a hipStream_t.
+_CUDA_LEGACY_DEFAULT_STREAM = 1
+_RAW_DEFAULT_STREAM = 0  # the null stream handle: what torch's current_stream().cuda_stream is on the default stream
 
 DTYPE_NAMES = {L.DTYPE_F32: "float32", L.DTYPE_F16: "float16", L.DTYPE_BF16: "bfloat16", L.DTYPE_F64: "float64",
                L.DTYPE_I32: "int32", L.DTYPE_I64: "int64", L.DTYPE_U8: "uint8", L.DTYPE_I8: "int8"}
@@ -161,9 +165,19 @@ def _from_readonly_numpy(array, name, reinterpret_as):
     return Tensor(c, array)
 
 
+def dlpack_stream(device_type, stream):
+    """The DLPack consumer-stream code for a raw stream handle (an int, e.g. torch's `stream.cuda_stream`, or None
+    for the default stream) on a GPU of `device_type`. On CUDA the null handle becomes 1 (legacy default stream),
+    never 0; handles 1 (cudaStreamLegacy) and 2 (cudaStreamPerThread) already mean what DLPack's codes 1 and 2 do."""
+    if int(device_type) == L.DEVICE_CUDA:
+        return _CUDA_LEGACY_DEFAULT_STREAM if stream is None or int(stream) == _RAW_DEFAULT_STREAM else int(stream)
+    return None if stream is None else int(stream)
+
+
 def as_tensor(obj, name, stream=None, writable=False):
-    """A sparsa Tensor over `obj`'s memory (no copy). `name` is used in error messages; `stream` is the consumer
-    stream handed to __dlpack__ for GPU tensors (None = the legacy default stream); `writable` marks an output
+    """A sparsa Tensor over `obj`'s memory (no copy). `name` is used in error messages; `stream` is the raw handle
+    of the stream the consumer enqueues on (None or 0 = the default stream), translated to DLPack's code for
+    __dlpack__ of GPU tensors by dlpack_stream; `writable` marks an output
     (a read-only numpy array is then refused)."""
     if isinstance(obj, Tensor):
         return obj
@@ -183,9 +197,7 @@ def as_tensor(obj, name, stream=None, writable=False):
     device_type, _ = obj.__dlpack_device__()
     try:
         if int(device_type) in _GPU_DEVICES:
-            if stream is None and int(device_type) == L.DEVICE_CUDA:
-                stream = _CUDA_LEGACY_DEFAULT_STREAM
-            capsule = obj.__dlpack__(stream=stream)
+            capsule = obj.__dlpack__(stream=dlpack_stream(device_type, stream))
         else:
             capsule = obj.__dlpack__()
     except (BufferError, TypeError, ValueError, RuntimeError) as exc:

@@ -8,7 +8,6 @@ torch = pytest.importorskip("torch")
 needs_custom_op = pytest.mark.skipif(sparsa.torch_ops is None, reason="torch older than 2.4: no custom_op")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-
 def _qkv(device="cpu"):
     generator = torch.Generator().manual_seed(0)
     shapes = ((1, 16, 4, 8), (1, 16, 2, 8), (1, 16, 2, 8))

@@ -1,0 +1,1 @@
+"""Integrations of sparsa with other libraries (transformers: sparsa.integrations.transformers)."""
