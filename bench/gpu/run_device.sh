@@ -2,7 +2,7 @@
 # Everything the GPU work needs in ONE device call: build (sm_90a + sm_80), the GPU tests, compute-sanitizer
 # (memcheck on all GPU tests, racecheck on a small case), and the benchmark against the peers. Logs go under $OUT.
 #
-#   bash bench/gpu/run_device.sh [tests|bench|profile|all]        (default all = tests + bench)
+#   bash bench/gpu/run_device.sh [tests|python|bench|profile|all]   (default all = tests + python + bench)
 #
 # GoogleTest: uses the machine's if present, else builds the source carried in .peers/googletest (a copy of
 # /usr/src/googletest; the device image has none). FlexAttention/SDPA peers come from the image's torch.
@@ -69,15 +69,28 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_shared.log" | tail -1); $(summary "$OUT/memcheck_shared.log" | head -1)"
   echo "=== compute-sanitizer racecheck (TOKEN_INDICES, stats, sink/window) ==="
   timeout 60 compute-sanitizer --tool racecheck --error-exitcode 3 $SHARED \
-    --gtest_filter='Backends/TokenIndices.*/CUDA:Backends/Common.Stats*/CUDA:*PvSkip*/CUDA' > "$OUT/racecheck_shared.log" 2>&1
-  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck_shared.log" | tail -1)"
+    --gtest_filter='Backends/TokenIndices.*/CUDA:Backends/Common.Stats*/CUDA:*PvSkip*/CUDA' > "$LOGS/racecheck_shared.log" 2>&1
+  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck_shared.log" | tail -1)"
   echo "=== compute-sanitizer memcheck (GPU tests) ==="
   timeout ${MEMCHECK_S:-150} compute-sanitizer --tool memcheck --error-exitcode 3 $TESTS > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1); $(summary "$OUT/memcheck.log" | head -1)"
   echo "=== compute-sanitizer racecheck (small cases, the varlen TOKEN_SPARSE selections) ==="
   timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 $TESTS \
-    --gtest_filter='*dense_f16_d64_noncausal*:*paged_ps1*:*block_sparse_bf16*:*decode_split_kv*:GpuTokenIndices*:*ragged_varlen_needles*:*fallback_threshold_varlen*' > "$OUT/racecheck.log" 2>&1
-  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1)"
+    --gtest_filter='*dense_f16_d64_noncausal*:*paged_ps1*:*block_sparse_bf16*:*decode_split_kv*:GpuTokenIndices*:*ragged_varlen_needles*:*fallback_threshold_varlen*' > "$LOGS/racecheck.log" 2>&1
+  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1)"
+fi
+
+if [ "$STEPS" = all ] || [ "$STEPS" = python ]; then
+  # The Python binding on the device: the torch op on the default and a side stream, torch.compile, CUDA-graph
+  # capture (test_torch_streams.py) and the transformers client (test_transformers.py), against this build's
+  # CUDA library. pytest comes from .peers/pylib when the image has none (a copy of Debian's pure-Python pytest).
+  echo "=== Python binding tests (torch op on CUDA, transformers) ==="
+  PYPATH="$ROOT/bindings/python"
+  python3 -c "import pytest" 2>/dev/null || PYPATH="$PYPATH:$ROOT/.peers/pylib"
+  ( cd /tmp && SPARSA_LIBRARY="$LIB" PYTHONPATH="$PYPATH" timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
+      "$ROOT/bindings/python/tests" > "$LOGS/python.log" 2>&1; echo "pytest exit $?" >> "$LOGS/python.log" )
+  cp "$LOGS/python.log" "$OUT/python.log"
+  tail -25 "$LOGS/python.log"
 fi
 
 if [ "$STEPS" = profile ]; then  # not part of "all": ncu costs device time
