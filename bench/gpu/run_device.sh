@@ -76,7 +76,7 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1); $(summary "$OUT/memcheck.log" | head -1)"
   echo "=== compute-sanitizer racecheck (small cases, the varlen TOKEN_SPARSE selections) ==="
   timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 $TESTS \
-    --gtest_filter='*dense_f16_d64_noncausal*:*paged_ps1*:*block_sparse_bf16*:*decode_split_kv*:GpuTokenIndices*:*ragged_varlen_needles*:*fallback_threshold_varlen*' > "$LOGS/racecheck.log" 2>&1
+    --gtest_filter='*dense_f16_d64_noncausal*:*paged_ps1*:*block_sparse_bf16*:*decode_split_kv*:GpuTokenIndices*:*ragged_varlen_needles*:*fallback_threshold_varlen*:*tied_runs_varlen*' > "$LOGS/racecheck.log" 2>&1
   echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1)"
 fi
 
