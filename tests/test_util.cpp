@@ -393,7 +393,7 @@ void BackendTest::TearDown() {
   ::testing::TestPartResultArray held;
   for (int i = 0; i < filter_->results().size(); ++i) held.Append(filter_->results().GetTestPartResult(i));
   filter_.reset();  // restores the real reporter
-  if (host_memory_used) GTEST_SKIP() << "passes host memory (host_tensor) to the context: CPU-only by design";
+  // Failures are re-reported before any skip: a skip ends TearDown, and whatever it left unreported would be lost.
   for (int i = 0; i < held.size(); ++i) {
     const ::testing::TestPartResult& r = held.GetTestPartResult(i);
     if (r.skipped()) GTEST_SKIP() << r.message();
@@ -401,6 +401,7 @@ void BackendTest::TearDown() {
       ADD_FAILURE_AT(r.file_name() ? r.file_name() : "unknown", r.line_number()) << r.message();
     }
   }
+  if (host_memory_used) GTEST_SKIP() << "passes host memory (host_tensor) to the context: CPU-only by design";
 }
 
 void skip_unsupported(const std::string& reason) { GTEST_SKIP() << "unsupported on this backend: " << reason; }
