@@ -5,14 +5,16 @@
 
 #include <cstdint>
 
+#include "../../src/policy_table.h"
 #include "forward_params.h"
 #include "gpu_runtime.h"
 
 SPARSA_GPU_NAMESPACE_BEGIN
 
-// Tiling at which DENSE and SINK_WINDOW report BLOCKS_COMPUTED / BLOCKS_TOTAL (sparsa.h: 128 × 64).
-constexpr int32_t kStatTileRows = 128;
-constexpr int32_t kStatTileKeys = 64;
+// DENSE and SINK_WINDOW report BLOCKS_COMPUTED / BLOCKS_TOTAL at sparsa::kStatTileRows × kStatTileKeys
+// (src/policy_table.h).
+using ::sparsa::kStatTileKeys;
+using ::sparsa::kStatTileRows;
 
 struct StatsParams {
   int64_t* out = nullptr;  // int64 [n] with element stride `stride`
