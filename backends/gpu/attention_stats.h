@@ -32,7 +32,7 @@ cudaError_t stats_zero_launch(const StatsParams& s, cudaStream_t stream);
 // Adds PAIRS_DENSE, and PAIRS_COMPUTED / BLOCKS_COMPUTED / BLOCKS_TOTAL as `s` asks, for the rule in `p`.
 cudaError_t stats_count_launch(const ForwardParams& p, const StatsParams& s, cudaStream_t stream);
 
-// Device helper for other kernels: adds `value` to counter `index` when the output has it.
+// Device function for other kernels: adds `value` to counter `index` when the output has it.
 __device__ __forceinline__ void stats_add(const StatsParams& s, int32_t index, int64_t value) {
   if (s.out != nullptr && index < s.count && value != 0) {
     atomicAdd(reinterpret_cast<unsigned long long*>(s.out + index * s.stride), static_cast<unsigned long long>(value));
