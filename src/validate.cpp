@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 
+#include "common/policy_sizes.h"
 #include "handles.h"
 #include "policy_table.h"
 #include "tensor_util.h"
@@ -512,7 +513,7 @@ void validate_outputs(AttentionProblem& pr, const DeviceRule& rule, const sparsa
     int64_t cap = longest_key_count(pr);
     if (kind == SPARSA_POLICY_TOKEN_SELECT) {
       heads = p.select_per_kv_head ? pr.num_kv_heads : 1;
-      const int64_t selected = int64_t(p.select_n_init) + p.select_top_k + p.select_n_local;
+      const int64_t selected = token_select_set_size<int64_t>(p.select_n_init, p.select_top_k, p.select_n_local);
       cap = std::min(selected, pr.max_seq_k);
     }
     // Varlen on a GPU backend: the longest sequence is in device memory, so the capacity is the caller's promise.
