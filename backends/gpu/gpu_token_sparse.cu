@@ -46,13 +46,16 @@ namespace {
 // (the FMA fallback runs there, and every shuffle below stays inside a 32-lane half).
 constexpr int kScoreThreads = 256;
 constexpr int kLanes = 32;
+static_assert(kWarpLanes % kLanes == 0, "a warp or wavefront holds whole 32-lane groups");
+static_assert(kWarpLanes == kLanes || !SPARSA_GPU_DEVICE_HAS_MMA_SYNC, "m8n8k4 fragments are laid out over 32 lanes");
 constexpr int kTileRows = 128;
 constexpr int kTileKeys = 64;
 constexpr int kWarpRows = 32;
 constexpr int kWarpKeys = 32;
 constexpr int kWarpsAlongKeys = kTileKeys / kWarpKeys;  // 2
 constexpr int kWarpsAlongRows = kTileRows / kWarpRows;  // 4
-constexpr int kMmaM = 8, kMmaN = 8, kMmaK = 4;            // mma.sync m8n8k4 .f64
+constexpr int kMmaM = 8, kMmaN = 8;                      // mma.sync m8n8k4 .f64 (the FMA path keeps its layout)
+[[maybe_unused]] constexpr int kMmaK = 4;                 // the MMA path only (not compiled for HIP)
 constexpr int kFragsM = kWarpRows / kMmaM;                // 4
 constexpr int kFragsN = kWarpKeys / kMmaN;                // 4
 constexpr int kStageDims = 16;                            // head dims staged in shared memory per step
