@@ -4,17 +4,15 @@
 #
 #   SPARSA_CUDA  (default ON when nvcc is found)  -> SPARSA_WITH_CUDA, cudart linked statically so libsparsa still
 #                                                    loads on a machine without a driver
-#   SPARSA_HIP   (default OFF, opt-in)           -> SPARSA_WITH_HIP, the .cu files compiled by hipcc through
-#                                                    backends/gpu/hip/*.hip (each includes its .cu)
+#   SPARSA_HIP   (default OFF, opt-in)           -> SPARSA_WITH_HIP, the same .cu files compiled by hipcc as HIP
+#                                                    (-x hip)
 include_guard(GLOBAL)
 include(CheckLanguage)
 
-set(SPARSA_GPU_SOURCE_NAMES
-    forward_dispatch forward_wgmma forward_mma forward_simt forward_decode merge_states attention_stats
-    token_indices device_topk gpu_topk kv_prefetch sparge_predict forward_sage gpu_sparge gpu_token_sparse
-    token_sparse_score
-    gpu_token_select token_select_score gpu_delta gpu_backend)
+# The one list of GPU sources, generated: every backends/gpu/*.cu, for CUDA and for HIP alike.
 set(SPARSA_GPU_DIR ${PROJECT_SOURCE_DIR}/backends/gpu)
+file(GLOB SPARSA_GPU_SOURCES CONFIGURE_DEPENDS ${SPARSA_GPU_DIR}/*.cu)
+list(SORT SPARSA_GPU_SOURCES)
 
 # ---- CUDA ----
 # sm_80 (A100 and later) + sm_90a (Hopper, wgmma-capable). -DCMAKE_CUDA_ARCHITECTURES=... overrides. The default
@@ -49,9 +47,7 @@ else()
   enable_language(CUDA)
   set(CMAKE_CUDA_STANDARD 17)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
-  foreach(_name IN LISTS SPARSA_GPU_SOURCE_NAMES)
-    target_sources(sparsa PRIVATE ${SPARSA_GPU_DIR}/${_name}.cu)
-  endforeach()
+  target_sources(sparsa PRIVATE ${SPARSA_GPU_SOURCES})
   target_compile_definitions(sparsa PRIVATE SPARSA_WITH_CUDA)
   target_compile_options(sparsa PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>)
   set_target_properties(sparsa PROPERTIES CUDA_ARCHITECTURES "${SPARSA_CUDA_ARCHITECTURES}" CUDA_RUNTIME_LIBRARY Static CUDA_VISIBILITY_PRESET hidden
@@ -85,16 +81,17 @@ if(SPARSA_HIP)
     list(APPEND _hip_flags --offload-arch=${_arch})
   endforeach()
   file(GLOB _hip_headers CONFIGURE_DEPENDS ${SPARSA_GPU_DIR}/*.h ${SPARSA_GPU_DIR}/*.cuh
-       ${PROJECT_SOURCE_DIR}/src/*.h ${PROJECT_SOURCE_DIR}/include/sparsa/sparsa.h)
+       ${PROJECT_SOURCE_DIR}/src/*.h ${PROJECT_SOURCE_DIR}/src/common/*.h ${PROJECT_SOURCE_DIR}/include/sparsa/sparsa.h)
   set(_hip_objects)
-  foreach(_name IN LISTS SPARSA_GPU_SOURCE_NAMES)
+  foreach(_source IN LISTS SPARSA_GPU_SOURCES)
+    get_filename_component(_name ${_source} NAME_WE)
     set(_object ${CMAKE_CURRENT_BINARY_DIR}/sparsa_hip/${_name}.o)
     add_custom_command(
       OUTPUT ${_object}
       COMMAND ${CMAKE_COMMAND} -E make_directory ${CMAKE_CURRENT_BINARY_DIR}/sparsa_hip
-      COMMAND ${SPARSA_HIPCC} ${_hip_flags} -c ${SPARSA_GPU_DIR}/hip/${_name}.hip -o ${_object}
-      DEPENDS ${SPARSA_GPU_DIR}/hip/${_name}.hip ${SPARSA_GPU_DIR}/${_name}.cu ${_hip_headers}
-      COMMENT "hipcc ${_name}.hip"
+      COMMAND ${SPARSA_HIPCC} ${_hip_flags} -x hip -c ${_source} -o ${_object}
+      DEPENDS ${_source} ${_hip_headers}
+      COMMENT "hipcc ${_name}.cu"
       VERBATIM)
     list(APPEND _hip_objects ${_object})
   endforeach()

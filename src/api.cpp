@@ -17,6 +17,7 @@
 #include "error_state.h"
 #include "handles.h"
 #include "host_utilities.h"
+#include "policy_table.h"
 #include "registry.h"
 #include "tensor_util.h"
 #include "validate.h"
@@ -239,7 +240,7 @@ extern "C" SPARSA_API sparsa_status sparsa_policy_init(sparsa_policy* policy, si
     require(policy, "policy");
     check_struct_size<sparsa_policy>(size, "policy");
     if (!is_known_policy_kind(kind)) {
-      fail(SPARSA_STATUS_INVALID_ARGUMENT, "kind: expected a sparsa_policy_kind in [0, ", SPARSA_POLICY_TOKEN_INDICES,
+      fail(SPARSA_STATUS_INVALID_ARGUMENT, "kind: expected a sparsa_policy_kind in [0, ", kPolicyKindCount - 1,
            "], got ", kind);
     }
     write_caller_struct(policy, size, "policy", default_policy(kind));
@@ -247,24 +248,8 @@ extern "C" SPARSA_API sparsa_status sparsa_policy_init(sparsa_policy* policy, si
 }
 
 extern "C" SPARSA_API const char* sparsa_policy_kind_name(int32_t kind) {
-  switch (kind) {
-    case SPARSA_POLICY_DENSE:
-      return "DENSE";
-    case SPARSA_POLICY_SINK_WINDOW:
-      return "SINK_WINDOW";
-    case SPARSA_POLICY_BLOCK_SPARSE:
-      return "BLOCK_SPARSE";
-    case SPARSA_POLICY_SPARGE:
-      return "SPARGE";
-    case SPARSA_POLICY_TOKEN_SPARSE:
-      return "TOKEN_SPARSE";
-    case SPARSA_POLICY_TOKEN_SELECT:
-      return "TOKEN_SELECT";
-    case SPARSA_POLICY_TOKEN_INDICES:
-      return "TOKEN_INDICES";
-    default:
-      return "unknown";
-  }
+  const PolicyKindInfo* info = policy_kind_info(kind);
+  return info != nullptr ? info->name : "unknown";
 }
 
 extern "C" SPARSA_API sparsa_status sparsa_attention_args_init(sparsa_attention_args* args, size_t size) {

@@ -2,11 +2,12 @@
 #include <cmath>
 #include <limits>
 
+#include "policy_table.h"
 #include "validate.h"
 
 namespace sparsa {
 
-bool is_known_policy_kind(int32_t kind) { return kind >= SPARSA_POLICY_DENSE && kind <= SPARSA_POLICY_TOKEN_INDICES; }
+bool is_known_policy_kind(int32_t kind) { return policy_kind_info(kind) != nullptr; }
 
 sparsa_policy default_policy(int32_t kind) {
   sparsa_policy p{};

@@ -10,7 +10,9 @@
 #include <cmath>
 #include <limits>
 
+#include "common/policy_sizes.h"
 #include "handles.h"
+#include "policy_table.h"
 #include "tensor_util.h"
 
 namespace sparsa {
@@ -500,8 +502,7 @@ void validate_outputs(AttentionProblem& pr, const DeviceRule& rule, const sparsa
   const int32_t kind = p.kind;
   if (pr.selected_indices.present) {
     const char* name = "selected_indices";
-    if (kind != SPARSA_POLICY_TOKEN_SELECT && kind != SPARSA_POLICY_TOKEN_SPARSE &&
-        kind != SPARSA_POLICY_TOKEN_INDICES) {
+    if (!policy_kind_info(kind)->index_sets) {
       fail(SPARSA_STATUS_UNSUPPORTED, name, ": only TOKEN_SELECT, TOKEN_SPARSE and TOKEN_INDICES report index ",
            "sets; policy is ", sparsa_policy_kind_name(kind));
     }
@@ -512,7 +513,7 @@ void validate_outputs(AttentionProblem& pr, const DeviceRule& rule, const sparsa
     int64_t cap = longest_key_count(pr);
     if (kind == SPARSA_POLICY_TOKEN_SELECT) {
       heads = p.select_per_kv_head ? pr.num_kv_heads : 1;
-      const int64_t selected = int64_t(p.select_n_init) + p.select_top_k + p.select_n_local;
+      const int64_t selected = token_select_set_size<int64_t>(p.select_n_init, p.select_top_k, p.select_n_local);
       cap = std::min(selected, pr.max_seq_k);
     }
     // Varlen on a GPU backend: the longest sequence is in device memory, so the capacity is the caller's promise.
@@ -526,7 +527,7 @@ void validate_outputs(AttentionProblem& pr, const DeviceRule& rule, const sparsa
   }
   if (pr.block_mask_out.present) {
     const char* name = "block_mask_out";
-    if (kind != SPARSA_POLICY_SPARGE) {
+    if (!policy_kind_info(kind)->predicts_mask) {
       fail(SPARSA_STATUS_UNSUPPORTED, name, ": only SPARGE predicts a block mask; policy is ",
            sparsa_policy_kind_name(kind));
     }
@@ -584,7 +585,7 @@ void validate_attention(const sparsa_context& ctx, const sparsa_attention_args* 
   const sparsa_policy& p = pp.p;
   if (!is_known_policy_kind(p.kind)) {
     fail(SPARSA_STATUS_INVALID_ARGUMENT, "policy.kind: expected a sparsa_policy_kind in [0, ",
-         SPARSA_POLICY_TOKEN_INDICES, "], got ", p.kind);
+         kPolicyKindCount - 1, "], got ", p.kind);
   }
   if (p.flags & ~kKnownPolicyFlags) {
     fail(SPARSA_STATUS_INVALID_ARGUMENT, "policy.flags: unknown bits ", (p.flags & ~kKnownPolicyFlags),
@@ -642,8 +643,7 @@ void validate_attention(const sparsa_context& ctx, const sparsa_attention_args* 
   validate_layout(rule, pr);
   pr.contents_validated = contents_readable(rule);
   // §5, §6 and §7 define TOKEN_SPARSE, TOKEN_SELECT and TOKEN_INDICES as causal: the flag cannot turn that off.
-  pr.causal = args.causal == 1 || p.kind == SPARSA_POLICY_TOKEN_SPARSE || p.kind == SPARSA_POLICY_TOKEN_SELECT ||
-              p.kind == SPARSA_POLICY_TOKEN_INDICES;
+  pr.causal = args.causal == 1 || policy_kind_info(p.kind)->always_causal;
   pr.scale = args.softmax_scale != 0.f ? args.softmax_scale : 1.f / std::sqrt(static_cast<float>(pr.head_dim));
 
   switch (p.kind) {

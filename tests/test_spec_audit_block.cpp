@@ -266,7 +266,7 @@ TEST(SpecAudit, SpargeForcedRowsColumnsSinkAndZeroRowsAgainstReference) {
 
 // Zero rows in sim (§4.3): sim(X) = ‖Σ x_a/‖x_a‖‖²/n² is undefined for a zero row. This reads a zero row as a
 // zero unit vector (torch F.normalize), so an all-zero block has sim 0 and is self-similar for theta < 0. The
-// reference reads it as NaN (never self-similar). Spec ambiguity: disabled until the lead decides.
+// reference reads it as NaN (never self-similar). The spec leaves the case open; this test pins the library's reading.
 TEST(SpecAudit, SpargeZeroRowsCountAsZeroVectorsSoAZeroBlockIsSelfSimilarForNegativeTheta) {
   Cpu c;
   ref::Problem p = st::make_problem(1, 1, 1, 4, {8}, {20}, false);  // Q = 0: every query block has sim 0

@@ -136,17 +136,20 @@ class Buffer {
 // were built with it: SPARSA_TESTS_WITH_CUDA, set by tests/CMakeLists.txt).
 bool device_memory_supported(int32_t device_type);
 
-// Fills `t` for a host pointer (utilities that take host memory). CPU-only by design: a BackendTest instance on
-// another backend that calls it is skipped.
+// Fills `t` for a host pointer (utilities that take host memory). CPU-only by design: a BackendTest that calls it
+// is listed as not run on other backends in tests/expected_skips.cpp (skipped before its body runs); an unlisted
+// instance on another backend that calls it fails.
 sparsa_tensor host_tensor(void* data, int32_t dtype, std::vector<int64_t> shape);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Backend-parameterised fixture: the same TEST_P runs on every backend; a backend whose context cannot be created
-// (or whose device memory the seam cannot fill yet) is skipped.
+// (or whose device memory the seam cannot fill yet) is skipped, and so is a test that tests/expected_skips.cpp lists
+// as not run on this backend (before its body runs).
 // On a non-CPU backend a run answered SPARSA_STATUS_UNSUPPORTED (or a selection cache the backend cannot create)
 // skips the test with the backend's reason: the fixture holds the test's assertion results back while it runs and,
 // in TearDown, re-reports the failures that came before the first unsupported call and then skips (so the checks
-// of a result that was never computed do not count as failures).
+// of a result that was never computed do not count as failures). Every skip must be listed with its reason in
+// tests/expected_skips.cpp; the skip audit (tests/test_main.cpp) fails any other.
 class UnsupportedFilter;
 class BackendTest : public ::testing::TestWithParam<int32_t> {
  public:

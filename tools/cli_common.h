@@ -1,6 +1,5 @@
 // Shared pieces of the sparsa command-line tool: its two error kinds, a CPU context, host tensors that own their
-// bytes, and the conversions the tool needs to compare outputs of any dtype (the library's own conversions are
-// internal, not exported: the tool links only the public API, so it keeps these small copies).
+// bytes, and the conversions the tool needs to compare outputs of any dtype (src/common/half_bits.h, header-only).
 #pragma once
 
 #include <sparsa/sparsa.h>
@@ -11,6 +10,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "../src/common/half_bits.h"
 
 namespace sparsa_cli {
 
@@ -77,38 +78,9 @@ struct HostTensor {
   }
 };
 
-// IEEE binary16 bits -> float (exact).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu;
-  uint32_t mantissa = h & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0x1fu) {
-    bits = sign | 0x7f800000u | (mantissa << 13);  // inf / nan
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;  // signed zero
-  } else {        // subnormal: normalise
-    uint32_t e = 127 - 15 + 1;
-    while ((mantissa & 0x400u) == 0) {
-      mantissa <<= 1;
-      --e;
-    }
-    bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// bfloat16 bits -> float (exact: bf16 is the top half of a float).
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+// The library's exact f16/bf16 widening (header-only: the tool still links only the public API).
+using ::sparsa::bf16_to_float;
+using ::sparsa::half_to_float;
 
 // The elements of a F32/F16/BF16 tensor as floats.
 inline std::vector<float> to_floats(const HostTensor& t) {

@@ -43,7 +43,8 @@ std::string canonical_policy_name(std::string name) {
 
 int32_t policy_kind_from_name(const std::string& name) {
   std::string known;
-  for (int32_t kind = SPARSA_POLICY_DENSE; kind <= SPARSA_POLICY_TOKEN_INDICES; ++kind) {
+  // Every kind the library knows: sparsa_policy_kind_name answers "unknown" past the last one.
+  for (int32_t kind = 0; std::string(sparsa_policy_kind_name(kind)) != "unknown"; ++kind) {
     if (canonical_policy_name(name) == sparsa_policy_kind_name(kind)) return kind;
     known += std::string(kind ? ", " : "") + sparsa_policy_kind_name(kind);
   }

@@ -7,6 +7,7 @@
 
 #include "../../src/backend.h"
 #include "../../src/error.h"
+#include "../../src/policy_table.h"
 #include "../../src/registry.h"
 #include "attention_loop.h"
 #include "cpu_engine.h"
@@ -20,6 +21,10 @@ namespace {
 
 // The entry running `kind`, or null with `reason` filled when this backend has none.
 PolicyEntry policy_entry(int32_t kind, std::string* reason) {
+  if (!policy_runs_on(kind, SPARSA_DEVICE_CPU)) {
+    if (reason) *reason = "cpu backend: policy kind " + std::to_string(kind) + " is not implemented";
+    return nullptr;
+  }
   switch (kind) {
     case SPARSA_POLICY_DENSE: return run_dense;
     case SPARSA_POLICY_SINK_WINDOW: return run_sink_window;
@@ -34,15 +39,17 @@ PolicyEntry policy_entry(int32_t kind, std::string* reason) {
   }
 }
 
-// Block sizes at which a kind reports SPARSA_STAT_BLOCKS_*; {0, 0} for the token policies (no block tiling).
+// DENSE and SINK_WINDOW report blocks at the tiling they run at.
+static_assert(kDefaultBlockQ == kStatTileRows && kDefaultBlockK == kStatTileKeys, "stats tiling = run tiling");
+
+// Block sizes at which a kind reports SPARSA_STAT_BLOCKS_* (src/policy_table.h); {0, 0}: no block tiling.
 std::pair<int32_t, int32_t> stat_block_sizes(const PolicyParams& policy) {
-  switch (policy.p.kind) {
-    case SPARSA_POLICY_DENSE:
-    case SPARSA_POLICY_SINK_WINDOW: return {kDefaultBlockQ, kDefaultBlockK};
-    case SPARSA_POLICY_BLOCK_SPARSE:
-    case SPARSA_POLICY_SPARGE: return {policy.p.block_q, policy.p.block_k};
-    default: return {0, 0};
+  switch (policy_kind_info(policy.p.kind)->stat_blocks) {
+    case StatBlocks::kDefaultTiling: return {kStatTileRows, kStatTileKeys};
+    case StatBlocks::kPolicyBlocks: return {policy.p.block_q, policy.p.block_k};
+    case StatBlocks::kNone: break;
   }
+  return {0, 0};
 }
 
 class CpuBackend final : public Backend {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "../../src/common/policy_sizes.h"
 #include "attention_loop.h"
 #include "cpu_engine.h"
 
@@ -16,8 +17,7 @@ namespace sparsa::cpu {
 namespace {
 
 int64_t sparse_prefix(int64_t seq_q, int64_t gamma, int64_t tail_min) {
-  const int64_t cut = seq_q % gamma + std::max(tail_min, gamma);
-  return seq_q - cut;
+  return delta_sparse_prefix(seq_q, gamma, tail_min);  // src/common/policy_sizes.h
 }
 
 }  // namespace

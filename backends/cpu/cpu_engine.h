@@ -1,4 +1,5 @@
-// Engine-side additions to the CPU attention-loop API (attention_loop.h stays as the lead wrote it).
+// What the CPU policies share on top of the attention-loop API (attention_loop.h): the scratch layout and its
+// slots, the GQA-stacked walks, parallel_items and the plan functions.
 //
 // Scratch layout. ExecContext::scratch holds 2·W + kRunScratchSlots entries for a pool of W workers:
 //   [0, W)        loop scratch of worker w: attend_block_walk / attend_index_list own it during a call (a caller

@@ -19,6 +19,7 @@
 #include <numeric>
 #include <vector>
 
+#include "../../src/common/policy_sizes.h"
 #include "../../src/error.h"
 #include "attention_loop.h"
 #include "cpu_select_util.h"
@@ -154,7 +155,7 @@ struct SequencePlan {
 
 // Size of I for a sequence: [0, N) when dense, else n_init + top_k + n_local.
 int64_t index_set_size(const SequencePlan& plan, const SelectParams& params) {
-  return plan.dense ? plan.seq_k : params.n_init + params.top_k + params.n_local;
+  return plan.dense ? plan.seq_k : token_select_set_size(params.n_init, params.top_k, params.n_local);
 }
 
 // Writes I = [0, n_init) ∪ T ∪ [N - n_local, N) to ids (ascending, because T lies inside the candidates), or

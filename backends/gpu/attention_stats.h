@@ -5,14 +5,16 @@
 
 #include <cstdint>
 
+#include "../../src/policy_table.h"
 #include "forward_params.h"
 #include "gpu_runtime.h"
 
 SPARSA_GPU_NAMESPACE_BEGIN
 
-// Tiling at which DENSE and SINK_WINDOW report BLOCKS_COMPUTED / BLOCKS_TOTAL (sparsa.h: 128 × 64).
-constexpr int32_t kStatTileRows = 128;
-constexpr int32_t kStatTileKeys = 64;
+// DENSE and SINK_WINDOW report BLOCKS_COMPUTED / BLOCKS_TOTAL at sparsa::kStatTileRows × kStatTileKeys
+// (src/policy_table.h).
+using ::sparsa::kStatTileKeys;
+using ::sparsa::kStatTileRows;
 
 struct StatsParams {
   int64_t* out = nullptr;  // int64 [n] with element stride `stride`
@@ -30,7 +32,7 @@ cudaError_t stats_zero_launch(const StatsParams& s, cudaStream_t stream);
 // Adds PAIRS_DENSE, and PAIRS_COMPUTED / BLOCKS_COMPUTED / BLOCKS_TOTAL as `s` asks, for the rule in `p`.
 cudaError_t stats_count_launch(const ForwardParams& p, const StatsParams& s, cudaStream_t stream);
 
-// Device helper for other kernels: adds `value` to counter `index` when the output has it.
+// Device function for other kernels: adds `value` to counter `index` when the output has it.
 __device__ __forceinline__ void stats_add(const StatsParams& s, int32_t index, int64_t value) {
   if (s.out != nullptr && index < s.count && value != 0) {
     atomicAdd(reinterpret_cast<unsigned long long*>(s.out + index * s.stride), static_cast<unsigned long long>(value));

@@ -4,6 +4,7 @@
 // element predicate inside the tiles they compute.
 #pragma once
 
+#include "../../src/common/policy_sizes.h"
 #include "forward_params.h"
 #include "gpu_runtime.h"
 
@@ -50,8 +51,7 @@ __device__ __forceinline__ SequenceView make_sequence_view(const ForwardParams& 
   s.causal_offset = s.seq_k - s.seq_q;
   s.rows = s.seq_q;
   if (p.row_map == QueryRowMap::kDeltaRows) {
-    const int32_t cut = s.seq_q % p.delta_gamma + max(p.delta_tail_min, p.delta_gamma);
-    s.delta_prefix = max(0, s.seq_q - cut);
+    s.delta_prefix = max(0, delta_sparse_prefix(s.seq_q, p.delta_gamma, p.delta_tail_min));
     s.delta_anchors = (s.delta_prefix + p.delta_gamma - 1) / p.delta_gamma;
     s.rows = s.delta_anchors + (s.seq_q - s.delta_prefix);
   } else if (p.row_map == QueryRowMap::kTokenLists) {

@@ -180,18 +180,16 @@ StatsParams make_stats_params(const AttentionProblem& problem, const PolicyParam
   st.out = problem.stats.ptr<int64_t>();
   st.stride = problem.stats.stride(0);
   st.count = int32_t(std::min<int64_t>(problem.stats.extent(0), SPARSA_STAT_COUNT));
-  switch (policy.p.kind) {
-    case SPARSA_POLICY_DENSE:
-    case SPARSA_POLICY_SINK_WINDOW:
+  switch (policy_kind_info(policy.p.kind)->stat_blocks) {  // src/policy_table.h
+    case StatBlocks::kDefaultTiling:
       st.tile_rows = kStatTileRows;
       st.tile_keys = kStatTileKeys;
       break;
-    case SPARSA_POLICY_BLOCK_SPARSE:
-    case SPARSA_POLICY_SPARGE:
+    case StatBlocks::kPolicyBlocks:
       st.tile_rows = policy.p.block_q;
       st.tile_keys = policy.p.block_k;
       break;
-    default:
+    case StatBlocks::kNone:
       st.pairs_computed = false;  // token policies: their own kernels add their pairs
       break;
   }

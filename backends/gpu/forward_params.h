@@ -81,8 +81,8 @@ struct ForwardParams {
   // ---- Query-row maps (default kAll: the fields below are ignored) ----
   // A launch with a row map uses the dense rule (rule == kDense), no PV skip and no split-KV (supports() refuse
   // the first two; the launchers run such launches unsplit whatever num_splits says).
-  // kDeltaRows: per sequence with Sq_b rows, cut = Sq_b % delta_gamma + max(delta_tail_min, delta_gamma),
-  //   s_p = max(0, Sq_b - cut), anchors = ceil(s_p / delta_gamma). Launch row a < anchors is query position
+  // kDeltaRows: per sequence with Sq_b rows, s_p = max(0, delta_sparse_prefix(Sq_b, delta_gamma, delta_tail_min))
+  //   (src/common/policy_sizes.h), anchors = ceil(s_p / delta_gamma). Launch row a < anchors is query position
   //   a * delta_gamma, row a >= anchors is position s_p + (a - anchors); rows_b = anchors + (Sq_b - s_p). Keys are
   //   the sequence's own (dense rule, causal by the row's position: key j visible iff j <= pos(a) + Skv_b - Sq_b).
   //   Output and lse rows are compact: out row a of (b, h) at b*out_strides.b + a*out_strides.s + h*out_strides.h

@@ -291,6 +291,10 @@ class GpuBackend final : public Backend {
 
   // The policy itself, ignoring the Δ flag.
   bool base_supports(const AttentionProblem& problem, const PolicyParams& policy, std::string* reason) const {
+    if (!policy_runs_on(policy.p.kind, device_type())) {  // src/policy_table.h
+      if (reason != nullptr) *reason = std::string(backend_name()) + " backend: policy kind not implemented";
+      return false;
+    }
     switch (policy.p.kind) {
       case SPARSA_POLICY_DENSE:
       case SPARSA_POLICY_SINK_WINDOW:

@@ -13,6 +13,7 @@
 // was skipped this file also adds what the base's count would have (PAIRS_DENSE, BLOCKS_TOTAL).
 #include <algorithm>
 
+#include "../../src/common/policy_sizes.h"
 #include "../../src/error.h"
 #include "forward_common.cuh"
 #include "gpu_policies.h"
@@ -26,7 +27,7 @@ constexpr int kStatsThreads = 256;
 enum StatIndex { kPairsComputed = 0, kPairsDense = 1, kBlocksComputed = 2, kBlocksTotal = 3 };
 
 int64_t sparse_prefix(int64_t seq_q, int64_t gamma, int64_t tail_min) {
-  return seq_q - (seq_q % gamma + std::max(tail_min, gamma));
+  return delta_sparse_prefix(seq_q, gamma, tail_min);  // src/common/policy_sizes.h
 }
 
 // Upper bound of any sequence's compact row count anchors + (Sq - s_p) for Sq <= max_seq_q: Sq - s_p <= gamma - 1 +

@@ -6,8 +6,16 @@
 //
 // Lane-count rules every kernel here follows:
 //   - kWarpLanes is the hardware warp/wavefront width *of the code being compiled*: 32 on NVIDIA, 64 on gfx90a and
-//     gfx940 (CDNA), 32 on RDNA. Only the tensor-core kernel (forward_mma.cu) assumes 32 lanes, and it is compiled
-//     only for NVIDIA (SPARSA_GPU_HAS_MMA_SYNC); the portable kernels use block-wide barriers and no warp shuffles.
+//     gfx940 (CDNA), 32 on RDNA.
+//   - Code laid out over 32-lane mma fragments is NVIDIA-only (compiled under SPARSA_GPU_HAS_MMA_SYNC or for sm_90a
+//     only, a stub or an FMA path elsewhere) and asserts kWarpLanes == 32: forward_mma.cu, forward_wgmma.cu,
+//     forward_sage.cu and the tensor-core decode kernel of forward_decode.cu (through mma_primitives.cuh), and the
+//     float64 MMA score kernels of token_select_score.cu and gpu_token_sparse.cu.
+//   - Every kernel compiled for HIP either reduces over kWarpLanes lanes (warp_shfl_xor, warp_ballot: sparge_predict.cu,
+//     token_indices.cu, the CUDA-core decode kernel, gpu_token_select.cu, the FMA score kernel of
+//     token_select_score.cu), or works in groups of 32 lanes that a 64-wide wavefront holds twice (VisibleTileWalk in
+//     forward_common.cuh, the FMA scoring of gpu_token_sparse.cu), or uses no warp primitive at all (forward_simt.cu,
+//     merge_states.cu, attention_stats.cu, device_topk.cu, kv_prefetch.cu, gpu_sparge.cu, gpu_delta.cu).
 //   - ballots are returned as 64-bit masks (lane_mask_t) so the same code holds on 64-wide wavefronts.
 #pragma once
 

@@ -30,6 +30,7 @@
 // cores' float64 MMA, whose partial sums round differently again) and the sums of the softmax run in tree order, so
 // votes equal the CPU's to a few ulps, not bit for bit: selections agree unless two votes at the top-k boundary are
 // that close.
+#include "../../src/common/policy_sizes.h"
 #include "../../src/error.h"
 #include "device_topk.h"
 #include "token_select_common.cuh"
@@ -182,7 +183,7 @@ __global__ void __launch_bounds__(kListThreads) list_kernel(const SelectParams s
   const SequenceInfo info = sp.sequences[b];
   const SequenceView s = make_sequence_view(sp.p, b, 0);
   const IndexSetParams& ix = sp.ix;
-  const int32_t n = info.mode == kNoRows ? 0 : (info.mode == kDense ? s.seq_k : sp.n_init + sp.top_k + sp.n_local);
+  const int32_t n = info.mode == kNoRows ? 0 : (info.mode == kDense ? s.seq_k : token_select_set_size(sp.n_init, sp.top_k, sp.n_local));
   const int64_t list_at = int64_t(b) * sp.n_sets + set;
   int32_t* list = ix.key_lists + list_at * ix.list_capacity;
   const int32_t* selection = selection_of(sp, b, set);
@@ -312,7 +313,7 @@ RunShape run_shape(const AttentionProblem& problem, const PolicyParams& policy) 
   RunShape shape;
   shape.n_sets = pol.select_per_kv_head ? problem.num_kv_heads : 1;
   shape.heads_per_set = problem.num_q_heads / std::max(shape.n_sets, 1);
-  const int64_t selected = int64_t(pol.select_n_init) + pol.select_top_k + pol.select_n_local;
+  const int64_t selected = token_select_set_size<int64_t>(pol.select_n_init, pol.select_top_k, pol.select_n_local);
   shape.all_dense = problem.max_seq_k <= selected;
   shape.max_candidates = shape.all_dense ? 0 : problem.max_seq_k - pol.select_n_init - pol.select_n_local;
   shape.tiles = int32_t((shape.max_candidates + kScoreTile - 1) / kScoreTile);

@@ -13,6 +13,8 @@
 SPARSA_GPU_NAMESPACE_BEGIN
 namespace mma {
 
+static_assert(kWarpLanes == 32, "mma.sync, ldmatrix and wgmma fragment layouts are those of 32-lane warps");
+
 // Element types of the tensor-core paths, as overload tags.
 struct HalfTag {};
 struct BFloat16Tag {};

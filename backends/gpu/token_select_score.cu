@@ -178,6 +178,10 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm) score_kernel
 // q̄ of head r at the same dims, which therefore sit in registers for the whole block (head_dim/4 doubles a lane).
 // Products are the exact ones of the FMA kernel (same widening, same pre-scaled q̄); only how the MMA's partial
 // sums round differs, a few ulps (see the file comment).
+constexpr int kMmaBlocksPerSm = 3;  // 164 registers a thread: 3 blocks (12 warps, 72 KB of copies in flight) per SM
+
+// The MMA kernel and its layout constants: NVIDIA only.
+#if SPARSA_GPU_HAS_MMA_SYNC
 constexpr int kMmaThreads = 128;  // 4 warps; warp w owns candidates [64w, 64w + 64) of every tile
 constexpr int kMmaWarps = kMmaThreads / 32;
 constexpr int kMmaM = 8, kMmaN = 8, kMmaK = 4;  // candidates × heads × dims of one m8n8k4
@@ -195,12 +199,10 @@ constexpr int kMmaCopiesPerRow = kRoundBytes / kPieceBytes;
 constexpr int kMmaCopyRows = kMmaThreads / kMmaCopiesPerRow;  // rows one copy pass covers (one per warp's half)
 constexpr int kMmaMaxHeadDim = 128;                           // q̄ fragments stay in registers up to here
 constexpr int kQbarSlots = kMmaMaxHeadDim / kMmaK;            // doubles of q̄ per lane
-constexpr int kMmaBlocksPerSm = 3;  // 164 registers a thread: 3 blocks (12 warps, 72 KB of copies in flight) per SM
 constexpr int kMmaMinGroup = 4;     // below this most of every MMA would multiply zeros: the FMA kernel serves it
 static_assert(kMmaCopyRows == kHalfCandidates, "copy pass k stages warp k's rows of the half");
 static_assert(kWarpLanes == 32 || !SPARSA_GPU_DEVICE_HAS_MMA_SYNC, "m8n8k4 fragments are laid out over 32 lanes");
 
-#if SPARSA_GPU_HAS_MMA_SYNC
 // Piece `part` of the round at `first_dim` of key row `key_at` (-1: past the candidates) into `to` without a
 // 16-byte load: unaligned rows and the tail of D (zeros past D). Kept out of line: the copier is unrolled per round.
 template <ElementType kType>

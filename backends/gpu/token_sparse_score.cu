@@ -39,13 +39,16 @@ namespace {
 // m8n8k4 fragments). The fragment layout is that of 32 lanes; on a 64-wide HIP wavefront each half plays one warp
 // (the FMA fallback runs there, and every shuffle below stays inside a 32-lane half).
 constexpr int kScoreThreads = 256;
+static_assert(kWarpLanes % kLanes == 0, "a warp or wavefront holds whole 32-lane groups");
+static_assert(kWarpLanes == kLanes || !SPARSA_GPU_DEVICE_HAS_MMA_SYNC, "m8n8k4 fragments are laid out over 32 lanes");
 constexpr int kTileRows = 128;
 constexpr int kTileKeys = 64;
 constexpr int kWarpRows = 32;
 constexpr int kWarpKeys = 32;
 constexpr int kWarpsAlongKeys = kTileKeys / kWarpKeys;  // 2
 constexpr int kWarpsAlongRows = kTileRows / kWarpRows;  // 4
-constexpr int kMmaM = 8, kMmaN = 8, kMmaK = 4;            // mma.sync m8n8k4 .f64
+constexpr int kMmaM = 8, kMmaN = 8;                      // mma.sync m8n8k4 .f64 (the FMA path keeps its layout)
+[[maybe_unused]] constexpr int kMmaK = 4;                 // the MMA path only (not compiled for HIP)
 constexpr int kFragsM = kWarpRows / kMmaM;                // 4
 constexpr int kFragsN = kWarpKeys / kMmaN;                // 4
 constexpr int kStageDims = 16;                            // head dims staged in shared memory per step
@@ -330,6 +333,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_f64_kernel(const SparsePa
 
 // ================================================================================== fp32 scores (tensor cores)
 
+#if SPARSA_GPU_HAS_MMA_SYNC  // NVIDIA only (mma.sync, ldmatrix, cp.async)
 constexpr int kFp32Threads = 256;                  // 8 warps × 16 window rows
 constexpr int kFp32Rows = 128;                     // window rows per pass over the chunk
 constexpr int kFp32Keys = 64;                      // keys per K tile: 8 mma n-fragments per warp
@@ -345,7 +349,6 @@ static_assert(2 * kFp32KeyTileHalves == kFp32StageHalves, "two K stages fill the
 static_assert(kKeysPerBlock % kFp32Keys == 0, "a key chunk is whole tiles");
 static_assert(kFp32Rows == (kFp32Threads / kLanes) * 16, "one 16-row mma tile per warp");
 
-#if SPARSA_GPU_HAS_MMA_SYNC
 template <typename Tag, bool kCandidateSums>
 __global__ void __launch_bounds__(kFp32Threads) score_fp32_kernel(const SparseParams sp) {
 #if SPARSA_GPU_DEVICE_HAS_MMA_SYNC

@@ -3,18 +3,15 @@
 //   * merge()    — combine two states over disjoint key sets (split-KV, the CPU tile loop, Δ, sparsa_merge_states);
 //   * lse()/finalize() — turn a state into the normalised row and its natural-log LSE.
 // A state that saw no key (l == 0) finalises to an exact zero row and LSE −inf, never NaN.
-// Written for host and device: SPARSA_HOST_DEVICE is empty unless compiled by nvcc/hipcc; no CUDA include.
+// Used by the CPU backend (attention_loop.cpp, cpu_merge.cpp). The GPU kernels do not use it: they keep m and l per
+// row in registers in base 2 (scale·log2(e) folded into the scores) and merge split-KV partial states in their own
+// combine kernels (forward_decode.cu, merge_states.cu) with the same formulas. The functions are SPARSA_HOST_DEVICE
+// so that a kernel could include this header; no CUDA include.
 #pragma once
 
 #include <cmath>
 
-#ifndef SPARSA_HOST_DEVICE
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define SPARSA_HOST_DEVICE __host__ __device__
-#else
-#define SPARSA_HOST_DEVICE
-#endif
-#endif
+#include "host_device.h"
 
 namespace sparsa {
 

@@ -1,2 +1,0 @@
-// HIP build of gpu_token_sparse.cu: the same source, compiled by hipcc (cmake/sparsa_gpu.cmake). Do not add code here.
-#include "../gpu_token_sparse.cu"

@@ -1,2 +1,0 @@
-// HIP build of token_select_score.cu: the same source, compiled by hipcc (cmake/sparsa_gpu.cmake). Do not add code here.
-#include "../token_select_score.cu"
