@@ -328,7 +328,13 @@ __global__ void __launch_bounds__(kZeroThreads) zero_kernel(const SparseParams s
     if ((kept[r / kBitsPerWord] >> (r % kBitsPerWord)) & 1u) continue;
     const int32_t i = row0 + r;
     const int64_t out_row = query_row_offset(p.out_strides, s, i);
-    for (int32_t d = lane; d < p.head_dim; d += kLanes) store_value(p.out, out_row + d, p.element_type, 0.f);
+    if (sp.out_aligned16) {  // +0 has all bits clear in f32, f16 and bf16: 16-byte stores of zeros
+      const int32_t element_bytes = p.element_type == ElementType::kF32 ? 4 : 2;
+      uint4* row = reinterpret_cast<uint4*>(static_cast<char*>(p.out) + out_row * element_bytes);
+      for (int32_t c = lane; c < p.head_dim * element_bytes / 16; c += kLanes) row[c] = make_uint4(0, 0, 0, 0);
+    } else {
+      for (int32_t d = lane; d < p.head_dim; d += kLanes) store_value(p.out, out_row + d, p.element_type, 0.f);
+    }
     if (lane == 0 && p.lse != nullptr) {
       p.lse[s.b * p.lse_strides.b + int64_t(h) * p.lse_strides.h + (s.q_row_base + i) * p.lse_strides.s] = kNegInf;
     }
@@ -418,6 +424,8 @@ void token_sparse_run(const GpuDevice& device, const AttentionProblem& problem, 
   sp.min_tokens = policy.p.token_sparse_min_tokens;
   sp.coverage = double(policy.p.token_sparse_coverage);
   sp.q_aligned16 = rows_aligned_16(problem.q);
+  const int64_t row_bytes = int64_t(problem.head_dim) * (sp.fw.element_type == ElementType::kF32 ? 4 : 2);
+  sp.out_aligned16 = rows_aligned_16(problem.out) && row_bytes % 16 == 0;
   sp.key_chunks = shape.key_chunks;
   sp.cand_stride = shape.cand_stride;
   sp.capacity = shape.capacity;

@@ -25,6 +25,7 @@ struct SparseParams {
   int32_t min_tokens = 0;
   double coverage = 0.0;     // τ as the CPU reads it: double(float)
   bool q_aligned16 = false;  // q rows start on 16-byte boundaries (vector staging)
+  bool out_aligned16 = false;  // out rows start on 16-byte boundaries and span whole 16-byte chunks (zeroed rows)
   int32_t key_chunks = 0;    // kKeysPerBlock chunks of the longest sequence
   int64_t cand_stride = 0;   // row stride of the per-(b, h) candidate arrays: >= every L − W
   double* partial_max = nullptr;  // [B·Hq, key_chunks, W]
