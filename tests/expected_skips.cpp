@@ -52,7 +52,7 @@ const std::vector<ExpectedSkip>& table() {
        "checking index contents in device memory would need a host synchronisation inside the run, which the ABI "
        "forbids (rule 9); GPU backends ignore such ids instead (docs/gpu.md)"},
       {"Sparge.IntrospectionMaskIsUnsupportedForOtherPolicies", "CUDA", SkipKind::kMaySkip,
-       "block_mask_out is SPARGE's output",
+       "block_mask_out",
        "the test asks for SPARGE's mask from DENSE; the GPU backend refuses it with UNSUPPORTED, which the harness "
        "turns into a skip on non-CPU backends"},
   };

@@ -70,6 +70,9 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   policy_fields: List[float], block_mask: Optional[torch.Tensor],
                   sparge_head_params: Optional[torch.Tensor], indices: Optional[torch.Tensor],
                   head_map: Optional[torch.Tensor]) -> torch.Tensor:
+    # sparsa computes the forward pass only (no autograd formula): inputs that require grad (a model traced
+    # outside torch.no_grad, e.g. by torch._dynamo.explain) are read through detached views, as DLPack requires.
+    q, k, v = q.detach(), k.detach(), v.detach()
     out = q.new_empty(q.shape)
     policy = _FieldsPolicy(policy_fields, {"block_mask": block_mask, "sparge_head_params": sparge_head_params,
                                            "indices": indices, "head_map": head_map})

@@ -14,8 +14,9 @@ import sparsa
 
 SEED = 1234
 BATCH, PROMPT, DECODE_STEPS = 2, 96, 6
-CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)  # GQA 8:2, head_dim 32
+CONFIG = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)  # GQA 8:2, head_dim 64
+# (head_dim 64: the Sage path of SPARGE runs head dims 64 and 128 on the GPU)
 # "bf16 noise": the sparsa model's logits may differ from sdpa's by a few times what bf16 rounding alone makes
 # (sdpa in bf16 against an fp32 eager model), with a floor for the case where that difference is tiny.
 NOISE_FACTOR, NOISE_FLOOR = 4.0, 2e-2
@@ -181,6 +182,11 @@ POLICIES = {
 }
 
 
+# Policies that choose keys from the values of q and k (the others choose from positions or the caller's indices).
+VALUE_DEPENDENT_SELECTIONS = {"sparge", "sparge_quantized", "token_sparse", "token_select"}
+SELECTION_FLIP_BOUND = 0.05  # relative L2 difference of the logits, compiled vs eager
+
+
 @pytest.mark.parametrize("policy_name", sorted(POLICIES))
 def test_every_policy_runs_inside_the_compiled_model(model, tokens, policy_name):
     sparsa_hf.register(policy=POLICIES[policy_name])
@@ -196,8 +202,15 @@ def test_every_policy_runs_inside_the_compiled_model(model, tokens, policy_name)
             got.append(compiled(tokens[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
     for step, (g, e) in enumerate(zip(got, eager)):
         assert torch.isfinite(g).all(), f"{policy_name}: non-finite logits at step {step}"
-        # compiling changes the surrounding torch code's rounding only: the same bf16 noise bound as against sdpa
-        _assert_within_noise(g, e, NOISE_FLOOR * NOISE_FACTOR, f"{policy_name} step {step} compiled vs eager")
+        if policy_name in VALUE_DEPENDENT_SELECTIONS:
+            # Compiling changes the rounding of q and k, and a selection made from their values may flip a
+            # near-tied token: the logits of that row then move by more than bf16 noise. What must hold is that
+            # they stay close as a whole.
+            relative = ((g.float() - e.float()).norm() / e.float().norm()).item()
+            assert relative <= SELECTION_FLIP_BOUND, f"{policy_name} step {step}: compiled vs eager {relative:.3g}"
+        else:
+            # compiling changes the surrounding torch code's rounding only: the same bf16 noise bound as for sdpa
+            _assert_within_noise(g, e, NOISE_FLOOR * NOISE_FACTOR, f"{policy_name} step {step} compiled vs eager")
 
 
 def test_padding_is_refused_with_a_reason(model, tokens):
