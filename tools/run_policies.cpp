@@ -196,7 +196,7 @@ void print_run_policies_help(std::ostream& os) {
 int run_policies_command(const std::vector<std::string>& args) {
   PoliciesSettings s;
   sparsa_policy base;
-  check(sparsa_policy_init(&base, SPARSA_POLICY_DENSE), "sparsa_policy_init");
+  check(sparsa_policy_init(&base, sizeof base, SPARSA_POLICY_DENSE), "sparsa_policy_init");
   std::vector<Option> options = policies_options(s);
   for (Option& o : run_policy_field_options(base)) options.push_back(std::move(o));
   parse_options(args, options, "run");
