@@ -572,8 +572,11 @@ pub struct sparsa_policy {
     pub select_cache_theta: f32,
     #[doc = "< 1 = one selection per kv head (vote over its group); default 0 = shared"]
     pub select_per_kv_head: i32,
-    #[doc = " int32 [B, H_idx, k]: token ids (index_block_size == 1) or block ids, -1 = unused slot; any other value"]
-    #[doc = "outside [0, N) (token ids) or [0, ceil(N/index_block_size)) (block ids) is SPARSA_STATUS_INDEX_OUT_OF_RANGE."]
+    #[doc = " int32 [B, H_idx, k]: token ids (index_block_size == 1) or block ids, -1 = unused slot. Any other value"]
+    #[doc = "outside [0, N) (token ids) or [0, ceil(N/index_block_size)) (block ids): in host memory the run fails with"]
+    #[doc = "SPARSA_STATUS_INDEX_OUT_OF_RANGE and writes nothing; in device memory the contents are not read by the host"]
+    #[doc = "(that would need a synchronisation), so such a value is ignored like -1 (no error, never read out of bounds)."]
+    #[doc = "The same holds for head_map entries outside [0, H_idx)."]
     pub indices: *const sparsa_tensor,
     #[doc = " Optional int32 [Hq]: row of `indices` each query head uses, in [0, H_idx); NULL = h / (Hq / H_idx)."]
     pub head_map: *const sparsa_tensor,
