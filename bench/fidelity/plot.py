@@ -22,6 +22,8 @@ NAMES = {"sink_window": "SINK_WINDOW", "sparge": "SPARGE", "sage": "SPARGE (Sage
          "token_select_kv": "TOKEN_SELECT per kv head", "topk_per_head": "per-head top-k",
          "vote01": "0/1 head vote", "token_indices": "TOKEN_INDICES (draft blocks)",
          "sparge_tuned": "SPARGE tuned (L1 target)"}
+# Sage shares SPARGE's points almost exactly: crosses keep it visible on top of SPARGE's line.
+MARKERS = {"sage": "x"}
 
 
 def curves(results):
@@ -64,7 +66,9 @@ def plot_harness(data, path):
                     value = value / dense[metric]
                 xs.append(r[sparsity])
                 ys.append(value)
-            ax.plot(xs, ys, "--" if delta else "-", marker="o", ms=3, color=color, label=label)
+            marker = MARKERS.get(policy, "o")
+            ax.plot(xs, ys, "--" if delta else "-", marker=marker, ms=6 if marker == "x" else 3, color=color,
+                    label=label)
     for ax, (metric, _, title, relative) in zip(axes, panels):
         if relative:
             ax.axhline(1.01, color="grey", lw=0.8, ls=":")

@@ -4,8 +4,10 @@ numpy model, sparsa's CPU backend through the Python binding, a short context of
 
 1. DENSE through sparsa reproduces the model's own attention (float64 reference) within fp32 noise, at every layer,
    and the logits agree.
-2. Δ lowers SINK_WINDOW's per-layer attention-output error against dense (the mean over layers), and both runs
-   report a sparsity in (0, 1) from their stats.
+2. Δ on SINK_WINDOW computes what ALGORITHMS.md §8 says at every layer: O[i] = O_sparse[i] + (O_dense[r] −
+   O_sparse[r]) for rows before the dense tail (r = the row's anchor, itself dense) and O_dense[i] in the tail, within
+   fp32 noise; both runs report a sparsity in (0, 1) from their stats. Whether Δ lowers the error is printed, not
+   asserted: on the trained checkpoint it does not (docs/fidelity.md, question 1).
 3. The harness's head-vote baselines are built right: TokenSelect's soft vote rebuilt on TOKEN_INDICES (the way the
    per-head top-k and 0/1-vote baselines are) gives TOKEN_SELECT's output at every layer.
 
@@ -42,6 +44,42 @@ def repository_text():
     """Deterministic bytes to run on: the repository's docs (the held-out split is not committed)."""
     paths = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")]
     return np.frombuffer(b"".join(open(p, "rb").read() for p in paths), dtype=np.uint8)
+
+
+def delta_oracle(sparse, dense, gamma, tail_min):
+    """ALGORITHMS.md §8 from a sparse and a dense output [B, S, H, D]: the Δ-corrected output."""
+    rows = sparse.shape[1]
+    cut = rows % gamma + max(tail_min, gamma)
+    corrected_rows = max(rows - cut, 0)
+    out = dense.copy()
+    anchors = (np.arange(corrected_rows) // gamma) * gamma
+    out[:, :corrected_rows] = sparse[:, :corrected_rows] + (dense[:, anchors] - sparse[:, anchors])
+    return out
+
+
+class DeltaChecker:
+    """Attention hook for SINK_WINDOW + Δ: records the error against the float64 dense reference and the difference
+    from delta_oracle() built from SINK_WINDOW's own output on the same q/k/v."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.policy = sparsa.SinkWindow(**SINK_WINDOW, delta=sparsa.Delta(**DELTA))
+        self.sparse_policy = sparsa.SinkWindow(**SINK_WINDOW)
+        self.errors, self.oracle_gaps, self.pairs = [], [], [0, 0]
+
+    def __call__(self, layer, q, k, v):
+        res = sparsa.attention(self.ctx, q, k, v, policy=self.policy, causal=True, stats=True)
+        sparse = sparsa.attention(self.ctx, q, k, v, policy=self.sparse_policy, causal=True)
+        reference = numpy_model.dense_causal_attention(q, k, v)
+        self.errors.append(harness.Ops.rel_error(res.out, reference))
+        expected = delta_oracle(np.asarray(sparse), reference, DELTA["gamma"], DELTA["tail_min"])
+        self.oracle_gaps.append(harness.Ops.rel_error(res.out, expected))
+        self.pairs[0] += int(res.stats[sparsa.STAT_PAIRS_COMPUTED])
+        self.pairs[1] += int(res.stats[sparsa.STAT_PAIRS_DENSE])
+        return res.out
+
+    def sparsity(self):
+        return 1.0 - self.pairs[0] / self.pairs[1]
 
 
 class Recorder:
@@ -82,19 +120,17 @@ def main():
         if not logit_error < LOGIT_TOLERANCE:
             failures.append(f"DENSE logits error {logit_error:.3e} >= {LOGIT_TOLERANCE}")
 
-        results = {}
-        for label, policy in (("SINK_WINDOW", sparsa.SinkWindow(**SINK_WINDOW)),
-                              ("SINK_WINDOW+DELTA", sparsa.SinkWindow(**SINK_WINDOW, delta=sparsa.Delta(**DELTA)))):
-            rec = Recorder(ctx, policy)
+        for label, rec in (("SINK_WINDOW", Recorder(ctx, sparsa.SinkWindow(**SINK_WINDOW))),
+                           ("SINK_WINDOW+DELTA", DeltaChecker(ctx))):
             model.forward(tokens, attention=rec)
-            results[label] = (float(np.mean(rec.errors)), rec.sparsity())
-            print(f"{label}: mean per-layer rel. error {results[label][0]:.4f}, sparsity {results[label][1]:.3f}, "
+            print(f"{label}: mean per-layer rel. error {np.mean(rec.errors):.4f}, sparsity {rec.sparsity():.3f}, "
                   f"per layer {' '.join(f'{e:.4f}' for e in rec.errors)}")
             if not 0.0 < rec.sparsity() < 1.0:
                 failures.append(f"{label} sparsity {rec.sparsity():.3f} outside (0, 1)")
-        if not results["SINK_WINDOW+DELTA"][0] < results["SINK_WINDOW"][0]:
-            failures.append(f"Δ did not lower SINK_WINDOW's error: {results['SINK_WINDOW+DELTA'][0]:.4f} >= "
-                            f"{results['SINK_WINDOW'][0]:.4f}")
+        print(f"SINK_WINDOW+DELTA vs ALGORITHMS.md §8 built from SINK_WINDOW's output: max per-layer rel. difference "
+              f"{max(rec.oracle_gaps):.2e}")
+        if not max(rec.oracle_gaps) < FP32_NOISE:
+            failures.append(f"Δ output differs from the §8 formula by {max(rec.oracle_gaps):.3e}")
         # 3. TOKEN_SELECT vs its soft vote rebuilt on TOKEN_INDICES, chunked as in the harness
         outputs = {}
         for kind in ("token_select", "softvote_indices"):
