@@ -125,11 +125,18 @@ uint16_t float_to_bf16(float f) {
   std::memcpy(&bits, &f, sizeof bits);
   return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);  // round to nearest even (no NaN in the data)
 }
-uint16_t float_to_f16(float f) {
-  const _Float16 h = static_cast<_Float16>(f);
-  uint16_t bits;
-  std::memcpy(&bits, &h, sizeof bits);
-  return bits;
+uint16_t float_to_f16(float f) {  // round to nearest even; the data hold no NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint16_t sign = uint16_t((bits >> 16) & 0x8000u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude >= 0x47800000u) return uint16_t(sign | 0x7c00u);  // >= 65536: infinity
+  if (magnitude < 0x38800000u) {                                  // below 2^-14: a multiple of 2^-24
+    float a;
+    std::memcpy(&a, &magnitude, sizeof a);
+    return uint16_t(sign | uint16_t(std::nearbyint(a * 16777216.f)));
+  }
+  return uint16_t(sign | ((magnitude + 0xfffu + ((magnitude >> 13) & 1u) - (112u << 23)) >> 13));
 }
 
 // The same problem with Q, K, V and the output in a 16-bit dtype (the fp32 vectors are released).
@@ -236,15 +243,20 @@ Timing time_run(sparsa_context* ctx, Problem& p, bool causal, const sparsa_polic
 // other; the result is published so the reads cannot be optimised away.
 constexpr size_t kBandwidthBytes = size_t(512) << 20;
 constexpr int kBandwidthTrials = 5;
-double measure_read_bandwidth(int threads) {
+struct Bandwidth {
+  double wall = 0.0;     // bytes per wall second, all threads
+  double per_cpu = 0.0;  // bytes per CPU-second × threads: the wall rate the threads would reach with the cores alone
+};
+Bandwidth measure_read_bandwidth(int threads) {
   std::vector<uint64_t> buffer(kBandwidthBytes / sizeof(uint64_t));
   for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = i;  // touch every page before timing
   std::atomic<uint64_t> sink{0};
-  double best = 0.0;
+  Bandwidth best;
   const size_t share = buffer.size() / size_t(threads);
   for (int trial = 0; trial < kBandwidthTrials; ++trial) {
     std::vector<std::thread> pool;
     const Clock::time_point start = Clock::now();
+    const double cpu_start = process_cpu_seconds();
     for (int t = 0; t < threads; ++t)
       pool.emplace_back([&, t] {
         const uint64_t* part = buffer.data() + size_t(t) * share;
@@ -258,7 +270,9 @@ double measure_read_bandwidth(int threads) {
         sink += s0 ^ s1 ^ s2 ^ s3;
       });
     for (std::thread& th : pool) th.join();
-    best = std::max(best, double(share * size_t(threads) * sizeof(uint64_t)) / seconds_since(start));
+    const double bytes = double(share * size_t(threads) * sizeof(uint64_t));
+    best.wall = std::max(best.wall, bytes / seconds_since(start));
+    best.per_cpu = std::max(best.per_cpu, bytes * threads / (process_cpu_seconds() - cpu_start));
   }
   return best;
 }
@@ -288,9 +302,10 @@ double decode_kv_bytes(const Timing& t, const Problem& p) {
 void run_half_sections(sparsa_context* ctx, int threads, int n, int decode_n, int repeats) {
   constexpr int kHeads = 8;
   constexpr int kDim = 128;
-  const double bandwidth = measure_read_bandwidth(threads);
-  std::printf("\nmeasured read bandwidth (%d threads, %zu MiB buffer, best of %d): %.1f GB/s\n", threads,
-              kBandwidthBytes >> 20, kBandwidthTrials, bandwidth * 1e-9);
+  const Bandwidth bandwidth = measure_read_bandwidth(threads);
+  std::printf("\nmeasured read bandwidth (%d threads, %zu MiB buffer, best of %d): %.1f GB/s wall, %.1f GB/s per "
+              "CPU-second x threads\n",
+              threads, kBandwidthBytes >> 20, kBandwidthTrials, bandwidth.wall * 1e-9, bandwidth.per_cpu * 1e-9);
   sparsa_policy dense_policy;
   sparsa_policy_init(&dense_policy, SPARSA_POLICY_DENSE);
   for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16}) {
@@ -317,11 +332,16 @@ void run_half_sections(sparsa_context* ctx, int threads, int n, int decode_n, in
       decode.kv_head_major = std::getenv("SPARSA_BENCH_HEAD_MAJOR") != nullptr;
       const Timing t = time_run(ctx, decode, true, dense_policy, repeats);
       if (!t.ok) continue;
-      const double rate = decode_kv_bytes(t, decode) / t.median_seconds;
+      // Rates from the best run's wall time, and from its CPU time (what the threads would take with the cores
+      // alone, the same measure as the bandwidth's per-CPU figure).
+      const double bytes = decode_kv_bytes(t, decode);
+      const double rate = bytes / t.seconds;
+      const double rate_cpu = bytes * threads / t.cpu_seconds;
       std::printf("dense decode Sq=1 Skv=%-6lld GQA %lld/%lld %14s %9.3f ms (best %.3f)  K+V %.1f GB/s = %.2f of "
-                  "read bandwidth\n",
+                  "read bandwidth; per CPU-second %.1f GB/s = %.2f\n",
                   (long long)shape.seq_k, (long long)shape.heads_q, (long long)shape.heads_kv, "",
-                  t.median_seconds * 1e3, t.seconds * 1e3, rate * 1e-9, rate / bandwidth);
+                  t.median_seconds * 1e3, t.seconds * 1e3, rate * 1e-9, rate / bandwidth.wall, rate_cpu * 1e-9,
+                  rate_cpu / bandwidth.per_cpu);
     }
   }
   // Selection policies' decode against dense at the same N (f16, GQA 32/8, keeping 1/8 of the keys).
