@@ -75,7 +75,10 @@ const Microkernels& select_microkernels() {
   return kPortable;
 #endif
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2_microkernels();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (__builtin_cpu_supports("avx512f")) return avx512_microkernels();
+    return avx2_microkernels();
+  }
   return kPortable;
 }
 
