@@ -1,5 +1,5 @@
-// Dense decode over a key range on a 16-bit KV cache (attend_decode_keys, cpu_engine.h), and the portable decode
-// kernels (decode_kernels.h).
+// Dense decode over a key range on a 16-bit KV cache (attend_decode_keys, cpu_engine.h) with the AVX-512F decode
+// kernels (decode_kernels.h); run_dense uses it only where they exist.
 //
 // One call keeps every query head's state (q, o, m, l) for sequence b and streams the range's keys in tiles of
 // kDecodeTileKeys: all kv heads of a key are read before the next key, so the K and V bytes of the range are read
@@ -23,50 +23,10 @@ namespace sparsa::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int kDecodeRowsMax = 1024;  // widened-row buffer of the portable kernels (head_dim <= this)
-
-void scores_portable(const DecodeTile& tile, const float* q, float* st, int st_stride) {
-  float k[kDecodeRowsMax];
-  for (int j = 0; j < tile.nk; ++j)
-    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-      convert_to_f32(tile.dtype, tile.k_rows[j] + hk * tile.k_head_bytes, tile.d, k);
-      for (int l = 0; l < tile.group; ++l) {
-        const int h = hk * tile.group + l;
-        const float* q_row = q + int64_t(h) * tile.d;
-        float sum = 0.f;
-        for (int c = 0; c < tile.d; ++c) sum += q_row[c] * k[c];
-        st[int64_t(j) * st_stride + h] = sum;
-      }
-    }
-}
-
-void accumulate_portable(const DecodeTile& tile, const float* st, int st_stride, float* o) {
-  float v[kDecodeRowsMax];
-  for (int j = 0; j < tile.nk; ++j)
-    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-      convert_to_f32(tile.dtype, tile.v_rows[j] + hk * tile.v_head_bytes, tile.d, v);
-      for (int l = 0; l < tile.group; ++l) {
-        const int h = hk * tile.group + l;
-        const float p = st[int64_t(j) * st_stride + h];
-        if (p == 0.f) continue;
-        float* o_row = o + int64_t(h) * tile.d;
-        for (int c = 0; c < tile.d; ++c) o_row[c] += p * v[c];
-      }
-    }
-}
-
-constexpr DecodeKernels kPortableDecode = {scores_portable, accumulate_portable, "portable"};
 
 int round_up(int n, int multiple) { return (n + multiple - 1) / multiple * multiple; }
 
 }  // namespace
-
-const DecodeKernels& portable_decode_kernels() { return kPortableDecode; }
-
-const DecodeKernels& select_decode_kernels(int d) {
-  const DecodeKernels* fast = avx512_decode_kernels(d);
-  return fast ? *fast : kPortableDecode;
-}
 
 size_t decode_keys_floats(int head_dim, int num_q_heads) {
   const size_t hq = size_t(num_q_heads);
@@ -84,9 +44,9 @@ void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_
   const int st_stride = nr_pad + kStridePad;
   const int64_t eb = element_bytes(problem.dtype);
   const Microkernels& kernels = select_microkernels();
-  const DecodeKernels& decode = select_decode_kernels(d);
-  if (d > kDecodeRowsMax && &decode == &kPortableDecode)
-    fail(SPARSA_STATUS_INTERNAL, "attend_decode_keys: head_dim ", d, " above ", kDecodeRowsMax);
+  const DecodeKernels* kernels_or_null = avx512_decode_kernels(d);
+  if (!kernels_or_null) fail(SPARSA_STATUS_INTERNAL, "attend_decode_keys: no decode kernels for head_dim ", d);
+  const DecodeKernels& decode = *kernels_or_null;
 
   float* next = scratch.reserve(decode_keys_floats(d, hq));
   auto carve = [&next](size_t floats) {

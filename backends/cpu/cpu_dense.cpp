@@ -6,6 +6,7 @@
 
 #include "attention_loop.h"
 #include "cpu_engine.h"
+#include "decode_kernels.h"
 
 namespace sparsa::cpu {
 
@@ -89,12 +90,13 @@ namespace {
 // Dense decode on a 16-bit KV cache: the keys of every sequence are cut into ranges of kDecodeRangeKeys (a fixed
 // size, so the result does not depend on the thread count), each range is one work item that reads its K and V once
 // for all heads (attend_decode_keys), and the ranges' normalised rows are merged by LSE. fp32 problems keep the block
-// walk (its arithmetic is what the shared test vectors pin).
+// walk (its arithmetic is what the shared test vectors pin), and so do CPUs without the AVX-512F decode kernels.
 constexpr int64_t kDecodeRangeKeys = 1024;  // a multiple of kDefaultBlockK, so BLOCKS_COMPUTED counts the same
 
 bool use_decode_ranges(const AttentionProblem& problem) {
   return problem.max_seq_q == 1 && problem.dtype != SPARSA_DTYPE_F32 && problem.num_q_heads > 0 &&
-         problem.num_q_heads / problem.num_kv_heads <= kMaxStackedRows;
+         problem.num_q_heads / problem.num_kv_heads <= kMaxStackedRows &&
+         avx512_decode_kernels(problem.head_dim) != nullptr;
 }
 
 void run_dense_decode(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec) {

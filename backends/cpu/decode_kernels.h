@@ -3,7 +3,8 @@
 // fp32), all kv heads of a key before the next key, so a thread walks its key range front to back.
 //   scores      Sᵀ[j, h] = Σ_c q[h, c] · K[key j, kv head of h][c]
 //   accumulate  o[h, :] += Σ_j Sᵀ[j, h] · V[key j, kv head of h][:]
-// An AVX-512F version (decode_avx512.cpp, head dims 64/128/256) and a portable one, chosen at run time.
+// AVX-512F only (decode_avx512.cpp, head dims 64/128/256): elsewhere dense decode keeps the tile loop, whose AVX2 /
+// portable kernels already serve it (measured on AVX-512: the range path pays with these kernels).
 #pragma once
 
 #include <cstdint>
@@ -27,13 +28,11 @@ struct DecodeKernels {
   void (*scores)(const DecodeTile& tile, const float* q, float* st, int st_stride);
   // o[h * d + c] += Σ_j st[j * st_stride + h] · V_j[c] (terms with a zero probability skipped).
   void (*accumulate)(const DecodeTile& tile, const float* st, int st_stride, float* o);
-  const char* name;  // "avx512f" or "portable"
+  const char* name;  // "avx512f"
 };
 
-const DecodeKernels& portable_decode_kernels();
-// The AVX-512F table when this CPU has AVX-512F and the library was built for x86-64 and d is 64, 128 or 256; else
-// null.
+// The AVX-512F table when this CPU has AVX-512F, the library was built for x86-64 (and not with
+// SPARSA_CPU_PORTABLE_KERNELS) and d is 64, 128 or 256; else null.
 const DecodeKernels* avx512_decode_kernels(int d);
-const DecodeKernels& select_decode_kernels(int d);
 
 }  // namespace sparsa::cpu
