@@ -1,5 +1,6 @@
 // sparsa CPU benchmark.
-//   1. Measures the machine's fp32 FMA peak: independent FMA chains on every thread (AVX2 when the CPU has it).
+//   1. Measures the machine's fp32 FMA peak: independent FMA chains on every thread (AVX2 when the CPU has it, and
+//      AVX-512F too when it has that: the ratios then use the AVX-512 peak, the kernels' own instruction set).
 //   2. Dense fp32 attention, B=1, H=8, N=4096, D=128, non-causal and causal: achieved GFLOP/s (4·D·pairs flops,
 //      pairs = N² non-causal) and the ratio to the measured peak.
 //   3. Every policy at a moderate size (causal prefill N=2048, decode for TOKEN_SELECT): milliseconds and achieved
@@ -67,8 +68,24 @@ __attribute__((target("avx2,fma"))) float fma_loop_avx2(int64_t iterations, floa
   _mm256_storeu_ps(lanes, sum);
   return lanes[0];
 }
+
+__attribute__((target("avx512f"))) float fma_loop_avx512(int64_t iterations, float seed) {
+  __m512 acc[kFmaChains];
+  for (int c = 0; c < kFmaChains; ++c) acc[c] = _mm512_set1_ps(seed + float(c));
+  const __m512 a = _mm512_set1_ps(0.999999f);
+  const __m512 b = _mm512_set1_ps(1e-7f);
+  for (int64_t i = 0; i < iterations; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < kFmaChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+  __m512 sum = acc[0];
+  for (int c = 1; c < kFmaChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
+  float lanes[2 * kFloatsPerVector];
+  _mm512_storeu_ps(lanes, sum);
+  return lanes[0];
+}
 #else
-float fma_loop_avx2(int64_t, float seed) { return seed; }  // never called: no AVX2 off x86-64
+float fma_loop_avx2(int64_t, float seed) { return seed; }    // never called: no AVX2 off x86-64
+float fma_loop_avx512(int64_t, float seed) { return seed; }  // never called: no AVX-512 off x86-64
 #endif
 
 struct Peak {
@@ -76,16 +93,19 @@ struct Peak {
   double per_cpu = 0.0;  // flops per CPU second (one core's peak)
 };
 
-Peak measure_fma_peak_once(int threads) {
+Peak measure_fma_peak_once(int threads, bool avx512) {
   Peak peak;
+  const int lanes = avx512 ? 2 * kFloatsPerVector : kFloatsPerVector;
   std::vector<std::thread> pool;
   std::atomic<float> sink{0.f};
   const Clock::time_point start = Clock::now();
   const double cpu_start = process_cpu_seconds();
   for (int t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] { sink = sink + fma_loop_avx2(kFmaIterations, float(t)); });
+    pool.emplace_back([&, t] {
+      sink = sink + (avx512 ? fma_loop_avx512(kFmaIterations, float(t)) : fma_loop_avx2(kFmaIterations, float(t)));
+    });
   for (std::thread& th : pool) th.join();
-  const double flops = double(threads) * kFmaIterations * kFmaChains * kFloatsPerVector * kFlopsPerFma;
+  const double flops = double(threads) * kFmaIterations * kFmaChains * lanes * kFlopsPerFma;
   peak.wall = flops / seconds_since(start);
   peak.per_cpu = flops / (process_cpu_seconds() - cpu_start);
   return peak;
@@ -93,7 +113,7 @@ Peak measure_fma_peak_once(int threads) {
 
 // The best of several trials: on a shared machine one short trial can land in another tenant's burst.
 constexpr int kPeakTrials = 5;
-Peak measure_fma_peak(int threads, bool* used_avx2) {
+Peak measure_fma_peak(int threads, bool* used_avx2, bool avx512 = false) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   *used_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -103,7 +123,7 @@ Peak measure_fma_peak(int threads, bool* used_avx2) {
   Peak best;
   if (!*used_avx2) return best;
   for (int trial = 0; trial < kPeakTrials; ++trial) {
-    const Peak peak = measure_fma_peak_once(threads);
+    const Peak peak = measure_fma_peak_once(threads, avx512);
     best.wall = std::max(best.wall, peak.wall);
     best.per_cpu = std::max(best.per_cpu, peak.per_cpu);
   }
@@ -384,13 +404,23 @@ int main(int argc, char** argv) {
 
   std::printf("sparsa %s CPU benchmark, %d threads\n", sparsa_version_string(), threads);
   bool avx2 = false;
-  const Peak peak = measure_fma_peak(threads, &avx2);
+  Peak peak = measure_fma_peak(threads, &avx2);
   if (avx2) {
     std::printf("measured fp32 FMA peak (AVX2, %d threads): %.1f GFLOP/s wall, %.1f GFLOP per CPU-second\n", threads,
                 peak.wall * 1e-9, peak.per_cpu * 1e-9);
   } else {
     std::printf("no AVX2+FMA on this CPU: peak not measured\n");
   }
+#if defined(__x86_64__)
+  // With AVX-512F the library's matrix kernels use it (microkernels_avx512.cpp): the ratios below are then taken
+  // against the AVX-512 peak.
+  if (avx2 && __builtin_cpu_supports("avx512f")) {
+    peak = measure_fma_peak(threads, &avx2, /*avx512=*/true);
+    std::printf("measured fp32 FMA peak (AVX-512F, %d threads): %.1f GFLOP/s wall, %.1f GFLOP per CPU-second (the "
+                "ratios below use this one)\n",
+                threads, peak.wall * 1e-9, peak.per_cpu * 1e-9);
+  }
+#endif
 
   sparsa_context_options options;
   sparsa_context_options_init(&options);
