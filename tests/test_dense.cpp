@@ -237,7 +237,7 @@ TEST_P(Common, LargeScoresDoNotOverflow) {
 TEST_P(Dense, HalfPrecisionDecodeOverLongKeyRangesMatchesTheRoundedReference) {
   // One query row per sequence over thousands of keys on fp16/bf16 caches: several key ranges merged by LSE (the
   // last one partial), grouped query heads, head dims with and without the vector decode kernels, padded and paged
-  // caches, a sequence with no keys, and stats that count every pair.
+  // caches, a sequence with no keys, stats that count every pair, and a plan that sizes the scratch up front.
   struct Case {
     int B, Hq, Hkv, D;
     std::vector<int> skv;
@@ -260,8 +260,10 @@ TEST_P(Dense, HalfPrecisionDecodeOverLongKeyRangesMatchesTheRoundedReference) {
         st::RunOptions opt;
         opt.layout = layout;
         opt.dtype = dtype;
+        opt.plan_first = true;
         const st::RunResult r =
             st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), ref::attend(p, ref::dense(p)), opt);
+        EXPECT_EQ(r.scratch_after_plan, r.scratch_after_run) << "the run after sparsa_attention_plan grew scratch";
         int64_t pairs = 0;
         for (int b = 0; b < c.B; ++b) pairs += int64_t(c.Hq) * c.skv[size_t(b) % c.skv.size()];
         EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], pairs);

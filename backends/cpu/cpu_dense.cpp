@@ -99,12 +99,20 @@ bool use_decode_ranges(const AttentionProblem& problem) {
          avx512_decode_kernels(problem.head_dim) != nullptr;
 }
 
+// Floats of one range's rows + LSEs, and the number of ranges per sequence.
+size_t decode_range_floats(const AttentionProblem& problem) {
+  return size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1);
+}
+int64_t decode_ranges(const AttentionProblem& problem) {
+  return std::max<int64_t>(1, (problem.max_seq_k + kDecodeRangeKeys - 1) / kDecodeRangeKeys);
+}
+
 void run_dense_decode(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec) {
   const int d = problem.head_dim;
   const int32_t hq = problem.num_q_heads;
-  const int64_t ranges = std::max<int64_t>(1, (problem.max_seq_k + kDecodeRangeKeys - 1) / kDecodeRangeKeys);
+  const int64_t ranges = decode_ranges(problem);
   const size_t row_floats = size_t(d) + 1;  // a row, then its LSE
-  const size_t range_floats = size_t(hq) * row_floats;
+  const size_t range_floats = decode_range_floats(problem);
   float* partial = run_scratch(exec, kRunScratchDecodeRanges).reserve(size_t(problem.batch) * ranges * range_floats);
   const auto range_item = [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / ranges);
@@ -158,6 +166,16 @@ void run_dense_decode(const AttentionProblem& problem, const OutputSink& sink, c
 }
 
 }  // namespace
+
+void plan_dense(const AttentionProblem& problem, const ExecContext& exec) {
+  if (!use_decode_ranges(problem)) return;
+  const size_t range_floats = decode_range_floats(problem);
+  run_scratch(exec, kRunScratchDecodeRanges).reserve(size_t(problem.batch) * decode_ranges(problem) * range_floats);
+  for (int w = 0; w < worker_count(exec); ++w) {
+    loop_scratch(exec, w).reserve(decode_keys_floats(problem.head_dim, problem.num_q_heads));
+    policy_scratch(exec, w).reserve(std::max(range_floats, size_t(problem.head_dim)));
+  }
+}
 
 void run_dense(const AttentionProblem& problem, const PolicyParams&, const OutputSink& sink, const ExecContext& exec) {
   if (use_decode_ranges(problem)) {

@@ -78,6 +78,9 @@ void parallel_items(const ExecContext& exec, int64_t n, const Fn& fn) {
 // so that the run after plan() allocates nothing; and the loop scratch sparge_predict_mask needs.
 void plan_token_select(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
 void plan_token_sparse(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
+// DENSE: when the 16-bit decode ranges apply (cpu_dense.cpp), grow the run scratch of their rows and every worker's
+// loop and policy scratch they use.
+void plan_dense(const AttentionProblem& problem, const ExecContext& exec);
 size_t sparge_predict_scratch_floats(int32_t head_dim, int64_t n_key_blocks);
 
 // attend_index_list for the same n_rows rows of n_heads consecutive query heads of one kv group over one key list,
