@@ -11,7 +11,9 @@
 #include <immintrin.h>
 // GCC 12's avx512fintrin.h starts several intrinsics (lane extracts and shuffles) from an undefined register and
 // then warns -Wmaybe-uninitialized at every use; the warning is about the header, not this code.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace sparsa::cpu {

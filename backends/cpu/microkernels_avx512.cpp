@@ -9,7 +9,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 // GCC 12's avx512fintrin.h starts some intrinsics from an undefined register and warns -Wmaybe-uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace sparsa::cpu {
