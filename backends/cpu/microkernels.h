@@ -6,9 +6,10 @@
 //   Sᵀ = K · Qᵀ      (qk_tile)
 //   softmax          (column_max, exp_columns, scale_row)
 //   O += P · V       (pv_tile, reading P from Sᵀ)
-// Each stage has a portable version and an AVX2+FMA version (microkernels_avx2.cpp); select_microkernels() picks one
-// at run time with __builtin_cpu_supports, so the library is built for plain x86-64 and still uses AVX2 where
-// present. The tables are constant data.
+// Each stage has a portable version and an AVX2+FMA version (microkernels_avx2.cpp), and the two matrix stages an
+// AVX-512F version (microkernels_avx512.cpp, bit-identical to AVX2); select_microkernels() picks a table at run time
+// with __builtin_cpu_supports, so the library is built for plain x86-64 and still uses AVX2 / AVX-512 where
+// present. The tables are constant once built.
 #pragma once
 
 #include <cstdint>
