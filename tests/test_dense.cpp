@@ -233,3 +233,40 @@ TEST_P(Common, LargeScoresDoNotOverflow) {
 }
 
 }  // namespace
+
+TEST_P(Dense, HalfPrecisionDecodeOverLongKeyRangesMatchesTheRoundedReference) {
+  // One query row per sequence over thousands of keys on fp16/bf16 caches: several key ranges merged by LSE (the
+  // last one partial), grouped query heads, head dims with and without the vector decode kernels, padded and paged
+  // caches, a sequence with no keys, stats that count every pair, and a plan that sizes the scratch up front.
+  struct Case {
+    int B, Hq, Hkv, D;
+    std::vector<int> skv;
+    bool causal;
+  };
+  const Case cases[] = {
+      {1, 8, 2, 128, {2500}, true},       {2, 4, 4, 64, {1100, 3000}, false}, {1, 6, 3, 40, {2100}, true},
+      {3, 8, 1, 256, {1500, 0, 700}, true}, {1, 16, 2, 128, {1030}, false},
+  };
+  int counter = 0;
+  for (const Case& c : cases)
+    for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
+      for (st::Layout layout : {st::Layout::kPadded, st::Layout::kPaged}) {
+        ST_RNG(rng, counter++);
+        SCOPED_TRACE(::testing::Message() << "B=" << c.B << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " D=" << c.D
+                                          << " dtype=" << dtype << " layout=" << int(layout));
+        ref::Problem p = st::make_problem(c.B, c.Hq, c.Hkv, c.D, {1}, c.skv, c.causal);
+        st::fill(p, Pattern::kNeedles, rng);
+        p = st::rounded(p, dtype);
+        st::RunOptions opt;
+        opt.layout = layout;
+        opt.dtype = dtype;
+        opt.plan_first = true;
+        const st::RunResult r =
+            st::run_and_compare(ctx(), p, st::make_policy(SPARSA_POLICY_DENSE), ref::attend(p, ref::dense(p)), opt);
+        EXPECT_EQ(r.scratch_after_plan, r.scratch_after_run) << "the run after sparsa_attention_plan grew scratch";
+        int64_t pairs = 0;
+        for (int b = 0; b < c.B; ++b) pairs += int64_t(c.Hq) * c.skv[size_t(b) % c.skv.size()];
+        EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], pairs);
+        EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_DENSE], pairs);
+      }
+}

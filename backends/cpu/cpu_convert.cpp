@@ -8,16 +8,8 @@ namespace sparsa::cpu {
 void convert_to_f32(int32_t dtype, const void* src, int64_t n, float* dst) {
   switch (dtype) {
     case SPARSA_DTYPE_F32: std::memcpy(dst, src, size_t(n) * sizeof(float)); return;
-    case SPARSA_DTYPE_F16: {
-      const uint16_t* h = static_cast<const uint16_t*>(src);
-      for (int64_t c = 0; c < n; ++c) dst[c] = f16_to_float(h[c]);
-      return;
-    }
-    case SPARSA_DTYPE_BF16: {
-      const uint16_t* h = static_cast<const uint16_t*>(src);
-      for (int64_t c = 0; c < n; ++c) dst[c] = bf16_to_float(h[c]);
-      return;
-    }
+    case SPARSA_DTYPE_F16: select_row_wideners().f16(src, n, dst); return;
+    case SPARSA_DTYPE_BF16: select_row_wideners().bf16(src, n, dst); return;
     default: fail(SPARSA_STATUS_INTERNAL, "cpu convert: dtype ", dtype, " is not F32/F16/BF16");
   }
 }

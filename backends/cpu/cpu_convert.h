@@ -69,6 +69,16 @@ inline uint16_t float_to_f16(float f) {
   return uint16_t(sign | result);
 }
 
+// Row widening of fp16 / bf16 to fp32 with the best vector instructions of this CPU (widen_rows.cpp): AVX-512F, or
+// F16C + AVX2, else a portable loop. Every version is exact, so they agree bit for bit; src may be unaligned.
+struct RowWideners {
+  void (*f16)(const void* src, int64_t n, float* dst);
+  void (*bf16)(const void* src, int64_t n, float* dst);
+  const char* name;  // "avx512f", "f16c+avx2" or "portable"
+};
+const RowWideners& portable_row_wideners();
+const RowWideners& select_row_wideners();
+
 // Widens n elements of `dtype` (F32/F16/BF16) at src to fp32.
 void convert_to_f32(int32_t dtype, const void* src, int64_t n, float* dst);
 // Narrows n fp32 values to `dtype` at dst.

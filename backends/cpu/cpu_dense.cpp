@@ -1,9 +1,12 @@
 // §1 DENSE, and the query-block driver shared by the block policies (cpu_engine.h).
 #include <algorithm>
+#include <cmath>
 #include <functional>
+#include <limits>
 
 #include "attention_loop.h"
 #include "cpu_engine.h"
+#include "decode_kernels.h"
 
 namespace sparsa::cpu {
 
@@ -82,7 +85,103 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
   parallel_items(exec, items, work_item);
 }
 
+namespace {
+
+// Dense decode on a 16-bit KV cache: the keys of every sequence are cut into ranges of kDecodeRangeKeys (a fixed
+// size, so the result does not depend on the thread count), each range is one work item that reads its K and V once
+// for all heads (attend_decode_keys), and the ranges' normalised rows are merged by LSE. fp32 problems keep the block
+// walk (its arithmetic is what the shared test vectors pin), and so do CPUs without the AVX-512F decode kernels.
+constexpr int64_t kDecodeRangeKeys = 1024;  // a multiple of kDefaultBlockK, so BLOCKS_COMPUTED counts the same
+
+bool use_decode_ranges(const AttentionProblem& problem) {
+  return problem.max_seq_q == 1 && problem.dtype != SPARSA_DTYPE_F32 && problem.num_q_heads > 0 &&
+         problem.num_q_heads / problem.num_kv_heads <= kMaxStackedRows &&
+         avx512_decode_kernels(problem.head_dim) != nullptr;
+}
+
+// Floats of one range's rows + LSEs, and the number of ranges per sequence.
+size_t decode_range_floats(const AttentionProblem& problem) {
+  return size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1);
+}
+int64_t decode_ranges(const AttentionProblem& problem) {
+  return std::max<int64_t>(1, (problem.max_seq_k + kDecodeRangeKeys - 1) / kDecodeRangeKeys);
+}
+
+void run_dense_decode(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec) {
+  const int d = problem.head_dim;
+  const int32_t hq = problem.num_q_heads;
+  const int64_t ranges = decode_ranges(problem);
+  const size_t row_floats = size_t(d) + 1;  // a row, then its LSE
+  const size_t range_floats = decode_range_floats(problem);
+  float* partial = run_scratch(exec, kRunScratchDecodeRanges).reserve(size_t(problem.batch) * ranges * range_floats);
+  const auto range_item = [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / ranges);
+    const int64_t key_begin = item % ranges * kDecodeRangeKeys;
+    const int64_t key_end = std::min(problem.seq_len_k(b), key_begin + kDecodeRangeKeys);
+    if (problem.seq_len_q(b) == 0 || key_begin >= key_end) return;
+    ThreadScratch& mine = policy_scratch(exec, worker);
+    float* rows = mine.reserve(range_floats);
+    float* lse = rows + size_t(hq) * d;
+    RunCounters* counters = &(*exec.counters)[size_t(worker)];
+    attend_decode_keys(problem, b, key_begin, key_end, rows, lse, counters, loop_scratch(exec, worker));
+    counters->blocks_computed += int64_t(hq) * ((key_end - key_begin + kDefaultBlockK - 1) / kDefaultBlockK);
+    float* out = partial + size_t(item) * range_floats;
+    for (int32_t h = 0; h < hq; ++h) {
+      std::copy(rows + size_t(h) * d, rows + size_t(h + 1) * d, out + size_t(h) * row_floats);
+      out[size_t(h) * row_floats + d] = lse[h];
+    }
+  };
+  parallel_items(exec, int64_t(problem.batch) * ranges, range_item);
+
+  // Merge: O = Σ_r w_r·O_r / Σ_r w_r with w_r = exp(lse_r − max lse), LSE = max lse + log Σ_r w_r. One range gives
+  // w = 1: its row unchanged.
+  const auto merge_item = [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / hq);
+    const int32_t h = int32_t(item % hq);
+    if (problem.seq_len_q(b) == 0) return;
+    const int64_t n_ranges = (problem.seq_len_k(b) + kDecodeRangeKeys - 1) / kDecodeRangeKeys;
+    const auto range_row = [&](int64_t r) {
+      return partial + (size_t(b) * ranges + size_t(r)) * range_floats + size_t(h) * row_floats;
+    };
+    float* merged = policy_scratch(exec, worker).reserve(size_t(d));
+    std::fill(merged, merged + d, 0.f);
+    float max_lse = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < n_ranges; ++r) max_lse = std::max(max_lse, range_row(r)[d]);
+    if (max_lse == -std::numeric_limits<float>::infinity()) {
+      sink.write_row(problem, b, 0, h, merged, max_lse);
+      return;
+    }
+    float weight_sum = 0.f;
+    for (int64_t r = 0; r < n_ranges; ++r) {
+      const float* row = range_row(r);
+      const float w = std::exp(row[d] - max_lse);
+      weight_sum += w;
+      for (int c = 0; c < d; ++c) merged[c] += w * row[c];
+    }
+    const float inverse = 1.f / weight_sum;
+    for (int c = 0; c < d; ++c) merged[c] *= inverse;
+    sink.write_row(problem, b, 0, h, merged, max_lse + std::log(weight_sum));
+  };
+  parallel_items(exec, int64_t(problem.batch) * hq, merge_item);
+}
+
+}  // namespace
+
+void plan_dense(const AttentionProblem& problem, const ExecContext& exec) {
+  if (!use_decode_ranges(problem)) return;
+  const size_t range_floats = decode_range_floats(problem);
+  run_scratch(exec, kRunScratchDecodeRanges).reserve(size_t(problem.batch) * decode_ranges(problem) * range_floats);
+  for (int w = 0; w < worker_count(exec); ++w) {
+    loop_scratch(exec, w).reserve(decode_keys_floats(problem.head_dim, problem.num_q_heads));
+    policy_scratch(exec, w).reserve(std::max(range_floats, size_t(problem.head_dim)));
+  }
+}
+
 void run_dense(const AttentionProblem& problem, const PolicyParams&, const OutputSink& sink, const ExecContext& exec) {
+  if (use_decode_ranges(problem)) {
+    run_dense_decode(problem, sink, exec);
+    return;
+  }
   const int32_t block_q = kDefaultBlockQ;
   const int32_t block_k = kDefaultBlockK;
   const auto list_blocks = [&](int32_t b, int32_t, int64_t q_block, int32_t* ids) {

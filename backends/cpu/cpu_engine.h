@@ -20,11 +20,12 @@
 
 namespace sparsa::cpu {
 
-constexpr int kRunScratchSlots = 4;
+constexpr int kRunScratchSlots = 5;
 constexpr int kRunScratchDeltaStaging = 0;  // Δ: the base policy's fp32 output [rows, Hq, D] + lse
 constexpr int kRunScratchDeltaKeys = 1;     // Δ: the list 0..Skv−1 as int64, shared read-only by all workers
 constexpr int kRunScratchSelection = 2;     // selection policies: per-run plans, q̄, selections
 constexpr int kRunScratchSelectionVotes = 3;  // selection policies: softmax stats, kept scores, votes
+constexpr int kRunScratchDecodeRanges = 4;  // dense decode: each key range's rows + LSE (items write disjoint parts)
 
 // Tiling DENSE and SINK_WINDOW run at (and report BLOCKS_* at): query rows per work item × keys per tile.
 constexpr int32_t kDefaultBlockQ = 128;
@@ -78,6 +79,9 @@ void parallel_items(const ExecContext& exec, int64_t n, const Fn& fn) {
 // so that the run after plan() allocates nothing; and the loop scratch sparge_predict_mask needs.
 void plan_token_select(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
 void plan_token_sparse(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
+// DENSE: when the 16-bit decode ranges apply (cpu_dense.cpp), grow the run scratch of their rows and every worker's
+// loop and policy scratch they use.
+void plan_dense(const AttentionProblem& problem, const ExecContext& exec);
 size_t sparge_predict_scratch_floats(int32_t head_dim, int64_t n_key_blocks);
 
 // attend_index_list for the same n_rows rows of n_heads consecutive query heads of one kv group over one key list,
@@ -86,6 +90,15 @@ void attend_index_list_heads(const AttentionProblem& problem, int32_t b, int32_t
                              const int64_t* rows, int64_t n_rows, const int64_t* keys, int64_t n_keys,
                              const RowVisibility& vis, float* out_rows, float* lse_rows, RunCounters* counters,
                              ThreadScratch& scratch);
+
+// Dense decode (§1 with one query row per sequence, every key visible) on a 16-bit KV cache (cpu_decode.cpp): keys
+// [key_begin, key_end) of sequence b for every query head at once, all kv heads of a key before the next key, so the
+// range's K and V are read front to back once. out_rows [Hq, D] and lse_rows [Hq] get each head's normalised row and
+// LSE over these keys (cpu_dense.cpp merges the ranges).
+constexpr int64_t kDecodeTileKeys = 128;  // keys per tile (measured: 16 -> 128 keys cut the CPU time by 1/4)
+size_t decode_keys_floats(int head_dim, int num_q_heads);  // loop scratch attend_decode_keys needs
+void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_begin, int64_t key_end,
+                        float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
 
 // Floats of loop scratch one attend_* call needs for a tile of `rows` query rows and `keys` keys.
 size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized);

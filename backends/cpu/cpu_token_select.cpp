@@ -191,9 +191,10 @@ struct VoteInputs {
 
 // 3a for kv head hk of sequence b: writes m_h, Z_h of its g query heads to head_max/head_sum (indexed by h).
 // kept_scores: null, or where to write the [|C|, g] values exp(s − m_h) for 3b.
+// scores_ready: kept_scores already holds the scores s (score_candidates_all_heads), only the statistics remain.
 void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t b, int32_t hk,
-                        const double* concat_qbar, ThreadScratch& scratch, double* kept_scores, double* head_max,
-                        double* head_sum) {
+                        const double* concat_qbar, ThreadScratch& scratch, double* kept_scores, bool scores_ready,
+                        double* head_max, double* head_sum) {
   const AttentionProblem& problem = in.problem;
   const int32_t d = problem.head_dim;
   const int32_t group = problem.num_q_heads / problem.num_kv_heads;
@@ -212,7 +213,7 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   for (int32_t l = 0; l < group; ++l) interleave_vector(qbars, l, concat_qbar + int64_t(first_head + l) * d, d);
   const float* rows[kDotKeys];
   for (int key = 0; key < kDotKeys; ++key) rows[key] = key_rows + int64_t(key) * d;
-  for (int64_t c0 = 0; c0 < n_candidates; c0 += kDotKeys) {
+  for (int64_t c0 = 0; c0 < (scores_ready ? 0 : n_candidates); c0 += kDotKeys) {
     const int n_keys = int(std::min<int64_t>(kDotKeys, n_candidates - c0));
     for (int key = 0; key < n_keys; ++key)
       load_row_f32(problem.dtype, problem.k.t.data,
@@ -230,6 +231,42 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
     }
     head_max[first_head + l] = max_score;
     head_sum[first_head + l] = total;
+  }
+}
+
+// 3a's scores when they are kept, for candidates [first, last) of sequence b and every kv head: key by key, all kv
+// heads of a few keys before the next ones, so K is read front to back once (one kv head at a time over all
+// candidates reads the [B, S, Hkv, D] cache several times slower). Each score is the same interleaved_dots_keys
+// call on the same rows as head_softmax_stats makes, so the scores are bit-identical. kept: [Hkv][|C|, g] of b.
+void score_candidates_all_heads(const VoteInputs& in, const SequencePlan& plan, int32_t b, int64_t first,
+                                int64_t last, const double* concat_qbar, ThreadScratch& scratch, double* kept,
+                                int64_t kept_stride) {
+  const AttentionProblem& problem = in.problem;
+  const int32_t d = problem.head_dim;
+  const int32_t n_kv_heads = problem.num_kv_heads;
+  const int32_t group = problem.num_q_heads / n_kv_heads;
+  const size_t group_qbars = interleaved_size(group, d);
+  ScratchLayout layout;
+  const size_t row_at = layout.add<float>(size_t(kDotKeys) * size_t(d));
+  const size_t qbars_at = layout.add<double>(group_qbars * size_t(n_kv_heads));
+  layout.bind(scratch);
+  float* key_rows = layout.get<float>(row_at, size_t(kDotKeys) * size_t(d));
+  double* qbars = layout.get<double>(qbars_at, group_qbars * size_t(n_kv_heads));
+  std::fill(qbars, qbars + group_qbars * size_t(n_kv_heads), 0.0);
+  for (int32_t hk = 0; hk < n_kv_heads; ++hk)
+    for (int32_t l = 0; l < group; ++l)
+      interleave_vector(qbars + hk * group_qbars, l, concat_qbar + int64_t(hk * group + l) * d, d);
+  const float* rows[kDotKeys];
+  for (int key = 0; key < kDotKeys; ++key) rows[key] = key_rows + int64_t(key) * d;
+  for (int64_t c0 = first; c0 < last; c0 += kDotKeys) {
+    const int n_keys = int(std::min<int64_t>(kDotKeys, last - c0));
+    for (int32_t hk = 0; hk < n_kv_heads; ++hk) {
+      for (int key = 0; key < n_keys; ++key)
+        load_row_f32(problem.dtype, problem.k.t.data,
+                     problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk), d, key_rows + key * d);
+      interleaved_dots_keys(qbars + hk * group_qbars, group, rows, n_keys, d, in.score_scale,
+                            kept + hk * kept_stride + c0 * group, group);
+    }
   }
 }
 
@@ -341,15 +378,27 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
   };
   const auto kept_of = [&](int32_t b) { return kept ? kept + int64_t(b) * problem.num_kv_heads * kept_stride : kept; };
   const int32_t n_kv_heads = problem.num_kv_heads;
+  const int64_t chunks = (max_candidates + kCandidatesPerVoteItem - 1) / kCandidatesPerVoteItem;
+  if (kept) {
+    parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int worker) {
+      const int32_t b = int32_t(item / chunks);
+      const SequencePlan& plan = plans[size_t(b)];
+      const int64_t first = item % chunks * kCandidatesPerVoteItem;
+      const int64_t last = std::min(plan.n_candidates(), first + kCandidatesPerVoteItem);
+      if (!computes_selection(b) || first >= last) return;
+      score_candidates_all_heads(vote_inputs, plan, b, first, last, concat_qbars + b * qbar_len,
+                                 policy_scratch(exec, worker), kept_of(b), kept_stride);
+    });
+  }
   parallel_items(exec, int64_t(batch) * n_kv_heads, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / n_kv_heads);
     const int32_t hk = int32_t(item % n_kv_heads);
     if (!computes_selection(b)) return;
     head_softmax_stats(vote_inputs, plans[size_t(b)], b, hk, concat_qbars + b * qbar_len,
                        policy_scratch(exec, worker), kept ? kept_of(b) + hk * kept_stride : nullptr,
-                       head_max + int64_t(b) * n_heads, head_sum + int64_t(b) * n_heads);
+                       /*scores_ready=*/kept != nullptr, head_max + int64_t(b) * n_heads,
+                       head_sum + int64_t(b) * n_heads);
   });
-  const int64_t chunks = (max_candidates + kCandidatesPerVoteItem - 1) / kCandidatesPerVoteItem;
   parallel_items(exec, int64_t(batch) * params.n_sets * chunks, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / (int64_t(params.n_sets) * chunks));
     const int32_t set = int32_t(item / chunks % params.n_sets);

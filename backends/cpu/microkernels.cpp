@@ -74,8 +74,13 @@ const Microkernels& select_microkernels() {
 #if defined(SPARSA_CPU_PORTABLE_KERNELS)
   return kPortable;
 #endif
+#if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2_microkernels();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (__builtin_cpu_supports("avx512f")) return avx512_microkernels();
+    return avx2_microkernels();
+  }
+#endif
   return kPortable;
 }
 

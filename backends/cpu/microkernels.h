@@ -6,9 +6,10 @@
 //   Sᵀ = K · Qᵀ      (qk_tile)
 //   softmax          (column_max, exp_columns, scale_row)
 //   O += P · V       (pv_tile, reading P from Sᵀ)
-// Each stage has a portable version and an AVX2+FMA version (microkernels_avx2.cpp); select_microkernels() picks one
-// at run time with __builtin_cpu_supports, so the library is built for plain x86-64 and still uses AVX2 where
-// present. The tables are constant data.
+// Each stage has a portable version and an AVX2+FMA version (microkernels_avx2.cpp), and the two matrix stages an
+// AVX-512F version (microkernels_avx512.cpp, bit-identical to AVX2); select_microkernels() picks a table at run time
+// with __builtin_cpu_supports, so the library is built for plain x86-64 and still uses AVX2 / AVX-512 where
+// present. The tables are constant once built.
 #pragma once
 
 #include <cstdint>
@@ -36,12 +37,15 @@ struct Microkernels {
   void (*scale_row)(float* x, int n, float a);
   // Σ_c a[c] · b[c] over n int8 values, exact in int32 (SPARGE's quantized path).
   int32_t (*dot_i8)(const int8_t* a, const int8_t* b, int n);
-  const char* name;  // "avx2+fma" or "portable"
+  const char* name;  // "avx512f+avx2", "avx2+fma" or "portable"
 };
 
 // The portable table, the AVX2 table (valid only on a CPU with AVX2 and FMA), and the best one for this CPU.
 const Microkernels& portable_microkernels();
 const Microkernels& avx2_microkernels();
+// The AVX2 table with the two matrix kernels in AVX-512F (microkernels_avx512.cpp): bit-identical results, valid
+// only on a CPU that has AVX-512F, AVX2 and FMA.
+const Microkernels& avx512_microkernels();
 const Microkernels& select_microkernels();
 
 }  // namespace sparsa::cpu
