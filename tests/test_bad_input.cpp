@@ -513,4 +513,21 @@ TEST(BadInput, BaselineIsValid) {
   EXPECT_EQ(topk.call(topk), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
 }
 
+// page_table (sparsa.h): only the first ceil(seq_lens_k[b] / page_size) entries of a row are read, so -1 padding
+// after a sequence's last page is accepted, while -1 among the pages a sequence uses is an index error.
+TEST(BadInput, PageTablePaddingPastTheLastPageIsNeverRead) {
+  Baseline padded;
+  ASSERT_NE(padded.ctx, nullptr);
+  padded.page_kv();
+  padded.seq_lens = {int32_t(kPageSize), int32_t(kS)};  // sequence 0 uses one page
+  padded.page_table = {0, -1, 2, 3};
+  EXPECT_EQ(padded.call(padded), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+  Baseline used;
+  used.page_kv();
+  used.page_table = {0, -1, 2, 3};  // sequence 0 uses both pages
+  EXPECT_EQ(used.call(used), SPARSA_STATUS_INDEX_OUT_OF_RANGE);
+  EXPECT_NE(std::string(sparsa_last_error_message()).find("page_table[0][1] = -1"), std::string::npos)
+      << sparsa_last_error_message();
+}
+
 }  // namespace

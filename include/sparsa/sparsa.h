@@ -200,7 +200,9 @@ typedef struct sparsa_context_options {
   uint32_t struct_size; /**< the caller's sizeof(sparsa_context_options); set by sparsa_context_options_init */
   int32_t device_type;  /**< backend: SPARSA_DEVICE_CPU (default), SPARSA_DEVICE_CUDA or SPARSA_DEVICE_ROCM */
   int32_t device_id;    /**< GPU ordinal; ignored on CPU; default 0 */
-  void* stream;         /**< cudaStream_t / hipStream_t every GPU run enqueues on; NULL = default stream */
+  void* stream;         /**< cudaStream_t / hipStream_t every GPU run enqueues on; NULL = default stream. The
+                             context's scratch memory is shared by its runs: runs of one context enqueued on
+                             different streams (sparsa_context_set_stream) must not overlap in time. */
   int32_t num_threads;  /**< CPU worker threads; 0 (default) = one per online core */
   int32_t reserved0;    /**< tail padding made explicit; written 0 by init, not read */
 } sparsa_context_options;
@@ -259,7 +261,9 @@ SPARSA_API sparsa_status sparsa_selection_cache_create(sparsa_context* ctx, int3
 SPARSA_API sparsa_status sparsa_selection_cache_reset(sparsa_selection_cache* cache);
 /** Destroys the cache. NULL is a no-op. Destroy every cache before the context it was created with. */
 SPARSA_API void sparsa_selection_cache_destroy(sparsa_selection_cache* cache);
-/** Hits and misses counted since creation or the last reset, over all rows (either pointer may be NULL). */
+/** Hits and misses counted since creation or the last reset, over all rows (either pointer may be NULL). On a GPU
+    context the counts live in device memory: this call synchronises the context's stream to read them (call it
+    outside CUDA-graph capture and off the hot path). */
 SPARSA_API sparsa_status sparsa_selection_cache_counts(const sparsa_selection_cache* cache, int64_t* hits,
                                                        int64_t* misses);
 
@@ -377,7 +381,8 @@ typedef enum sparsa_stat_index {
                                         plus the pairs of its dense anchor and tail rows) */
   SPARSA_STAT_PAIRS_DENSE = 1,     /**< pairs dense attention with the same causal flag would compute */
   /** (query block, key block) tiles with at least one visible pair: BLOCK_SPARSE and SPARGE at block_q × block_k,
-      DENSE and SINK_WINDOW at the 128 × 64 tiling they run at; 0 for the token policies */
+      DENSE and SINK_WINDOW on a fixed 128 × 64 reference grid (the same on every backend, whatever tiles a
+      kernel runs: the CUDA wgmma kernel computes 128 × 128 tiles); 0 for the token policies */
   SPARSA_STAT_BLOCKS_COMPUTED = 2,
   SPARSA_STAT_BLOCKS_TOTAL = 3,    /**< tiles dense attention would compute at the same tiling (else 0) */
   SPARSA_STAT_PV_BLOCKS_SKIPPED = 4, /**< tiles whose PV product the SPARGE λ test skipped */
@@ -413,7 +418,10 @@ typedef struct sparsa_attention_args {
   /** in, optional: int32 [B+1] prefix offsets of each sequence's keys in packed k/v. Not with page_table. */
   const sparsa_tensor* cu_seqlens_k;
   /** in, optional: int32 [B, max_pages]; token t of sequence b lives at page page_table[b][t / page_size], slot
-      t % page_size of the caches; page ids in [0, P). Requires seq_lens_k. */
+      t % page_size of the caches. The first ceil(seq_lens_k[b] / page_size) entries of row b must be page ids in
+      [0, P); later entries are never read (-1 padding is fine). In host memory an id outside [0, P) among the
+      entries read is SPARSA_STATUS_INDEX_OUT_OF_RANGE; in device memory it is not checked (that would need a
+      synchronisation) and is undefined behaviour, as in FlashAttention and FlashInfer. Requires seq_lens_k. */
   const sparsa_tensor* page_table;
   /** in, optional: int32 [B], each sequence's key count. Required with page_table; with padded k/v it shortens
       each sequence (values in [0, Skv]). */

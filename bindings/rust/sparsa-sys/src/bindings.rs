@@ -289,7 +289,9 @@ pub struct sparsa_context_options {
     pub device_type: i32,
     #[doc = "< GPU ordinal; ignored on CPU; default 0"]
     pub device_id: i32,
-    #[doc = "< cudaStream_t / hipStream_t every GPU run enqueues on; NULL = default stream"]
+    #[doc = "< cudaStream_t / hipStream_t every GPU run enqueues on; NULL = default stream. The"]
+    #[doc = "context's scratch memory is shared by its runs: runs of one context enqueued on"]
+    #[doc = "different streams (sparsa_context_set_stream) must not overlap in time."]
     pub stream: *mut ::std::os::raw::c_void,
     #[doc = "< CPU worker threads; 0 (default) = one per online core"]
     pub num_threads: i32,
@@ -482,7 +484,9 @@ extern "C" {
     pub fn sparsa_selection_cache_destroy(cache: *mut sparsa_selection_cache);
 }
 extern "C" {
-    #[doc = " Hits and misses counted since creation or the last reset, over all rows (either pointer may be NULL)."]
+    #[doc = " Hits and misses counted since creation or the last reset, over all rows (either pointer may be NULL). On a GPU"]
+    #[doc = "context the counts live in device memory: this call synchronises the context's stream to read them (call it"]
+    #[doc = "outside CUDA-graph capture and off the hot path)."]
     pub fn sparsa_selection_cache_counts(
         cache: *const sparsa_selection_cache,
         hits: *mut i64,
@@ -1183,7 +1187,8 @@ pub const SPARSA_STAT_PAIRS_COMPUTED: sparsa_stat_index = 0;
 #[doc = "< pairs dense attention with the same causal flag would compute"]
 pub const SPARSA_STAT_PAIRS_DENSE: sparsa_stat_index = 1;
 #[doc = " (query block, key block) tiles with at least one visible pair: BLOCK_SPARSE and SPARGE at block_q × block_k,"]
-#[doc = "DENSE and SINK_WINDOW at the 128 × 64 tiling they run at; 0 for the token policies"]
+#[doc = "DENSE and SINK_WINDOW on a fixed 128 × 64 reference grid (the same on every backend, whatever tiles a"]
+#[doc = "kernel runs: the CUDA wgmma kernel computes 128 × 128 tiles); 0 for the token policies"]
 pub const SPARSA_STAT_BLOCKS_COMPUTED: sparsa_stat_index = 2;
 #[doc = "< tiles dense attention would compute at the same tiling (else 0)"]
 pub const SPARSA_STAT_BLOCKS_TOTAL: sparsa_stat_index = 3;
@@ -1228,7 +1233,10 @@ pub struct sparsa_attention_args {
     #[doc = " in, optional: int32 [B+1] prefix offsets of each sequence's keys in packed k/v. Not with page_table."]
     pub cu_seqlens_k: *const sparsa_tensor,
     #[doc = " in, optional: int32 [B, max_pages]; token t of sequence b lives at page page_table[b][t / page_size], slot"]
-    #[doc = "t % page_size of the caches; page ids in [0, P). Requires seq_lens_k."]
+    #[doc = "t % page_size of the caches. The first ceil(seq_lens_k[b] / page_size) entries of row b must be page ids in"]
+    #[doc = "[0, P); later entries are never read (-1 padding is fine). In host memory an id outside [0, P) among the"]
+    #[doc = "entries read is SPARSA_STATUS_INDEX_OUT_OF_RANGE; in device memory it is not checked (that would need a"]
+    #[doc = "synchronisation) and is undefined behaviour, as in FlashAttention and FlashInfer. Requires seq_lens_k."]
     pub page_table: *const sparsa_tensor,
     #[doc = " in, optional: int32 [B], each sequence's key count. Required with page_table; with padded k/v it shortens"]
     #[doc = "each sequence (values in [0, Skv])."]
