@@ -116,7 +116,8 @@ TEST(SpecAudit, SinkWindowEdges) {
 TEST(SpecAudit, BlockSparseUnitAndNonDividingBlocks) {
   Cpu c;
   ST_RNG(rng, 6);
-  for (auto [bq, bk] : std::vector<std::pair<int, int>>{{1, 1}, {3, 5}, {128, 64}, {7, 1}}) {
+  for (const auto& blocks : std::vector<std::pair<int, int>>{{1, 1}, {3, 5}, {128, 64}, {7, 1}}) {
+    const int bq = blocks.first, bk = blocks.second;  // plain variables: C++17 lambdas cannot capture bindings
     for (bool causal : {false, true}) {
       ref::Problem p = random_problem(2, 2, 1, 4, {19}, {23}, causal, rng);
       const int nqb = (19 + bq - 1) / bq, nkb = (23 + bk - 1) / bk;

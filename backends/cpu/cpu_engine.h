@@ -47,6 +47,8 @@ template <typename T>
 T* scratch_array(ThreadScratch& scratch, size_t float_offset, size_t count) {
   const size_t floats = (count * sizeof(T) + sizeof(float) - 1) / sizeof(float);
   float* base = scratch.reserve(float_offset + floats) + float_offset;
+  // An empty view of a never-grown buffer is a null pointer: nothing to construct, and placement new on null is UB.
+  if (count == 0) return static_cast<T*>(static_cast<void*>(base));
   return new (static_cast<void*>(base)) T[count];
 }
 // Floats a scratch_array<T>(count) occupies, rounded up to an 8-byte multiple so the next array stays aligned.

@@ -69,19 +69,19 @@ constexpr Microkernels kPortable = {qk_tile_portable,     pv_tile_portable,   co
 
 const Microkernels& portable_microkernels() { return kPortable; }
 
-// Building with -DSPARSA_CPU_PORTABLE_KERNELS forces the portable kernels (to test them on an AVX2 machine).
+// Building with -DSPARSA_CPU_PORTABLE_KERNELS forces the portable kernels (to test them on an AVX2 machine); off x86
+// (aarch64) the portable kernels are the only ones.
 const Microkernels& select_microkernels() {
-#if defined(SPARSA_CPU_PORTABLE_KERNELS)
+#if defined(SPARSA_CPU_PORTABLE_KERNELS) || !(defined(__x86_64__) || defined(__i386__))
   return kPortable;
-#endif
-#if defined(__x86_64__) || defined(__i386__)
+#else
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     if (__builtin_cpu_supports("avx512f")) return avx512_microkernels();
     return avx2_microkernels();
   }
-#endif
   return kPortable;
+#endif
 }
 
 }  // namespace sparsa::cpu

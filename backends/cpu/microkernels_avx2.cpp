@@ -1,19 +1,25 @@
 // AVX2 + FMA microkernels (see microkernels.h). Only this file is compiled for AVX2 (a target pragma after every
 // include, so no inline function of a shared header is emitted with AVX2 code); select_microkernels() calls into it
-// only on a CPU that has AVX2 and FMA, so the library still runs on any x86-64.
+// only on a CPU that has AVX2 and FMA, so the library still runs on any x86-64. GCC takes the target from
+// `#pragma GCC target`; clang ignores that pragma, so under clang the same region gets a target("avx2,fma") attribute
+// on every function (`#pragma clang attribute`). Off x86 the file only aliases the portable kernels.
 //
 // Register blocking: both matrix kernels keep a kRowBlock × 16 tile of fp32 accumulators in 12 ymm registers and
 // stream the shared operand one 16-float row at a time (2 loads, kRowBlock broadcasts, 2·kRowBlock FMAs per step),
 // the classic 6×16 AVX2 GEMM shape.
-#include <immintrin.h>
-
 #include <cstdint>
 
 #include "microkernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
 
 namespace sparsa::cpu {
 namespace {
@@ -225,7 +231,11 @@ const Microkernels& avx2_microkernels() { return kAvx2; }
 
 }  // namespace sparsa::cpu
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #else
 namespace sparsa::cpu {
 const Microkernels& avx2_microkernels() { return portable_microkernels(); }

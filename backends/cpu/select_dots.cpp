@@ -6,12 +6,14 @@
 // register, several keys per pass so the add chains overlap — and is compiled for "avx2" WITHOUT "fma", which keeps
 // the compiler from contracting a multiply and an add into one differently rounded FMA. It is therefore
 // bit-identical to the portable version, which is the same loop in scalar code.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 
 #include "cpu_select_util.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace sparsa::cpu {
 namespace {

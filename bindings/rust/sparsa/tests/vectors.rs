@@ -182,7 +182,7 @@ fn vector_paths() -> Vec<PathBuf> {
     let mut paths: Vec<PathBuf> = std::fs::read_dir(vectors_dir())
         .expect("tests/vectors readable")
         .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "spv"))
+        .filter(|p| p.extension().map_or(false, |e| e == "spv"))
         .collect();
     paths.sort();
     paths
@@ -244,7 +244,10 @@ impl Case {
         let kind = PolicyKind::from_code(self.int("policy.kind").expect("policy.kind") as i32).expect("known kind");
         let mut policy = Policy::new(kind);
         for (key, entry) in &self.entries {
-            let Some(field) = key.strip_prefix("policy.") else { continue };
+            let field = match key.strip_prefix("policy.") {
+                Some(field) => field,
+                None => continue,
+            };
             let value = match entry {
                 Entry::I64(v) => *v as f64,
                 Entry::F64(v) => *v,
@@ -333,7 +336,10 @@ fn run(ctx: &Context, case: &mut Case) -> sparsa::Result<Option<(i64, i64)>> {
         "kv_prefetch" => {
             let mut taken: Vec<Tensor> =
                 ["k_dst", "v_dst", "positions", "remapped", "counts"].iter().map(|n| o.remove(*n).unwrap()).collect();
-            let [k_dst, v_dst, positions, remapped, counts] = &mut taken[..] else { unreachable!() };
+            let (k_dst, v_dst, positions, remapped, counts) = match &mut taken[..] {
+                [k_dst, v_dst, positions, remapped, counts] => (k_dst, v_dst, positions, remapped, counts),
+                _ => unreachable!(),
+            };
             let r = sparsa::kv_prefetch(
                 ctx,
                 &i["k_src"].view(),
@@ -421,7 +427,10 @@ fn run_attention(ctx: &Context, case: &Case, o: &mut BTreeMap<String, Tensor>) -
 
 fn compare(case: &Case) {
     for (key, entry) in &case.entries {
-        let (Some(name), Entry::Tensor(expected)) = (key.strip_prefix("out."), entry) else { continue };
+        let (name, expected) = match (key.strip_prefix("out."), entry) {
+            (Some(name), Entry::Tensor(expected)) => (name, expected),
+            _ => continue,
+        };
         let (got, want) = (case.outputs[name].bytes(), expected.bytes());
         if got != want {
             let size = expected.dtype.size();
