@@ -19,7 +19,11 @@
  *
  * Threads: a `sparsa_context` and a `sparsa_selection_cache` may be used by one thread at a time; separate objects
  * on separate threads are safe. Functions that take no context and only `const` inputs are safe to call
- * concurrently.
+ * concurrently. Every call that takes a context (or a selection cache, which belongs to its context) marks the
+ * context in use for its duration; a call that finds it in use by another thread returns
+ * SPARSA_STATUS_INVALID_ARGUMENT ("ctx: in use by a call on another thread") and does nothing, so a sharing bug
+ * shows as an error rather than as wrong results. (sparsa_context_destroy cannot check this: destroying a context
+ * while another thread uses it stays undefined.)
  *
  * Memory: the library never frees or keeps caller memory past a call. Scratch memory is owned by the context: it
  * grows on demand and is reused; `sparsa_attention_plan` grows it ahead of time so that later runs of the same or
@@ -129,6 +133,9 @@ typedef enum sparsa_device_type {
  * `data` points at element [0, ..., 0]; element [i0, ..., in] lives at `data + Σ i_k * strides[k]` elements.
  * Strides are in elements (not bytes), may be any non-negative value, and the last dimension must have stride 1
  * wherever this header says "last stride 1" (every attention tensor). Entries past `ndim` are ignored.
+ * Every call refuses (SHAPE_MISMATCH) a tensor whose element count, or whose byte span from element [0, ..., 0] to
+ * the last element its strides reach, does not fit int64, and every extent the run keeps as a count of batch rows,
+ * heads or pages must fit int32; nothing is ever truncated. Misaligned `data` is INVALID_ARGUMENT.
  * Fill it with `sparsa_tensor_init` (contiguous row-major strides) or by hand.
  */
 typedef struct sparsa_tensor {
@@ -137,7 +144,7 @@ typedef struct sparsa_tensor {
   int32_t device_type;            /**< sparsa_device_type; default SPARSA_DEVICE_CPU */
   int32_t device_id;              /**< device ordinal; 0 for CPU; default 0 */
   int32_t ndim;                   /**< 1..SPARSA_MAX_DIMS */
-  void* data;                     /**< first element; the library never frees it */
+  void* data;                     /**< first element, aligned to the element size; the library never frees it */
   int64_t shape[SPARSA_MAX_DIMS];   /**< extents, each >= 0 */
   int64_t strides[SPARSA_MAX_DIMS]; /**< in elements */
 } sparsa_tensor;
@@ -164,8 +171,13 @@ typedef struct sparsa_context_options {
   int32_t device_type;  /**< backend: SPARSA_DEVICE_CPU (default), SPARSA_DEVICE_CUDA or SPARSA_DEVICE_ROCM */
   int32_t device_id;    /**< GPU ordinal; ignored on CPU; default 0 */
   void* stream;         /**< cudaStream_t / hipStream_t every GPU run enqueues on; NULL = default stream */
-  int32_t num_threads;  /**< CPU worker threads; 0 (default) = one per online core */
+  int32_t num_threads;  /**< CPU worker threads, 0..SPARSA_MAX_NUM_THREADS; 0 (default) = one per online core
+                             (at most SPARSA_MAX_NUM_THREADS); a thread the system refuses to start fails the
+                             create with SPARSA_STATUS_OUT_OF_MEMORY */
 } sparsa_context_options;
+
+/** Largest `sparsa_context_options.num_threads` accepted (INVALID_ARGUMENT above it). */
+#define SPARSA_MAX_NUM_THREADS 1024
 
 /** Fills `options` with struct_size and the defaults above. */
 SPARSA_API sparsa_status sparsa_context_options_init(sparsa_context_options* options);
