@@ -94,6 +94,7 @@ void hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t
   if (__builtin_mul_overflow(int64_t(t) * h, int64_t(w), &n) || n > std::numeric_limits<int32_t>::max()) {
     fail(SPARSA_STATUS_INVALID_ARGUMENT, "t*h*w: ", t, " * ", h, " * ", w, " tokens do not fit int32 ids");
   }
+  if (perm == nullptr && inverse == nullptr) return;  // nothing to write: the walk would only burn time
   const int32_t longest = std::max(t, std::max(h, w));
   int bits = 0;
   while ((int64_t{1} << bits) < longest) ++bits;

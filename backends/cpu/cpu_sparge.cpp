@@ -35,10 +35,12 @@ void key_mean(const AttentionProblem& problem, int32_t b, int32_t hk, float* row
 
 // Copies sequence b's mask [nqb, nkb] into block_mask_out [B, Hq, max_nqb, max_nkb], zero outside the sequence.
 void write_block_mask(const TensorArg& out, int32_t b, int32_t h, const uint8_t* mask, int64_t nqb, int64_t nkb) {
-  uint8_t* base = out.ptr<uint8_t>() + b * out.stride(0) + h * out.stride(1);
+  // Offsets, not pointers: an output with no element may have no data, and null + offset is undefined.
+  uint8_t* data = out.ptr<uint8_t>();
+  const int64_t base = b * out.stride(0) + h * out.stride(1);
   for (int64_t i = 0; i < out.extent(2); ++i)
     for (int64_t j = 0; j < out.extent(3); ++j)
-      base[i * out.stride(2) + j * out.stride(3)] = (i < nqb && j < nkb) ? mask[i * nkb + j] : 0;
+      data[base + i * out.stride(2) + j * out.stride(3)] = (i < nqb && j < nkb) ? mask[i * nkb + j] : 0;
 }
 
 }  // namespace

@@ -12,8 +12,13 @@
 #include "microkernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#if defined(__clang__)
+// clang ignores `#pragma GCC target`; its equivalent gives every function below the same target attribute.
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
 
 namespace sparsa::cpu {
 namespace {
@@ -225,7 +230,11 @@ const Microkernels& avx2_microkernels() { return kAvx2; }
 
 }  // namespace sparsa::cpu
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #else
 namespace sparsa::cpu {
 const Microkernels& avx2_microkernels() { return portable_microkernels(); }
