@@ -134,7 +134,8 @@ inline bool checked_span_bytes(const sparsa_tensor& t, size_t element_bytes, int
   return !__builtin_mul_overflow(elements, static_cast<int64_t>(element_bytes), bytes);
 }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ceil(a / b) for a >= 0, b > 0, without forming a + b - 1 (which overflows for a near INT64_MAX).
+inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 // IEEE binary16 bits → float.
 inline float half_to_float(uint16_t h) {

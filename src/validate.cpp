@@ -232,6 +232,10 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
     pr.batch = narrow_extent(pr.q.extent(0), "q", pr.q.t, "B");
     pr.max_seq_q = pr.q.extent(1);
   }
+  // Token positions are int32 wherever the API carries them (cu_seqlens, seq_lens_k, indices, page ids), so a
+  // sequence or packed row count past INT32_MAX cannot be addressed: refused, which also keeps every block count
+  // and key-block product below int64 overflow.
+  narrow_extent(pr.q.extent(q_rank == 3 ? 0 : 1), "q", pr.q.t, q_rank == 3 ? "Tq" : "Sq");
   const int64_t batch = pr.batch;
 
   // k / v.
@@ -254,6 +258,7 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
   expect_last_stride_one(pr.k, "k");
   expect_last_stride_one(pr.v, "v");
   pr.num_kv_heads = narrow_extent(pr.k.extent(kv_rank - 2), "k", pr.k.t, "Hkv");
+  narrow_extent(pr.k.extent(kv_rank == 3 ? 0 : 1), "k", pr.k.t, kv_rank == 3 ? "Tk" : "Skv (or page_size)");
   if (pr.k.extent(kv_rank - 1) != head_dim) {
     fail(SPARSA_STATUS_SHAPE_MISMATCH, "k: shape ", shape_string(pr.k.t), " but q has head_dim ", head_dim);
   }
@@ -285,7 +290,12 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
         fail(SPARSA_STATUS_SHAPE_MISMATCH, "page_table: shape ", shape_string(pr.page_table.t),
              " but q has batch B = ", batch);
       }
-      capacity_per_seq = pr.page_table.extent(1) * pr.page_size;
+      narrow_extent(pr.page_table.extent(1), "page_table", pr.page_table.t, "max_pages");
+      capacity_per_seq = pr.page_table.extent(1) * pr.page_size;  // both <= INT32_MAX: no overflow
+      if (capacity_per_seq > std::numeric_limits<int32_t>::max()) {
+        fail(SPARSA_STATUS_SHAPE_MISMATCH, "page_table: max_pages ", pr.page_table.extent(1), " * page_size ",
+             pr.page_size, " tokens per sequence exceed INT32_MAX (token positions are int32)");
+      }
       pr.max_seq_k = capacity_per_seq;
       break;
     }

@@ -5,7 +5,11 @@
 #include <sparsa/sparsa.h>
 
 #include <algorithm>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -104,7 +108,7 @@ TEST(ContractEdgeCases, ExtentsAboveInt32AreRefusedNotTruncated) {
     const char* name;
     int dim;  // 0 = batch, 2 = heads
   };
-  const Case cases[] = {{"batch 2^32+1", 0}, {"heads 2^32+1", 2}};
+  const Case cases[] = {{"batch 2^32+1", 0}, {"Sq and Skv 2^32+1 (token positions are int32)", 1}, {"heads 2^32+1", 2}};
   for (const Case& cs : cases) {
     SCOPED_TRACE(cs.name);
     OwnedContext c;
@@ -124,6 +128,32 @@ TEST(ContractEdgeCases, ExtentsAboveInt32AreRefusedNotTruncated) {
     EXPECT_NE(std::string(sparsa_last_error_message()).find("INT32_MAX"), std::string::npos)
         << sparsa_last_error_message();
   }
+}
+
+TEST(ContractEdgeCases, PagedCapacityAndTopkBlockCountsDoNotOverflow) {
+  OwnedContext c;
+  // Paged KV: max_pages · page_size overflowed int64 during validation (found by the fuzz target).
+  SmallRun r(1, 1);
+  sparsa_attention_args& args = r.describe();
+  args.lse = nullptr;
+  sparsa_tensor cache = st::host_tensor(r.k.data(), SPARSA_DTYPE_F32, {1, 1, 1, r.D});
+  cache.shape[1] = int64_t{1} << 31;  // page_size, broadcast over one stored token
+  cache.strides[1] = 0;
+  std::vector<int32_t> table = {0}, lengths = {1};
+  sparsa_tensor ttable = st::host_tensor(table.data(), SPARSA_DTYPE_I32, {1, 1});
+  ttable.shape[1] = int64_t{1} << 31;  // max_pages
+  ttable.strides[1] = 0;
+  sparsa_tensor tlengths = st::host_tensor(lengths.data(), SPARSA_DTYPE_I32, {1});
+  args.k = &cache;
+  args.v = &cache;
+  args.page_table = &ttable;
+  args.seq_lens_k = &tlengths;
+  EXPECT_EQ(sparsa_attention_run(c.ctx, &args, nullptr), SPARSA_STATUS_SHAPE_MISMATCH);
+  // Top-k over scores [0, 1, INT64_MAX]: ceil(N / block_size) once computed N + block_size - 1.
+  sparsa_tensor scores = st::host_tensor(nullptr, SPARSA_DTYPE_F32, {0, 1, 1});
+  scores.shape[2] = INT64_MAX;
+  sparsa_tensor out = st::host_tensor(nullptr, SPARSA_DTYPE_I32, {0, 1, 2});
+  EXPECT_EQ(sparsa_topk_from_scores(c.ctx, &scores, 2, 7, &out), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
 }
 
 TEST(ContractEdgeCases, TensorInitRefusesStridesThatOverflow) {
@@ -185,6 +215,45 @@ TEST(ContractEdgeCases, NumThreadsIsBounded) {
     EXPECT_EQ(sparsa_context_create(&o, &ctx), cs.want) << cs.threads;
     sparsa_context_destroy(ctx);
   }
+}
+
+// Sanitizers reserve terabytes of address space up front, so an address-space limit cannot single out threads there.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kAddressSpaceLimitWorks = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kAddressSpaceLimitWorks = false;
+#else
+constexpr bool kAddressSpaceLimitWorks = true;
+#endif
+#else
+constexpr bool kAddressSpaceLimitWorks = true;
+#endif
+
+[[noreturn]] void create_context_under_address_space_limit() {
+  long pages = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  const rlim_t limit = rlim_t(pages) * rlim_t(sysconf(_SC_PAGESIZE)) + (rlim_t{48} << 20);
+  const rlimit cap{limit, limit};
+  if (pages == 0 || setrlimit(RLIMIT_AS, &cap) != 0) std::_Exit(3);
+  sparsa_context_options o = st::make_context_options();
+  o.num_threads = SPARSA_MAX_NUM_THREADS;
+  sparsa_context* ctx = nullptr;
+  const sparsa_status status = sparsa_context_create(&o, &ctx);
+  std::_Exit(status == SPARSA_STATUS_OUT_OF_MEMORY && ctx == nullptr ? 0 : 4);
+}
+
+TEST(ContractEdgeCases, ContextCreateReturnsWhenAThreadCannotStart) {
+  if (!kAddressSpaceLimitWorks) GTEST_SKIP() << "address-space limits do not apply under ASan/TSan";
+  // In a child process: cap the address space a little above what is mapped, so that worker stacks (8 MiB each) run
+  // out after a few threads. The create must fail with OUT_OF_MEMORY and return (it once waited forever).
+  // "threadsafe": the child re-executes the test binary instead of continuing a fork of a process whose other
+  // threads (earlier tests' pools) may hold locks the child would wait on forever.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(create_context_under_address_space_limit(), ::testing::ExitedWithCode(0), "");
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,13 @@
  * shows as an error rather than as wrong results. (sparsa_context_destroy cannot check this: destroying a context
  * while another thread uses it stays undefined.)
  *
+ * NaN and Inf (docs/algorithms.md §0): a query row's output depends only on its own q row and on the k and v rows
+ * of the keys the policy lets it see. If one of those holds a NaN or ±Inf, the row's output is all NaN and its LSE
+ * NaN; a non-finite value in any row it does not see (masked by causality, window, block mask or index set) never
+ * changes it. Policies that score keys to choose them (SPARGE, TOKEN_SPARSE, TOKEN_SELECT) may choose differently
+ * because of a non-finite k, but never pass an unseen key's value on. Guaranteed by the CPU backend; the GPU
+ * backends do not check for non-finite inputs yet.
+ *
  * Memory: the library never frees or keeps caller memory past a call. Scratch memory is owned by the context: it
  * grows on demand and is reused; `sparsa_attention_plan` grows it ahead of time so that later runs of the same or
  * smaller sizes allocate nothing.
@@ -134,8 +141,9 @@ typedef enum sparsa_device_type {
  * Strides are in elements (not bytes), may be any non-negative value, and the last dimension must have stride 1
  * wherever this header says "last stride 1" (every attention tensor). Entries past `ndim` are ignored.
  * Every call refuses (SHAPE_MISMATCH) a tensor whose element count, or whose byte span from element [0, ..., 0] to
- * the last element its strides reach, does not fit int64, and every extent the run keeps as a count of batch rows,
- * heads or pages must fit int32; nothing is ever truncated. Misaligned `data` is INVALID_ARGUMENT.
+ * the last element its strides reach, does not fit int64. Attention runs also refuse batch, head, sequence, packed
+ * token and page counts above INT32_MAX (token positions are int32 in every index tensor): nothing is ever
+ * truncated. Misaligned `data` is INVALID_ARGUMENT.
  * Fill it with `sparsa_tensor_init` (contiguous row-major strides) or by hand.
  */
 typedef struct sparsa_tensor {
