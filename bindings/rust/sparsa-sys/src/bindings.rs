@@ -6,6 +6,7 @@ pub const SPARSA_VERSION_MINOR: u32 = 1;
 pub const SPARSA_VERSION_PATCH: u32 = 0;
 pub const SPARSA_VERSION: u32 = 100;
 pub const SPARSA_MAX_DIMS: u32 = 8;
+pub const SPARSA_MAX_NUM_THREADS: u32 = 1024;
 pub type __int32_t = ::std::os::raw::c_int;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __int64_t = ::std::os::raw::c_long;
@@ -79,6 +80,10 @@ pub type sparsa_device_type = ::std::os::raw::c_uint;
 #[doc = " `data` points at element [0, ..., 0]; element [i0, ..., in] lives at `data + Σ i_k * strides[k]` elements."]
 #[doc = " Strides are in elements (not bytes), may be any non-negative value, and the last dimension must have stride 1"]
 #[doc = " wherever this header says \"last stride 1\" (every attention tensor). Entries past `ndim` are ignored."]
+#[doc = " Every call refuses (SHAPE_MISMATCH) a tensor whose element count, or whose byte span from element [0, ..., 0] to"]
+#[doc = " the last element its strides reach, does not fit int64. Attention runs also refuse batch, head, sequence, packed"]
+#[doc = " token and page counts above INT32_MAX (token positions are int32 in every index tensor): nothing is ever"]
+#[doc = " truncated. Misaligned `data` is INVALID_ARGUMENT."]
 #[doc = " Fill it with `sparsa_tensor_init` (contiguous row-major strides) or by hand."]
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -93,7 +98,7 @@ pub struct sparsa_tensor {
     pub device_id: i32,
     #[doc = "< 1..SPARSA_MAX_DIMS"]
     pub ndim: i32,
-    #[doc = "< first element; the library never frees it"]
+    #[doc = "< first element, aligned to the element size; the library never frees it"]
     pub data: *mut ::std::os::raw::c_void,
     #[doc = "< extents, each >= 0"]
     pub shape: [i64; 8usize],
@@ -281,7 +286,9 @@ pub struct sparsa_context_options {
     pub device_id: i32,
     #[doc = "< cudaStream_t / hipStream_t every GPU run enqueues on; NULL = default stream"]
     pub stream: *mut ::std::os::raw::c_void,
-    #[doc = "< CPU worker threads; 0 (default) = one per online core"]
+    #[doc = "< CPU worker threads, 0..SPARSA_MAX_NUM_THREADS; 0 (default) = one per online core"]
+    #[doc = "(at most SPARSA_MAX_NUM_THREADS); a thread the system refuses to start fails the"]
+    #[doc = "create with SPARSA_STATUS_OUT_OF_MEMORY"]
     pub num_threads: i32,
 }
 #[test]
@@ -429,7 +436,9 @@ pub struct sparsa_selection_cache {
 extern "C" {
     #[doc = " Creates an empty cache for up to `max_batch` sequences, `num_q_heads` query heads, `num_kv_heads` kv heads,"]
     #[doc = " `head_dim` D and selections of up to `max_top_k` tokens per set (per kv head when select_per_kv_head is on)."]
-    #[doc = " A run whose shapes exceed these fails with SHAPE_MISMATCH."]
+    #[doc = " A run whose shapes exceed these fails with SHAPE_MISMATCH. The cache allocates max_batch · (num_q_heads · head_dim"]
+    #[doc = " · 8 + num_kv_heads · max_top_k · 4) bytes here (OUT_OF_MEMORY when that fails); a size that does not fit int64 is"]
+    #[doc = " INVALID_ARGUMENT."]
     pub fn sparsa_selection_cache_create(
         ctx: *mut sparsa_context,
         max_batch: i32,
