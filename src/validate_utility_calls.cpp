@@ -1,6 +1,7 @@
 // Validation of the backend utilities: sparsa_merge_states, sparsa_topk_from_scores, sparsa_kv_prefetch.
 // Same rules as validate.cpp: every check throws sparsa::Error naming the argument; nothing is written.
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "tensor_util.h"
@@ -53,6 +54,11 @@ MergeProblem validate_merge(const DeviceRule& rule, const sparsa_tensor* o_a, co
   if (m.o_a.t.ndim != 3 && m.o_a.t.ndim != 4) {
     fail(SPARSA_STATUS_SHAPE_MISMATCH, "o_a: expected rank 4 [B, S, H, D] or rank 3 [T, H, D], got shape ",
          shape_string(m.o_a.t));
+  }
+  const int64_t head_dim = m.o_a.t.shape[m.o_a.t.ndim - 1];
+  if (head_dim > std::numeric_limits<int32_t>::max()) {  // rows are handled as int32 D elements
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, "o_a: shape ", shape_string(m.o_a.t), " has D = ", head_dim,
+         ", more than INT32_MAX");
   }
   expect_shape(m.o_b, "o_b", shape_of(m.o_a), "o_a's shape");
   expect_shape(m.out, "out", shape_of(m.o_a), "o_a's shape");

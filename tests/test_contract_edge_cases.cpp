@@ -156,6 +156,18 @@ TEST(ContractEdgeCases, PagedCapacityAndTopkBlockCountsDoNotOverflow) {
   EXPECT_EQ(sparsa_topk_from_scores(c.ctx, &scores, 2, 7, &out), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
 }
 
+TEST(ContractEdgeCases, MergeWithNoHeadsAndAHugeHeadDim) {
+  // o [1, 1, 0, 2^32 + 1]: D was cast to int and a row buffer of 2·D floats sized from it (INTERNAL).
+  OwnedContext c;
+  sparsa_tensor o = st::host_tensor(nullptr, SPARSA_DTYPE_F32, {1, 1, 0, 1});
+  o.shape[3] = kTwoTo32Plus1;
+  sparsa_tensor lse = st::host_tensor(nullptr, SPARSA_DTYPE_F32, {1, 0, 1});
+  EXPECT_EQ(sparsa_merge_states(c.ctx, &o, &lse, &o, &lse, &o, nullptr), SPARSA_STATUS_SHAPE_MISMATCH);
+  o.shape[3] = 4;  // the same with an ordinary D: nothing to do, success
+  EXPECT_EQ(sparsa_merge_states(c.ctx, &o, &lse, &o, &lse, &o, nullptr), SPARSA_STATUS_SUCCESS)
+      << sparsa_last_error_message();
+}
+
 TEST(ContractEdgeCases, TensorInitRefusesStridesThatOverflow) {
   struct Case {
     std::vector<int64_t> shape;
