@@ -57,7 +57,7 @@ DeviceRule device_rule(const sparsa_context& ctx) { return {ctx.options.device_t
 void prepare_attention(sparsa_context* ctx, const sparsa_attention_args* args, const sparsa_policy* policy,
                        AttentionProblem* problem, PolicyParams* params) {
   require(ctx, "ctx");
-  validate_attention(*ctx, args, policy, problem, params);
+  validate_attention(*ctx, args, policy, problem, params);  // the caller holds ctx (ContextUse)
   std::string reason;
   if (!ctx->backend->supports(*problem, *params, &reason)) {
     fail(SPARSA_STATUS_UNSUPPORTED, "the ", ctx->backend->name(), " backend does not support this run: ", reason);
@@ -106,10 +106,16 @@ extern "C" SPARSA_API sparsa_status sparsa_tensor_init(sparsa_tensor* t, size_t 
     result.ndim = ndim;
     result.data = data;
     int64_t stride = 1;
+    bool overflow = false;  // every row-major stride, and the element count, must fit int64
     for (int32_t i = ndim - 1; i >= 0; --i) {
       result.shape[i] = shape[i];
       result.strides[i] = stride;
-      stride *= shape[i];
+      if (i > 0) overflow = overflow || __builtin_mul_overflow(stride, shape[i], &stride);
+    }
+    int64_t elements = 0;
+    if (overflow || !checked_element_count(result, &elements)) {
+      fail(SPARSA_STATUS_SHAPE_MISMATCH, "shape: ", shape_string(shape, ndim),
+           " has more than INT64_MAX elements (its row-major strides overflow)");
     }
     write_caller_struct(t, size, "t", result);
   });
@@ -132,9 +138,9 @@ extern "C" SPARSA_API sparsa_status sparsa_context_create(const sparsa_context_o
     const sparsa_context_options defaults = default_context_options();
     const sparsa_context_options resolved =
         options ? read_caller_struct(*options, "options", defaults) : defaults;
-    if (resolved.num_threads < 0) {
-      fail(SPARSA_STATUS_INVALID_ARGUMENT, "options.num_threads: expected >= 0 (0 = one per core), got ",
-           resolved.num_threads);
+    if (resolved.num_threads < 0 || resolved.num_threads > SPARSA_MAX_NUM_THREADS) {
+      fail(SPARSA_STATUS_INVALID_ARGUMENT, "options.num_threads: expected 0..", SPARSA_MAX_NUM_THREADS,
+           " (0 = one per core), got ", resolved.num_threads);
     }
     if (resolved.device_type != SPARSA_DEVICE_CPU && resolved.device_id < 0) {
       fail(SPARSA_STATUS_INVALID_ARGUMENT, "options.device_id: expected >= 0, got ", resolved.device_id);
@@ -155,6 +161,7 @@ extern "C" SPARSA_API void sparsa_context_destroy(sparsa_context* ctx) {
 extern "C" SPARSA_API sparsa_status sparsa_context_set_stream(sparsa_context* ctx, void* stream) {
   return guarded([&] {
     require(ctx, "ctx");
+    const ContextUse use(*ctx);
     ctx->backend->set_stream(stream);
     ctx->options.stream = stream;
   });
@@ -164,6 +171,7 @@ extern "C" SPARSA_API sparsa_status sparsa_context_device_type(const sparsa_cont
   return guarded([&] {
     require(ctx, "ctx");
     require(device_type, "device_type");
+    const ContextUse use(*ctx);
     *device_type = ctx->backend->device_type();
   });
 }
@@ -172,6 +180,7 @@ extern "C" SPARSA_API sparsa_status sparsa_context_scratch_bytes(const sparsa_co
   return guarded([&] {
     require(ctx, "ctx");
     require(bytes, "bytes");
+    const ContextUse use(*ctx);
     *bytes = ctx->backend->scratch_bytes();
   });
 }
@@ -197,6 +206,21 @@ extern "C" SPARSA_API sparsa_status sparsa_selection_cache_create(sparsa_context
       fail(SPARSA_STATUS_SHAPE_MISMATCH, "num_kv_heads: ", num_kv_heads,
            " does not divide num_q_heads = ", num_q_heads);
     }
+    // The cache holds max_batch slots of Hq·D doubles (mean queries) and Hkv·max_top_k int32 ids: its byte size
+    // must be representable, else it would wrap to a small allocation that runs then overflow.
+    int64_t qbar_bytes = 0, selection_bytes = 0, total_bytes = 0;
+    const bool overflow =
+        __builtin_mul_overflow(int64_t(max_batch) * num_q_heads, int64_t(head_dim) * int64_t(sizeof(double)),
+                               &qbar_bytes) ||
+        __builtin_mul_overflow(int64_t(max_batch) * num_kv_heads, int64_t(max_top_k) * int64_t(sizeof(int32_t)),
+                               &selection_bytes) ||
+        __builtin_add_overflow(qbar_bytes, selection_bytes, &total_bytes);
+    if (overflow) {
+      fail(SPARSA_STATUS_INVALID_ARGUMENT, "max_batch * (num_q_heads * head_dim * 8 + num_kv_heads * max_top_k * 4)",
+           ": the cache's size overflows int64 (max_batch ", max_batch, ", num_q_heads ", num_q_heads,
+           ", num_kv_heads ", num_kv_heads, ", head_dim ", head_dim, ", max_top_k ", max_top_k, ")");
+    }
+    const ContextUse use(*ctx);
     SelectionCacheDims dims;
     dims.max_batch = max_batch;
     dims.num_q_heads = num_q_heads;
@@ -214,6 +238,7 @@ extern "C" SPARSA_API sparsa_status sparsa_selection_cache_create(sparsa_context
 extern "C" SPARSA_API sparsa_status sparsa_selection_cache_reset(sparsa_selection_cache* cache) {
   return guarded([&] {
     require(cache, "cache");
+    const ContextUse use(*cache->owner);
     cache->state->reset();
   });
 }
@@ -227,6 +252,7 @@ extern "C" SPARSA_API sparsa_status sparsa_selection_cache_counts(const sparsa_s
   return guarded([&] {
     require(cache, "cache");
     int64_t h = 0, m = 0;
+    const ContextUse use(*cache->owner);
     cache->state->counts(&h, &m);
     if (hits) *hits = h;
     if (misses) *misses = m;
@@ -264,6 +290,8 @@ extern "C" SPARSA_API sparsa_status sparsa_attention_run(sparsa_context* ctx, co
   return guarded([&] {
     AttentionProblem problem;
     PolicyParams params;
+    require(ctx, "ctx");
+    const ContextUse use(*ctx);
     prepare_attention(ctx, args, policy, &problem, &params);
     ctx->backend->run(problem, params);
   });
@@ -274,6 +302,8 @@ extern "C" SPARSA_API sparsa_status sparsa_attention_plan(sparsa_context* ctx, c
   return guarded([&] {
     AttentionProblem problem;
     PolicyParams params;
+    require(ctx, "ctx");
+    const ContextUse use(*ctx);
     prepare_attention(ctx, args, policy, &problem, &params);
     ctx->backend->plan(problem, params);
   });
@@ -287,6 +317,7 @@ extern "C" SPARSA_API sparsa_status sparsa_merge_states(sparsa_context* ctx, con
                                                         const sparsa_tensor* out_lse) {
   return guarded([&] {
     require(ctx, "ctx");
+    const ContextUse use(*ctx);
     const MergeProblem problem = validate_merge(device_rule(*ctx), o_a, lse_a, o_b, lse_b, out, out_lse);
     ctx->backend->merge_states(problem);
   });
@@ -296,6 +327,7 @@ extern "C" SPARSA_API sparsa_status sparsa_topk_from_scores(sparsa_context* ctx,
                                                             int32_t block_size, const sparsa_tensor* out_indices) {
   return guarded([&] {
     require(ctx, "ctx");
+    const ContextUse use(*ctx);
     const TopkCall call = validate_topk(device_rule(*ctx), scores, k, block_size, out_indices);
     ctx->backend->topk_from_scores(call.scores, k, block_size, call.out_indices);
   });
@@ -313,6 +345,7 @@ extern "C" SPARSA_API sparsa_status sparsa_kv_prefetch(sparsa_context* ctx, cons
                                                        const sparsa_tensor* counts) {
   return guarded([&] {
     require(ctx, "ctx");
+    const ContextUse use(*ctx);
     const PrefetchProblem problem =
         validate_prefetch(device_rule(*ctx), k_src, v_src, indices, k_dst, v_dst, positions, remapped, counts);
     ctx->backend->kv_prefetch(problem);
@@ -344,6 +377,7 @@ extern "C" SPARSA_API sparsa_status sparsa_sparge_tune(sparsa_context* ctx, cons
                                                        const sparsa_tensor* out_metrics) {
   return guarded([&] {
     require(ctx, "ctx");
+    const ContextUse use(*ctx);
     sparge_tune(*ctx, args, policy, options, out_params, out_metrics);
   });
 }

@@ -56,6 +56,10 @@ void head_mapping(const sparsa_tensor* draft_t, const sparsa_tensor* target_t, i
   expect_shape(out_map, "out_map", {target_heads}, "[Ht] from target");
   if (k < 1 || k > n) fail(SPARSA_STATUS_SHAPE_MISMATCH, "k: expected 1 <= k <= N = ", n, ", got ", k);
 
+  if (traces == 0) {  // no trace: every overlap is 0 and the tie goes to draft head 0; nothing to size from N
+    for (int64_t ht = 0; ht < target_heads; ++ht) out_map.ptr<int32_t>()[ht * out_map.stride(0)] = 0;
+    return;
+  }
   // overlap[ht * Hd + hd] = Σ_t |topk(draft[t, hd]) ∩ topk(target[t, ht])|
   std::vector<int64_t> overlap(static_cast<size_t>(target_heads * draft_heads), 0);
   std::vector<int64_t> order(static_cast<size_t>(n));

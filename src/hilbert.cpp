@@ -88,15 +88,18 @@ void hilbert_permutation(int32_t t, int32_t h, int32_t w, int32_t* perm, int32_t
   for (const auto& [value, name] : extents) {
     if (value < 1) fail(SPARSA_STATUS_INVALID_ARGUMENT, name, ": expected >= 1, got ", value);
   }
-  const int64_t n = int64_t(t) * h * w;
-  if (n > std::numeric_limits<int32_t>::max()) {
-    fail(SPARSA_STATUS_INVALID_ARGUMENT, "t*h*w: ", n, " tokens do not fit int32 ids");
+  // t*h*w can reach 2^93: multiply with overflow detection before comparing (a wrapped product once passed this
+  // check and sent the walk over a huge cube, writing past perm).
+  int64_t n = 0;
+  if (__builtin_mul_overflow(int64_t(t) * h, int64_t(w), &n) || n > std::numeric_limits<int32_t>::max()) {
+    fail(SPARSA_STATUS_INVALID_ARGUMENT, "t*h*w: ", t, " * ", h, " * ", w, " tokens do not fit int32 ids");
   }
   if (capacity < 0) fail(SPARSA_STATUS_INVALID_ARGUMENT, "capacity: expected >= 0, got ", capacity);
   if ((perm != nullptr || inverse != nullptr) && capacity < n) {
     fail(SPARSA_STATUS_SHAPE_MISMATCH, "capacity: the buffers hold ", capacity, " int32 entries but the ", t, "x", h,
          "x", w, " grid needs ", n);
   }
+  if (perm == nullptr && inverse == nullptr) return;  // nothing to write: the walk would only burn time
   const int32_t longest = std::max(t, std::max(h, w));
   int bits = 0;
   while ((int64_t{1} << bits) < longest) ++bits;

@@ -94,10 +94,11 @@ PairCounts count_pairs(const AttentionProblem& pr, const sparsa_policy& p, const
   PairCounts c;
   const int64_t sq = pr.seq_len_q(b), skv = pr.seq_len_k(b), offset = skv - sq;
   for (int64_t i = 0; i < sq; ++i) c.dense += visible_keys_in(i, 0, skv, pr.causal, offset);
-  const uint8_t* m = mask.ptr<const uint8_t>() + b * mask.stride(0) + h * mask.stride(1);
+  const uint8_t* m = mask.ptr<const uint8_t>();  // indexed by offsets: an empty mask may have no data
+  const int64_t head = b * mask.stride(0) + h * mask.stride(1);
   for (int64_t qb = 0; qb * p.block_q < sq; ++qb) {
     for (int64_t kb = 0; kb * p.block_k < skv; ++kb) {
-      if (!m[qb * mask.stride(2) + kb * mask.stride(3)]) continue;
+      if (!m[head + qb * mask.stride(2) + kb * mask.stride(3)]) continue;
       const int64_t key_begin = kb * p.block_k, key_end = std::min<int64_t>(skv, key_begin + p.block_k);
       const int64_t row_end = std::min<int64_t>(sq, (qb + 1) * p.block_q);
       for (int64_t i = qb * p.block_q; i < row_end; ++i) {

@@ -94,13 +94,50 @@ inline std::string shape_string(const std::vector<int64_t>& shape) {
 }
 inline std::string shape_string(const sparsa_tensor& t) { return shape_string(t.shape, t.ndim); }
 
+// Product of the extents of a tensor whose descriptor passed validation (read_tensor checks that it fits).
 inline int64_t element_count(const sparsa_tensor& t) {
   int64_t n = 1;
   for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
   return n;
 }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Product of the extents with overflow detection: false when it does not fit int64. Extents must be >= 0.
+inline bool checked_element_count(const sparsa_tensor& t, int64_t* count) {
+  int64_t n = 1;
+  bool overflow = false;
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 0) {
+      *count = 0;
+      return true;  // an empty tensor is empty whatever its other extents
+    }
+    overflow = overflow || __builtin_mul_overflow(n, t.shape[i], &n);
+  }
+  *count = n;
+  return !overflow;
+}
+
+// Bytes from the first element to one past the last one the strides reach (0 for an empty tensor), with overflow
+// detection: false when it does not fit int64. Extents and strides must be >= 0 and the dtype known.
+inline bool checked_span_bytes(const sparsa_tensor& t, size_t element_bytes, int64_t* bytes) {
+  int64_t last = 0;  // element offset of the last element
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 0) {
+      *bytes = 0;
+      return true;
+    }
+  }
+  for (int i = 0; i < t.ndim; ++i) {
+    int64_t reach = 0;
+    if (__builtin_mul_overflow(t.shape[i] - 1, t.strides[i], &reach)) return false;
+    if (__builtin_add_overflow(last, reach, &last)) return false;
+  }
+  int64_t elements = 0;
+  if (__builtin_add_overflow(last, int64_t{1}, &elements)) return false;
+  return !__builtin_mul_overflow(elements, static_cast<int64_t>(element_bytes), bytes);
+}
+
+// ceil(a / b) for a >= 0, b > 0, without forming a + b - 1 (which overflows for a near INT64_MAX).
+inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 // Element `offset` (in elements) of a host F32/F16/BF16 buffer, as float.
 inline float load_float(int32_t dtype, const void* base, int64_t offset) {

@@ -49,8 +49,25 @@ TensorArg read_tensor(const sparsa_tensor* t, const char* name, bool required) {
            " have a negative entry in dim ", i, " (strides must be >= 0)");
     }
   }
-  if (d.data == nullptr && element_count(d) > 0) {
+  // Counts and byte sizes are computed once here, with overflow detection, so every later product of extents or
+  // offset (extent - 1) * stride of a validated tensor fits int64.
+  int64_t elements = 0;
+  if (!checked_element_count(d, &elements)) {
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, name, ": shape ", shape_string(d), " has more than INT64_MAX elements");
+  }
+  int64_t span_bytes = 0;
+  if (!checked_span_bytes(d, std::max<size_t>(1, dtype_size(d.dtype)), &span_bytes)) {
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, name, ": shape ", shape_string(d), " with strides ",
+         shape_string(d.strides, d.ndim), " spans more than INT64_MAX bytes");
+  }
+  if (d.data == nullptr && elements > 0) {
     fail(SPARSA_STATUS_NULL_POINTER, name, ": data is NULL for a tensor of shape ", shape_string(d));
+  }
+  // Kernels load elements as their type (fp16 as uint16_t, indices as int32_t): data must be aligned to it.
+  const size_t alignment = std::max<size_t>(1, dtype_size(d.dtype));
+  if (reinterpret_cast<uintptr_t>(d.data) % alignment != 0) {
+    fail(SPARSA_STATUS_INVALID_ARGUMENT, name, ": data ", d.data, " is not aligned to its ", alignment,
+         "-byte elements (", dtype_name(d.dtype), ")");
   }
   return arg;
 }
@@ -132,6 +149,15 @@ void expect_same_dtype(const TensorArg& a, const char* name, const TensorArg& re
   }
 }
 
+// An extent the run keeps as int32 (batch, head counts, page size): larger values are refused, never truncated.
+int32_t narrow_extent(int64_t value, const char* name, const sparsa_tensor& t, const char* what) {
+  if (value > std::numeric_limits<int32_t>::max()) {
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, name, ": shape ", shape_string(t), " has ", what, " = ", value,
+         ", more than INT32_MAX");
+  }
+  return static_cast<int32_t>(value);
+}
+
 void expect_at_least(int64_t value, int64_t minimum, const char* name) {
   if (value < minimum) fail(SPARSA_STATUS_INVALID_ARGUMENT, name, ": expected >= ", minimum, ", got ", value);
 }
@@ -185,7 +211,7 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
   const char* q_layout = pr.q_packed ? "[Tq, Hq, D] (packed, cu_seqlens_q given)" : "[B, Sq, Hq, D]";
   expect_rank(pr.q, "q", q_rank, q_layout);
   expect_last_stride_one(pr.q, "q");
-  pr.num_q_heads = static_cast<int32_t>(pr.q.extent(q_rank - 2));
+  pr.num_q_heads = narrow_extent(pr.q.extent(q_rank - 2), "q", pr.q.t, "Hq");
   const int64_t head_dim = pr.q.extent(q_rank - 1);
   if (head_dim < 1 || head_dim > kMaxHeadDim) {
     fail(SPARSA_STATUS_SHAPE_MISMATCH, "q: head_dim D = ", head_dim, " (shape ", shape_string(pr.q.t),
@@ -201,13 +227,17 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
     if (pr.cu_seqlens_q.extent(0) < 1) {
       fail(SPARSA_STATUS_SHAPE_MISMATCH, "cu_seqlens_q: expected shape [B+1] with B >= 0, got [0]");
     }
-    pr.batch = static_cast<int32_t>(pr.cu_seqlens_q.extent(0) - 1);
+    pr.batch = narrow_extent(pr.cu_seqlens_q.extent(0) - 1, "cu_seqlens_q", pr.cu_seqlens_q.t, "B");
     pr.max_seq_q =
         readable ? check_cu_seqlens(pr.cu_seqlens_q, "cu_seqlens_q", pr.q.extent(0), "q", "Tq") : pr.q.extent(0);
   } else {
-    pr.batch = static_cast<int32_t>(pr.q.extent(0));
+    pr.batch = narrow_extent(pr.q.extent(0), "q", pr.q.t, "B");
     pr.max_seq_q = pr.q.extent(1);
   }
+  // Token positions are int32 wherever the API carries them (cu_seqlens, seq_lens_k, indices, page ids), so a
+  // sequence or packed row count past INT32_MAX cannot be addressed: refused, which also keeps every block count
+  // and key-block product below int64 overflow.
+  narrow_extent(pr.q.extent(q_rank == 3 ? 0 : 1), "q", pr.q.t, q_rank == 3 ? "Tq" : "Sq");
   const int64_t batch = pr.batch;
 
   // k / v.
@@ -229,7 +259,8 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
   expect_shape(pr.v, "v", ShapeSpec::of(pr.k.t), "k's shape");
   expect_last_stride_one(pr.k, "k");
   expect_last_stride_one(pr.v, "v");
-  pr.num_kv_heads = static_cast<int32_t>(pr.k.extent(kv_rank - 2));
+  pr.num_kv_heads = narrow_extent(pr.k.extent(kv_rank - 2), "k", pr.k.t, "Hkv");
+  narrow_extent(pr.k.extent(kv_rank == 3 ? 0 : 1), "k", pr.k.t, kv_rank == 3 ? "Tk" : "Skv (or page_size)");
   if (pr.k.extent(kv_rank - 1) != head_dim) {
     fail(SPARSA_STATUS_SHAPE_MISMATCH, "k: shape ", shape_string(pr.k.t), " but q has head_dim ", head_dim);
   }
@@ -253,7 +284,7 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
           readable ? check_cu_seqlens(pr.cu_seqlens_k, "cu_seqlens_k", pr.k.extent(0), "k", "Tk") : pr.k.extent(0);
       break;
     case KvLayout::kPaged: {
-      pr.page_size = static_cast<int32_t>(pr.k.extent(1));
+      pr.page_size = narrow_extent(pr.k.extent(1), "k", pr.k.t, "page_size");
       if (pr.page_size < 1)
         fail(SPARSA_STATUS_SHAPE_MISMATCH, "k: paged cache ", shape_string(pr.k.t), " has page_size 0");
       expect_rank(pr.page_table, "page_table", 2, "[B, max_pages]");
@@ -261,7 +292,12 @@ void validate_layout(const DeviceRule& rule, AttentionProblem& pr) {
         fail(SPARSA_STATUS_SHAPE_MISMATCH, "page_table: shape ", shape_string(pr.page_table.t),
              " but q has batch B = ", batch);
       }
-      capacity_per_seq = pr.page_table.extent(1) * pr.page_size;
+      narrow_extent(pr.page_table.extent(1), "page_table", pr.page_table.t, "max_pages");
+      capacity_per_seq = pr.page_table.extent(1) * pr.page_size;  // both <= INT32_MAX: no overflow
+      if (capacity_per_seq > std::numeric_limits<int32_t>::max()) {
+        fail(SPARSA_STATUS_SHAPE_MISMATCH, "page_table: max_pages ", pr.page_table.extent(1), " * page_size ",
+             pr.page_size, " tokens per sequence exceed INT32_MAX (token positions are int32)");
+      }
       pr.max_seq_k = capacity_per_seq;
       break;
     }
@@ -433,7 +469,7 @@ void validate_token_indices(const AttentionProblem& pr, const DeviceRule& rule, 
   expect_on_device(pp.indices, "policy.indices", rule);
   expect_dtype(pp.indices, "policy.indices", SPARSA_DTYPE_I32);
   expect_rank(pp.indices, "policy.indices", 3, "[B, H_idx, k]");
-  const int64_t h_idx = pp.indices.extent(1);
+  const int64_t h_idx = narrow_extent(pp.indices.extent(1), "policy.indices", pp.indices.t, "H_idx");
   if (pp.indices.extent(0) != pr.batch || h_idx < 1) {
     fail(SPARSA_STATUS_SHAPE_MISMATCH, "policy.indices: shape ", shape_string(pp.indices.t),
          ", expected [B = ", pr.batch, ", H_idx >= 1, k]");

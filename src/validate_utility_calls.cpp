@@ -1,6 +1,7 @@
 // Validation of the backend utilities: sparsa_merge_states, sparsa_topk_from_scores, sparsa_kv_prefetch.
 // Same rules as validate.cpp: every check throws sparsa::Error naming the argument; nothing is written.
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "tensor_util.h"
@@ -53,6 +54,11 @@ MergeProblem validate_merge(const DeviceRule& rule, const sparsa_tensor* o_a, co
   if (m.o_a.t.ndim != 3 && m.o_a.t.ndim != 4) {
     fail(SPARSA_STATUS_SHAPE_MISMATCH, "o_a: expected rank 4 [B, S, H, D] or rank 3 [T, H, D], got shape ",
          shape_string(m.o_a.t));
+  }
+  const int64_t head_dim = m.o_a.t.shape[m.o_a.t.ndim - 1];
+  if (head_dim > std::numeric_limits<int32_t>::max()) {  // rows are handled as int32 D elements
+    fail(SPARSA_STATUS_SHAPE_MISMATCH, "o_a: shape ", shape_string(m.o_a.t), " has D = ", head_dim,
+         ", more than INT32_MAX");
   }
   expect_shape(m.o_b, "o_b", shape_of(m.o_a), "o_a's shape");
   expect_shape(m.out, "out", shape_of(m.o_a), "o_a's shape");
@@ -143,14 +149,16 @@ PrefetchProblem validate_prefetch(const DeviceRule& rule, const sparsa_tensor* k
   expect_shape(p.remapped, "remapped", shape_of(p.indices), "indices' shape");
   if (p.counts.present) expect_shape(p.counts, "counts", {batch}, "[B] from k_src");
 
-  // Index range and the per-sequence union size, which must fit C.
+  // Index range and the per-sequence union size, which must fit C. The union is sorted out of the ids themselves,
+  // so the memory it takes follows the index tensor, never N (which may be huge and only touched where selected).
   const int64_t h_idx = p.indices.extent(1), k = p.indices.extent(2);
-  std::vector<uint8_t> selected(static_cast<size_t>(n));
+  if (batch == 0 || h_idx == 0 || k == 0) return p;
+  std::vector<int32_t> selected;
+  selected.reserve(static_cast<size_t>(h_idx * k));
   const int32_t* ids = p.indices.ptr<const int32_t>();
   const int64_t* st = p.indices.t.strides;
   for (int64_t b = 0; b < batch; ++b) {
-    std::fill(selected.begin(), selected.end(), uint8_t{0});
-    int64_t union_size = 0;
+    selected.clear();
     for (int64_t h = 0; h < h_idx; ++h) {
       for (int64_t s = 0; s < k; ++s) {
         const int32_t id = ids[b * st[0] + h * st[1] + s * st[2]];
@@ -158,12 +166,11 @@ PrefetchProblem validate_prefetch(const DeviceRule& rule, const sparsa_tensor* k
           fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "indices[", b, "][", h, "][", s, "] = ", id, " outside [-1, ", n,
                ") (N tokens of k_src)");
         }
-        if (id >= 0 && !selected[size_t(id)]) {
-          selected[size_t(id)] = 1;
-          ++union_size;
-        }
+        if (id >= 0) selected.push_back(id);
       }
     }
+    std::sort(selected.begin(), selected.end());
+    const int64_t union_size = std::unique(selected.begin(), selected.end()) - selected.begin();
     if (union_size > capacity) {
       fail(SPARSA_STATUS_SHAPE_MISMATCH, "k_dst: capacity C = ", capacity, " but sequence ", b, " selects ", union_size,
            " distinct tokens");

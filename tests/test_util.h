@@ -173,6 +173,9 @@ std::string backend_name(const ::testing::TestParamInfo<int32_t>& info);
                            ::st::backend_name)
 
 sparsa_policy make_policy(int32_t kind);
+// sparsa_attention_args / sparsa_context_options filled by their init functions (every default).
+sparsa_attention_args make_args();
+sparsa_context_options make_context_options();
 
 // ---------------------------------------------------------------------------------------------------------------
 // The run harness.

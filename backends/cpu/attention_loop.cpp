@@ -9,6 +9,11 @@
 //   4. O += P·V    — V rows converted once, register-blocked microkernel.
 // The unnormalised output accumulates directly in the caller's out_rows; the running (m, l) pairs are
 // SoftmaxState (src/common/softmax_state.h), finalised at the end. Nothing here allocates once scratch is warm.
+//
+// Non-finite inputs (docs/algorithms.md, "NaN and Inf"): a row whose q, or the K or V row of a key it sees, holds a
+// NaN or ±Inf is marked poisoned and finishes as an all-NaN row with LSE NaN. The offending K/V tile row is zeroed
+// after the check, so a key that is loaded with a tile but masked for a row (causal, window, block edges) cannot
+// reach that row through 0 · NaN in the microkernels.
 #include "attention_loop.h"
 
 #include <algorithm>
@@ -32,7 +37,8 @@ constexpr int64_t kIndexTileKeys = 64;   // keys per tile of attend_index_list
 constexpr float kInt8Max = 127.f;        // §4 quantized path: symmetric int8
 constexpr float kQuantEpsilon = 1e-7f;   // §4: scale = max|x| / 127 + 1e-7
 
-int round_up(int n, int multiple) { return (n + multiple - 1) / multiple * multiple; }
+// In 64 bits: tile sizes come from caller parameters (block_q up to INT32_MAX) and must not wrap.
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
 // Positions of a tile's rows or keys within their sequence: an explicit list, or first, first+1, ...
 struct Positions {
@@ -133,7 +139,7 @@ class RowTile {
         heads_(heads),
         nr_head_(rows_per_head),
         nr_(heads * rows_per_head),
-        nr_pad_(round_up(std::max(nr_, 1), kRowAlign)),
+        nr_pad_(int(round_up(std::max(nr_, 1), kRowAlign))),
         row_stride_(nr_pad_ + kStridePad),
         kv_stride_(d_ + kStridePad),
         max_keys_(std::max(max_keys, 1)),
@@ -144,7 +150,7 @@ class RowTile {
     const size_t qt_floats = size_t(d_) * row_stride_;
     const size_t st_floats = size_t(max_keys_) * row_stride_;
     const size_t kv_floats = size_t(max_keys_) * kv_stride_;
-    const size_t row_state_floats = 5 * size_t(nr_pad_);
+    const size_t row_state_floats = 6 * size_t(nr_pad_);
     const size_t quant_floats = quant_ ? (size_t(nr_) * d_ + 2 * size_t(nr_) + d_ +
                                           scratch_floats<int8_t>(size_t(nr_) * d_) + scratch_floats<int8_t>(kv_floats))
                                        : 0;
@@ -163,6 +169,7 @@ class RowTile {
     local_max_ = carve(nr_pad_);
     shift_ = carve(nr_pad_);
     block_sum_ = carve(nr_pad_);
+    poisoned_ = carve(nr_pad_);
     if (quant_) {
       q_rows_ = carve(size_t(nr_) * d_);
       q_scale_ = carve(nr_);
@@ -196,9 +203,9 @@ class RowTile {
 
     // 1. Sᵀ = K · Qᵀ (scale already folded into Q), or the int8 emulation.
     if (quant_) {
-      scores_quantized(keys, nk);
+      scores_quantized(keys, nk, vis, coverage);
     } else {
-      const KvRows k = kv_rows(problem_.k, keys, nk, k_tile_);
+      const KvRows k = kv_rows(problem_.k, keys, nk, k_tile_, vis, coverage);
       kernels_.qk_tile(k.base, k.stride, nk, qt_, row_stride_, nr_pad_, d_, st_, row_stride_);
     }
     if (coverage == TileCoverage::kPartial) apply_mask(vis, keys, nk);
@@ -233,7 +240,7 @@ class RowTile {
     }
 
     // 4. O += P · V.
-    const KvRows v = kv_rows(problem_.v, keys, nk, v_tile_);
+    const KvRows v = kv_rows(problem_.v, keys, nk, v_tile_, vis, coverage);
     kernels_.pv_tile(st_, row_stride_, nr_, nk, v.base, v.stride, d_, o_);
     return true;
   }
@@ -257,7 +264,13 @@ class RowTile {
 
   // Normalises the rows and writes their LSE (−inf and a zero row where nothing was seen).
   void finish(float* lse_rows) {
+    constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
     for (int r = 0; r < nr_; ++r) {
+      if (poisoned_[r] != 0.f) {
+        std::fill(o_ + size_t(r) * d_, o_ + size_t(r + 1) * d_, kNaN);
+        if (lse_rows) lse_rows[r] = kNaN;
+        continue;
+      }
       const SoftmaxState state{m_[r], l_[r]};
       float lse = state.finalize(o_ + size_t(r) * d_, d_);
       if (quant_ && lse != kNegInf) lse += qk_mean_[r];  // back to the uncentred scores' LSE
@@ -272,11 +285,16 @@ class RowTile {
     for (int r = 0; r < nr_pad_; ++r) {
       m_[r] = kNegInf;
       l_[r] = 0.f;
+      poisoned_[r] = 0.f;
     }
     for (int r = 0; r < nr_; ++r) {
       float* q_row = quant_ ? q_rows_ + size_t(r) * d_ : row;
       load_row_f32(problem_.dtype, problem_.q.t.data, problem_.q_offset(problem_.q, b_, position(r), head(r)), d_,
                    q_row);
+      if (!all_finite(q_row, d_)) {  // the row's result is NaN; compute it as a zero query so nothing else sees it
+        poisoned_[r] = 1.f;
+        std::fill(q_row, q_row + d_, 0.f);
+      }
       for (int c = 0; c < d_; ++c) qt_[size_t(c) * row_stride_ + r] = q_row[c] * problem_.scale;
       std::memset(o_ + size_t(r) * d_, 0, sizeof(float) * size_t(d_));
     }
@@ -288,11 +306,28 @@ class RowTile {
   // The nk K or V rows of a tile, converted (and gathered) once into the contiguous `tile` [nk, D]. Reading fp32
   // rows in place is slower: tokens usually sit Hkv·D floats apart, a multiple of 4 KiB, so a tile's rows fight
   // over the same L1 sets; the copy costs ~2% of the tile's flops.
-  KvRows kv_rows(const TensorArg& kv, Positions keys, int nk, float* tile) const {
-    for (int j = 0; j < nk; ++j)
-      load_row_f32(problem_.dtype, kv.t.data, problem_.kv_offset(kv, b_, keys.at(j), hk_), d_,
-                   tile + size_t(j) * kv_stride_);
+  // A row holding NaN/Inf poisons the tile rows that see its key and is then zeroed (see the file comment).
+  KvRows kv_rows(const TensorArg& kv, Positions keys, int nk, float* tile, const RowVisibility& vis,
+                 TileCoverage coverage) {
+    for (int j = 0; j < nk; ++j) {
+      float* row = tile + size_t(j) * kv_stride_;
+      load_row_f32(problem_.dtype, kv.t.data, problem_.kv_offset(kv, b_, keys.at(j), hk_), d_, row);
+      if (!all_finite(row, d_)) quarantine_key(row, keys.at(j), vis, coverage);
+    }
     return {tile, kv_stride_};
+  }
+
+  static bool all_finite(const float* row, int d) {
+    float probe = 0.f;  // x - x is 0 for finite x and NaN for ±Inf and NaN: one vectorisable pass
+    for (int c = 0; c < d; ++c) probe += row[c] - row[c];
+    return probe == 0.f;
+  }
+
+  void quarantine_key(float* row, int64_t key, const RowVisibility& vis, TileCoverage coverage) {
+    for (int r = 0; r < nr_; ++r) {
+      if (coverage == TileCoverage::kAll || visible(vis, position(r), key)) poisoned_[r] = 1.f;
+    }
+    std::fill(row, row + d_, 0.f);
   }
 
   void apply_mask(const RowVisibility& vis, Positions keys, int nk) {
@@ -323,7 +358,10 @@ class RowTile {
         float max_abs = 0.f;
         for (int64_t i = block_id * block; i < std::min(seq_q, (block_id + 1) * block); ++i) {
           load_row_f32(problem_.dtype, problem_.q.t.data, problem_.q_offset(problem_.q, b_, i, h_), d_, row_tmp_);
-          for (int c = 0; c < d_; ++c) max_abs = std::max(max_abs, std::fabs(row_tmp_[c]));
+          // A non-finite q row is that row's own result (NaN); it must not set the scale of its block's rows.
+          for (int c = 0; c < d_; ++c) {
+            if (std::isfinite(row_tmp_[c])) max_abs = std::max(max_abs, std::fabs(row_tmp_[c]));
+          }
         }
         cached_block = block_id;
         cached_scale = quant_scale(max_abs);
@@ -341,12 +379,15 @@ class RowTile {
 
   // §4 quantized path, keys and scores: centred K of this block to int8 with one scale, then
   // S = (Q_i8·K_i8ᵀ) · sq · sk · scale.
-  void scores_quantized(Positions keys, int nk) {
+  void scores_quantized(Positions keys, int nk, const RowVisibility& vis, TileCoverage coverage) {
     float* centred = k_tile_;
     float max_abs = 0.f;
     for (int j = 0; j < nk; ++j) {
       float* row = centred + size_t(j) * d_;
       load_row_f32(problem_.dtype, problem_.k.t.data, problem_.kv_offset(problem_.k, b_, keys.at(j), hk_), d_, row);
+      if (!all_finite(row, d_)) {  // zeroed, then centred like the others: it cannot widen the block's scale
+        quarantine_key(row, keys.at(j), vis, coverage);
+      }
       for (int c = 0; c < d_; ++c) {
         row[c] -= quant_->k_mean[c];
         max_abs = std::max(max_abs, std::fabs(row[c]));
@@ -385,18 +426,19 @@ class RowTile {
   int64_t row_min_ = 0, row_max_ = 0;
   float *qt_ = nullptr, *st_ = nullptr, *k_tile_ = nullptr, *v_tile_ = nullptr;
   float *m_ = nullptr, *l_ = nullptr, *local_max_ = nullptr, *shift_ = nullptr, *block_sum_ = nullptr;
+  float* poisoned_ = nullptr;  // per tile row: 1 when its q or a visible key's K/V row holds NaN/Inf
   float *q_rows_ = nullptr, *q_scale_ = nullptr, *qk_mean_ = nullptr, *row_tmp_ = nullptr;
   int8_t *q_i8_ = nullptr, *k_i8_ = nullptr;
 };
 
 }  // namespace
 
-size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized) {
-  const size_t nr_pad = size_t(round_up(std::max(rows, 1), kRowAlign));
+size_t attention_tile_floats(int head_dim, int64_t rows, int64_t keys, bool quantized) {
+  const size_t nr_pad = size_t(round_up(std::max<int64_t>(rows, 1), kRowAlign));
   const size_t row_stride = nr_pad + kStridePad;
   const size_t d = size_t(head_dim);
-  const size_t kv = size_t(std::max(keys, 1)) * (d + kStridePad);
-  size_t floats = d * row_stride + size_t(std::max(keys, 1)) * row_stride + 2 * kv + 5 * nr_pad;
+  const size_t kv = size_t(std::max<int64_t>(keys, 1)) * (d + kStridePad);
+  size_t floats = d * row_stride + size_t(std::max<int64_t>(keys, 1)) * row_stride + 2 * kv + 6 * nr_pad;
   if (quantized)
     floats +=
         size_t(rows) * d + 2 * size_t(rows) + d + scratch_floats<int8_t>(size_t(rows) * d) + scratch_floats<int8_t>(kv);
@@ -422,7 +464,9 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
     fail(SPARSA_STATUS_INTERNAL, "attend_block_walk_heads: λ skip and int8 scoring are per head, got ", n_heads,
          " stacked heads");
   const int64_t seq_k = problem.seq_len_k(b);
-  RowTile tile(problem, b, h_first, n_heads, Positions{nullptr, row_begin}, nr, walk.block_k,
+  // A key tile never holds more keys than the sequence has, whatever block_k says: scratch follows the problem.
+  const int max_keys = int(std::max<int64_t>(1, std::min<int64_t>(walk.block_k, seq_k)));
+  RowTile tile(problem, b, h_first, n_heads, Positions{nullptr, row_begin}, nr, max_keys,
                walk.quantized_qk ? &walk : nullptr, out_rows, scratch);
   bool first_computed = true;
   auto block_keys = [&](int64_t n) {

@@ -79,8 +79,15 @@ class CpuBackend final : public Backend {
   // (Policies' own per-item scratch grows on first use and is kept.)
   void plan(const AttentionProblem& problem, const PolicyParams& policy) override {
     const auto [bq, bk] = stat_block_sizes(policy);
-    const int rows = std::max<int32_t>(bq, kDefaultBlockQ);
-    const int keys = std::max<int32_t>(bk, kDefaultBlockK);
+    // At least the default tiling (what the token policies and Δ's dense rows use), and never more than the
+    // problem holds: a block_q or block_k far above Sq or Skv must not size scratch (the run clamps tiles the same
+    // way). Stacked decode heads put up to group · Sq rows in one tile.
+    const int64_t group = problem.num_q_heads / problem.num_kv_heads;
+    const int64_t problem_rows = std::min<int64_t>(problem.max_seq_q, INT32_MAX) * group;
+    const int64_t rows = std::min<int64_t>(std::max<int32_t>(bq, kDefaultBlockQ),
+                                           std::max<int64_t>(kDefaultBlockQ, problem_rows));
+    const int64_t keys = std::min<int64_t>(std::max<int32_t>(bk, kDefaultBlockK),
+                                           std::max<int64_t>(kDefaultBlockK, problem.max_seq_k));
     const size_t d = size_t(problem.head_dim);
     const size_t tile_floats = attention_tile_floats(
         problem.head_dim, rows, keys, policy.p.kind == SPARSA_POLICY_SPARGE && policy.p.sparge_quantized);

@@ -6,6 +6,7 @@
 namespace sparsa::cpu {
 
 void convert_to_f32(int32_t dtype, const void* src, int64_t n, float* dst) {
+  if (n <= 0) return;  // an empty row may come with null pointers, which memcpy must not see
   switch (dtype) {
     case SPARSA_DTYPE_F32: std::memcpy(dst, src, size_t(n) * sizeof(float)); return;
     case SPARSA_DTYPE_F16: select_row_wideners().f16(src, n, dst); return;
@@ -15,6 +16,7 @@ void convert_to_f32(int32_t dtype, const void* src, int64_t n, float* dst) {
 }
 
 void convert_from_f32(int32_t dtype, const float* src, int64_t n, void* dst) {
+  if (n <= 0) return;
   switch (dtype) {
     case SPARSA_DTYPE_F32: std::memcpy(dst, src, size_t(n) * sizeof(float)); return;
     case SPARSA_DTYPE_F16: {
@@ -32,11 +34,13 @@ void convert_from_f32(int32_t dtype, const float* src, int64_t n, void* dst) {
 }
 
 void load_row_f32(int32_t dtype, const void* base, int64_t element_offset, int32_t d, float* dst) {
+  if (d <= 0) return;  // no element: base may be null, and null + offset is undefined
   const char* row = static_cast<const char*>(base) + element_offset * element_bytes(dtype);
   convert_to_f32(dtype, row, d, dst);
 }
 
 void store_row(int32_t dtype, void* base, int64_t element_offset, int32_t d, const float* src) {
+  if (d <= 0) return;
   char* row = static_cast<char*>(base) + element_offset * element_bytes(dtype);
   convert_from_f32(dtype, src, d, row);
 }

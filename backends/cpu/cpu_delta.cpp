@@ -32,10 +32,12 @@ void run_delta(PolicyEntry base, const AttentionProblem& problem, const PolicyPa
   for (int32_t b = 0; b < problem.batch; ++b)
     any_sparse_rows = any_sparse_rows || sparse_prefix(problem.seq_len_q(b), gamma, tail_min) > 0;
 
-  // The base policy's rows, staged in fp32 (only read for rows < s_p).
+  // The base policy's rows, staged in fp32 (only read for rows < s_p). The base also runs when every row is dense
+  // but the caller asked for an output only it writes (selected_indices, block_mask_out): Δ writes every output.
+  const bool base_outputs_requested = problem.selected_indices.present || problem.block_mask_out.present;
   const size_t slots = size_t(staging_rows(problem)) * size_t(problem.num_q_heads);
   float* staging = nullptr;
-  if (any_sparse_rows) {
+  if (any_sparse_rows || base_outputs_requested) {
     staging = run_scratch(exec, kRunScratchDeltaStaging).reserve(slots * (size_t(d) + 1));
     base(problem, policy, OutputSink{staging, staging + slots * size_t(d)}, exec);
   }

@@ -11,6 +11,7 @@
 // Everything grows on demand and is reused run after run, so a warmed-up run allocates nothing.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -46,9 +47,9 @@ inline ThreadScratch& run_scratch(const ExecContext& exec, int slot) {
 template <typename T>
 T* scratch_array(ThreadScratch& scratch, size_t float_offset, size_t count) {
   const size_t floats = (count * sizeof(T) + sizeof(float) - 1) / sizeof(float);
-  float* base = scratch.reserve(float_offset + floats) + float_offset;
-  // An empty view of a never-grown buffer is a null pointer: nothing to construct, and placement new on null is UB.
-  if (count == 0) return static_cast<T*>(static_cast<void*>(base));
+  // At least one float, so that `base` is never null (an empty vector's data() may be; placement new needs an
+  // object address even for T[0]).
+  float* base = scratch.reserve(std::max<size_t>(float_offset + floats, 1)) + float_offset;
   return new (static_cast<void*>(base)) T[count];
 }
 // Floats a scratch_array<T>(count) occupies, rounded up to an 8-byte multiple so the next array stays aligned.
@@ -103,7 +104,7 @@ void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_
                         float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
 
 // Floats of loop scratch one attend_* call needs for a tile of `rows` query rows and `keys` keys.
-size_t attention_tile_floats(int head_dim, int rows, int keys, bool quantized);
+size_t attention_tile_floats(int head_dim, int64_t rows, int64_t keys, bool quantized);
 
 // The kv head query head h reads (§0 GQA: contiguous groups).
 inline int32_t kv_head_of(const AttentionProblem& problem, int32_t h) {

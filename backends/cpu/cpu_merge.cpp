@@ -34,6 +34,7 @@ void cpu_merge_states(const MergeProblem& problem, const ExecContext& exec) {
   const int64_t heads = o_a.extent(rank - 2);
   const int d = int(o_a.extent(rank - 1));
   const int32_t dtype = o_a.t.dtype;
+  if (heads == 0 || d == 0) return;  // nothing to merge; a row buffer of D floats would be sized for nothing
   const auto work_item = [&](int64_t r, int worker) {
     ThreadScratch& mine = policy_scratch(exec, worker);
     float* row_a = mine.reserve(2 * size_t(d));

@@ -25,6 +25,7 @@ int32_t index_at(const TensorArg& indices, int64_t b, int64_t row, int64_t slot)
 // Copies D elements of token `token`, kv head hk of sequence b in `src` to compact row `row` of `dst`.
 void copy_row(const TensorArg& src, const TensorArg& dst, size_t row_bytes, int64_t b, int64_t token, int64_t row,
               int64_t hk) {
+  if (row_bytes == 0) return;  // D = 0: the tensors may have no data at all
   const size_t element_size = sparsa_dtype_size(src.t.dtype);
   const char* from = static_cast<const char*>(src.t.data) +
                      (b * src.stride(0) + token * src.stride(1) + hk * src.stride(2)) * int64_t(element_size);
@@ -91,8 +92,9 @@ void cpu_kv_prefetch(const PrefetchProblem& problem, const ExecContext& exec) {
     const int64_t n_ids = sequence_union(indices, b, n_tokens, ids);
 
     const TensorArg& positions = problem.positions;
-    int32_t* position_row = positions.ptr<int32_t>() + b * positions.stride(0);
-    for (int64_t c = 0; c < capacity; ++c) position_row[c * positions.stride(1)] = c < n_ids ? int32_t(ids[c]) : -1;
+    for (int64_t c = 0; c < capacity; ++c) {
+      positions.ptr<int32_t>()[b * positions.stride(0) + c * positions.stride(1)] = c < n_ids ? int32_t(ids[c]) : -1;
+    }
     const TensorArg& remapped = problem.remapped;
     for (int64_t row = 0; row < n_index_heads; ++row) {
       for (int64_t slot = 0; slot < slots; ++slot) {

@@ -71,10 +71,12 @@ class ScratchLayout {
 // Writes ids[0..n) into row (b, set) of the int32 selected_indices output [B, H_sel, cap], -1-padded to cap.
 // The caller checked n <= cap before any output was written (require_selected_capacity).
 inline void write_selected_set(const TensorArg& selected, int32_t b, int64_t set, const int64_t* ids, int64_t n) {
-  int32_t* row = selected.ptr<int32_t>() + b * selected.stride(0) + set * selected.stride(1);
+  // Offsets, not pointers: with cap 0 the output may have no data, and null + offset is undefined.
+  int32_t* data = selected.ptr<int32_t>();
+  const int64_t row = b * selected.stride(0) + set * selected.stride(1);
   const int64_t cap = selected.extent(2);
   const int64_t step = selected.stride(2);
-  for (int64_t c = 0; c < cap; ++c) row[c * step] = c < n ? int32_t(ids[c]) : -1;
+  for (int64_t c = 0; c < cap; ++c) data[row + c * step] = c < n ? int32_t(ids[c]) : -1;
 }
 
 // Throws SHAPE_MISMATCH unless the selected_indices output (when present) has room for `needed` ids per row.

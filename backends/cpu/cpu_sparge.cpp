@@ -19,19 +19,28 @@ void key_mean(const AttentionProblem& problem, int32_t b, int32_t hk, float* row
   const int d = problem.head_dim;
   const int64_t seq_k = problem.seq_len_k(b);
   for (int c = 0; c < d; ++c) sum[c] = 0.0;
+  // The mean only centres K (any centre gives the same softmax; q·mean goes back into the LSE), so rows holding
+  // NaN/Inf are left out: they poison only the rows that see them, not the centre every row uses.
+  int64_t finite_rows = 0;
   for (int64_t t = 0; t < seq_k; ++t) {
     load_row_f32(problem.dtype, problem.k.t.data, problem.kv_offset(problem.k, b, t, hk), d, row);
+    bool finite = true;
+    for (int c = 0; c < d; ++c) finite = finite && std::isfinite(row[c]);
+    if (!finite) continue;
     for (int c = 0; c < d; ++c) sum[c] += row[c];
+    ++finite_rows;
   }
-  for (int c = 0; c < d; ++c) mean[c] = seq_k > 0 ? float(sum[c] / double(seq_k)) : 0.f;
+  for (int c = 0; c < d; ++c) mean[c] = finite_rows > 0 ? float(sum[c] / double(finite_rows)) : 0.f;
 }
 
 // Copies sequence b's mask [nqb, nkb] into block_mask_out [B, Hq, max_nqb, max_nkb], zero outside the sequence.
 void write_block_mask(const TensorArg& out, int32_t b, int32_t h, const uint8_t* mask, int64_t nqb, int64_t nkb) {
-  uint8_t* base = out.ptr<uint8_t>() + b * out.stride(0) + h * out.stride(1);
+  // Offsets, not pointers: an output with no element may have no data, and null + offset is undefined.
+  uint8_t* data = out.ptr<uint8_t>();
+  const int64_t base = b * out.stride(0) + h * out.stride(1);
   for (int64_t i = 0; i < out.extent(2); ++i)
     for (int64_t j = 0; j < out.extent(3); ++j)
-      base[i * out.stride(2) + j * out.stride(3)] = (i < nqb && j < nkb) ? mask[i * nkb + j] : 0;
+      data[base + i * out.stride(2) + j * out.stride(3)] = (i < nqb && j < nkb) ? mask[i * nkb + j] : 0;
 }
 
 }  // namespace
@@ -58,14 +67,15 @@ void run_sparge(const AttentionProblem& problem, const PolicyParams& policy, con
     const size_t sum_floats = scratch_floats<double>(size_t(d));
     const size_t row_floats = scratch_floats<float>(size_t(d));
     const size_t head = mask_floats + ids_floats + sum_floats + 2 * row_floats;
-    mine.reserve(head + size_t(block_q) * (d + 1));
+    const int64_t block_rows = std::min<int64_t>(block_q, seq_q);  // scratch follows the problem, not block_q
+    mine.reserve(head + size_t(block_rows) * (d + 1));
     uint8_t* mask = scratch_array<uint8_t>(mine, 0, size_t(nqb * nkb));
     int32_t* ids = scratch_array<int32_t>(mine, mask_floats, size_t(nkb));
     double* sums = scratch_array<double>(mine, mask_floats + ids_floats, size_t(d));
     float* mean = mine.buffer.data() + mask_floats + ids_floats + sum_floats;
     float* k_row = mean + row_floats;
     float* rows = mine.buffer.data() + head;
-    float* lse = rows + size_t(block_q) * d;
+    float* lse = rows + size_t(block_rows) * d;
 
     if (nqb > 0 && nkb > 0) sparge_predict_mask(problem, policy, b, h, mask, loop_scratch(exec, worker));
     if (problem.block_mask_out.present) write_block_mask(problem.block_mask_out, b, h, mask, nqb, nkb);

@@ -133,6 +133,9 @@ struct SelectParams {
   int64_t n_init = 0;
   int64_t n_local = 0;
   int64_t top_k = 0;
+  // Room per set for T: min(top_k, longest N). A sequence selects only when top_k < its N, so T always fits, and a
+  // huge top_k (which makes every sequence dense) sizes nothing.
+  int64_t top_k_stride = 0;
   bool scale_scores = false;
   double cache_theta = 1.0;
   int32_t n_sets = 1;         // 1 shared set, or Hkv with per_kv_head
@@ -343,7 +346,7 @@ struct RunArrays {
   RunArrays(const AttentionProblem& problem, const SelectParams& params) {
     batch = size_t(problem.batch);
     qbars_count = batch * size_t(problem.num_q_heads) * size_t(problem.head_dim);
-    selections_count = batch * size_t(params.n_sets) * size_t(params.top_k);
+    selections_count = batch * size_t(params.n_sets) * size_t(params.top_k_stride);
     plans_at = layout.add<SequencePlan>(batch);
     qbars_at = layout.add<double>(qbars_count);
     selections_at = layout.add<int64_t>(selections_count);
@@ -358,7 +361,7 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
   const int32_t batch = problem.batch;
   const int32_t n_heads = problem.num_q_heads;
   const int64_t qbar_len = int64_t(n_heads) * problem.head_dim;
-  const int64_t selection_len = int64_t(params.n_sets) * params.top_k;
+  const int64_t selection_len = int64_t(params.n_sets) * params.top_k_stride;
   const VoteInputs vote_inputs{problem, params, params.scale_scores ? double(problem.scale) : 1.0};
   const auto computes_selection = [&](int32_t b) { return plans[size_t(b)].selects() && !plans[size_t(b)].cache_hit; };
   int64_t max_candidates = 0;
@@ -419,7 +422,7 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
     ScratchLayout layout;
     const size_t order_at = layout.add<int64_t>(size_t(n_candidates));
     layout.bind(policy_scratch(exec, worker));
-    int64_t* selection = selections + b * selection_len + set * params.top_k;
+    int64_t* selection = selections + b * selection_len + set * params.top_k_stride;
     top_k_ids_ascending(votes_of(b, set), n_candidates, params.top_k,
                         layout.get<int64_t>(order_at, size_t(n_candidates)), selection);
     for (int64_t i = 0; i < params.top_k; ++i) selection[i] += plan.candidate_begin;
@@ -431,6 +434,7 @@ SelectParams resolve_params(const AttentionProblem& problem, const PolicyParams&
   params.n_init = policy.p.select_n_init;
   params.n_local = policy.p.select_n_local;
   params.top_k = policy.p.select_top_k;
+  params.top_k_stride = std::min<int64_t>(params.top_k, problem.max_seq_k);
   params.scale_scores = policy.p.select_scale_scores != 0;
   params.cache_theta = policy.p.select_cache_theta;
   params.n_sets = policy.p.select_per_kv_head ? problem.num_kv_heads : 1;
@@ -494,7 +498,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
   // Phase 0: plans and checks; nothing is written before this ends.
   CpuSelectionCache* cache = active_cache(problem, params);
   // Per-run arrays live in run scratch (kept run after run, grown by plan_token_select).
-  const int64_t selection_len = int64_t(params.n_sets) * params.top_k;
+  const int64_t selection_len = int64_t(params.n_sets) * params.top_k_stride;
   RunArrays arrays(problem, params);
   arrays.layout.bind(run_scratch(exec, kRunScratchSelection));
   SequencePlan* plans = arrays.layout.get<SequencePlan>(arrays.plans_at, arrays.batch);
@@ -566,7 +570,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
       layout.bind(policy_scratch(exec, worker));
       int64_t* ids = layout.get<int64_t>(ids_at, size_t(max_ids));
       const int64_t n_ids =
-          plan.has_rows() ? build_index_set(plan, params, selections + b * selection_len + set * params.top_k,
+          plan.has_rows() ? build_index_set(plan, params, selections + b * selection_len + set * params.top_k_stride,
                                             ids)
                           : 0;
       write_selected_set(problem.selected_indices, b, set, ids, n_ids);
@@ -599,7 +603,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
     int64_t* rows = layout.get<int64_t>(rows_at, size_t(plan.seq_q));
     float* out_rows = layout.get<float>(out_at, out_rows_count(problem));
     float* lse_rows = layout.get<float>(lse_at, lse_rows_count());
-    const int64_t* selection = selections + b * selection_len + set * params.top_k;
+    const int64_t* selection = selections + b * selection_len + set * params.top_k_stride;
     const int64_t n_ids = build_index_set(plan, params, selection, ids);
     std::iota(rows, rows + plan.seq_q, int64_t{0});
     RowVisibility visibility;

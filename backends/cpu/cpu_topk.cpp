@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../../src/tensor_util.h"
 #include "cpu_select_util.h"
 #include "cpu_utilities.h"
 
@@ -13,7 +14,7 @@ void cpu_topk_from_scores(const TensorArg& scores, int32_t k, int32_t block_size
   const int64_t batch = scores.extent(0);
   const int64_t n_heads = scores.extent(1);
   const int64_t n_tokens = scores.extent(2);
-  const int64_t n_ids = (n_tokens + block_size - 1) / block_size;
+  const int64_t n_ids = ceil_div(n_tokens, block_size);  // overflow-safe: n_tokens may be huge when B·H = 0
   if (k < 1 || k > n_ids) {  // the core checks this; repeated here because nothing may be written otherwise
     fail(SPARSA_STATUS_SHAPE_MISMATCH, "k: expected a value in [1, ", n_ids, "] (number of ",
          block_size == 1 ? "tokens" : "blocks", "), got ", k);

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #if defined(__clang__)
+// clang ignores `#pragma GCC target`; its equivalent gives every function below the same target attribute.
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 #else
 #pragma GCC push_options

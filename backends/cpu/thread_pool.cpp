@@ -2,23 +2,43 @@
 #include "thread_pool.h"
 
 #include <algorithm>
+#include <system_error>
+
+#include "../../src/error.h"
 
 namespace sparsa::cpu {
 
 ThreadPool::ThreadPool(int num_threads) {
-  if (num_threads <= 0) num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (num_threads <= 0) {
+    num_threads = static_cast<int>(std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()),
+                                                      SPARSA_MAX_NUM_THREADS));
+  }
   num_workers_ = num_threads;
   threads_.reserve(static_cast<size_t>(num_workers_ - 1));
-  for (int w = 1; w < num_workers_; ++w) threads_.emplace_back([this, w] { worker_main(w); });
+  try {
+    for (int w = 1; w < num_workers_; ++w) threads_.emplace_back([this, w] { worker_main(w); });
+  } catch (const std::system_error& e) {
+    // The system refused a thread (limits, memory): stop the workers already started, then report. Without this
+    // the constructor would leave joinable threads behind (std::terminate) or workers waiting forever.
+    const size_t started = threads_.size();
+    stop_workers();
+    fail(SPARSA_STATUS_OUT_OF_MEMORY, "options.num_threads: could not start worker thread ", started + 1, " of ",
+         num_workers_ - 1, " (", e.what(), ")");
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::stop_workers() noexcept {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
   work_ready_.notify_all();
-  for (std::thread& t : threads_) t.join();
+  for (std::thread& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+  threads_.clear();
 }
 
 void ThreadPool::run_items(int worker) {

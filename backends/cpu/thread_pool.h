@@ -16,7 +16,8 @@ namespace sparsa::cpu {
 
 class ThreadPool {
  public:
-  // num_threads <= 0 means one worker per online core.
+  // num_threads <= 0 means one worker per online core. Throws sparsa::Error (OUT_OF_MEMORY) when a worker thread
+  // cannot be started, after joining the ones that were.
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -31,6 +32,7 @@ class ThreadPool {
 
  private:
   void worker_main(int worker);
+  void stop_workers() noexcept;  // asks every started worker to leave and joins it
   void run_items(int worker);
 
   int num_workers_ = 1;

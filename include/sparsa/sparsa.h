@@ -19,7 +19,18 @@
  *
  * Threads: a `sparsa_context` and a `sparsa_selection_cache` may be used by one thread at a time; separate objects
  * on separate threads are safe. Functions that take no context and only `const` inputs are safe to call
- * concurrently.
+ * concurrently. Every call that takes a context (or a selection cache, which belongs to its context) marks the
+ * context in use for its duration; a call that finds it in use by another thread returns
+ * SPARSA_STATUS_INVALID_ARGUMENT ("ctx: in use by a call on another thread") and does nothing, so a sharing bug
+ * shows as an error rather than as wrong results. (sparsa_context_destroy cannot check this: destroying a context
+ * while another thread uses it stays undefined.)
+ *
+ * NaN and Inf (docs/algorithms.md §0): a query row's output depends only on its own q row and on the k and v rows
+ * of the keys the policy lets it see. If one of those holds a NaN or ±Inf, the row's output is all NaN and its LSE
+ * NaN; a non-finite value in any row it does not see (masked by causality, window, block mask or index set) never
+ * changes it. Policies that score keys to choose them (SPARGE, TOKEN_SPARSE, TOKEN_SELECT) may choose differently
+ * because of a non-finite k, but never pass an unseen key's value on. Guaranteed by the CPU backend; the GPU
+ * backends do not check for non-finite inputs yet.
  *
  * Memory: the library never frees or keeps caller memory past a call. Scratch memory is owned by the context: it
  * grows on demand and is reused; `sparsa_attention_plan` grows it ahead of time so that later runs of the same or
@@ -160,6 +171,10 @@ typedef enum sparsa_device_type {
  * `data` points at element [0, ..., 0]; element [i0, ..., in] lives at `data + Σ i_k * strides[k]` elements.
  * Strides are in elements (not bytes), may be any non-negative value, and the last dimension must have stride 1
  * wherever this header says "last stride 1" (every attention tensor). Entries past `ndim` are ignored.
+ * Every call refuses (SHAPE_MISMATCH) a tensor whose element count, or whose byte span from element [0, ..., 0] to
+ * the last element its strides reach, does not fit int64. Attention runs also refuse batch, head, sequence, packed
+ * token and page counts above INT32_MAX (token positions are int32 in every index tensor): nothing is ever
+ * truncated. Misaligned `data` is INVALID_ARGUMENT.
  * Fill it with `sparsa_tensor_init` / SPARSA_TENSOR_INIT (contiguous row-major strides), or by hand after zeroing it
  * and setting struct_size = sizeof(sparsa_tensor).
  */
@@ -169,7 +184,7 @@ typedef struct sparsa_tensor {
   int32_t device_type;            /**< sparsa_device_type; default SPARSA_DEVICE_CPU */
   int32_t device_id;              /**< device ordinal; 0 for CPU; default 0 */
   int32_t ndim;                   /**< 1..SPARSA_MAX_DIMS */
-  void* data;                     /**< first element; the library never frees it */
+  void* data;                     /**< first element, aligned to the element size; the library never frees it */
   int64_t shape[SPARSA_MAX_DIMS];   /**< extents, each >= 0 */
   int64_t strides[SPARSA_MAX_DIMS]; /**< in elements */
 } sparsa_tensor;
@@ -203,9 +218,14 @@ typedef struct sparsa_context_options {
   void* stream;         /**< cudaStream_t / hipStream_t every GPU run enqueues on; NULL = default stream. The
                              context's scratch memory is shared by its runs: runs of one context enqueued on
                              different streams (sparsa_context_set_stream) must not overlap in time. */
-  int32_t num_threads;  /**< CPU worker threads; 0 (default) = one per online core */
+  int32_t num_threads;  /**< CPU worker threads, 0..SPARSA_MAX_NUM_THREADS; 0 (default) = one per online core
+                             (at most SPARSA_MAX_NUM_THREADS); a thread the system refuses to start fails the
+                             create with SPARSA_STATUS_OUT_OF_MEMORY */
   int32_t reserved0;    /**< tail padding made explicit; written 0 by init, not read */
 } sparsa_context_options;
+
+/** Largest `sparsa_context_options.num_threads` accepted (INVALID_ARGUMENT above it). */
+#define SPARSA_MAX_NUM_THREADS 1024
 
 /** Fills the `size` bytes at `options` (the caller's sizeof) with struct_size = size, the defaults above, zero
     beyond. STRUCT_SIZE for a size outside [SPARSA_CONTEXT_OPTIONS_SIZE_V0_1, SPARSA_STRUCT_SIZE_MAX]. */
@@ -252,7 +272,9 @@ typedef struct sparsa_selection_cache sparsa_selection_cache;
 /**
  * Creates an empty cache for up to `max_batch` sequences, `num_q_heads` query heads, `num_kv_heads` kv heads,
  * `head_dim` D and selections of up to `max_top_k` tokens per set (per kv head when select_per_kv_head is on).
- * A run whose shapes exceed these fails with SHAPE_MISMATCH.
+ * A run whose shapes exceed these fails with SHAPE_MISMATCH. The cache allocates max_batch · (num_q_heads · head_dim
+ * · 8 + num_kv_heads · max_top_k · 4) bytes here (OUT_OF_MEMORY when that fails); a size that does not fit int64 is
+ * INVALID_ARGUMENT.
  */
 SPARSA_API sparsa_status sparsa_selection_cache_create(sparsa_context* ctx, int32_t max_batch, int32_t num_q_heads,
                                                        int32_t num_kv_heads, int32_t head_dim, int32_t max_top_k,
