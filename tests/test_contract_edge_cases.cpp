@@ -184,7 +184,7 @@ TEST(ContractEdgeCases, TensorInitRefusesStridesThatOverflow) {
     std::memset(&t, 0x5A, sizeof t);
     const sparsa_tensor before = t;
     const sparsa_status status =
-        sparsa_tensor_init(&t, nullptr, SPARSA_DTYPE_U8, int32_t(cs.shape.size()), cs.shape.data());
+        sparsa_tensor_init(&t, sizeof t, nullptr, SPARSA_DTYPE_U8, int32_t(cs.shape.size()), cs.shape.data());
     EXPECT_EQ(status, cs.want) << "ndim " << cs.shape.size() << ", shape[0] " << cs.shape[0];
     if (status != SPARSA_STATUS_SUCCESS) EXPECT_EQ(std::memcmp(&t, &before, sizeof t), 0);
   }
@@ -195,9 +195,9 @@ TEST(ContractEdgeCases, HilbertGridThatOverflowsIsRefusedPromptly) {
   std::fill(perm, perm + 16, -5);
   const auto start = std::chrono::steady_clock::now();
   // (2^21)^3 wrapped and hung; 2^20 · 2^20 · 2^24 wrapped to a small n and wrote past perm[16].
-  EXPECT_EQ(sparsa_hilbert_permutation(1 << 21, 1 << 21, 1 << 21, perm, inverse), SPARSA_STATUS_INVALID_ARGUMENT);
-  EXPECT_EQ(sparsa_hilbert_permutation(1 << 20, 1 << 20, 1 << 24, perm, inverse), SPARSA_STATUS_INVALID_ARGUMENT);
-  EXPECT_EQ(sparsa_hilbert_permutation(INT32_MAX, INT32_MAX, INT32_MAX, perm, nullptr),
+  EXPECT_EQ(sparsa_hilbert_permutation(1 << 21, 1 << 21, 1 << 21, perm, inverse, 16), SPARSA_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(sparsa_hilbert_permutation(1 << 20, 1 << 20, 1 << 24, perm, inverse, 16), SPARSA_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(sparsa_hilbert_permutation(INT32_MAX, INT32_MAX, INT32_MAX, perm, nullptr, 16),
             SPARSA_STATUS_INVALID_ARGUMENT);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
   for (int32_t p : perm) EXPECT_EQ(p, -5);

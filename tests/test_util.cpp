@@ -433,13 +433,13 @@ sparsa_policy make_policy(int32_t kind) {
 
 sparsa_attention_args make_args() {
   sparsa_attention_args args;
-  EXPECT_EQ(sparsa_attention_args_init(&args), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_attention_args_init(&args, sizeof args), SPARSA_STATUS_SUCCESS);
   return args;
 }
 
 sparsa_context_options make_context_options() {
   sparsa_context_options options;
-  EXPECT_EQ(sparsa_context_options_init(&options), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparsa_context_options_init(&options, sizeof options), SPARSA_STATUS_SUCCESS);
   return options;
 }
 

@@ -18,7 +18,7 @@ struct Context {
   sparsa_context* ctx = nullptr;
   Context() {
     sparsa_context_options o;
-    sparsa_context_options_init(&o);
+    sparsa_context_options_init(&o, sizeof o);
     o.num_threads = 2;
     if (sparsa_context_create(&o, &ctx) != SPARSA_STATUS_SUCCESS) std::abort();
   }
@@ -51,7 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return keep.back().get();
   };
   sparsa_attention_args args;
-  sparsa_attention_args_init(&args);
+  sparsa_attention_args_init(&args, sizeof args);
 
   const int64_t Tq = B * Sq, Tk = B * Skv;
   std::vector<const Tensor*> outputs;
@@ -90,8 +90,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Policy.
   sparsa_policy p;
   const int32_t kind = in.ConsumeIntegralInRange<int32_t>(0, 7);  // 7: unknown kind (init refuses; use DENSE's)
-  if (sparsa_policy_init(&p, kind) != SPARSA_STATUS_SUCCESS) {
-    sparsa_policy_init(&p, SPARSA_POLICY_DENSE);
+  if (sparsa_policy_init(&p, sizeof p, kind) != SPARSA_STATUS_SUCCESS) {
+    sparsa_policy_init(&p, sizeof p, SPARSA_POLICY_DENSE);
     p.kind = kind;
   }
   if (in.ConsumeIntegralInRange<int>(0, 3) == 0) p.flags = in.ConsumeIntegralInRange<int>(0, 7) ? SPARSA_POLICY_FLAG_DELTA : 0x80;

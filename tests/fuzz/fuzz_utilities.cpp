@@ -17,7 +17,7 @@ struct Context {
   sparsa_context* ctx = nullptr;
   Context() {
     sparsa_context_options o;
-    sparsa_context_options_init(&o);
+    sparsa_context_options_init(&o, sizeof o);
     o.num_threads = 2;
     if (sparsa_context_create(&o, &ctx) != SPARSA_STATUS_SUCCESS) std::abort();
   }
@@ -65,10 +65,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       int32_t w = sparsa_fuzz::interesting_int(in, 9);
       if (in.ConsumeBool()) t = 1 << in.ConsumeIntegralInRange<int>(0, 30);
       std::vector<int32_t> perm(1024, -7), inverse(1024, -7);
-      const sparsa_status status = sparsa_hilbert_permutation(t, h, w, nullptr, nullptr);  // size check, no output
+      const sparsa_status status = sparsa_hilbert_permutation(t, h, w, nullptr, nullptr, 0);  // size check, no output
       sparsa_fuzz::expect_no_internal(status, "hilbert");
       if (status == SPARSA_STATUS_SUCCESS && int64_t(t) * h * w <= int64_t(perm.size())) {
-        sparsa_fuzz::expect_no_internal(sparsa_hilbert_permutation(t, h, w, perm.data(), inverse.data()), "hilbert");
+        sparsa_fuzz::expect_no_internal(sparsa_hilbert_permutation(t, h, w, perm.data(), inverse.data(), int64_t(perm.size())), "hilbert");
       }
       break;
     }
@@ -151,18 +151,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       auto params = make_tensor(in, SPARSA_DTYPE_F32, {H, 4}, false);
       auto metrics = make_tensor(in, SPARSA_DTYPE_F32, {H, 2}, false);
       sparsa_attention_args args;
-      sparsa_attention_args_init(&args);
+      sparsa_attention_args_init(&args, sizeof args);
       args.q = q->get();
       args.k = kv->get();
       args.v = kv->get();
       args.out = out->get();
       args.causal = in.ConsumeBool();
       sparsa_policy p;
-      sparsa_policy_init(&p, SPARSA_POLICY_SPARGE);
+      sparsa_policy_init(&p, sizeof p, SPARSA_POLICY_SPARGE);
       p.block_q = in.ConsumeIntegralInRange<int32_t>(1, 8);
       p.block_k = in.ConsumeIntegralInRange<int32_t>(1, 8);
       sparsa_sparge_tune_options o;
-      sparsa_sparge_tune_options_init(&o);
+      sparsa_sparge_tune_options_init(&o, sizeof o);
       o.l1 = sparsa_fuzz::interesting_float(in, 0.f, 0.5f);
       o.pv_l1 = sparsa_fuzz::interesting_float(in, 0.f, 0.5f);
       o.search_steps = in.ConsumeIntegralInRange<int>(0, 7) ? in.ConsumeIntegralInRange<int32_t>(1, 3)
@@ -179,7 +179,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::vector<int64_t> shape(size_t(in.ConsumeIntegralInRange<int>(0, 9)));
       for (int64_t& e : shape) e = in.ConsumeBool() ? sparsa_fuzz::interesting_extent(in) : in.ConsumeIntegral<int64_t>();
       sparsa_fuzz::expect_no_internal(
-          sparsa_tensor_init(&t, nullptr, in.ConsumeIntegralInRange<int32_t>(-1, 9), int32_t(shape.size()),
+          sparsa_tensor_init(&t, sizeof t, nullptr, in.ConsumeIntegralInRange<int32_t>(-1, 9), int32_t(shape.size()),
                              shape.empty() ? nullptr : shape.data()),
           "tensor_init");
       break;
@@ -187,7 +187,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     default: {  // contexts: bounded num_threads (only small pools are actually started)
       static const int32_t kThreads[] = {-1, 0, 1, 2, 3, SPARSA_MAX_NUM_THREADS + 1, 100000, INT32_MAX};
       sparsa_context_options o;
-      sparsa_context_options_init(&o);
+      sparsa_context_options_init(&o, sizeof o);
       o.num_threads = in.PickValueInArray(kThreads);
       o.device_type = in.ConsumeIntegralInRange<int>(0, 15) ? SPARSA_DEVICE_CPU : in.ConsumeIntegral<int32_t>();
       sparsa_context* ctx = nullptr;
