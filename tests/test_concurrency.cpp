@@ -113,8 +113,8 @@ Outcome topk(sparsa_context* ctx, const SharedInputs& in) {
   sparsa_tensor o = st::host_tensor(ids.data(), SPARSA_DTYPE_I32, {I::B, I::Hq, 5});
   Outcome r;
   r.status = sparsa_topk_from_scores(ctx, &s, 5, 4, &o);
-  r.bytes.resize(ids.size() * 4);
-  std::memcpy(r.bytes.data(), ids.data(), r.bytes.size());
+  const auto* first = reinterpret_cast<const uint8_t*>(ids.data());
+  r.bytes.assign(first, first + ids.size() * sizeof(int32_t));
   return r;
 }
 
