@@ -10,20 +10,10 @@
 
 namespace {
 
+using sparsa_fuzz::Context;
 using sparsa_fuzz::make_ids;
 using sparsa_fuzz::make_tensor;
 using sparsa_fuzz::Tensor;
-
-struct Context {
-  sparsa_context* ctx = nullptr;
-  Context() {
-    sparsa_context_options o;
-    sparsa_context_options_init(&o, sizeof o);
-    o.num_threads = 2;
-    if (sparsa_context_create(&o, &ctx) != SPARSA_STATUS_SUCCESS) std::abort();
-  }
-  ~Context() { sparsa_context_destroy(ctx); }
-};
 
 int64_t ceil_div(int64_t a, int64_t b) { return b > 0 ? (a + b - 1) / b : 0; }
 

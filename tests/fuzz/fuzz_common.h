@@ -15,6 +15,21 @@
 
 namespace sparsa_fuzz {
 
+// A CPU context with two workers, made once per target and kept for every input (scratch reuse across runs is part
+// of what is fuzzed).
+struct Context {
+  sparsa_context* ctx = nullptr;
+  Context() {
+    sparsa_context_options o;
+    sparsa_context_options_init(&o, sizeof o);
+    o.num_threads = 2;
+    if (sparsa_context_create(&o, &ctx) != SPARSA_STATUS_SUCCESS) std::abort();
+  }
+  ~Context() { sparsa_context_destroy(ctx); }
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+};
+
 // Storage larger than this (elements) is not allocated: the tensor gets data = NULL, which the library must refuse
 // unless the tensor is empty. Keeps every execution small and fast.
 constexpr int64_t kMaxStorageElements = int64_t{1} << 16;

@@ -9,20 +9,10 @@
 
 namespace {
 
+using sparsa_fuzz::Context;
 using sparsa_fuzz::make_ids;
 using sparsa_fuzz::make_tensor;
 using sparsa_fuzz::Tensor;
-
-struct Context {
-  sparsa_context* ctx = nullptr;
-  Context() {
-    sparsa_context_options o;
-    sparsa_context_options_init(&o, sizeof o);
-    o.num_threads = 2;
-    if (sparsa_context_create(&o, &ctx) != SPARSA_STATUS_SUCCESS) std::abort();
-  }
-  ~Context() { sparsa_context_destroy(ctx); }
-};
 
 int32_t float_dtype(FuzzedDataProvider& in) {
   static const int32_t kDtypes[] = {SPARSA_DTYPE_F32, SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16, SPARSA_DTYPE_I8};
