@@ -317,7 +317,8 @@ class EntryPoints : public testing::Test {
       if (accepted(caller)) {
         EXPECT_EQ(status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
         ASSERT_EQ(got.size(), expected.size());
-        EXPECT_EQ(0, std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)));
+        // bitwise (memcmp) where there is an output: plan() writes none, and memcmp must not see null pointers
+        EXPECT_TRUE(got.empty() || std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0);
         continue;
       }
       EXPECT_EQ(status, SPARSA_STATUS_STRUCT_SIZE);
