@@ -6,8 +6,8 @@
 //   - sizes below 0.1's or above SPARSA_STRUCT_SIZE_MAX are refused.
 // Every init function and, for each struct, the entry points that read it; guard bytes must stay untouched, a
 // refused call writes no output, an accepted one computes what the plain struct computes.
-// 0.2 appended no field, so each struct's 0.1 size is still its sizeof; the helper itself (src/caller_struct.h) is
-// also run on a struct with an appended field, where an older caller's struct really is shorter.
+// 0.2 appended no field, so each struct's 0.1 size is still its sizeof; read_caller_struct and
+// write_caller_struct (src/caller_struct.h) are also run on a struct with an appended field, where an older caller's struct really is shorter.
 #include <gtest/gtest.h>
 #include <sparsa/sparsa.h>
 
@@ -224,7 +224,7 @@ TEST(StructSize, MacrosPassTheCallersSizeof) {
   EXPECT_EQ(tensor.struct_size, sizeof tensor);
 }
 
-// ---- The helper on a struct with an appended field ---------------------------------------------------------------
+// ---- read_caller_struct / write_caller_struct on a struct with an appended field ----------------------------------
 
 constexpr int32_t kAppendedDefault = 77;
 constexpr appended_struct kAppendedDefaults{sizeof(appended_struct), 5, kAppendedDefault, 0};

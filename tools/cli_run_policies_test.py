@@ -17,26 +17,7 @@ except ImportError:
 
 
 
-def visible_mask(sq, skv, causal, sink_tokens=None, window=None):
-    """[sq, skv] bool: which keys each row sees (docs/algorithms.md §0, §2; causal only here)."""
-    i = np.arange(sq)[:, None] + (skv - sq)
-    j = np.arange(skv)[None, :]
-    mask = j <= i if causal else np.ones((sq, skv), dtype=bool)
-    if sink_tokens is not None:
-        mask &= (j < sink_tokens) | (i - j < window)
-    return mask
-
-
-def attention(q, k, v, mask):
-    """float64 attention of q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] (GQA, contiguous groups)."""
-    group = q.shape[2] // k.shape[2]
-    k = np.repeat(k.astype(np.float64), group, axis=2)
-    v = np.repeat(v.astype(np.float64), group, axis=2)
-    scores = np.einsum("bihd,bjhd->bhij", q.astype(np.float64), k) / np.sqrt(q.shape[-1])
-    scores = np.where(mask[None, None], scores, -np.inf)
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("bhij,bjhd->bihd", weights, v)
+from cli_reference import attention, visible_mask  # noqa: E402 (after the numpy check)
 
 
 SPARSA, WORK = sys.argv[1], sys.argv[2]
