@@ -1,6 +1,7 @@
 // §6 TOKEN_SELECT on the device, mirroring cpu_token_select.cpp (the oracle): per sequence the mean query q̄_h of
-// the call's rows, a dense fallback when n_init + top_k + n_local >= N, otherwise float64 scores
-// s[h, t] = q̄_h·K[t, h/g] over the candidates C = [n_init, N - n_local), a softmax per head over C, the head soft
+// the call's rows, a dense fallback when n_init + top_k + n_local >= N, otherwise scores s[h, t] = q̄_h·K[t, h/g]
+// (fp32 for fp16/bf16 keys, else float64: token_select_score.cu) over the candidates C = [n_init, N - n_local), a
+// softmax per head over C, the head soft
 // vote, T = top_k of the vote (device_topk), and attention of every row and head over
 // I = [0, n_init) ∪ T ∪ [N - n_local, N) (token_indices.h: index_attention_launch on prebuilt lists).
 // The selection cache (§6.5) lives in device memory; hits and misses are decided on the device, so a run never
@@ -10,11 +11,10 @@
 //   prepare   (Hq × B)      per-sequence mode (no rows / dense / selects), candidate counts, q̄ (float64)
 //   lookup    (B)           [cache only] cosine vs the cached concat q̄ and the cached ids' range: hit → skip flag,
 //                           miss → store q̄; counts both
-//   score     (tiles, Hkv·chunks, B)  float64 dot products of a 256-candidate tile for a chunk of the group's
-//                           heads, the tile's softmax max/sum per head, exp(s - tile max) kept in scratch
-//                           (token_select_score.cu); on
-//                           sm_90 with groups >= 4 and head_dim <= 128 on FP64 tensor cores (score_mma_kernel),
-//                           elsewhere with FMAs (score_kernel)
+//   score     (tiles, Hkv·chunks, B)  dot products of a 256-candidate tile for a chunk of the group's heads, the
+//                           tile's softmax max/sum per head, exp(s - tile max) kept in scratch (token_select_score.cu):
+//                           fp32 for fp16/bf16 keys (score_f32_kernel), else float64 (score_mma_kernel on sm_90
+//                           with groups >= 4 and head_dim <= 128, elsewhere score_kernel)
 //   merge     (Hq × B)      per head: max and denominator over the tiles
 //   vote      (tiles, sets, B) vote[t] = Σ_h exp(s - m_h) / Z_h over the set's heads
 //   device_topk             T (token ids, ascending) straight into the cache slot (or scratch); skipped on a hit
@@ -22,7 +22,9 @@
 //   attention               index_attention_launch over I (or the dense forward when every sequence is dense)
 // Score, merge, vote and top-k exit at once for sequences that do not select or hit the cache.
 //
-// Float64 scores without conversion instructions: a 16-bit (or fp32) key element placed bit by bit into a
+// Selections follow ALGORITHMS.md §0: with fp32 scores, every top-k decision farther than the documented bound eps
+// from the threshold agrees with the CPU (token_select_score.cu states eps). The float64 path:
+// float64 scores without conversion instructions: a 16-bit (or fp32) key element placed bit by bit into a
 // double's exponent/mantissa fields is the element times 2^-1008 (f16) or 2^-896 (bf16, f32) exactly, subnormals
 // included; q̄ is pre-multiplied by the inverse power of two (exact, and it cannot overflow: |q̄| is at most the
 // type's largest finite value). Every product and FMA is therefore the one of the unscaled values. (An inf/NaN key
@@ -148,8 +150,9 @@ __global__ void __launch_bounds__(kReduceThreads) merge_kernel(const SelectParam
 }
 
 // Block (x, set, b) walks candidate tiles: vote[c] = Σ over the set's heads, in head order, of
-// exp(s - tile max) · exp(tile max - m_h) / Z_h.
-__global__ void __launch_bounds__(kScoreTile) vote_kernel(const SelectParams sp) {
+// exp(s - tile max) · exp(tile max - m_h) / Z_h (Score: float or double, as the run scored).
+template <typename Score>
+__global__ void __launch_bounds__(kScoreTile) vote_kernel(const SelectParams sp, const Score* scores) {
   __shared__ double factor[kVoteHeadsPerPass];
   const int32_t set = blockIdx.y, b = blockIdx.z;
   const SequenceInfo info = sp.sequences[b];
@@ -168,7 +171,7 @@ __global__ void __launch_bounds__(kScoreTile) vote_kernel(const SelectParams sp)
       }
       __syncthreads();
       if (c < info.candidates) {
-        for (int32_t j = 0; j < n; ++j) vote += sp.scores[(first_row + h0 + j) * sp.score_stride + c] * factor[j];
+        for (int32_t j = 0; j < n; ++j) vote += double(scores[(first_row + h0 + j) * sp.score_stride + c]) * factor[j];
       }
     }
     if (c < info.candidates) sp.votes[(int64_t(b) * sp.n_sets + set) * sp.score_stride + c] = vote;
@@ -390,7 +393,11 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   sp.tile_sum = carver.take<double>(tile_stats);
   sp.head_max = carver.take<double>(uint64_t(batch * heads));
   sp.head_sum = carver.take<double>(uint64_t(batch * heads));
-  sp.scores = carver.take<double>(uint64_t(batch * heads) * uint64_t(shape.score_stride));
+  if (scores_in_fp32(problem, sp.p)) {
+    sp.scores32 = carver.take<float>(uint64_t(batch * heads) * uint64_t(shape.score_stride));
+  } else {
+    sp.scores = carver.take<double>(uint64_t(batch * heads) * uint64_t(shape.score_stride));
+  }
   sp.votes = carver.take<double>(uint64_t(segments) * uint64_t(shape.score_stride));
   void* topk_scratch = carver.take<char>(device_topk_scratch_bytes(int32_t(segments), shape.max_candidates));
   if (cache != nullptr) {
@@ -425,7 +432,11 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
     merge_kernel<<<dim3(unsigned(heads), unsigned(batch)), kReduceThreads, 0, stream>>>(sp);
     check(cudaGetLastError(), "token_select merge_kernel launch");
     const dim3 vote_grid(tile_blocks(device, shape.tiles, segments), unsigned(shape.n_sets), unsigned(batch));
-    vote_kernel<<<vote_grid, kScoreTile, 0, stream>>>(sp);
+    if (sp.scores32 != nullptr) {
+      vote_kernel<float><<<vote_grid, kScoreTile, 0, stream>>>(sp, sp.scores32);
+    } else {
+      vote_kernel<double><<<vote_grid, kScoreTile, 0, stream>>>(sp, sp.scores);
+    }
     check(cudaGetLastError(), "token_select vote_kernel launch");
 
     TopkArgs a;

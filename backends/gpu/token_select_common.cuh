@@ -67,7 +67,8 @@ struct SelectParams {
   double* tile_sum = nullptr;
   double* head_max = nullptr;          // [B, Hq]
   double* head_sum = nullptr;
-  double* scores = nullptr;            // [B, Hq, score_stride]: exp(s - tile max)
+  double* scores = nullptr;            // [B, Hq, score_stride]: exp(s - tile max) (float64 scoring)
+  float* scores32 = nullptr;           // the same in fp32 (fp32 scoring); exactly one of the two is set
   double* votes = nullptr;             // [B * n_sets, score_stride]
   int32_t tiles = 0;                   // tiles per score row
   int64_t score_stride = 0;
@@ -173,8 +174,13 @@ inline unsigned tile_blocks(const GpuDevice& device, int32_t tiles, int64_t othe
 }
 
 
-// Enqueues the score step of a run (scores, tile maxima and sums into sp's scratch): the float64 tensor-core kernel
-// where it pays (Hopper, groups of 4 or more, head_dim <= 128), else the FMA kernel.
+// Whether a run scores in fp32 (score_f32_kernel: fp16/bf16 keys, 16-byte aligned rows, head_dim a multiple of 8 up
+// to 256) rather than float64; plan and run carve scores32 or scores by it.
+bool scores_in_fp32(const AttentionProblem& problem, const ForwardParams& p);
+
+// Enqueues the score step of a run (scores, tile maxima and sums into sp's scratch): the fp32 kernel when
+// scores_in_fp32, else the float64 tensor-core kernel where it pays (Hopper, groups of 4 or more, head_dim <= 128),
+// else the float64 FMA kernel.
 void launch_scores(const GpuDevice& device, const AttentionProblem& problem, const SelectParams& sp, int32_t tiles,
                    int64_t batch);
 

@@ -1,7 +1,8 @@
-// TOKEN_SELECT's float64 scores (§6): s[h, t] = q̄_h·K[t, h/g] over a sequence's candidates, with each tile's
-// softmax max and sum per head, for the vote that follows (gpu_token_select.cu: the run, and the file comment on the
-// exact widening both kernels share). Two kernels: FMAs on every target (score_kernel) and float64 tensor-core MMA
-// on Hopper (score_mma_kernel); launch_scores chooses.
+// TOKEN_SELECT's scores (§6): s[h, t] = q̄_h·K[t, h/g] over a sequence's candidates, with each tile's softmax max
+// and sum per head, for the vote that follows (gpu_token_select.cu: the run). fp16/bf16 keys in 16-byte aligned rows
+// with head_dim a multiple of 8 (<= 256) are scored in fp32 (score_f32_kernel, with the error bound of §0 stated
+// above it); everything else in float64 as on the CPU, with FMAs (score_kernel) or float64 tensor-core MMA on Hopper
+// (score_mma_kernel), both on the exact widening described in gpu_token_select.cu. launch_scores chooses.
 #include "../../src/error.h"
 #include "token_select_common.cuh"
 
@@ -490,6 +491,189 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 }
 #endif  // SPARSA_GPU_HAS_MMA_SYNC
 
+// ---- The fp32 score kernel (fp16/bf16 keys; §0 "Precision of selections") ----
+// Reading K once is the floor of a miss: the float64 kernels above stay compute-bound over it (widening, DMMA), while
+// fp32 FMAs on the CUDA cores leave the load pipe the limit. A key row is read by kLanesPerKey lanes, 16 bytes
+// (8 elements) each, straight from global memory into registers (kUnroll rows per lane in flight); each lane keeps its
+// 8 dims of q̄ (rounded to fp32) for the chunk's kHeads heads, multiplies them in with FMAs, and the row's dot products
+// are summed over its lanes with xor shuffles (the tree's shape is fixed: the same inputs give the same bits). The
+// tile's scores go to shared memory; its softmax max per head, exp(s - max) in fp32 to scratch and the sum follow as
+// in the float64 kernels, so merge, vote and top-k downstream are unchanged.
+//
+// Error bound against the float64 oracle (ALGORITHMS.md §0). A score is a sum of <= 8 FMAs per lane and <= 5 tree
+// additions (<= 13 roundings, u = 2^-24) of products of a key element (exact in fp32) and q̄ rounded to fp32
+// (one more rounding), so for every candidate of a (sequence, head)
+//     |ŝ - s| <= E = score_scale · 2^-20 · ‖q̄_h‖ · max_t ‖k_t‖        (2^-20 = 16u >= 15u/(1 - 13u)).
+// exp(ŝ - tile max) is then off by a relative 2E plus expf's and the subtraction's roundings (each below E/8 here,
+// since |ŝ - max| <= 2·score_scale·‖q̄‖‖k‖); the tile sum (fp32, a tree of <= 8 levels) adds 10u; the factor
+// exp(tile max - head max) in merge/vote, whose two maxima are each off by E, adds 2E; Z_h inherits all of these once
+// more. A vote is a sum of positive terms, so its relative error is that of its worst term:
+//     |vote - vote*| <= eps · vote*,   eps = 10E + 2^-16   (E over the run's heads; 2^-16 covers the roundings).
+// Every top-k decision whose oracle vote is farther than eps (relative) from the k-th largest agrees with the CPU;
+// tests/gpu/test_gpu_select.cpp audits exactly that, with candidates on both sides of eps.
+constexpr int kF32ScoreThreads = 256;
+constexpr int kF32ScoreWarps = kF32ScoreThreads / kWarpLanes;
+constexpr int kF32DimsPerLane = kPieceBytes / 2;  // 16-bit elements in one 16-byte load
+constexpr int kF32Unroll = 4;                     // key rows a lane has in flight
+constexpr int kF32MaxHeads = 8;
+constexpr int kF32BlocksPerSm = 2;
+constexpr int kF32MaxLanesPerKey = 32;  // lanes of one key row: head_dim <= 8 · 32 = 256
+static_assert(kScoreTile % kF32ScoreThreads == 0, "each thread finishes whole candidates of a tile");
+
+// Eight 16-bit elements of a 16-byte piece as fp32.
+template <ElementType kType>
+__device__ __forceinline__ void unpack_piece(const uint4& piece, float (&out)[kF32DimsPerLane]) {
+  const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    if constexpr (kType == ElementType::kBF16) {
+      out[2 * w] = __uint_as_float(words[w] << 16);
+      out[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
+    } else {
+      out[2 * w] = f16_bits_to_float(uint16_t(words[w] & 0xffffu));
+      out[2 * w + 1] = f16_bits_to_float(uint16_t(words[w] >> 16));
+    }
+  }
+}
+
+// Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ... (as score_kernel).
+template <ElementType kType, int kLanesPerKey, int kHeads>
+__global__ void __launch_bounds__(kF32ScoreThreads, kF32BlocksPerSm) score_f32_kernel(const SelectParams sp) {
+  static_assert(kHeads <= kLanesPerKey, "lane j of a key's lanes stores head j");
+  constexpr int kKeysPerWarp = kWarpLanes / kLanesPerKey;
+  constexpr int kKeysPerStep = kF32ScoreWarps * kKeysPerWarp * kF32Unroll;
+  constexpr int kCandidatesPerThread = kScoreTile / kF32ScoreThreads;
+  static_assert(kScoreTile % kKeysPerStep == 0, "a tile is whole steps");
+  __shared__ float tile_scores[kHeads][kScoreTile];
+  __shared__ double scratch[kF32ScoreThreads / kWarpLanes * kHeads], maxima[kHeads], sums[kHeads];
+
+  const int32_t b = blockIdx.z;
+  const SequenceInfo info = sp.sequences[b];
+  if (info.mode != kSelects || sp.skip[b] != 0) return;
+  const int32_t group = sp.p.group_size, chunks_per_group = (group + kHeads - 1) / kHeads;
+  const int32_t kv_head = blockIdx.y / chunks_per_group;
+  const int32_t head0 = kv_head * group + (blockIdx.y % chunks_per_group) * kHeads;
+  const int32_t heads = min(kHeads, (kv_head + 1) * group - head0);
+  const int32_t tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
+  if (int32_t(blockIdx.x) >= tiles) return;
+  const SequenceView s = make_sequence_view(sp.p, b, head0);
+  const int32_t dim = sp.p.head_dim;
+  const int64_t row0 = int64_t(b) * sp.p.num_q_heads + head0;
+  const int warp = threadIdx.x / kWarpLanes, lane = threadIdx.x % kWarpLanes;
+  const int slice = lane % kLanesPerKey;                   // this lane's 8 dims: [8·slice, 8·slice + 8)
+  const int first_dim = slice * kF32DimsPerLane;
+  const bool lane_has_dims = first_dim < dim;              // head_dim is a multiple of 8 on this path
+  const int key_in_warp = lane / kLanesPerKey;
+
+  float qf[kHeads][kF32DimsPerLane];
+#pragma unroll
+  for (int j = 0; j < kHeads; ++j) {
+#pragma unroll
+    for (int e = 0; e < kF32DimsPerLane; ++e) {
+      const int32_t d = first_dim + e;
+      qf[j][e] = j < heads && d < dim ? float(sp.qbar[(row0 + j) * dim + d]) : 0.0f;
+    }
+  }
+  const uint4* keys = static_cast<const uint4*>(sp.p.k);  // 16-byte aligned rows (the path's precondition)
+  const float scale = float(sp.score_scale);
+
+  for (int32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int32_t c0 = tile * kScoreTile;
+    for (int32_t step = 0; step < kScoreTile; step += kKeysPerStep) {
+      uint4 pieces[kF32Unroll];
+#pragma unroll
+      for (int u = 0; u < kF32Unroll; ++u) {
+        const int32_t key = step + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
+        const int32_t c = c0 + key;
+        pieces[u] = make_uint4(0, 0, 0, 0);
+        if (c < info.candidates && lane_has_dims) {
+          const int64_t at = key_row_offset(sp.p, sp.p.k_strides, s, sp.n_init + c) + first_dim;
+          pieces[u] = __ldg(keys + at / kF32DimsPerLane);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kF32Unroll; ++u) {
+        float k[kF32DimsPerLane];
+        unpack_piece<kType>(pieces[u], k);
+        float dot[kHeads];
+#pragma unroll
+        for (int j = 0; j < kHeads; ++j) {
+          float acc = 0.0f;
+#pragma unroll
+          for (int e = 0; e < kF32DimsPerLane; ++e) acc = fmaf(qf[j][e], k[e], acc);
+          dot[j] = acc;
+        }
+#pragma unroll
+        for (int offset = kLanesPerKey / 2; offset > 0; offset /= 2) {
+#pragma unroll
+          for (int j = 0; j < kHeads; ++j) dot[j] += warp_shfl_xor(dot[j], offset);
+        }
+        const int32_t key = step + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
+#pragma unroll
+        for (int j = 0; j < kHeads; ++j) {
+          if (slice == j) tile_scores[j][key] = dot[j] * scale;
+        }
+      }
+    }
+    __syncthreads();
+
+    // The tile's softmax statistics per head, then exp(s - tile max) for the vote.
+    float own[kCandidatesPerThread][kHeads];
+    double v[kHeads];
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) {
+      v[j] = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kCandidatesPerThread; ++i) {
+        const int32_t key = int32_t(threadIdx.x) + i * kF32ScoreThreads;
+        own[i][j] = tile_scores[j][key];
+        if (c0 + key < info.candidates) v[j] = fmax(v[j], double(own[i][j]));
+      }
+    }
+    block_reduce<kHeads, true>(v, scratch, maxima);  // also: every thread has read tile_scores
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) {
+      const float m = float(maxima[j]);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kCandidatesPerThread; ++i) {
+        const int32_t c = c0 + int32_t(threadIdx.x) + i * kF32ScoreThreads;
+        const float e = c < info.candidates ? expf(own[i][j] - m) : 0.0f;
+        if (j < heads && c < info.candidates) sp.scores32[(row0 + j) * sp.score_stride + c] = e;
+        sum += e;
+      }
+      v[j] = sum;
+    }
+    block_reduce<kHeads, false>(v, scratch, sums);
+    if (int32_t(threadIdx.x) < heads) {
+      sp.tile_max[(row0 + threadIdx.x) * sp.tiles + tile] = maxima[threadIdx.x];
+      sp.tile_sum[(row0 + threadIdx.x) * sp.tiles + tile] = sums[threadIdx.x];
+    }
+  }
+}
+
+template <ElementType kType, int kLanesPerKey>
+void launch_score_f32_lanes(const SelectParams& sp, dim3 grid, int32_t head_chunk, cudaStream_t stream) {
+  if (head_chunk <= 4) {
+    score_f32_kernel<kType, kLanesPerKey, 4><<<grid, kF32ScoreThreads, 0, stream>>>(sp);
+  } else {
+    score_f32_kernel<kType, kLanesPerKey, kF32MaxHeads><<<grid, kF32ScoreThreads, 0, stream>>>(sp);
+  }
+  check(cudaGetLastError(), "token_select score_f32_kernel launch");
+}
+
+template <ElementType kType>
+void launch_score_f32(const SelectParams& sp, dim3 grid, int32_t head_chunk, cudaStream_t stream) {
+  const int32_t lanes = (sp.p.head_dim + kF32DimsPerLane - 1) / kF32DimsPerLane;
+  if (lanes <= 8) {
+    launch_score_f32_lanes<kType, 8>(sp, grid, head_chunk, stream);
+  } else if (lanes <= 16) {
+    launch_score_f32_lanes<kType, 16>(sp, grid, head_chunk, stream);
+  } else {
+    launch_score_f32_lanes<kType, kF32MaxLanesPerKey>(sp, grid, head_chunk, stream);
+  }
+}
+
 template <int kHeads>
 void launch_score(const SelectParams& sp, dim3 grid, cudaStream_t stream) {
   switch (sp.p.element_type) {
@@ -541,11 +725,27 @@ bool scores_on_tensor_cores(const GpuDevice& device, const AttentionProblem& pro
 
 }  // namespace
 
+bool scores_in_fp32(const AttentionProblem& problem, const ForwardParams& p) {
+  return p.element_type != ElementType::kF32 && p.kv_rows_aligned16 && problem.head_dim % kF32DimsPerLane == 0 &&
+         problem.head_dim <= kF32DimsPerLane * kF32MaxLanesPerKey;
+}
+
 void launch_scores(const GpuDevice& device, const AttentionProblem& problem, const SelectParams& sp, int32_t tiles,
                    int64_t batch) {
   const cudaStream_t stream = device.stream;
   constexpr int kSmallHeadChunk = 4, kLargeHeadChunk = 8;
   const int32_t group = sp.p.group_size;
+  if (sp.scores32 != nullptr) {
+    const int32_t head_chunk = group > kSmallHeadChunk ? kLargeHeadChunk : kSmallHeadChunk;
+    const int64_t score_y = int64_t(problem.num_kv_heads) * ((group + head_chunk - 1) / head_chunk);
+    const dim3 grid(tile_blocks(device, tiles, score_y * batch, kF32BlocksPerSm), unsigned(score_y), unsigned(batch));
+    if (sp.p.element_type == ElementType::kF16) {
+      launch_score_f32<ElementType::kF16>(sp, grid, head_chunk, stream);
+    } else {
+      launch_score_f32<ElementType::kBF16>(sp, grid, head_chunk, stream);
+    }
+    return;
+  }
   const bool mma = scores_on_tensor_cores(device, problem);
   const int32_t head_chunk = mma || group > kSmallHeadChunk ? kLargeHeadChunk : kSmallHeadChunk;
   const int64_t score_y = int64_t(problem.num_kv_heads) * ((group + head_chunk - 1) / head_chunk);

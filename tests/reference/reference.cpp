@@ -444,6 +444,7 @@ TokenSelectResult token_select(const Problem& p, const TokenSelectParams& tp, Se
   TokenSelectResult r;
   r.selected.resize(p.B);
   r.ran_dense.assign(p.B, false);
+  r.vote.resize(p.B);
   const int n_sets = tp.per_kv_head ? p.Hkv : 1;
   const bool use_cache = cache != nullptr && tp.cache_theta < 1.0;
   for (int b = 0; b < p.B; ++b) {
@@ -493,6 +494,7 @@ TokenSelectResult token_select(const Problem& p, const TokenSelectParams& tp, Se
         r.topk_margin = std::min(r.topk_margin, margin);
         for (int& t : top[set]) t += c0;
       }
+      r.vote[b] = vote;
       if (use_cache) {
         cache->mean_query[b] = mean_query;
         cache->top[b] = top;

@@ -132,6 +132,7 @@ struct TokenSelectResult {
   Output out;
   std::vector<std::vector<IndexSet>> selected;  // [b][H_sel]: index set I, or every token when dense
   std::vector<bool> ran_dense;
+  std::vector<std::vector<std::vector<double>>> vote;  // [b][set]: vote over C = [n_init, N - n_local) (empty: dense, hit)
   double topk_margin = kInf;  // smallest relative vote gap at a top-k boundary
   int64_t hits = 0, misses = 0, pairs_computed = 0;
 };
