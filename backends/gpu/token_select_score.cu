@@ -496,7 +496,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 // fp32 FMAs on the CUDA cores leave the load pipe the limit. A key row is read by kLanesPerKey lanes, 16 bytes
 // (8 elements) each, straight from global memory into registers (kUnroll rows per lane in flight); each lane keeps its
 // 8 dims of q̄ (rounded to fp32) for the chunk's kHeads heads, multiplies them in with FMAs, and the row's dot products
-// are summed over its lanes with xor shuffles (the tree's shape is fixed: the same inputs give the same bits). The
+// are summed over its lanes with xor shuffles (reduce_heads; the tree's shape is fixed: the same inputs give the same
+// bits). The
 // tile's scores go to shared memory; its softmax max per head, exp(s - max) in fp32 to scratch and the sum follow as
 // in the float64 kernels, so merge, vote and top-k downstream are unchanged.
 //
@@ -536,13 +537,44 @@ __device__ __forceinline__ void unpack_piece(const uint4& piece, float (&out)[kF
   }
 }
 
-// Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ... (as score_kernel).
+// Sums v[0..kHeads) over the kLanes lanes of a key (xor partners inside the group) and leaves the total of one head
+// in v[0]: each exchange step sends the half of the heads the partner keeps, so the kHeads sums cost
+// kHeads - 1 + log2(kLanes / kHeads) shuffles instead of kHeads · log2(kLanes). Returns the head v[0] now holds.
+template <int kHeads, int kLanes>
+__device__ __forceinline__ int reduce_heads(float (&v)[kHeads], int lane_in_key) {
+  int head = 0;
+#pragma unroll
+  for (int offset = kLanes / 2, count = kHeads; offset > 0; offset /= 2) {
+    if (count > 1) {
+      const int half = count / 2;
+      const bool upper = (lane_in_key & offset) != 0;
+#pragma unroll
+      for (int i = 0; i < kHeads / 2; ++i) {
+        if (i >= half) break;
+        const float keep = upper ? v[half + i] : v[i];
+        const float send = upper ? v[i] : v[half + i];
+        v[i] = keep + warp_shfl_xor(send, offset);
+      }
+      head += upper ? half : 0;
+      count = half;
+    } else {
+      v[0] += warp_shfl_xor(v[0], offset);
+    }
+  }
+  return head;
+}
+
+// Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ... (as score_kernel). The block's
+// steps (kKeysPerStep keys each) run as one sequence across its tiles, and the next step's rows are loaded before this
+// one is computed, so loads stay in flight through the arithmetic and each tile's softmax.
 template <ElementType kType, int kLanesPerKey, int kHeads>
 __global__ void __launch_bounds__(kF32ScoreThreads, kF32BlocksPerSm) score_f32_kernel(const SelectParams sp) {
-  static_assert(kHeads <= kLanesPerKey, "lane j of a key's lanes stores head j");
+  static_assert(kHeads <= kLanesPerKey, "every head ends in at least one lane of a key");
   constexpr int kKeysPerWarp = kWarpLanes / kLanesPerKey;
   constexpr int kKeysPerStep = kF32ScoreWarps * kKeysPerWarp * kF32Unroll;
+  constexpr int kStepsPerTile = kScoreTile / kKeysPerStep;
   constexpr int kCandidatesPerThread = kScoreTile / kF32ScoreThreads;
+  constexpr int kLanesPerHead = kLanesPerKey / kHeads;  // lanes that end with the same head's total
   static_assert(kScoreTile % kKeysPerStep == 0, "a tile is whole steps");
   __shared__ float tile_scores[kHeads][kScoreTile];
   __shared__ double scratch[kF32ScoreThreads / kWarpLanes * kHeads], maxima[kHeads], sums[kHeads];
@@ -560,9 +592,9 @@ __global__ void __launch_bounds__(kF32ScoreThreads, kF32BlocksPerSm) score_f32_k
   const int32_t dim = sp.p.head_dim;
   const int64_t row0 = int64_t(b) * sp.p.num_q_heads + head0;
   const int warp = threadIdx.x / kWarpLanes, lane = threadIdx.x % kWarpLanes;
-  const int slice = lane % kLanesPerKey;                   // this lane's 8 dims: [8·slice, 8·slice + 8)
+  const int slice = lane % kLanesPerKey;  // this lane's 8 dims: [8·slice, 8·slice + 8)
   const int first_dim = slice * kF32DimsPerLane;
-  const bool lane_has_dims = first_dim < dim;              // head_dim is a multiple of 8 on this path
+  const bool lane_has_dims = first_dim < dim;  // head_dim is a multiple of 8 on this path
   const int key_in_warp = lane / kLanesPerKey;
 
   float qf[kHeads][kF32DimsPerLane];
@@ -576,48 +608,53 @@ __global__ void __launch_bounds__(kF32ScoreThreads, kF32BlocksPerSm) score_f32_k
   }
   const uint4* keys = static_cast<const uint4*>(sp.p.k);  // 16-byte aligned rows (the path's precondition)
   const float scale = float(sp.score_scale);
+  const int32_t my_tiles = (tiles - int32_t(blockIdx.x) + int32_t(gridDim.x) - 1) / int32_t(gridDim.x);
+  const int32_t steps = my_tiles * kStepsPerTile;
 
-  for (int32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int32_t c0 = tile * kScoreTile;
-    for (int32_t step = 0; step < kScoreTile; step += kKeysPerStep) {
-      uint4 pieces[kF32Unroll];
+  // Key u of step `it` for this lane: its tile's candidate offset, or -1 past the candidates.
+  auto load_step = [&](int32_t it, uint4 (&pieces)[kF32Unroll]) {
+    const int32_t tile = int32_t(blockIdx.x) + (it / kStepsPerTile) * int32_t(gridDim.x);
+    const int32_t first = tile * kScoreTile + (it % kStepsPerTile) * kKeysPerStep;
 #pragma unroll
-      for (int u = 0; u < kF32Unroll; ++u) {
-        const int32_t key = step + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
-        const int32_t c = c0 + key;
-        pieces[u] = make_uint4(0, 0, 0, 0);
-        if (c < info.candidates && lane_has_dims) {
-          const int64_t at = key_row_offset(sp.p, sp.p.k_strides, s, sp.n_init + c) + first_dim;
-          pieces[u] = __ldg(keys + at / kF32DimsPerLane);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kF32Unroll; ++u) {
-        float k[kF32DimsPerLane];
-        unpack_piece<kType>(pieces[u], k);
-        float dot[kHeads];
-#pragma unroll
-        for (int j = 0; j < kHeads; ++j) {
-          float acc = 0.0f;
-#pragma unroll
-          for (int e = 0; e < kF32DimsPerLane; ++e) acc = fmaf(qf[j][e], k[e], acc);
-          dot[j] = acc;
-        }
-#pragma unroll
-        for (int offset = kLanesPerKey / 2; offset > 0; offset /= 2) {
-#pragma unroll
-          for (int j = 0; j < kHeads; ++j) dot[j] += warp_shfl_xor(dot[j], offset);
-        }
-        const int32_t key = step + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
-#pragma unroll
-        for (int j = 0; j < kHeads; ++j) {
-          if (slice == j) tile_scores[j][key] = dot[j] * scale;
-        }
+    for (int u = 0; u < kF32Unroll; ++u) {
+      const int32_t c = first + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
+      pieces[u] = make_uint4(0, 0, 0, 0);
+      if (c < info.candidates && lane_has_dims) {
+        const int64_t at = key_row_offset(sp.p, sp.p.k_strides, s, sp.n_init + c) + first_dim;
+        pieces[u] = __ldg(keys + at / kF32DimsPerLane);
       }
     }
-    __syncthreads();
+  };
+
+  uint4 current[kF32Unroll], next[kF32Unroll];
+  load_step(0, current);
+  for (int32_t it = 0; it < steps; ++it) {
+    if (it + 1 < steps) load_step(it + 1, next);
+    const int32_t step = it % kStepsPerTile;
+#pragma unroll
+    for (int u = 0; u < kF32Unroll; ++u) {
+      float k[kF32DimsPerLane];
+      unpack_piece<kType>(current[u], k);
+      float dot[kHeads];
+#pragma unroll
+      for (int j = 0; j < kHeads; ++j) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kF32DimsPerLane; ++e) acc = fmaf(qf[j][e], k[e], acc);
+        dot[j] = acc;
+      }
+      const int head = reduce_heads<kHeads, kLanesPerKey>(dot, slice);
+      const int32_t key = step * kKeysPerStep + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
+      if (slice % kLanesPerHead == 0) tile_scores[head][key] = dot[0] * scale;
+    }
+#pragma unroll
+    for (int u = 0; u < kF32Unroll; ++u) current[u] = next[u];
+    if (step + 1 < kStepsPerTile) continue;
 
     // The tile's softmax statistics per head, then exp(s - tile max) for the vote.
+    __syncthreads();
+    const int32_t tile = int32_t(blockIdx.x) + (it / kStepsPerTile) * int32_t(gridDim.x);
+    const int32_t c0 = tile * kScoreTile;
     float own[kCandidatesPerThread][kHeads];
     double v[kHeads];
 #pragma unroll
