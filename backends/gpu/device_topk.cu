@@ -24,7 +24,10 @@ constexpr int kBins = 1 << kDigitBits;
 constexpr int kBinsPerThread = kBins / kThreads;
 constexpr int kElementsPerThread = 32;  // write pass: each thread compacts a contiguous run, in index order
 constexpr int kLoadsInFlight = 8;       // histogram/count passes: loads a thread issues before using any
-constexpr int64_t kElementsPerBlock = int64_t(kThreads) * kElementsPerThread;
+constexpr int64_t kElementsPerBlock = int64_t(kThreads) * kElementsPerThread;  // count and write passes
+// Digit passes: fewer elements per block than the write pass, so that one long segment (a decode's vote over 128K
+// candidates) spreads over many SMs instead of 16 blocks.
+constexpr int64_t kPassElementsPerBlock = 2048;
 constexpr uint64_t kScratchAlignment = 256;
 // The ordered write packs a block's (greater, equal) counts into one 32-bit scan value.
 constexpr int kEqualBits = 16;
@@ -113,7 +116,8 @@ __global__ void __launch_bounds__(kThreads) topk_init_kernel(const TopkArgs a, S
   for (int i = threadIdx.x; i < kBins; i += kThreads) histograms[s * kBins + i] = 0;
 }
 
-// One digit pass: bits [shift, shift + digit_bits) of the undecided elements; grid = segments × blocks_per_segment.
+// One digit pass: bits [shift, shift + digit_bits) of the undecided elements; grid = segments × blocks_per_segment
+// (kPassElementsPerBlock elements each).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, SegmentState* states,
                                                              uint32_t* histograms, int32_t blocks_per_segment,
@@ -139,8 +143,8 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
   // Histogram of this block's share. Clustered data (votes share their exponent bits) would serialise the shared
   // atomics on one bin, so each thread merges runs of equal digits first.
   const T* row = static_cast<const T*>(a.values) + s * a.row_stride;
-  const int64_t begin = part * kElementsPerBlock;
-  const int64_t end = begin + kElementsPerBlock < length ? begin + kElementsPerBlock : length;
+  const int64_t begin = part * kPassElementsPerBlock;
+  const int64_t end = begin + kPassElementsPerBlock < length ? begin + kPassElementsPerBlock : length;
   const uint32_t digit_mask = (1u << digit_bits) - 1u;
   uint32_t run_digit = 0, run_count = 0;
   for (int64_t first = begin + threadIdx.x; first < end; first += int64_t(kThreads) * kLoadsInFlight) {
@@ -307,8 +311,8 @@ __global__ void __launch_bounds__(kThreads) topk_write_kernel(const TopkArgs a, 
 
 uint64_t align_up(uint64_t bytes) { return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment; }
 
-int64_t blocks_per_segment_for(int64_t max_length) {
-  const int64_t blocks = (max_length + kElementsPerBlock - 1) / kElementsPerBlock;
+int64_t blocks_per_segment_for(int64_t max_length, int64_t elements_per_block = kElementsPerBlock) {
+  const int64_t blocks = (max_length + elements_per_block - 1) / elements_per_block;
   return blocks < 1 ? 1 : blocks;
 }
 
@@ -326,9 +330,12 @@ template <typename T>
 cudaError_t launch_passes(const TopkArgs& a, SegmentState* states, uint32_t* histograms, int32_t* block_counts,
                           int32_t blocks_per_segment, uint32_t grid, cudaStream_t stream) {
   constexpr int kKeyBits = int(sizeof(T) * 8);
+  const int64_t pass_blocks = blocks_per_segment_for(a.max_length, kPassElementsPerBlock);
+  const uint32_t pass_grid = uint32_t(int64_t(a.segments) * pass_blocks);
   for (int high = kKeyBits; high > 0; high -= kDigitBits) {
     const int low = high > kDigitBits ? high - kDigitBits : 0;
-    topk_pass_kernel<T><<<grid, kThreads, 0, stream>>>(a, states, histograms, blocks_per_segment, low, high - low);
+    topk_pass_kernel<T><<<pass_grid, kThreads, 0, stream>>>(a, states, histograms, int32_t(pass_blocks), low,
+                                                            high - low);
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
   }
@@ -349,7 +356,8 @@ cudaError_t device_topk(const TopkArgs& args, void* scratch, cudaStream_t stream
   if (args.segments <= 0) return cudaSuccess;
   constexpr int64_t kMaxGrid = 0x7fffffff;
   const int64_t blocks_per_segment = blocks_per_segment_for(args.max_length);
-  if (args.max_length > kMaxGrid || int64_t(args.segments) * blocks_per_segment > kMaxGrid || scratch == nullptr) {
+  const int64_t pass_blocks = blocks_per_segment_for(args.max_length, kPassElementsPerBlock);
+  if (args.max_length > kMaxGrid || int64_t(args.segments) * pass_blocks > kMaxGrid || scratch == nullptr) {
     return cudaErrorInvalidValue;
   }
   const ScratchParts parts(args.segments, args.max_length);

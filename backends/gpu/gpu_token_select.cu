@@ -16,7 +16,8 @@
 //                           fp32 for fp16/bf16 keys (score_f32_kernel), else float64 (score_mma_kernel on sm_90
 //                           with groups >= 4 and head_dim <= 128, elsewhere score_kernel)
 //   merge     (Hq × B)      per head: max and denominator over the tiles
-//   vote      (tiles, sets, B) vote[t] = Σ_h exp(s - m_h) / Z_h over the set's heads
+//   vote      (tiles, sets, B) vote[t] = Σ_h exp(s - m_h) / Z_h over the set's heads (fp32 scoring: its log, as a
+//                           running log-sum-exp, log_vote_kernel)
 //   device_topk             T (token ids, ascending) straight into the cache slot (or scratch); skipped on a hit
 //   lists     (sets × B)    I per set, selected_indices, PAIRS_COMPUTED
 //   attention               index_attention_launch over I (or the dense forward when every sequence is dense)
@@ -150,9 +151,8 @@ __global__ void __launch_bounds__(kReduceThreads) merge_kernel(const SelectParam
 }
 
 // Block (x, set, b) walks candidate tiles: vote[c] = Σ over the set's heads, in head order, of
-// exp(s - tile max) · exp(tile max - m_h) / Z_h (Score: float or double, as the run scored).
-template <typename Score>
-__global__ void __launch_bounds__(kScoreTile) vote_kernel(const SelectParams sp, const Score* scores) {
+// exp(s - tile max) · exp(tile max - m_h) / Z_h (float64 scoring).
+__global__ void __launch_bounds__(kScoreTile) vote_kernel(const SelectParams sp) {
   __shared__ double factor[kVoteHeadsPerPass];
   const int32_t set = blockIdx.y, b = blockIdx.z;
   const SequenceInfo info = sp.sequences[b];
@@ -171,10 +171,50 @@ __global__ void __launch_bounds__(kScoreTile) vote_kernel(const SelectParams sp,
       }
       __syncthreads();
       if (c < info.candidates) {
-        for (int32_t j = 0; j < n; ++j) vote += double(scores[(first_row + h0 + j) * sp.score_stride + c]) * factor[j];
+        for (int32_t j = 0; j < n; ++j) vote += sp.scores[(first_row + h0 + j) * sp.score_stride + c] * factor[j];
       }
     }
     if (c < info.candidates) sp.votes[(int64_t(b) * sp.n_sets + set) * sp.score_stride + c] = vote;
+  }
+}
+
+// fp32 scoring: log vote[c] = log Σ_h exp(s_h[c] - lse_h) over the set's heads (lse_h = m_h + log Z_h), as a running
+// log-sum-exp in fp32. The log domain keeps every candidate's vote representable: against a needle that dominates a
+// head, the others' exp(s - m) fall far below fp32's range while their order still decides the top-k. The top-k of
+// the log votes is that of the votes (log is increasing).
+__global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams sp) {
+  __shared__ float head_lse[kVoteHeadsPerPass];
+  const int32_t set = blockIdx.y, b = blockIdx.z;
+  const SequenceInfo info = sp.sequences[b];
+  if (info.mode != kSelects || sp.skip[b] != 0) return;
+  const int32_t tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
+  const int64_t first_row = int64_t(b) * sp.p.num_q_heads + int64_t(set) * sp.heads_per_set;
+  for (int32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int32_t c = tile * kScoreTile + threadIdx.x;
+    float running_max = -INFINITY, running_sum = 0.0f;
+    for (int32_t h0 = 0; h0 < sp.heads_per_set; h0 += kVoteHeadsPerPass) {
+      const int32_t n = min(kVoteHeadsPerPass, sp.heads_per_set - h0);
+      __syncthreads();  // the previous pass's values are read
+      if (int32_t(threadIdx.x) < n) {
+        const int64_t row = first_row + h0 + threadIdx.x;
+        head_lse[threadIdx.x] = float(sp.head_max[row] + log(sp.head_sum[row]));
+      }
+      __syncthreads();
+      if (c < info.candidates) {
+        for (int32_t j = 0; j < n; ++j) {
+          const float x = sp.scores32[(first_row + h0 + j) * sp.score_stride + c] - head_lse[j];
+          if (x > running_max) {
+            running_sum = running_sum * expf(running_max - x) + 1.0f;
+            running_max = x;
+          } else {
+            running_sum += expf(x - running_max);
+          }
+        }
+      }
+    }
+    if (c < info.candidates) {
+      sp.log_votes[(int64_t(b) * sp.n_sets + set) * sp.score_stride + c] = running_max + logf(running_sum);
+    }
   }
 }
 
@@ -398,7 +438,11 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   } else {
     sp.scores = carver.take<double>(uint64_t(batch * heads) * uint64_t(shape.score_stride));
   }
-  sp.votes = carver.take<double>(uint64_t(segments) * uint64_t(shape.score_stride));
+  if (sp.scores32 != nullptr) {
+    sp.log_votes = carver.take<float>(uint64_t(segments) * uint64_t(shape.score_stride));
+  } else {
+    sp.votes = carver.take<double>(uint64_t(segments) * uint64_t(shape.score_stride));
+  }
   void* topk_scratch = carver.take<char>(device_topk_scratch_bytes(int32_t(segments), shape.max_candidates));
   if (cache != nullptr) {
     sp.cache = cache->view();
@@ -433,15 +477,15 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
     check(cudaGetLastError(), "token_select merge_kernel launch");
     const dim3 vote_grid(tile_blocks(device, shape.tiles, segments), unsigned(shape.n_sets), unsigned(batch));
     if (sp.scores32 != nullptr) {
-      vote_kernel<float><<<vote_grid, kScoreTile, 0, stream>>>(sp, sp.scores32);
+      log_vote_kernel<<<vote_grid, kScoreTile, 0, stream>>>(sp);
     } else {
-      vote_kernel<double><<<vote_grid, kScoreTile, 0, stream>>>(sp, sp.scores);
+      vote_kernel<<<vote_grid, kScoreTile, 0, stream>>>(sp);
     }
     check(cudaGetLastError(), "token_select vote_kernel launch");
 
     TopkArgs a;
-    a.values = sp.votes;
-    a.value_type = TopkValueType::kF64;
+    a.values = sp.scores32 != nullptr ? static_cast<const void*>(sp.log_votes) : static_cast<const void*>(sp.votes);
+    a.value_type = sp.scores32 != nullptr ? TopkValueType::kF32 : TopkValueType::kF64;
     a.row_stride = shape.score_stride;
     a.segments = int32_t(segments);
     a.max_length = shape.max_candidates;

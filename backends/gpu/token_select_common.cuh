@@ -68,8 +68,9 @@ struct SelectParams {
   double* head_max = nullptr;          // [B, Hq]
   double* head_sum = nullptr;
   double* scores = nullptr;            // [B, Hq, score_stride]: exp(s - tile max) (float64 scoring)
-  float* scores32 = nullptr;           // the same in fp32 (fp32 scoring); exactly one of the two is set
-  double* votes = nullptr;             // [B * n_sets, score_stride]
+  float* scores32 = nullptr;           // fp32 scoring: s itself; exactly one of scores / scores32 is set
+  double* votes = nullptr;             // [B * n_sets, score_stride] (float64 scoring)
+  float* log_votes = nullptr;          // [B * n_sets, score_stride]: log of the vote (fp32 scoring)
   int32_t tiles = 0;                   // tiles per score row
   int64_t score_stride = 0;
   int32_t* selections = nullptr;       // T of (b, set) at b * selection_stride + set * top_k (token ids)

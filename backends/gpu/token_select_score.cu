@@ -494,22 +494,24 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 // ---- The fp32 score kernel (fp16/bf16 keys; §0 "Precision of selections") ----
 // Reading K once is the floor of a miss: the float64 kernels above stay compute-bound over it (widening, DMMA), while
 // fp32 FMAs on the CUDA cores leave the load pipe the limit. A key row is read by kLanesPerKey lanes, 16 bytes
-// (8 elements) each, straight from global memory into registers (kUnroll rows per lane in flight); each lane keeps its
-// 8 dims of q̄ (rounded to fp32) for the chunk's kHeads heads, multiplies them in with FMAs, and the row's dot products
-// are summed over its lanes with xor shuffles (reduce_heads; the tree's shape is fixed: the same inputs give the same
-// bits). The
-// tile's scores go to shared memory; its softmax max per head, exp(s - max) in fp32 to scratch and the sum follow as
-// in the float64 kernels, so merge, vote and top-k downstream are unchanged.
+// (8 elements) each, straight from global memory into registers (the next step's rows load while this step computes);
+// each lane keeps its 8 dims of q̄ (rounded to fp32) for the chunk's kHeads heads, multiplies them in with FMAs, and
+// the row's dot products are summed over its lanes with xor shuffles (reduce_heads; the tree's shape is fixed: the
+// same inputs give the same bits). The tile's scores go to shared memory, then s itself (fp32) to scratch with the
+// tile's max and Σ exp(s - max) per head; merge_kernel makes m_h and Z_h of them as for float64, and log_vote_kernel
+// (gpu_token_select.cu) ranks candidates by log vote = log Σ_h exp(s_h - lse_h), lse_h = m_h + log Z_h: in the log
+// domain no vote underflows fp32, however far a needle lifts a head's maximum.
 //
 // Error bound against the float64 oracle (ALGORITHMS.md §0). A score is a sum of <= 8 FMAs per lane and <= 5 tree
 // additions (<= 13 roundings, u = 2^-24) of products of a key element (exact in fp32) and q̄ rounded to fp32
 // (one more rounding), so for every candidate of a (sequence, head)
 //     |ŝ - s| <= E = score_scale · 2^-20 · ‖q̄_h‖ · max_t ‖k_t‖        (2^-20 = 16u >= 15u/(1 - 13u)).
-// exp(ŝ - tile max) is then off by a relative 2E plus expf's and the subtraction's roundings (each below E/8 here,
-// since |ŝ - max| <= 2·score_scale·‖q̄‖‖k‖); the tile sum (fp32, a tree of <= 8 levels) adds 10u; the factor
-// exp(tile max - head max) in merge/vote, whose two maxima are each off by E, adds 2E; Z_h inherits all of these once
-// more. A vote is a sum of positive terms, so its relative error is that of its worst term:
-//     |vote - vote*| <= eps · vote*,   eps = 10E + 2^-16   (E over the run's heads; 2^-16 covers the roundings).
+// m_h is a maximum of scores (off by <= E) and every exp(ŝ - m) in Z_h by a relative 2E, so lse_h is off by <= 3E plus
+// roundings; each x_h = ŝ_h - lse_h by <= 4E plus roundings, and the log-sum-exp over the heads (its terms positive)
+// keeps that absolute error. The roundings (fp32 subtraction and conversion of |x| <= 2·score_scale·‖q̄‖‖k‖ + log N,
+// expf, the tile sums' trees, the heads' running sum) stay below E/4 + 2^-18. A log vote off by δ is a vote off by a
+// relative e^δ - 1, so
+//     |vote - vote*| <= eps · vote*,   eps = 10E + 2^-16   (E over the run's heads; twice the derivation's 4.5E + 2^-18).
 // Every top-k decision whose oracle vote is farther than eps (relative) from the k-th largest agrees with the CPU;
 // tests/gpu/test_gpu_select.cpp audits exactly that, with candidates on both sides of eps.
 constexpr int kF32ScoreThreads = 256;
@@ -676,7 +678,7 @@ __global__ void __launch_bounds__(kF32ScoreThreads, kF32BlocksPerSm) score_f32_k
       for (int i = 0; i < kCandidatesPerThread; ++i) {
         const int32_t c = c0 + int32_t(threadIdx.x) + i * kF32ScoreThreads;
         const float e = c < info.candidates ? expf(own[i][j] - m) : 0.0f;
-        if (j < heads && c < info.candidates) sp.scores32[(row0 + j) * sp.score_stride + c] = e;
+        if (j < heads && c < info.candidates) sp.scores32[(row0 + j) * sp.score_stride + c] = own[i][j];
         sum += e;
       }
       v[j] = sum;
