@@ -22,7 +22,7 @@ constexpr int kThreads = 256;
 constexpr int kDigitBits = 11;
 constexpr int kBins = 1 << kDigitBits;
 constexpr int kBinsPerThread = kBins / kThreads;
-constexpr int kElementsPerThread = 32;  // write pass: each thread compacts a contiguous run, in index order
+constexpr int kElementsPerThread = 8;  // write pass: each thread compacts a contiguous run, in index order
 constexpr int kLoadsInFlight = 8;       // histogram/count passes: loads a thread issues before using any
 constexpr int64_t kElementsPerBlock = int64_t(kThreads) * kElementsPerThread;  // count and write passes
 // Digit passes: fewer elements per block than the write pass, so that one long segment (a decode's vote over 128K

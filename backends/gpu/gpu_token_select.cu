@@ -182,6 +182,7 @@ __global__ void __launch_bounds__(kScoreTile) vote_kernel(const SelectParams sp)
 // log-sum-exp in fp32. The log domain keeps every candidate's vote representable: against a needle that dominates a
 // head, the others' exp(s - m) fall far below fp32's range while their order still decides the top-k. The top-k of
 // the log votes is that of the votes (log is increasing).
+constexpr int kLogVoteLoads = 8;  // heads' scores a thread loads before using any
 __global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams sp) {
   __shared__ float head_lse[kVoteHeadsPerPass];
   const int32_t set = blockIdx.y, b = blockIdx.z;
@@ -201,13 +202,21 @@ __global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams
       }
       __syncthreads();
       if (c < info.candidates) {
-        for (int32_t j = 0; j < n; ++j) {
-          const float x = sp.scores32[(first_row + h0 + j) * sp.score_stride + c] - head_lse[j];
-          if (x > running_max) {
-            running_sum = running_sum * expf(running_max - x) + 1.0f;
-            running_max = x;
-          } else {
-            running_sum += expf(x - running_max);
+        for (int32_t j0 = 0; j0 < n; j0 += kLogVoteLoads) {
+          float x[kLogVoteLoads];  // loaded together, then folded in
+#pragma unroll
+          for (int i = 0; i < kLogVoteLoads; ++i) {
+            x[i] = j0 + i < n ? sp.scores32[(first_row + h0 + j0 + i) * sp.score_stride + c] - head_lse[j0 + i] : -INFINITY;
+          }
+#pragma unroll
+          for (int i = 0; i < kLogVoteLoads; ++i) {
+            if (j0 + i >= n) break;
+            if (x[i] > running_max) {
+              running_sum = running_sum * expf(running_max - x[i]) + 1.0f;
+              running_max = x[i];
+            } else {
+              running_sum += expf(x[i] - running_max);
+            }
           }
         }
       }

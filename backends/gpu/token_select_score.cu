@@ -519,7 +519,8 @@ constexpr int kF32ScoreWarps = kF32ScoreThreads / kWarpLanes;
 constexpr int kF32DimsPerLane = kPieceBytes / 2;  // 16-bit elements in one 16-byte load
 constexpr int kF32Unroll = 4;                     // key rows a lane has in flight
 constexpr int kF32MaxHeads = 8;
-constexpr int kF32BlocksPerSm = 2;
+// Blocks per SM the register budget allows (a 4-head chunk fits 80 registers a thread, an 8-head one needs 128).
+constexpr int f32_blocks_per_sm(int heads) { return heads <= 4 ? 3 : 2; }
 constexpr int kF32MaxLanesPerKey = 32;  // lanes of one key row: head_dim <= 8 · 32 = 256
 static_assert(kScoreTile % kF32ScoreThreads == 0, "each thread finishes whole candidates of a tile");
 
@@ -570,7 +571,7 @@ __device__ __forceinline__ int reduce_heads(float (&v)[kHeads], int lane_in_key)
 // steps (kKeysPerStep keys each) run as one sequence across its tiles, and the next step's rows are loaded before this
 // one is computed, so loads stay in flight through the arithmetic and each tile's softmax.
 template <ElementType kType, int kLanesPerKey, int kHeads>
-__global__ void __launch_bounds__(kF32ScoreThreads, kF32BlocksPerSm) score_f32_kernel(const SelectParams sp) {
+__global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) score_f32_kernel(const SelectParams sp) {
   static_assert(kHeads <= kLanesPerKey, "every head ends in at least one lane of a key");
   constexpr int kKeysPerWarp = kWarpLanes / kLanesPerKey;
   constexpr int kKeysPerStep = kF32ScoreWarps * kKeysPerWarp * kF32Unroll;
@@ -777,7 +778,8 @@ void launch_scores(const GpuDevice& device, const AttentionProblem& problem, con
   if (sp.scores32 != nullptr) {
     const int32_t head_chunk = group > kSmallHeadChunk ? kLargeHeadChunk : kSmallHeadChunk;
     const int64_t score_y = int64_t(problem.num_kv_heads) * ((group + head_chunk - 1) / head_chunk);
-    const dim3 grid(tile_blocks(device, tiles, score_y * batch, kF32BlocksPerSm), unsigned(score_y), unsigned(batch));
+    const dim3 grid(tile_blocks(device, tiles, score_y * batch, f32_blocks_per_sm(head_chunk)), unsigned(score_y),
+                    unsigned(batch));
     if (sp.p.element_type == ElementType::kF16) {
       launch_score_f32<ElementType::kF16>(sp, grid, head_chunk, stream);
     } else {
