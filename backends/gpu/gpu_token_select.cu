@@ -127,13 +127,14 @@ __global__ void __launch_bounds__(kReduceThreads) cache_lookup_kernel(const Sele
   }
 }
 
-// Block (h, b): m_h = max over the tiles, Z_h = Σ_tiles sum_tile · exp(max_tile - m_h).
+// Block (h, b): m_h = max over the tiles (fp32 scoring: the score blocks' partials), Z_h = Σ sum · exp(max - m_h).
 __global__ void __launch_bounds__(kReduceThreads) merge_kernel(const SelectParams sp) {
   __shared__ double scratch[kReduceThreads / kWarpLanes], result[1];
   const int32_t h = blockIdx.x, b = blockIdx.y;
   const SequenceInfo info = sp.sequences[b];
   if (info.mode != kSelects || sp.skip[b] != 0) return;
-  const int32_t tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
+  const int32_t candidate_tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
+  const int32_t tiles = sp.scores32 != nullptr ? min(sp.stat_partials, candidate_tiles) : candidate_tiles;
   const int64_t row = int64_t(b) * sp.p.num_q_heads + h;
   const double* maxima = sp.tile_max + row * sp.tiles;
   const double* sums = sp.tile_sum + row * sp.tiles;
@@ -444,6 +445,7 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   sp.head_sum = carver.take<double>(uint64_t(batch * heads));
   if (scores_in_fp32(problem, sp.p)) {
     sp.scores32 = carver.take<float>(uint64_t(batch * heads) * uint64_t(shape.score_stride));
+    sp.stat_partials = stat_partials(device, problem, sp);
   } else {
     sp.scores = carver.take<double>(uint64_t(batch * heads) * uint64_t(shape.score_stride));
   }

@@ -63,7 +63,7 @@ struct SelectParams {
   int32_t* segment_lengths = nullptr;  // [B * n_sets]: |C| per top-k segment
   int32_t* skip = nullptr;             // [B]: nothing to select (no rows, dense or a cache hit)
   double* qbar = nullptr;              // [B, Hq, D]
-  double* tile_max = nullptr;          // [B, Hq, tiles]
+  double* tile_max = nullptr;          // [B, Hq, tiles]: per tile (float64 scoring) or per score block (fp32)
   double* tile_sum = nullptr;
   double* head_max = nullptr;          // [B, Hq]
   double* head_sum = nullptr;
@@ -72,6 +72,7 @@ struct SelectParams {
   double* votes = nullptr;             // [B * n_sets, score_stride] (float64 scoring)
   float* log_votes = nullptr;          // [B * n_sets, score_stride]: log of the vote (fp32 scoring)
   int32_t tiles = 0;                   // tiles per score row
+  int32_t stat_partials = 0;           // fp32 scoring: (max, sum) partials per head (one per score block along x)
   int64_t score_stride = 0;
   int32_t* selections = nullptr;       // T of (b, set) at b * selection_stride + set * top_k (token ids)
   int64_t selection_stride = 0;
@@ -178,6 +179,8 @@ inline unsigned tile_blocks(const GpuDevice& device, int32_t tiles, int64_t othe
 // Whether a run scores in fp32 (score_f32_kernel: fp16/bf16 keys, 16-byte aligned rows, head_dim a multiple of 8 up
 // to 256) rather than float64; plan and run carve scores32 or scores by it.
 bool scores_in_fp32(const AttentionProblem& problem, const ForwardParams& p);
+// fp32 scoring: the score kernel's blocks along the candidates, each writing one (max, sum) partial per head.
+int32_t stat_partials(const GpuDevice& device, const AttentionProblem& problem, const SelectParams& sp);
 
 // Enqueues the score step of a run (scores, tile maxima and sums into sp's scratch): the fp32 kernel when
 // scores_in_fp32, else the float64 tensor-core kernel where it pays (Hopper, groups of 4 or more, head_dim <= 128),

@@ -497,8 +497,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 // (8 elements) each, straight from global memory into registers (the next step's rows load while this step computes);
 // each lane keeps its 8 dims of q̄ (rounded to fp32) for the chunk's kHeads heads, multiplies them in with FMAs, and
 // the row's dot products are summed over its lanes with xor shuffles (reduce_heads; the tree's shape is fixed: the
-// same inputs give the same bits). The tile's scores go to shared memory, then s itself (fp32) to scratch with the
-// tile's max and Σ exp(s - max) per head; merge_kernel makes m_h and Z_h of them as for float64, and log_vote_kernel
+// same inputs give the same bits). Each s goes to scratch (fp32) from the lane that holds it, which also keeps a
+// running max and Σ exp(s - max) of its head; merge_kernel makes m_h and Z_h of the blocks' partials, and log_vote_kernel
 // (gpu_token_select.cu) ranks candidates by log vote = log Σ_h exp(s_h - lse_h), lse_h = m_h + log Z_h: in the log
 // domain no vote underflows fp32, however far a needle lifts a head's maximum.
 //
@@ -509,9 +509,10 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 // m_h is a maximum of scores (off by <= E) and every exp(ŝ - m) in Z_h by a relative 2E, so lse_h is off by <= 3E plus
 // roundings; each x_h = ŝ_h - lse_h by <= 4E plus roundings, and the log-sum-exp over the heads (its terms positive)
 // keeps that absolute error. The roundings (fp32 subtraction and conversion of |x| <= 2·score_scale·‖q̄‖‖k‖ + log N,
-// expf, the tile sums' trees, the heads' running sum) stay below E/4 + 2^-18. A log vote off by δ is a vote off by a
+// expf, the float64 running sums of Z_h, the fp32 running sum over the Hq heads) stay below E/4 + 2^-17 for
+// Hq <= 128. A log vote off by δ is a vote off by a
 // relative e^δ - 1, so
-//     |vote - vote*| <= eps · vote*,   eps = 10E + 2^-16   (E over the run's heads; twice the derivation's 4.5E + 2^-18).
+//     |vote - vote*| <= eps · vote*,   eps = 10E + 2^-16   (E over the run's heads; above twice the derivation's 4.5E + 2^-17).
 // Every top-k decision whose oracle vote is farther than eps (relative) from the k-th largest agrees with the CPU;
 // tests/gpu/test_gpu_select.cpp audits exactly that, with candidates on both sides of eps.
 constexpr int kF32ScoreThreads = 256;
@@ -521,8 +522,9 @@ constexpr int kF32Unroll = 4;                     // key rows a lane has in flig
 constexpr int kF32MaxHeads = 8;
 // Blocks per SM the register budget allows (a 4-head chunk fits 80 registers a thread, an 8-head one needs 128).
 constexpr int f32_blocks_per_sm(int heads) { return heads <= 4 ? 3 : 2; }
+// Query heads one block scores against each key row: the group, in chunks of 4 or 8.
+constexpr int32_t f32_head_chunk(int32_t group) { return group > 4 ? kF32MaxHeads : 4; }
 constexpr int kF32MaxLanesPerKey = 32;  // lanes of one key row: head_dim <= 8 · 32 = 256
-static_assert(kScoreTile % kF32ScoreThreads == 0, "each thread finishes whole candidates of a tile");
 
 // Eight 16-bit elements of a 16-byte piece as fp32.
 template <ElementType kType>
@@ -569,18 +571,20 @@ __device__ __forceinline__ int reduce_heads(float (&v)[kHeads], int lane_in_key)
 
 // Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ... (as score_kernel). The block's
 // steps (kKeysPerStep keys each) run as one sequence across its tiles, and the next step's rows are loaded before this
-// one is computed, so loads stay in flight through the arithmetic and each tile's softmax.
+// one is computed, so loads stay in flight through the arithmetic. Each score goes straight from the lane that holds
+// it to scratch; that lane also keeps a running softmax max and sum of its head, so the block writes one (max, Σexp)
+// partial per head at its end (slot blockIdx.x of tile_max / tile_sum) and needs no barrier before then.
 template <ElementType kType, int kLanesPerKey, int kHeads>
 __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) score_f32_kernel(const SelectParams sp) {
   static_assert(kHeads <= kLanesPerKey, "every head ends in at least one lane of a key");
   constexpr int kKeysPerWarp = kWarpLanes / kLanesPerKey;
   constexpr int kKeysPerStep = kF32ScoreWarps * kKeysPerWarp * kF32Unroll;
   constexpr int kStepsPerTile = kScoreTile / kKeysPerStep;
-  constexpr int kCandidatesPerThread = kScoreTile / kF32ScoreThreads;
   constexpr int kLanesPerHead = kLanesPerKey / kHeads;  // lanes that end with the same head's total
+  constexpr int kHolders = kF32ScoreWarps * kKeysPerWarp;  // lanes per block that keep statistics of one head
   static_assert(kScoreTile % kKeysPerStep == 0, "a tile is whole steps");
-  __shared__ float tile_scores[kHeads][kScoreTile];
-  __shared__ double scratch[kF32ScoreThreads / kWarpLanes * kHeads], maxima[kHeads], sums[kHeads];
+  __shared__ float holder_max[kHeads][kHolders];
+  __shared__ double holder_sum[kHeads][kHolders];
 
   const int32_t b = blockIdx.z;
   const SequenceInfo info = sp.sequences[b];
@@ -613,14 +617,15 @@ __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) s
   const float scale = float(sp.score_scale);
   const int32_t my_tiles = (tiles - int32_t(blockIdx.x) + int32_t(gridDim.x) - 1) / int32_t(gridDim.x);
   const int32_t steps = my_tiles * kStepsPerTile;
-
-  // Key u of step `it` for this lane: its tile's candidate offset, or -1 past the candidates.
-  auto load_step = [&](int32_t it, uint4 (&pieces)[kF32Unroll]) {
+  // Candidate of key u of step `it` for this lane.
+  auto candidate = [&](int32_t it, int u) {
     const int32_t tile = int32_t(blockIdx.x) + (it / kStepsPerTile) * int32_t(gridDim.x);
-    const int32_t first = tile * kScoreTile + (it % kStepsPerTile) * kKeysPerStep;
+    return tile * kScoreTile + (it % kStepsPerTile) * kKeysPerStep + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
+  };
+  auto load_step = [&](int32_t it, uint4 (&pieces)[kF32Unroll]) {
 #pragma unroll
     for (int u = 0; u < kF32Unroll; ++u) {
-      const int32_t c = first + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
+      const int32_t c = candidate(it, u);
       pieces[u] = make_uint4(0, 0, 0, 0);
       if (c < info.candidates && lane_has_dims) {
         const int64_t at = key_row_offset(sp.p, sp.p.k_strides, s, sp.n_init + c) + first_dim;
@@ -629,11 +634,14 @@ __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) s
     }
   };
 
+  const bool holder = slice % kLanesPerHead == 0;  // one lane per (key, head) keeps the head's statistics
+  float run_max = -INFINITY;
+  double run_sum = 0.0;  // float64: a lane adds up to thousands of terms, which fp32 would round off by ~n·2^-24
+  int head = 0;
   uint4 current[kF32Unroll], next[kF32Unroll];
   load_step(0, current);
   for (int32_t it = 0; it < steps; ++it) {
     if (it + 1 < steps) load_step(it + 1, next);
-    const int32_t step = it % kStepsPerTile;
 #pragma unroll
     for (int u = 0; u < kF32Unroll; ++u) {
       float k[kF32DimsPerLane];
@@ -646,55 +654,45 @@ __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) s
         for (int e = 0; e < kF32DimsPerLane; ++e) acc = fmaf(qf[j][e], k[e], acc);
         dot[j] = acc;
       }
-      const int head = reduce_heads<kHeads, kLanesPerKey>(dot, slice);
-      const int32_t key = step * kKeysPerStep + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
-      if (slice % kLanesPerHead == 0) tile_scores[head][key] = dot[0] * scale;
+      head = reduce_heads<kHeads, kLanesPerKey>(dot, slice);
+      const int32_t c = candidate(it, u);
+      if (holder && head < heads && c < info.candidates) {
+        const float score = dot[0] * scale;
+        sp.scores32[(row0 + head) * sp.score_stride + c] = score;
+        if (score > run_max) {
+          run_sum = run_sum * double(expf(run_max - score)) + 1.0;
+          run_max = score;
+        } else {
+          run_sum += double(expf(score - run_max));
+        }
+      }
     }
 #pragma unroll
     for (int u = 0; u < kF32Unroll; ++u) current[u] = next[u];
-    if (step + 1 < kStepsPerTile) continue;
+  }
 
-    // The tile's softmax statistics per head, then exp(s - tile max) for the vote.
-    __syncthreads();
-    const int32_t tile = int32_t(blockIdx.x) + (it / kStepsPerTile) * int32_t(gridDim.x);
-    const int32_t c0 = tile * kScoreTile;
-    float own[kCandidatesPerThread][kHeads];
-    double v[kHeads];
-#pragma unroll
-    for (int j = 0; j < kHeads; ++j) {
-      v[j] = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kCandidatesPerThread; ++i) {
-        const int32_t key = int32_t(threadIdx.x) + i * kF32ScoreThreads;
-        own[i][j] = tile_scores[j][key];
-        if (c0 + key < info.candidates) v[j] = fmax(v[j], double(own[i][j]));
-      }
+  // The block's partial per head: the holders' (max, sum) pairs combined in a fixed order.
+  if (holder) {
+    holder_max[head][warp * kKeysPerWarp + key_in_warp] = run_max;
+    holder_sum[head][warp * kKeysPerWarp + key_in_warp] = run_sum;
+  }
+  __syncthreads();
+  if (int32_t(threadIdx.x) < heads) {
+    const int j = threadIdx.x;
+    float m = -INFINITY;
+    for (int i = 0; i < kHolders; ++i) m = fmaxf(m, holder_max[j][i]);
+    double total = 0.0;
+    for (int i = 0; i < kHolders; ++i) {
+      if (holder_sum[j][i] > 0.0) total += holder_sum[j][i] * exp(double(holder_max[j][i]) - double(m));
     }
-    block_reduce<kHeads, true>(v, scratch, maxima);  // also: every thread has read tile_scores
-#pragma unroll
-    for (int j = 0; j < kHeads; ++j) {
-      const float m = float(maxima[j]);
-      float sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kCandidatesPerThread; ++i) {
-        const int32_t c = c0 + int32_t(threadIdx.x) + i * kF32ScoreThreads;
-        const float e = c < info.candidates ? expf(own[i][j] - m) : 0.0f;
-        if (j < heads && c < info.candidates) sp.scores32[(row0 + j) * sp.score_stride + c] = own[i][j];
-        sum += e;
-      }
-      v[j] = sum;
-    }
-    block_reduce<kHeads, false>(v, scratch, sums);
-    if (int32_t(threadIdx.x) < heads) {
-      sp.tile_max[(row0 + threadIdx.x) * sp.tiles + tile] = maxima[threadIdx.x];
-      sp.tile_sum[(row0 + threadIdx.x) * sp.tiles + tile] = sums[threadIdx.x];
-    }
+    sp.tile_max[(row0 + j) * sp.tiles + blockIdx.x] = m;
+    sp.tile_sum[(row0 + j) * sp.tiles + blockIdx.x] = total;
   }
 }
 
 template <ElementType kType, int kLanesPerKey>
 void launch_score_f32_lanes(const SelectParams& sp, dim3 grid, int32_t head_chunk, cudaStream_t stream) {
-  if (head_chunk <= 4) {
+  if (head_chunk < kF32MaxHeads) {
     score_f32_kernel<kType, kLanesPerKey, 4><<<grid, kF32ScoreThreads, 0, stream>>>(sp);
   } else {
     score_f32_kernel<kType, kLanesPerKey, kF32MaxHeads><<<grid, kF32ScoreThreads, 0, stream>>>(sp);
@@ -765,6 +763,12 @@ bool scores_on_tensor_cores(const GpuDevice& device, const AttentionProblem& pro
 
 }  // namespace
 
+int32_t stat_partials(const GpuDevice& device, const AttentionProblem& problem, const SelectParams& sp) {
+  const int32_t head_chunk = f32_head_chunk(sp.p.group_size);
+  const int64_t score_y = int64_t(problem.num_kv_heads) * ((sp.p.group_size + head_chunk - 1) / head_chunk);
+  return int32_t(tile_blocks(device, sp.tiles, score_y * problem.batch, f32_blocks_per_sm(head_chunk)));
+}
+
 bool scores_in_fp32(const AttentionProblem& problem, const ForwardParams& p) {
   return p.element_type != ElementType::kF32 && p.kv_rows_aligned16 && problem.head_dim % kF32DimsPerLane == 0 &&
          problem.head_dim <= kF32DimsPerLane * kF32MaxLanesPerKey;
@@ -776,10 +780,9 @@ void launch_scores(const GpuDevice& device, const AttentionProblem& problem, con
   constexpr int kSmallHeadChunk = 4, kLargeHeadChunk = 8;
   const int32_t group = sp.p.group_size;
   if (sp.scores32 != nullptr) {
-    const int32_t head_chunk = group > kSmallHeadChunk ? kLargeHeadChunk : kSmallHeadChunk;
+    const int32_t head_chunk = f32_head_chunk(group);
     const int64_t score_y = int64_t(problem.num_kv_heads) * ((group + head_chunk - 1) / head_chunk);
-    const dim3 grid(tile_blocks(device, tiles, score_y * batch, f32_blocks_per_sm(head_chunk)), unsigned(score_y),
-                    unsigned(batch));
+    const dim3 grid(unsigned(sp.stat_partials), unsigned(score_y), unsigned(batch));
     if (sp.p.element_type == ElementType::kF16) {
       launch_score_f32<ElementType::kF16>(sp, grid, head_chunk, stream);
     } else {
