@@ -512,7 +512,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 // expf, the float64 running sums of Z_h, the fp32 running sum over the Hq heads) stay below E/4 + 2^-17 for
 // Hq <= 128. A log vote off by δ is a vote off by a
 // relative e^δ - 1, so
-//     |vote - vote*| <= eps · vote*,   eps = 10E + 2^-16   (E over the run's heads; above twice the derivation's 4.5E + 2^-17).
+//     |vote - vote*| <= eps · vote*,   eps = 10E + 2^-16
+// (E over the run's heads; more than twice the derivation's 4.5E + 2^-17).
 // Every top-k decision whose oracle vote is farther than eps (relative) from the k-th largest agrees with the CPU;
 // tests/gpu/test_gpu_select.cpp audits exactly that, with candidates on both sides of eps.
 constexpr int kF32ScoreThreads = 256;
