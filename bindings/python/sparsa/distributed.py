@@ -16,8 +16,10 @@ kv_total[b], computes its partial (out, lse) under the policy, and the partial s
 (sparsa_merge_states). TOKEN_SELECT's selection is global (sparsa_cp_select_*) and equal to the single-device
 selection. Prefill (prefill): the tokens are split zig-zag (zigzag_ranges) so that causal work is balanced; the
 keys are all-gathered and each rank attends with its own query rows over the causal key prefix, which is exact for
-every policy whose decisions are local to a query row or a query block (DENSE, SINK_WINDOW, BLOCK_SPARSE).
+every policy whose decisions are local to a query row or a query block (DENSE, SINK_WINDOW, BLOCK_SPARSE, and Δ on
+top of them, composed here from its dense anchor rows).
 """
+import copy
 import threading
 
 import numpy
@@ -264,16 +266,56 @@ def _concat(parts, axis):
     return numpy.concatenate(list(parts), axis=axis)
 
 
+def _block_aligned(policy, start, chunk):
+    if start % policy.block_q != 0 or chunk % policy.block_q != 0:
+        raise ValueError(f"prefill: chunks of {chunk} tokens must be multiples of block_q {policy.block_q}")
+
+
+def _chunk_policy(policy, start, end, chunk):
+    """The policy for query rows [start, end) over keys [0, end): BLOCK_SPARSE's mask cut to those blocks."""
+    if isinstance(policy, BlockSparse):
+        _block_aligned(policy, start, chunk)
+        mask = policy.mask[:, :, start // policy.block_q:-(-end // policy.block_q), :-(-end // policy.block_k)]
+        return BlockSparse(_contiguous(mask), block_q=policy.block_q, block_k=policy.block_k)
+    return policy
+
+
+def _delta_chunk(ctx, q_chunk, k, v, base, delta, start, end, total, softmax_scale):
+    """§8 for query rows [start, end) of a prompt of `total` rows: rows >= s_p dense; rows i < s_p get
+    O_sparse[i] + (O_dense[r] - O_sparse[r]) with r = floor(i / gamma) * gamma, which lies in the chunk because
+    chunks are multiples of gamma."""
+    gamma = delta.gamma
+    if start % gamma != 0 or (end - start) % gamma != 0:
+        raise ValueError(f"prefill: Δ needs chunks that are multiples of gamma {gamma}")
+    split = total - (total % gamma + max(delta.tail_min, gamma))  # s_p
+    out = ops.attention(ctx, q_chunk, k[:, :end], v[:, :end], policy=base, causal=True, softmax_scale=softmax_scale)
+    dense_from = max(start, split)
+    if dense_from < end:  # the dense tail
+        out[:, dense_from - start:] = ops.attention(ctx, _contiguous(q_chunk[:, dense_from - start:]), k[:, :end],
+                                                    v[:, :end], causal=True, softmax_scale=softmax_scale)
+    for anchor in range(start, min(end, split), gamma):
+        row = anchor - start
+        dense = ops.attention(ctx, _contiguous(q_chunk[:, row:row + 1]), _contiguous(k[:, :anchor + 1]),
+                              _contiguous(v[:, :anchor + 1]), softmax_scale=softmax_scale)
+        last = min(row + gamma, split - start)
+        correction = dense - out[:, row:row + 1]
+        out[:, row:last] = out[:, row:last] + correction
+    return out
+
+
 def prefill(ctx, group, q, k, v, policy=None, *, total, softmax_scale=0.0):
     """Causal prefill of one batch of sequences of `total` tokens split zig-zag: q/k/v [B, 2·c, H, D] hold this
     rank's two chunks (zigzag_ranges) one after the other. K/V are all-gathered; each chunk's rows attend over the
     key prefix up to their own last position (bottom-right causal alignment makes that the global causal mask), so
-    a rank computes only the pairs the policy keeps. BlockSparse takes the global mask [B, Hq, ceil(total/bq),
-    ceil(total/bk)] and chunks must be multiples of block_q. Returns this rank's out [B, 2·c, Hq, D]."""
+    a rank computes only the pairs the policy keeps. Supported: DENSE, SINK_WINDOW, BLOCK_SPARSE (the global mask
+    [B, Hq, ceil(total/bq), ceil(total/bk)]; chunks multiples of block_q), and Δ on SINK_WINDOW or BLOCK_SPARSE
+    (chunks multiples of gamma). Not SPARGE: its prediction centres K by the mean over the whole sequence and its
+    top-k variant counts the call's key blocks, so a run over a key prefix predicts a different mask
+    (docs/context_parallel.md). Returns this rank's out [B, 2·c, Hq, D]."""
     policy = policy if policy is not None else Dense()
-    if not isinstance(policy, (Dense, SinkWindow, BlockSparse)) or policy.delta is not None:
-        raise NotImplementedError(f"prefill: {type(policy).__name__} is not supported (DENSE, SINK_WINDOW, "
-                                  "BLOCK_SPARSE without Δ are)")
+    if not isinstance(policy, (Dense, SinkWindow, BlockSparse)):
+        raise NotImplementedError(f"prefill: {policy!r} is not supported (DENSE, SINK_WINDOW and BLOCK_SPARSE, "
+                                  "with or without Δ, are)")
     ranges = [zigzag_ranges(total, group.size, r) for r in range(group.size)]
     chunk = ranges[0][0][1] - ranges[0][0][0]
     gathered_k, gathered_v = group.all_gather(k), group.all_gather(v)
@@ -286,17 +328,18 @@ def prefill(ctx, group, q, k, v, policy=None, *, total, softmax_scale=0.0):
     order = sorted(range(len(starts)), key=lambda j: starts[j])
     full_k = _concat([pieces_k[j] for j in order], 1)
     full_v = _concat([pieces_v[j] for j in order], 1)
+    base = copy.copy(policy)
+    base.delta = None
     outs = []
     for i, (start, end) in enumerate(ranges[group.rank]):
-        chunk_policy = policy
-        if isinstance(policy, BlockSparse):
-            if start % policy.block_q != 0 or chunk % policy.block_q != 0:
-                raise ValueError(f"prefill: chunk of {chunk} tokens is not a multiple of block_q {policy.block_q}")
-            key_blocks = -(-end // policy.block_k)
-            mask = policy.mask[:, :, start // policy.block_q:-(-end // policy.block_q), :key_blocks]
-            chunk_policy = BlockSparse(_contiguous(mask), block_q=policy.block_q, block_k=policy.block_k)
-        outs.append(ops.attention(ctx, q[:, i * chunk:(i + 1) * chunk], full_k[:, :end], full_v[:, :end],
-                                  policy=chunk_policy, causal=True, softmax_scale=softmax_scale))
+        q_chunk = _contiguous(q[:, i * chunk:(i + 1) * chunk])
+        chunk_policy = _chunk_policy(base, start, end, chunk)
+        if policy.delta is not None:
+            outs.append(_delta_chunk(ctx, q_chunk, full_k, full_v, chunk_policy, policy.delta, start, end, total,
+                                     softmax_scale))
+        else:
+            outs.append(ops.attention(ctx, q_chunk, full_k[:, :end], full_v[:, :end], policy=chunk_policy,
+                                      causal=True, softmax_scale=softmax_scale))
     return _concat(outs, 1)
 
 

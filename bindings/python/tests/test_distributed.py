@@ -115,21 +115,30 @@ def test_known_index_set_decode_equals_one_context(kind, size):
         assert _relative(lse, want.lse) <= RTOL
 
 
+PREFILL_KINDS = ["dense", "sink_window", "block_sparse", "sink_window_delta", "block_sparse_delta"]
+
+
+def _prefill_policy(kind, rng, batch, hq, total):
+    delta = sparsa.Delta(gamma=32, tail_min=40) if kind.endswith("_delta") else None
+    if kind.startswith("dense"):
+        return sparsa.Dense()
+    if kind.startswith("sink_window"):
+        return sparsa.SinkWindow(sink_tokens=16, window=100, delta=delta)
+    if kind.startswith("block_sparse"):
+        mask = (rng.random((batch, hq, total // 32, total // 32)) < 0.4).astype(np.uint8)
+        return sparsa.BlockSparse(mask, block_q=32, block_k=32, delta=delta)
+    raise ValueError(kind)
+
+
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("kind", ["dense", "sink_window", "block_sparse"])
+@pytest.mark.parametrize("kind", PREFILL_KINDS)
 def test_zigzag_prefill_equals_one_context(kind, size):
     rng = np.random.default_rng(10 + size)
     batch, hq, hkv, d, total = 2, 4, 2, 32, 512
     q = rng.standard_normal((batch, total, hq, d)).astype(np.float32)
     k = rng.standard_normal((batch, total, hkv, d)).astype(np.float32)
     v = rng.standard_normal((batch, total, hkv, d)).astype(np.float32)
-    if kind == "dense":
-        policy = sparsa.Dense()
-    elif kind == "sink_window":
-        policy = sparsa.SinkWindow(sink_tokens=16, window=100)
-    else:
-        mask = (rng.random((batch, hq, total // 32, total // 32)) < 0.4).astype(np.uint8)
-        policy = sparsa.BlockSparse(mask, block_q=32, block_k=32)
+    policy = _prefill_policy(kind, rng, batch, hq, total)
     with sparsa.Context() as ctx:
         want = sparsa.attention(ctx, q, k, v, policy=policy, causal=True)
 
@@ -142,6 +151,19 @@ def test_zigzag_prefill_equals_one_context(kind, size):
 
     for out, expected in cp.ThreadGroup(size).run(rank_body):
         assert _relative(out, expected) <= RTOL
+
+
+def test_prefill_refuses_what_it_cannot_reproduce():
+    group = cp.ThreadGroup(1).member(0)
+    x = np.zeros((1, 64, 1, 16), np.float32)
+    with sparsa.Context() as ctx:
+        with pytest.raises(NotImplementedError):  # a prefix run would predict a different mask
+            cp.prefill(ctx, group, x, x, x, sparsa.Sparge(block_q=32), total=64)
+        with pytest.raises(ValueError):  # chunks of 32 rows, blocks of 64
+            mask = np.ones((1, 1, 1, 1), np.uint8)
+            cp.prefill(ctx, group, x, x, x, sparsa.BlockSparse(mask, block_q=64, block_k=64), total=64)
+        with pytest.raises(ValueError):  # Δ anchors every 64 rows cross the 32-row chunks
+            cp.prefill(ctx, group, x, x, x, sparsa.SinkWindow(delta=sparsa.Delta(gamma=64)), total=64)
 
 
 def test_zigzag_ranges_balance_causal_work():
