@@ -611,11 +611,13 @@ SPARSA_API sparsa_status sparsa_sparge_tune(sparsa_context* ctx, const sparsa_at
  * every shard; k, v: this shard's keys in any KV layout; seq_lens_k/cu_seqlens_k/page_table give L_b); out, lse,
  * the introspection outputs and the selection cache are not read or written (out may be NULL; a selection cache is
  * INVALID_ARGUMENT: each shard would keep a different part of T). `policy`: TOKEN_SELECT (every field as for a
- * run). kv_start, kv_total: I32 [B], host-readable, 0 <= kv_start[b], kv_start[b] + L_b <= kv_total[b]; shards must
- * not overlap and must cover [0, kv_total[b]) (not checkable here). n_sets = 1, or Hkv with select_per_kv_head.
+ * run). kv_start, kv_total: I32 [B] in host memory with 0 <= kv_start[b] and kv_start[b] + L_b <= kv_total[b]
+ * (else SPARSA_STATUS_INDEX_OUT_OF_RANGE); shards must not overlap and must cover [0, kv_total[b]) (a single call
+ * cannot check that). n_sets = 1, or Hkv with select_per_kv_head.
  * A sequence that runs dense (n_init + top_k + n_local >= kv_total[b], §6.2) or has no query row contributes
- * nothing to steps 1–3 (max -inf, sum 0, no votes). Every output tensor is host-readable on the CPU backend.
- * The CUDA and HIP backends answer SPARSA_STATUS_UNSUPPORTED to all four calls for now.
+ * nothing to steps 1–3 (max -inf, sum 0, no votes). Tensors live where the context computes (host memory for a
+ * CPU context). The CUDA and HIP backends answer SPARSA_STATUS_UNSUPPORTED to all four calls for now: a GPU engine
+ * runs them on a CPU context over host copies of q and k (v is validated but not read, so k may stand in for it).
  * Causality: the shard's keys are treated as visible to every query row (decode, Sq = 1, or a chunk whose rows
  * all come after the shard's keys); the selection itself does not depend on it (§6.3).
  */
@@ -654,7 +656,8 @@ SPARSA_API sparsa_status sparsa_cp_select_topk(sparsa_context* ctx, const sparsa
     this shard's index set I ∩ shard (§6.4: sinks, selected tokens, local window; or all its keys for a dense
     sequence) as local key ids (position − kv_start[b]) to out_indices: I32 [B, n_sets, cap], ascending, -1-padded;
     cap must hold min(L_b, n_init + top_k + n_local) ids (L_b when dense), else SHAPE_MISMATCH. INVALID_ARGUMENT
-    when the gathered lists hold fewer than top_k candidates of a selecting sequence. Then a TOKEN_INDICES run with
+    when the gathered lists hold fewer than top_k candidates of a selecting sequence or one position twice among
+    the chosen; INDEX_OUT_OF_RANGE for a position that is not a candidate. Then a TOKEN_INDICES run with
     indices = out_indices (H_idx = n_sets, default head_map, index_n_init = index_n_local = 0) and LSE gives this
     shard's partial state. */
 SPARSA_API sparsa_status sparsa_cp_select_indices(sparsa_context* ctx, const sparsa_attention_args* args,

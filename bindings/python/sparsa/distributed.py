@@ -178,9 +178,11 @@ def token_select_indices(ctx, group, q, k, v, policy, kv_start, kv_total, *, seq
     kv_start, kv_total = _host_int32(kv_start, "kv_start"), _host_int32(kv_total, "kv_total")
     if ctx.device_type != L.DEVICE_CPU:
         # The GPU backends answer UNSUPPORTED to sparsa_cp_select_* for now: select on a host context over host
-        # copies of q and of this shard's keys (correct, but it copies the shard's K to the host every call).
+        # copies of q and of this shard's keys (correct, but it copies the shard's K to the host every call). The
+        # steps do not read v: the host keys stand in for it.
+        host_k = _to_host(k)
         with Context() as host:
-            indices = token_select_indices(host, group, _to_host(q), _to_host(k), _to_host(v), policy, kv_start,
+            indices = token_select_indices(host, group, _to_host(q), host_k, host_k, policy, kv_start,
                                            kv_total, seq_lens_k=None if seq_lens_k is None else
                                            _host_int32(seq_lens_k, "seq_lens_k"), softmax_scale=softmax_scale)
         return _like(q, indices)

@@ -1877,7 +1877,8 @@ extern "C" {
     #[doc = "this shard's index set I ∩ shard (§6.4: sinks, selected tokens, local window; or all its keys for a dense"]
     #[doc = "sequence) as local key ids (position − kv_start[b]) to out_indices: I32 [B, n_sets, cap], ascending, -1-padded;"]
     #[doc = "cap must hold min(L_b, n_init + top_k + n_local) ids (L_b when dense), else SHAPE_MISMATCH. INVALID_ARGUMENT"]
-    #[doc = "when the gathered lists hold fewer than top_k candidates of a selecting sequence. Then a TOKEN_INDICES run with"]
+    #[doc = "when the gathered lists hold fewer than top_k candidates of a selecting sequence or one position twice among"]
+    #[doc = "the chosen; INDEX_OUT_OF_RANGE for a position that is not a candidate. Then a TOKEN_INDICES run with"]
     #[doc = "indices = out_indices (H_idx = n_sets, default head_map, index_n_init = index_n_local = 0) and LSE gives this"]
     #[doc = "shard's partial state."]
     pub fn sparsa_cp_select_indices(
