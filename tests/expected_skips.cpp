@@ -54,14 +54,13 @@ const std::vector<ExpectedSkip>& table() {
       {"HeadMapping.PicksTheDraftHeadWithTheLargestSummedTopKOverlap", "CUDA", SkipKind::kNotRunHere, kHostMemory,
        kHostMemoryWhy},
 
-      // Context-parallel TOKEN_SELECT is CPU-only so far: the tests hand host memory to the context, and the CUDA
-      // backend answers SPARSA_STATUS_UNSUPPORTED to sparsa_cp_select_* (docs/context_parallel.md).
+      // Context-parallel TOKEN_SELECT is CPU-only so far: these tests hand host memory to the context, and the CUDA
+      // backend answers SPARSA_STATUS_UNSUPPORTED to sparsa_cp_select_* (docs/context_parallel.md). (The decode of
+      // the other policies, ContextParallel.KnownIndexSetPoliciesMergeToTheSingleDeviceRun, runs on every backend.)
       {"ContextParallel.TokenSelectSelectionIsTheSingleDeviceOneAndOutputsMatch", "CUDA", SkipKind::kNotRunHere,
        kHostMemory, kContextParallelWhy},
       {"ContextParallel.TokenSelectAllKeysEqualBreaksTheTieByPositionAcrossShards", "CUDA", SkipKind::kNotRunHere,
        kHostMemory, kContextParallelWhy},
-      {"ContextParallel.KnownIndexSetPoliciesMergeToTheSingleDeviceRun", "CUDA", SkipKind::kNotRunHere, kHostMemory,
-       kContextParallelWhy},
       {"ContextParallel.ArgumentErrorsWriteNothing", "CUDA", SkipKind::kNotRunHere, kHostMemory, kContextParallelWhy},
 
       // Checks a GPU backend does not make by design.

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <set>
 #include <string>
@@ -419,13 +420,50 @@ TEST(FixedPointSum, IsTheSameInAnyOrderAndSplit) {
 
 // DENSE, SINK_WINDOW and TOKEN_INDICES decode need no selection protocol: each shard attends to its part of the
 // policy's index set (the global positions the policy lets the last row see, shifted to local ids) with
-// TOKEN_INDICES, and the merged state is the single run's.
+// TOKEN_INDICES, and the merged state is the single run's. Written on st::Buffer, so it runs on every backend (the
+// GPU path of context-parallel decode for these policies: TOKEN_INDICES with LSE, then merges).
 struct KnownSetCase {
   const char* name;
   int kind;
   int shards;
   int Hq, Hkv;
   std::vector<int> skv;
+};
+
+// q, k, v, out, lse and seq_lens of one decode call in the context's memory.
+struct DeviceCall {
+  Buffer q, k, v, out, lse, seq_lens;
+  sparsa_tensor q_t, k_t, v_t, out_t, lse_t, seq_lens_t;
+  sparsa_attention_args args;
+  DeviceCall(const Context& ctx, const ref::Problem& p, const HostKv& kv)
+      : q(ctx, SPARSA_DTYPE_F32, {p.B, 1, p.Hq, p.D}),
+        k(ctx, SPARSA_DTYPE_F32, {p.B, kv.max_len, p.Hkv, p.D}),
+        v(ctx, SPARSA_DTYPE_F32, {p.B, kv.max_len, p.Hkv, p.D}),
+        out(ctx, SPARSA_DTYPE_F32, {p.B, 1, p.Hq, p.D}),
+        lse(ctx, SPARSA_DTYPE_F32, {p.B, p.Hq, 1}),
+        seq_lens(ctx, SPARSA_DTYPE_I32, {p.B}) {
+    const std::vector<float> q_data = queries(p);
+    std::copy(q_data.begin(), q_data.end(), q.as<float>());
+    std::copy(kv.k.begin(), kv.k.end(), k.as<float>());
+    std::copy(kv.v.begin(), kv.v.end(), v.as<float>());
+    std::copy(kv.seq_lens.begin(), kv.seq_lens.end(), seq_lens.as<int32_t>());
+    for (size_t e = 0; e < out.elements(); ++e) out.set(e, std::numeric_limits<double>::quiet_NaN());
+    for (size_t e = 0; e < lse.elements(); ++e) lse.set(e, std::numeric_limits<double>::quiet_NaN());
+    for (Buffer* b : {&q, &k, &v, &out, &lse, &seq_lens}) b->upload();
+    q_t = q.tensor(), k_t = k.tensor(), v_t = v.tensor(), out_t = out.tensor(), lse_t = lse.tensor();
+    seq_lens_t = seq_lens.tensor();
+    args = make_args();
+    args.q = &q_t;
+    args.k = &k_t;
+    args.v = &v_t;
+    args.out = &out_t;
+    args.lse = &lse_t;
+    args.seq_lens_k = &seq_lens_t;
+  }
+  std::vector<float> download(Buffer& b) {
+    b.download();
+    return std::vector<float>(b.as<float>(), b.as<float>() + b.elements());
+  }
 };
 
 TEST_P(ContextParallel, KnownIndexSetPoliciesMergeToTheSingleDeviceRun) {
@@ -449,18 +487,19 @@ TEST_P(ContextParallel, KnownIndexSetPoliciesMergeToTheSingleDeviceRun) {
     policy.sink_window = 64;
     // TOKEN_INDICES: per kv head, a random index list of `top` entries with -1 slots and duplicates.
     const int h_idx = c.Hkv;
-    std::vector<int32_t> indices(size_t(B * h_idx * top));
+    Buffer indices(ctx(), SPARSA_DTYPE_I32, {B, h_idx, top});
+    int32_t* ids = indices.as<int32_t>();
     for (int b = 0; b < B; ++b)
-      for (int i = 0; i < h_idx * top; ++i) indices[size_t(b * h_idx * top + i)] = rng.integer(-1, c.skv[size_t(b)] - 1);
-    sparsa_tensor indices_t = host_tensor(indices.data(), SPARSA_DTYPE_I32, {B, h_idx, top});
+      for (int i = 0; i < h_idx * top; ++i) ids[size_t(b * h_idx * top + i)] = rng.integer(-1, c.skv[size_t(b)] - 1);
+    indices.upload();
+    const sparsa_tensor indices_t = indices.tensor();
     if (c.kind == SPARSA_POLICY_TOKEN_INDICES) policy.indices = &indices_t;
 
-    std::vector<float> q_data = queries(p);
     std::vector<int32_t> zero(size_t(B), 0), lengths(p.skv.begin(), p.skv.end());
-    HostKv full = gather_keys(p, zero, lengths);
-    Call single(p, q_data, full);
+    DeviceCall single(ctx(), p, gather_keys(p, zero, lengths));
     ASSERT_EQ(sparsa_attention_run(ctx().get(), &single.args, &policy), SPARSA_STATUS_SUCCESS)
         << sparsa_last_error_message();
+    const std::vector<float> want_out = single.download(single.out), want_lse = single.download(single.lse);
 
     // The global index set of the decode row of (b, index row r): what the policy lets it see.
     const auto visible = [&](int b, int r, int t) {
@@ -470,40 +509,47 @@ TEST_P(ContextParallel, KnownIndexSetPoliciesMergeToTheSingleDeviceRun) {
           return t < policy.sink_tokens || (n - 1) - t < policy.sink_window;
         case SPARSA_POLICY_TOKEN_INDICES:
           for (int i = 0; i < top; ++i)
-            if (indices[size_t((b * h_idx + r) * top + i)] == t) return true;
+            if (ids[size_t((b * h_idx + r) * top + i)] == t) return true;
           return false;
         default:
           return true;
       }
     };
-    State merged;
+    // Shard 0's call accumulates the merged state in place.
     const std::vector<ShardRange> shards = split_keys(p.skv, c.shards, Split::kRandom, rng);
+    std::vector<std::unique_ptr<DeviceCall>> calls;
     for (int g = 0; g < c.shards; ++g) {
       const ShardRange& s = shards[size_t(g)];
-      HostKv kv = gather_keys(p, s.start, s.length);
-      Call call(p, q_data, kv);
-      std::vector<int32_t> local(size_t(B * h_idx) * size_t(kv.max_len), -1);
+      const HostKv kv = gather_keys(p, s.start, s.length);
+      calls.push_back(std::make_unique<DeviceCall>(ctx(), p, kv));
+      DeviceCall& call = *calls.back();
+      Buffer local(ctx(), SPARSA_DTYPE_I32, {B, h_idx, kv.max_len});
+      int32_t* local_ids = local.as<int32_t>();
+      std::fill(local_ids, local_ids + local.elements(), -1);
       for (int b = 0; b < B; ++b) {
         for (int r = 0; r < h_idx; ++r) {
           int n = 0;
           for (int t = 0; t < s.length[size_t(b)]; ++t)
-            if (visible(b, r, s.start[size_t(b)] + t)) local[size_t(b * h_idx + r) * size_t(kv.max_len) + size_t(n++)] = t;
+            if (visible(b, r, s.start[size_t(b)] + t)) local_ids[size_t(b * h_idx + r) * size_t(kv.max_len) + size_t(n++)] = t;
         }
       }
-      sparsa_tensor local_t = host_tensor(local.data(), SPARSA_DTYPE_I32, {B, h_idx, kv.max_len});
+      local.upload();
+      const sparsa_tensor local_t = local.tensor();
       sparsa_policy shard_policy = make_policy(SPARSA_POLICY_TOKEN_INDICES);
       shard_policy.indices = &local_t;
       ASSERT_EQ(sparsa_attention_run(ctx().get(), &call.args, &shard_policy), SPARSA_STATUS_SUCCESS)
           << sparsa_last_error_message();
-      State shard{call.out_data, call.lse_data};
-      if (g == 0) {
-        merged = shard;
-      } else {
-        merge_into(ctx(), p, merged, shard);
+      if (g > 0) {
+        DeviceCall& acc = *calls.front();
+        ASSERT_EQ(sparsa_merge_states(ctx().get(), &acc.out_t, &acc.lse_t, &call.out_t, &call.lse_t, &acc.out_t,
+                                      &acc.lse_t),
+                  SPARSA_STATUS_SUCCESS)
+            << sparsa_last_error_message();
       }
     }
-    EXPECT_LE(relative_difference(merged.out, single.out_data), kTolF32);
-    EXPECT_LE(relative_difference(merged.lse, single.lse_data), kTolF32);
+    DeviceCall& merged = *calls.front();
+    EXPECT_LE(relative_difference(merged.download(merged.out), want_out), kTolF32);
+    EXPECT_LE(relative_difference(merged.download(merged.lse), want_lse), kTolF32);
   }
 }
 
