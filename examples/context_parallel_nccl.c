@@ -40,7 +40,7 @@ typedef struct cp_rank {
   } while (0)
 #define TRY_NCCL(call) TRY((call) == ncclSuccess ? 0 : -1)
 #define TRY_CUDA(call) TRY((call) == cudaSuccess ? 0 : -2)
-/* In the helpers: return the code. */
+/* In host_all_reduce and host_all_gather: return the code. */
 #define RETURN_NCCL(call)                                     \
   do {                                                        \
     if ((call) != ncclSuccess) return -1;                     \

@@ -54,7 +54,8 @@ std::vector<ShardRange> split_keys(const std::vector<int>& skv, int shards, Spli
     cuts[0] = 0;
     cuts[size_t(shards)] = skv[size_t(b)];
     for (int g = 1; g < shards; ++g)
-      cuts[size_t(g)] = split == Split::kEven ? int(int64_t(skv[size_t(b)]) * g / shards) : rng.integer(0, skv[size_t(b)]);
+      cuts[size_t(g)] =
+          split == Split::kEven ? int(int64_t(skv[size_t(b)]) * g / shards) : rng.integer(0, skv[size_t(b)]);
     std::sort(cuts.begin(), cuts.end());
     for (int g = 0; g < shards; ++g) {
       out[size_t(g)].start.push_back(cuts[size_t(g)]);
@@ -530,7 +531,8 @@ TEST_P(ContextParallel, KnownIndexSetPoliciesMergeToTheSingleDeviceRun) {
         for (int r = 0; r < h_idx; ++r) {
           int n = 0;
           for (int t = 0; t < s.length[size_t(b)]; ++t)
-            if (visible(b, r, s.start[size_t(b)] + t)) local_ids[size_t(b * h_idx + r) * size_t(kv.max_len) + size_t(n++)] = t;
+            if (visible(b, r, s.start[size_t(b)] + t))
+              local_ids[size_t(b * h_idx + r) * size_t(kv.max_len) + size_t(n++)] = t;
         }
       }
       local.upload();
@@ -567,7 +569,9 @@ TEST_P(ContextParallel, ArgumentErrorsWriteNothing) {
   sparsa_tensor total_t = host_tensor(total.data(), SPARSA_DTYPE_I32, {1});
   std::vector<double> max_out(4, 42.0);
   sparsa_tensor max_t = host_tensor(max_out.data(), SPARSA_DTYPE_F64, {1, 4});
-  const auto untouched = [&] { return std::all_of(max_out.begin(), max_out.end(), [](double x) { return x == 42.0; }); };
+  const auto untouched = [&] {
+    return std::all_of(max_out.begin(), max_out.end(), [](double x) { return x == 42.0; });
+  };
 
   sparsa_policy dense = make_policy(SPARSA_POLICY_DENSE);
   EXPECT_EQ(sparsa_cp_select_max(ctx().get(), &call.args, &dense, &start_t, &total_t, &max_t),

@@ -2,7 +2,7 @@
 // normaliser Z_h (§6.3), on one device and across context-parallel shards (sparsa_cp_select_sum).
 //
 // A float64 running sum depends on the order of its terms, so shards that each sum their part and add the parts
-// would round differently from one sequential sum, and a near-tie in the vote could flip. Here every term is
+// would be rounded differently from one sequential sum, and a near-tie in the vote could flip. Here every term is
 // truncated to a multiple of 2^-128 (exactly, from its bits) and added as an integer, which is exact and
 // associative: any order and any split gives the same integer, and one fixed conversion gives the same double.
 // The truncation drops less than 2^-128 per term; Z_h >= 1 (the maximum's own term is exp(0) = 1), so the relative

@@ -130,7 +130,7 @@ class _ThreadMember:
         return numpy.stack(self._exchange(x))
 
 
-# ---- Helpers -----------------------------------------------------------------------------------------------------
+# ---- Internals -----------------------------------------------------------------------------------------------------
 
 def _like(template, array):
     """`array` (numpy) as the same kind and device as `template` (numpy array or torch tensor)."""
