@@ -21,6 +21,7 @@
 #include "registry.h"
 #include "tensor_util.h"
 #include "validate.h"
+#include "validate_context_parallel.h"
 
 namespace sparsa {
 namespace {
@@ -380,4 +381,71 @@ extern "C" SPARSA_API sparsa_status sparsa_sparge_tune(sparsa_context* ctx, cons
     const ContextUse use(*ctx);
     sparge_tune(*ctx, args, policy, options, out_params, out_metrics);
   });
+}
+
+// ---- Context-parallel TOKEN_SELECT (docs/context_parallel.md) ----------------------------------------------------
+
+namespace sparsa {
+namespace {
+
+sparsa_status cp_select(sparsa_context* ctx, CpSelectStep step, const sparsa_attention_args* args,
+                        const sparsa_policy* policy, const sparsa_tensor* kv_start, const sparsa_tensor* kv_total,
+                        const CpSelectTensors& tensors) {
+  return guarded([&] {
+    require(ctx, "ctx");
+    const ContextUse use(*ctx);
+    const CpSelectCall call = validate_cp_select(*ctx, step, args, policy, kv_start, kv_total, tensors);
+    ctx->backend->cp_select(call);
+  });
+}
+
+}  // namespace
+}  // namespace sparsa
+
+extern "C" SPARSA_API sparsa_status sparsa_cp_select_max(sparsa_context* ctx, const sparsa_attention_args* args,
+                                                         const sparsa_policy* policy, const sparsa_tensor* kv_start,
+                                                         const sparsa_tensor* kv_total, const sparsa_tensor* out_max) {
+  CpSelectTensors tensors;
+  tensors.out = out_max;
+  return cp_select(ctx, CpSelectStep::kMax, args, policy, kv_start, kv_total, tensors);
+}
+
+extern "C" SPARSA_API sparsa_status sparsa_cp_select_sum(sparsa_context* ctx, const sparsa_attention_args* args,
+                                                         const sparsa_policy* policy, const sparsa_tensor* kv_start,
+                                                         const sparsa_tensor* kv_total,
+                                                         const sparsa_tensor* global_max,
+                                                         const sparsa_tensor* out_sum) {
+  CpSelectTensors tensors;
+  tensors.global_max = global_max;
+  tensors.out = out_sum;
+  return cp_select(ctx, CpSelectStep::kSum, args, policy, kv_start, kv_total, tensors);
+}
+
+extern "C" SPARSA_API sparsa_status sparsa_cp_select_topk(sparsa_context* ctx, const sparsa_attention_args* args,
+                                                          const sparsa_policy* policy, const sparsa_tensor* kv_start,
+                                                          const sparsa_tensor* kv_total,
+                                                          const sparsa_tensor* global_max,
+                                                          const sparsa_tensor* global_sum,
+                                                          const sparsa_tensor* out_votes,
+                                                          const sparsa_tensor* out_positions) {
+  CpSelectTensors tensors;
+  tensors.global_max = global_max;
+  tensors.global_sum = global_sum;
+  tensors.out = out_votes;
+  tensors.out_positions = out_positions;
+  return cp_select(ctx, CpSelectStep::kTopk, args, policy, kv_start, kv_total, tensors);
+}
+
+extern "C" SPARSA_API sparsa_status sparsa_cp_select_indices(sparsa_context* ctx, const sparsa_attention_args* args,
+                                                             const sparsa_policy* policy,
+                                                             const sparsa_tensor* kv_start,
+                                                             const sparsa_tensor* kv_total,
+                                                             const sparsa_tensor* all_votes,
+                                                             const sparsa_tensor* all_positions,
+                                                             const sparsa_tensor* out_indices) {
+  CpSelectTensors tensors;
+  tensors.all_votes = all_votes;
+  tensors.all_positions = all_positions;
+  tensors.out = out_indices;
+  return cp_select(ctx, CpSelectStep::kIndices, args, policy, kv_start, kv_total, tensors);
 }

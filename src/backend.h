@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "error.h"
 #include "problem.h"
 
 namespace sparsa {
@@ -44,6 +45,20 @@ struct PrefetchProblem {
   TensorArg k_src, v_src, indices, k_dst, v_dst, positions, remapped, counts;  // counts may be absent
 };
 
+// Validated arguments of the context-parallel TOKEN_SELECT steps (sparsa_cp_select_*, src/validate_context_parallel.cpp).
+enum class CpSelectStep : int32_t { kMax = 1, kSum = 2, kTopk = 3, kIndices = 4 };
+struct CpSelectCall {
+  CpSelectStep step = CpSelectStep::kMax;
+  AttentionProblem problem;  // q: every query row; k/v: this shard's keys (out is not written)
+  PolicyParams policy;       // TOKEN_SELECT
+  TensorArg kv_start, kv_total;  // I32 [B], host-readable, contents checked against the shard's key counts
+  TensorArg global_max;          // kSum, kTopk: F64 [B, Hq]
+  TensorArg global_sum;          // kTopk: I64 [B, Hq, SPARSA_CP_SUM_DIGITS]
+  TensorArg all_votes, all_positions;  // kIndices: F64 / I32 [G, B, n_sets, top_k]
+  TensorArg out, out_positions;  // kMax: F64 [B, Hq]; kSum: I64 [B, Hq, digits]; kTopk: votes + positions;
+                                 // kIndices: I32 [B, n_sets, cap]
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -69,6 +84,13 @@ class Backend {
                                 const TensorArg& out_indices) = 0;
   virtual void kv_prefetch(const PrefetchProblem& problem) = 0;
   virtual std::unique_ptr<SelectionCacheState> create_selection_cache(const SelectionCacheDims& dims) = 0;
+
+  // Context-parallel TOKEN_SELECT (docs/context_parallel.md). Only the CPU backend implements it so far.
+  virtual void cp_select(const CpSelectCall& call) {
+    (void)call;
+    fail(SPARSA_STATUS_UNSUPPORTED, "the ", name(),
+         " backend does not implement context-parallel TOKEN_SELECT yet (sparsa_cp_select_*; CPU only)");
+  }
 };
 
 }  // namespace sparsa

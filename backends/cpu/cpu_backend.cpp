@@ -131,6 +131,7 @@ class CpuBackend final : public Backend {
     cpu_topk_from_scores(scores, k, block_size, out_indices, exec_);
   }
   void kv_prefetch(const PrefetchProblem& problem) override { cpu_kv_prefetch(problem, exec_); }
+  void cp_select(const CpSelectCall& call) override { cpu_cp_select(call, exec_); }
   std::unique_ptr<SelectionCacheState> create_selection_cache(const SelectionCacheDims& dims) override {
     return make_cpu_selection_cache(dims);
   }

@@ -24,6 +24,7 @@
 #include "attention_loop.h"
 #include "cpu_select_util.h"
 #include "cpu_utilities.h"
+#include "fixed_point_sum.h"
 
 namespace sparsa::cpu {
 namespace {
@@ -180,7 +181,8 @@ int64_t build_index_set(const SequencePlan& plan, const SelectParams& params, co
 constexpr int64_t kCandidatesPerVoteItem = 2048;
 
 // Phase 3 works on s[h, t] = q̄_h·K[t, h/g] (· scale when asked) over the candidates t ∈ C, in three steps:
-//   3a per (b, kv head): the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head of the group;
+//   3a per (b, kv head): the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head of the group
+//      (a FixedPointSum: the same bits in any order, which context-parallel selection relies on);
 //   3b per (b, set, chunk of C): vote[t] = Σ_h exp(s[h, t] − m_h) / Z_h over the set's heads, ascending;
 //   3c per (b, set): T = the top_k candidates by vote (ties: smaller id), ascending.
 // 3a keeps exp(s − m_h) ([|C|, g] per (b, kv head)) for 3b when the run's [B, Hq, |C|] float64 matrix fits
@@ -226,14 +228,14 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   for (int32_t l = 0; l < group; ++l) {
     double max_score = -INFINITY;
     for (int64_t c = 0; c < n_candidates; ++c) max_score = std::max(max_score, scores[c * group + l]);
-    double total = 0.0;
+    FixedPointSum total;  // order-independent, so context-parallel shards reproduce it (sparsa_cp_select_sum)
     for (int64_t c = 0; c < n_candidates; ++c) {
       const double e = std::exp(scores[c * group + l] - max_score);
-      total += e;
+      total.add(e);
       if (kept_scores) scores[c * group + l] = e;  // 3b needs exactly this exp(s − m_h): keep it, not s
     }
     head_max[first_head + l] = max_score;
-    head_sum[first_head + l] = total;
+    head_sum[first_head + l] = total.value();
   }
 }
 

@@ -20,4 +20,7 @@ void cpu_kv_prefetch(const PrefetchProblem& problem, const ExecContext& exec);
 // §6.5 TokenSelect's selection cache in host memory (cpu_token_select.cpp).
 std::unique_ptr<SelectionCacheState> make_cpu_selection_cache(const SelectionCacheDims& dims);
 
+// Context-parallel TOKEN_SELECT, one step of sparsa_cp_select_* (cpu_context_parallel.cpp).
+void cpu_cp_select(const CpSelectCall& call, const ExecContext& exec);
+
 }  // namespace sparsa::cpu

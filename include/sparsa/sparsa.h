@@ -588,6 +588,83 @@ SPARSA_API sparsa_status sparsa_sparge_tune(sparsa_context* ctx, const sparsa_at
                                             const sparsa_policy* policy, const sparsa_sparge_tune_options* options,
                                             const sparsa_tensor* out_params, const sparsa_tensor* out_metrics);
 
+/* ---------------------------------------------------------------------------------------------------------------- */
+/* Context parallelism: TOKEN_SELECT over a KV cache sharded by position (docs/context_parallel.md)                  */
+/* ---------------------------------------------------------------------------------------------------------------- */
+
+/*
+ * The KV cache of every sequence is split by position over G shards (usually GPUs): shard r holds keys
+ * [kv_start[b], kv_start[b] + L_b) of sequence b, whose full length is kv_total[b]. Each shard runs the calls below
+ * on its own keys; the caller combines their small outputs with its own collectives (NCCL, torch.distributed, MPI:
+ * sparsa has no transport) between them. The selection that comes out is the one a single-device CPU run of
+ * TOKEN_SELECT makes over the whole cache, bit for bit, whatever G and whatever the split (§6; the per-head softmax
+ * normaliser is an order-independent fixed-point sum on both paths). Then each shard attends to its part of the
+ * index set (TOKEN_INDICES with LSE) and the shards' states are combined with sparsa_merge_states; the result
+ * equals the single-device run within fp32 rounding.
+ *
+ *   1. sparsa_cp_select_max  → out_max F64 [B, Hq];           combine: element-wise max  (ncclAllReduce, ncclMax)
+ *   2. sparsa_cp_select_sum  → out_sum I64 [B, Hq, DIGITS];   combine: element-wise sum  (ncclAllReduce, ncclSum)
+ *   3. sparsa_cp_select_topk → votes F64, positions I32 [B, n_sets, top_k];  combine: all-gather to [G, ...]
+ *   4. sparsa_cp_select_indices → this shard's index set, local key ids, for a TOKEN_INDICES run.
+ *
+ * Common arguments: `args` as for the shard's sparsa_attention_run (q: every query row of the call, the same on
+ * every shard; k, v: this shard's keys in any KV layout; seq_lens_k/cu_seqlens_k/page_table give L_b); out, lse,
+ * the introspection outputs and the selection cache are not read or written (out may be NULL; a selection cache is
+ * INVALID_ARGUMENT: each shard would keep a different part of T). `policy`: TOKEN_SELECT (every field as for a
+ * run). kv_start, kv_total: I32 [B] in host memory with 0 <= kv_start[b] and kv_start[b] + L_b <= kv_total[b]
+ * (else SPARSA_STATUS_INDEX_OUT_OF_RANGE); shards must not overlap and must cover [0, kv_total[b]) (a single call
+ * cannot check that). n_sets = 1, or Hkv with select_per_kv_head.
+ * A sequence that runs dense (n_init + top_k + n_local >= kv_total[b], §6.2) or has no query row contributes
+ * nothing to steps 1–3 (max -inf, sum 0, no votes). Tensors live where the context computes (host memory for a
+ * CPU context). The CUDA and HIP backends answer SPARSA_STATUS_UNSUPPORTED to all four calls for now: a GPU engine
+ * runs them on a CPU context over host copies of q and k (v is validated but not read, so k may stand in for it).
+ * Causality: the shard's keys are treated as visible to every query row (decode, Sq = 1, or a chunk whose rows
+ * all come after the shard's keys); the selection itself does not depend on it (§6.3).
+ */
+
+/** Fixed-point digits of one partial normaliser in sparsa_cp_select_sum's output (see there). */
+#define SPARSA_CP_SUM_DIGITS 6
+
+/** Step 1. out_max: F64 [B, Hq], the largest selection score s[h, t] (§6.3) over this shard's candidates
+    (C ∩ shard), -inf where it has none. The global maximum is the element-wise max over shards. */
+SPARSA_API sparsa_status sparsa_cp_select_max(sparsa_context* ctx, const sparsa_attention_args* args,
+                                              const sparsa_policy* policy, const sparsa_tensor* kv_start,
+                                              const sparsa_tensor* kv_total, const sparsa_tensor* out_max);
+
+/** Step 2. global_max: F64 [B, Hq], the element-wise max of every shard's step-1 output. out_sum: I64
+    [B, Hq, SPARSA_CP_SUM_DIGITS], this shard's Σ_t exp(s[h, t] − global_max) as integer digits, each term
+    truncated to a multiple of 2^-128: (count of NaN terms, integer part, then four 32-bit fraction digits, most
+    significant first). Each digit is in [0, 2^32) (the integer part below 2^31), so adding the outputs of up to
+    2^31 shards element-wise in int64 (in any order) cannot overflow, and gives the same normaliser. */
+SPARSA_API sparsa_status sparsa_cp_select_sum(sparsa_context* ctx, const sparsa_attention_args* args,
+                                              const sparsa_policy* policy, const sparsa_tensor* kv_start,
+                                              const sparsa_tensor* kv_total, const sparsa_tensor* global_max,
+                                              const sparsa_tensor* out_sum);
+
+/** Step 3. global_max as in step 2; global_sum: I64 [B, Hq, SPARSA_CP_SUM_DIGITS], the element-wise int64 sum of
+    every shard's step-2 output (digits any size >= 0, carries are resolved here). Writes this shard's top_k best
+    candidates by vote (§6.3; ties: smaller position): out_votes F64 [B, n_sets, top_k] and out_positions I32
+    [B, n_sets, top_k] (global positions, ascending); slots past the shard's candidate count hold -1 and -inf. */
+SPARSA_API sparsa_status sparsa_cp_select_topk(sparsa_context* ctx, const sparsa_attention_args* args,
+                                               const sparsa_policy* policy, const sparsa_tensor* kv_start,
+                                               const sparsa_tensor* kv_total, const sparsa_tensor* global_max,
+                                               const sparsa_tensor* global_sum, const sparsa_tensor* out_votes,
+                                               const sparsa_tensor* out_positions);
+
+/** Step 4. all_votes F64 and all_positions I32 [G, B, n_sets, top_k]: every shard's step-3 outputs gathered in any
+    shard order. Picks the global top_k (vote descending, smaller position on ties; entries -1 ignored) and writes
+    this shard's index set I ∩ shard (§6.4: sinks, selected tokens, local window; or all its keys for a dense
+    sequence) as local key ids (position − kv_start[b]) to out_indices: I32 [B, n_sets, cap], ascending, -1-padded;
+    cap must hold min(L_b, n_init + top_k + n_local) ids (L_b when dense), else SHAPE_MISMATCH. INVALID_ARGUMENT
+    when the gathered lists hold fewer than top_k candidates of a selecting sequence or one position twice among
+    the chosen; INDEX_OUT_OF_RANGE for a position that is not a candidate. Then a TOKEN_INDICES run with
+    indices = out_indices (H_idx = n_sets, default head_map, index_n_init = index_n_local = 0) and LSE gives this
+    shard's partial state. */
+SPARSA_API sparsa_status sparsa_cp_select_indices(sparsa_context* ctx, const sparsa_attention_args* args,
+                                                  const sparsa_policy* policy, const sparsa_tensor* kv_start,
+                                                  const sparsa_tensor* kv_total, const sparsa_tensor* all_votes,
+                                                  const sparsa_tensor* all_positions, const sparsa_tensor* out_indices);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -15,7 +15,8 @@ from .errors import (Error, InvalidArgumentError, NullPointerError, DtypeError, 
                      DeviceMismatchError, StructSizeError, UnsupportedError, BackendUnavailableError,
                      OutOfMemoryError, DeviceError, InternalError)
 from .ops import (AttentionOutputs, attention, attention_plan, merge_states, topk_from_scores, head_mapping,
-                  hilbert_permutation, drift_select_layers, kv_prefetch, sparge_tune)
+                  hilbert_permutation, drift_select_layers, kv_prefetch, sparge_tune, cp_select_max, cp_select_sum,
+                  cp_select_topk, cp_select_indices)
 from .policy import (Policy, Dense, SinkWindow, BlockSparse, Sparge, TokenSparse, TokenSelect, TokenIndices,
                      Delta)
 from .tensor import Reinterpret, Tensor, as_tensor

@@ -24,6 +24,7 @@ POLICY_TOKEN_SPARSE, POLICY_TOKEN_SELECT, POLICY_TOKEN_INDICES = 4, 5, 6
 POLICY_FLAG_DELTA = 1 << 0
 STAT_COUNT = 7
 STRUCT_SIZE_MAX = 4096
+CP_SUM_DIGITS = 6  # SPARSA_CP_SUM_DIGITS: fixed-point digits of one partial normaliser (sparsa_cp_select_sum)
 # sizeof of each caller-filled struct in sparsa 0.1, the smallest struct_size the library accepts.
 TENSOR_SIZE_V0_1, CONTEXT_OPTIONS_SIZE_V0_1, POLICY_SIZE_V0_1 = 160, 32, 152
 ATTENTION_ARGS_SIZE_V0_1, SPARGE_TUNE_OPTIONS_SIZE_V0_1 = 120, 24
@@ -199,6 +200,14 @@ _PROTOTYPES = {
     "sparsa_sparge_tune_options_init": (_status, [ctypes.POINTER(CSpargeTuneOptions), _size]),
     "sparsa_sparge_tune": (_status, [_void_p, ctypes.POINTER(CAttentionArgs), ctypes.POINTER(CPolicy),
                                      ctypes.POINTER(CSpargeTuneOptions), TensorPtr, TensorPtr]),
+    "sparsa_cp_select_max": (_status, [_void_p, ctypes.POINTER(CAttentionArgs), ctypes.POINTER(CPolicy)]
+                             + [TensorPtr] * 3),
+    "sparsa_cp_select_sum": (_status, [_void_p, ctypes.POINTER(CAttentionArgs), ctypes.POINTER(CPolicy)]
+                             + [TensorPtr] * 4),
+    "sparsa_cp_select_topk": (_status, [_void_p, ctypes.POINTER(CAttentionArgs), ctypes.POINTER(CPolicy)]
+                              + [TensorPtr] * 6),
+    "sparsa_cp_select_indices": (_status, [_void_p, ctypes.POINTER(CAttentionArgs), ctypes.POINTER(CPolicy)]
+                                 + [TensorPtr] * 5),
 }
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _function = getattr(lib, _name)

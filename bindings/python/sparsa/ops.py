@@ -208,3 +208,78 @@ def sparge_tune(ctx, q, k, v, *, policy=None, causal=False, softmax_scale=0.0, c
     L.call("sparsa_sparge_tune", ctx.handle, ctypes.byref(args), ctypes.byref(c_policy) if c_policy else None,
            ctypes.byref(options), views.out_ptr(params, "params"), views.out_ptr(metrics, "metrics"))
     return params, metrics
+
+
+# ---- Context-parallel TOKEN_SELECT (sparsa_cp_select_*; docs/context_parallel.md) ------------------------------
+# Each step takes the shard's run arguments (q: every query row; k/v: this shard's keys) and kv_start / kv_total,
+# int32 [B] host arrays: the global position of the shard's first key and the full KV length of each sequence.
+# sparsa.distributed runs the whole protocol with torch.distributed (or any object with the same three collectives).
+
+def _cp_select(function_name, ctx, q, k, v, policy, kv_start, kv_total, tensors, outputs, seq_lens_k, cu_seqlens_k,
+               page_table, softmax_scale):
+    views = _Views(ctx.stream)
+    args = _attention_args(views, ctx, q, k, v, None, None, False, softmax_scale, None, cu_seqlens_k, page_table,
+                           seq_lens_k, None, None, None, None)
+    c_policy = policy.to_c(views.keep, ctx.stream)
+    pointers = [views.ptr(kv_start, "kv_start"), views.ptr(kv_total, "kv_total")]
+    pointers += [views.ptr(x, name) for x, name in tensors]
+    pointers += [views.out_ptr(x, name) for x, name in outputs]
+    L.call(function_name, ctx.handle, ctypes.byref(args), ctypes.byref(c_policy), *pointers)
+
+
+def _n_sets(policy, k_view):
+    return k_view.shape[-2] if policy.per_kv_head else 1
+
+
+def cp_select_max(ctx, q, k, v, policy, kv_start, kv_total, *, out=None, seq_lens_k=None, cu_seqlens_k=None,
+                  page_table=None, softmax_scale=0.0):
+    """Step 1: float64 [B, Hq], the shard's largest selection score per head. Combine: element-wise max."""
+    q_view = as_tensor(q, "q")
+    if out is None:
+        out = empty_like(q, (q_view.shape[0], q_view.shape[2]), L.DTYPE_F64, "out")
+    _cp_select("sparsa_cp_select_max", ctx, q, k, v, policy, kv_start, kv_total, [], [(out, "out_max")],
+               seq_lens_k, cu_seqlens_k, page_table, softmax_scale)
+    return out
+
+
+def cp_select_sum(ctx, q, k, v, policy, kv_start, kv_total, global_max, *, out=None, seq_lens_k=None,
+                  cu_seqlens_k=None, page_table=None, softmax_scale=0.0):
+    """Step 2: int64 [B, Hq, CP_SUM_DIGITS], the shard's part of each head's normaliser. Combine: element-wise
+    int64 sum (any order gives the same normaliser)."""
+    q_view = as_tensor(q, "q")
+    if out is None:
+        out = empty_like(q, (q_view.shape[0], q_view.shape[2], L.CP_SUM_DIGITS), L.DTYPE_I64, "out")
+    _cp_select("sparsa_cp_select_sum", ctx, q, k, v, policy, kv_start, kv_total, [(global_max, "global_max")],
+               [(out, "out_sum")], seq_lens_k, cu_seqlens_k, page_table, softmax_scale)
+    return out
+
+
+def cp_select_topk(ctx, q, k, v, policy, kv_start, kv_total, global_max, global_sum, *, out_votes=None,
+                   out_positions=None, seq_lens_k=None, cu_seqlens_k=None, page_table=None, softmax_scale=0.0):
+    """Step 3: (votes float64, positions int32) [B, n_sets, top_k], the shard's best candidates (-1 / -inf past
+    its candidate count). Combine: all-gather to [G, B, n_sets, top_k]."""
+    q_view, k_view = as_tensor(q, "q"), as_tensor(k, "k")
+    shape = (q_view.shape[0], _n_sets(policy, k_view), policy.top_k)
+    if out_votes is None:
+        out_votes = empty_like(q, shape, L.DTYPE_F64, "out_votes")
+    if out_positions is None:
+        out_positions = empty_like(q, shape, L.DTYPE_I32, "out_positions")
+    _cp_select("sparsa_cp_select_topk", ctx, q, k, v, policy, kv_start, kv_total,
+               [(global_max, "global_max"), (global_sum, "global_sum")],
+               [(out_votes, "out_votes"), (out_positions, "out_positions")], seq_lens_k, cu_seqlens_k, page_table,
+               softmax_scale)
+    return out_votes, out_positions
+
+
+def cp_select_indices(ctx, q, k, v, policy, kv_start, kv_total, all_votes, all_positions, *, out=None, cap=None,
+                      seq_lens_k=None, cu_seqlens_k=None, page_table=None, softmax_scale=0.0):
+    """Step 4: int32 [B, n_sets, cap], this shard's part of the index set as local key ids (ascending, -1-padded),
+    ready for TokenIndices(out). cap defaults to the shard's padded key count (k.shape[1])."""
+    q_view, k_view = as_tensor(q, "q"), as_tensor(k, "k")
+    if out is None:
+        cap = cap if cap is not None else k_view.shape[1]
+        out = empty_like(q, (q_view.shape[0], _n_sets(policy, k_view), cap), L.DTYPE_I32, "out")
+    _cp_select("sparsa_cp_select_indices", ctx, q, k, v, policy, kv_start, kv_total,
+               [(all_votes, "all_votes"), (all_positions, "all_positions")], [(out, "out_indices")], seq_lens_k,
+               cu_seqlens_k, page_table, softmax_scale)
+    return out

@@ -13,6 +13,7 @@ pub const SPARSA_ATTENTION_ARGS_SIZE_V0_1: u32 = 120;
 pub const SPARSA_SPARGE_TUNE_OPTIONS_SIZE_V0_1: u32 = 24;
 pub const SPARSA_MAX_DIMS: u32 = 8;
 pub const SPARSA_MAX_NUM_THREADS: u32 = 1024;
+pub const SPARSA_CP_SUM_DIGITS: u32 = 6;
 pub type __int32_t = ::std::os::raw::c_int;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __int64_t = ::std::os::raw::c_long;
@@ -1823,5 +1824,71 @@ extern "C" {
         options: *const sparsa_sparge_tune_options,
         out_params: *const sparsa_tensor,
         out_metrics: *const sparsa_tensor,
+    ) -> sparsa_status;
+}
+extern "C" {
+    #[doc = " Step 1. out_max: F64 [B, Hq], the largest selection score s[h, t] (§6.3) over this shard's candidates"]
+    #[doc = "(C ∩ shard), -inf where it has none. The global maximum is the element-wise max over shards."]
+    pub fn sparsa_cp_select_max(
+        ctx: *mut sparsa_context,
+        args: *const sparsa_attention_args,
+        policy: *const sparsa_policy,
+        kv_start: *const sparsa_tensor,
+        kv_total: *const sparsa_tensor,
+        out_max: *const sparsa_tensor,
+    ) -> sparsa_status;
+}
+extern "C" {
+    #[doc = " Step 2. global_max: F64 [B, Hq], the element-wise max of every shard's step-1 output. out_sum: I64"]
+    #[doc = "[B, Hq, SPARSA_CP_SUM_DIGITS], this shard's Σ_t exp(s[h, t] − global_max) as integer digits, each term"]
+    #[doc = "truncated to a multiple of 2^-128: (count of NaN terms, integer part, then four 32-bit fraction digits, most"]
+    #[doc = "significant first). Each digit is in [0, 2^32) (the integer part below 2^31), so adding the outputs of up to"]
+    #[doc = "2^31 shards element-wise in int64 (in any order) cannot overflow, and gives the same normaliser."]
+    pub fn sparsa_cp_select_sum(
+        ctx: *mut sparsa_context,
+        args: *const sparsa_attention_args,
+        policy: *const sparsa_policy,
+        kv_start: *const sparsa_tensor,
+        kv_total: *const sparsa_tensor,
+        global_max: *const sparsa_tensor,
+        out_sum: *const sparsa_tensor,
+    ) -> sparsa_status;
+}
+extern "C" {
+    #[doc = " Step 3. global_max as in step 2; global_sum: I64 [B, Hq, SPARSA_CP_SUM_DIGITS], the element-wise int64 sum of"]
+    #[doc = "every shard's step-2 output (digits any size >= 0, carries are resolved here). Writes this shard's top_k best"]
+    #[doc = "candidates by vote (§6.3; ties: smaller position): out_votes F64 [B, n_sets, top_k] and out_positions I32"]
+    #[doc = "[B, n_sets, top_k] (global positions, ascending); slots past the shard's candidate count hold -1 and -inf."]
+    pub fn sparsa_cp_select_topk(
+        ctx: *mut sparsa_context,
+        args: *const sparsa_attention_args,
+        policy: *const sparsa_policy,
+        kv_start: *const sparsa_tensor,
+        kv_total: *const sparsa_tensor,
+        global_max: *const sparsa_tensor,
+        global_sum: *const sparsa_tensor,
+        out_votes: *const sparsa_tensor,
+        out_positions: *const sparsa_tensor,
+    ) -> sparsa_status;
+}
+extern "C" {
+    #[doc = " Step 4. all_votes F64 and all_positions I32 [G, B, n_sets, top_k]: every shard's step-3 outputs gathered in any"]
+    #[doc = "shard order. Picks the global top_k (vote descending, smaller position on ties; entries -1 ignored) and writes"]
+    #[doc = "this shard's index set I ∩ shard (§6.4: sinks, selected tokens, local window; or all its keys for a dense"]
+    #[doc = "sequence) as local key ids (position − kv_start[b]) to out_indices: I32 [B, n_sets, cap], ascending, -1-padded;"]
+    #[doc = "cap must hold min(L_b, n_init + top_k + n_local) ids (L_b when dense), else SHAPE_MISMATCH. INVALID_ARGUMENT"]
+    #[doc = "when the gathered lists hold fewer than top_k candidates of a selecting sequence or one position twice among"]
+    #[doc = "the chosen; INDEX_OUT_OF_RANGE for a position that is not a candidate. Then a TOKEN_INDICES run with"]
+    #[doc = "indices = out_indices (H_idx = n_sets, default head_map, index_n_init = index_n_local = 0) and LSE gives this"]
+    #[doc = "shard's partial state."]
+    pub fn sparsa_cp_select_indices(
+        ctx: *mut sparsa_context,
+        args: *const sparsa_attention_args,
+        policy: *const sparsa_policy,
+        kv_start: *const sparsa_tensor,
+        kv_total: *const sparsa_tensor,
+        all_votes: *const sparsa_tensor,
+        all_positions: *const sparsa_tensor,
+        out_indices: *const sparsa_tensor,
     ) -> sparsa_status;
 }

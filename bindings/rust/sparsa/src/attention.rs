@@ -67,6 +67,9 @@ impl SpargeTuneOptions {
     }
 }
 
+/// Digits of one partial normaliser of `Attention::cp_select_sum` (SPARSA_CP_SUM_DIGITS).
+pub const CP_SUM_DIGITS: usize = sys::SPARSA_CP_SUM_DIGITS as usize;
+
 /// One attention call. `'a` is the borrow of every tensor (and of the selection cache) it was given.
 ///
 /// q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D], out like q (packed [T, H, D] with cu_seqlens; paged caches with
@@ -199,6 +202,111 @@ impl<'a> Attention<'a> {
         let metrics = metrics.map_or(ptr::null(), |t| t.raw() as *const _);
         // SAFETY: as in run; the descriptors are borrowed for the call.
         check(unsafe { sys::sparsa_sparge_tune(ctx.raw(), &args, &raw_policy, &raw_options, params.raw(), metrics) })
+    }
+
+    /// Context-parallel TOKEN_SELECT, step 1 (docs/context_parallel.md): this call's q and k are every query row
+    /// and this shard's keys; `out` is not written. `kv_start`, `kv_total`: int32 [B] host memory. Writes f64
+    /// `out_max` [B, Hq]; combine across shards with an element-wise max.
+    pub fn cp_select_max(
+        &self,
+        ctx: &Context,
+        policy: &Policy<'_>,
+        kv_start: &TensorRef<'_>,
+        kv_total: &TensorRef<'_>,
+        out_max: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let (args, raw_policy) = (self.as_raw(), policy.as_raw());
+        // SAFETY: as in run; the descriptors are borrowed for the call.
+        check(unsafe {
+            sys::sparsa_cp_select_max(ctx.raw(), &args, &raw_policy, kv_start.raw(), kv_total.raw(), out_max.raw())
+        })
+    }
+
+    /// Step 2: `global_max` f64 [B, Hq] (the max over shards) → i64 `out_sum` [B, Hq, SPARSA_CP_SUM_DIGITS];
+    /// combine across shards with an element-wise i64 sum.
+    pub fn cp_select_sum(
+        &self,
+        ctx: &Context,
+        policy: &Policy<'_>,
+        kv_start: &TensorRef<'_>,
+        kv_total: &TensorRef<'_>,
+        global_max: &TensorRef<'_>,
+        out_sum: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let (args, raw_policy) = (self.as_raw(), policy.as_raw());
+        // SAFETY: as in run.
+        check(unsafe {
+            sys::sparsa_cp_select_sum(
+                ctx.raw(),
+                &args,
+                &raw_policy,
+                kv_start.raw(),
+                kv_total.raw(),
+                global_max.raw(),
+                out_sum.raw(),
+            )
+        })
+    }
+
+    /// Step 3: the shard's best candidates, f64 `votes` and int32 global `positions` [B, n_sets, top_k] (-inf/-1
+    /// past its candidates); all-gather them to [G, B, n_sets, top_k].
+    #[allow(clippy::too_many_arguments)]
+    pub fn cp_select_topk(
+        &self,
+        ctx: &Context,
+        policy: &Policy<'_>,
+        kv_start: &TensorRef<'_>,
+        kv_total: &TensorRef<'_>,
+        global_max: &TensorRef<'_>,
+        global_sum: &TensorRef<'_>,
+        votes: &mut TensorMut<'_>,
+        positions: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let (args, raw_policy) = (self.as_raw(), policy.as_raw());
+        // SAFETY: as in run.
+        check(unsafe {
+            sys::sparsa_cp_select_topk(
+                ctx.raw(),
+                &args,
+                &raw_policy,
+                kv_start.raw(),
+                kv_total.raw(),
+                global_max.raw(),
+                global_sum.raw(),
+                votes.raw(),
+                positions.raw(),
+            )
+        })
+    }
+
+    /// Step 4: from every shard's gathered votes and positions [G, B, n_sets, top_k], this shard's part of the
+    /// index set as local key ids, int32 `out_indices` [B, n_sets, cap] (ascending, -1-padded), for a TOKEN_INDICES
+    /// run with LSE whose states are then merged with `merge_states`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cp_select_indices(
+        &self,
+        ctx: &Context,
+        policy: &Policy<'_>,
+        kv_start: &TensorRef<'_>,
+        kv_total: &TensorRef<'_>,
+        all_votes: &TensorRef<'_>,
+        all_positions: &TensorRef<'_>,
+        out_indices: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let (args, raw_policy) = (self.as_raw(), policy.as_raw());
+        // SAFETY: as in run.
+        check(unsafe {
+            sys::sparsa_cp_select_indices(
+                ctx.raw(),
+                &args,
+                &raw_policy,
+                kv_start.raw(),
+                kv_total.raw(),
+                all_votes.raw(),
+                all_positions.raw(),
+                out_indices.raw(),
+            )
+        })
     }
 
     fn as_raw(&self) -> sys::sparsa_attention_args {

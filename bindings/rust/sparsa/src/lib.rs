@@ -6,7 +6,7 @@ mod policy;
 mod tensor;
 mod utilities;
 
-pub use attention::{stat, Attention, SpargeTuneOptions};
+pub use attention::{stat, Attention, SpargeTuneOptions, CP_SUM_DIGITS};
 pub use context::{Context, ContextOptions, SelectionCache};
 pub use error::{Error, Result, Status};
 pub use policy::{Policy, PolicyKind};

@@ -1,0 +1,312 @@
+// Context-parallel TOKEN_SELECT on the CPU (sparsa_cp_select_*, docs/context_parallel.md).
+//
+// Each step recomputes, on this shard's keys only, exactly the quantities run_token_select computes over the whole
+// cache (cpu_token_select.cpp, phase 3): q̄_h the same float64 mean, s[h, t] the same interleaved_dots_keys sums,
+// exp(s − m_h) with the same global m_h, Z_h the same FixedPointSum (order-independent), vote[t] the same sum over
+// the set's heads in ascending order, and the same ranking (ranks_before: larger vote, then smaller position). So
+// the index set the four steps produce is the single-device one, bit for bit. The steps allocate their working
+// arrays per call (decode-sized: B · Hq · |C ∩ shard| float64 scores).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../../src/backend.h"
+#include "../../src/common/policy_sizes.h"
+#include "../../src/error.h"
+#include "attention_loop.h"
+#include "cpu_engine.h"
+#include "cpu_select_util.h"
+#include "cpu_utilities.h"
+#include "fixed_point_sum.h"
+
+namespace sparsa::cpu {
+namespace {
+
+// One sequence on this shard.
+struct ShardSequence {
+  int64_t seq_q = 0;
+  int64_t start = 0;      // global position of the shard's first key
+  int64_t length = 0;     // keys on this shard (L_b)
+  int64_t total = 0;      // N, the full KV length
+  bool dense = false;     // §6.2 on the full length
+  int64_t candidate_begin = 0, candidate_end = 0;  // C ∩ shard, global positions
+  bool selects() const { return seq_q > 0 && !dense; }
+  int64_t n_candidates() const { return std::max<int64_t>(0, candidate_end - candidate_begin); }
+};
+
+struct Params {
+  int64_t n_init, n_local, top_k;
+  int32_t n_sets, heads_per_set;
+  double score_scale;
+};
+
+Params resolve(const CpSelectCall& call) {
+  const sparsa_policy& p = call.policy.p;
+  const AttentionProblem& pr = call.problem;
+  Params params;
+  params.n_init = p.select_n_init;
+  params.n_local = p.select_n_local;
+  params.top_k = p.select_top_k;
+  params.n_sets = p.select_per_kv_head ? pr.num_kv_heads : 1;
+  params.heads_per_set = pr.num_q_heads / params.n_sets;
+  params.score_scale = p.select_scale_scores ? double(pr.scale) : 1.0;
+  return params;
+}
+
+ShardSequence shard_sequence(const CpSelectCall& call, const Params& params, int32_t b) {
+  ShardSequence s;
+  s.seq_q = call.problem.seq_len_q(b);
+  s.start = call.kv_start.ptr<const int32_t>()[b * call.kv_start.stride(0)];
+  s.total = call.kv_total.ptr<const int32_t>()[b * call.kv_total.stride(0)];
+  s.length = call.problem.seq_len_k(b);
+  s.dense = params.n_init + params.top_k + params.n_local >= s.total;
+  s.candidate_begin = std::max(params.n_init, s.start);
+  s.candidate_end = std::min(s.total - params.n_local, s.start + s.length);
+  return s;
+}
+
+// q̄ of sequence b, concat over heads [Hq · D], as run_token_select's phase 1 computes it.
+std::vector<double> mean_queries(const AttentionProblem& pr, int32_t b, int64_t seq_q) {
+  const int32_t d = pr.head_dim;
+  std::vector<double> qbar(size_t(pr.num_q_heads) * size_t(d), 0.0);
+  std::vector<float> row(static_cast<size_t>(d));
+  for (int32_t h = 0; h < pr.num_q_heads; ++h) {
+    double* out = qbar.data() + int64_t(h) * d;
+    for (int64_t i = 0; i < seq_q; ++i) {
+      load_row_f32(pr.dtype, pr.q.t.data, pr.q_offset(pr.q, b, i, h), d, row.data());
+      for (int32_t c = 0; c < d; ++c) out[c] += double(row[c]);
+    }
+    for (int32_t c = 0; c < d; ++c) out[c] /= double(seq_q);
+  }
+  return qbar;
+}
+
+// s[h, t] for every query head and every candidate of the shard: [Hq][n_candidates], the same sums as
+// head_softmax_stats / score_candidates_all_heads (interleaved_dots_keys over a kv group's heads).
+std::vector<double> shard_scores(const CpSelectCall& call, const Params& params, int32_t b, const ShardSequence& s) {
+  const AttentionProblem& pr = call.problem;
+  const int32_t d = pr.head_dim;
+  const int32_t group = pr.num_q_heads / pr.num_kv_heads;
+  const int64_t n = s.n_candidates();
+  const std::vector<double> concat_qbar = mean_queries(pr, b, s.seq_q);
+  std::vector<double> scores(size_t(pr.num_q_heads) * size_t(n));
+  std::vector<double> qbars(interleaved_size(group, d));
+  std::vector<double> dots(size_t(kDotKeys) * size_t(group));
+  std::vector<float> key_rows(size_t(kDotKeys) * size_t(d));
+  const float* rows[kDotKeys];
+  for (int key = 0; key < kDotKeys; ++key) rows[key] = key_rows.data() + int64_t(key) * d;
+  for (int32_t hk = 0; hk < pr.num_kv_heads; ++hk) {
+    std::fill(qbars.begin(), qbars.end(), 0.0);
+    for (int32_t l = 0; l < group; ++l)
+      interleave_vector(qbars.data(), l, concat_qbar.data() + int64_t(hk * group + l) * d, d);
+    for (int64_t c0 = 0; c0 < n; c0 += kDotKeys) {
+      const int n_keys = int(std::min<int64_t>(kDotKeys, n - c0));
+      for (int key = 0; key < n_keys; ++key) {
+        const int64_t local = s.candidate_begin + c0 + key - s.start;
+        load_row_f32(pr.dtype, pr.k.t.data, pr.kv_offset(pr.k, b, local, hk), d, key_rows.data() + key * d);
+      }
+      interleaved_dots_keys(qbars.data(), group, rows, n_keys, d, params.score_scale, dots.data(), group);
+      for (int key = 0; key < n_keys; ++key)
+        for (int32_t l = 0; l < group; ++l)
+          scores[size_t(hk * group + l) * size_t(n) + size_t(c0 + key)] = dots[size_t(key * group + l)];
+    }
+  }
+  return scores;
+}
+
+double read_f64(const TensorArg& a, int64_t i0, int64_t i1) {
+  return a.ptr<const double>()[i0 * a.stride(0) + i1 * a.stride(1)];
+}
+
+void step_max(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
+  const AttentionProblem& pr = call.problem;
+  parallel_items(exec, pr.batch, [&](int64_t item, int) {
+    const int32_t b = int32_t(item);
+    const ShardSequence s = shard_sequence(call, params, b);
+    double* out = call.out.ptr<double>();
+    const int64_t n = s.selects() ? s.n_candidates() : 0;
+    const std::vector<double> scores = n > 0 ? shard_scores(call, params, b, s) : std::vector<double>();
+    for (int32_t h = 0; h < pr.num_q_heads; ++h) {
+      double max_score = -INFINITY;  // std::max skips NaN scores, as head_softmax_stats does
+      for (int64_t c = 0; c < n; ++c) max_score = std::max(max_score, scores[size_t(h) * size_t(n) + size_t(c)]);
+      out[b * call.out.stride(0) + h * call.out.stride(1)] = max_score;
+    }
+  });
+}
+
+void step_sum(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
+  const AttentionProblem& pr = call.problem;
+  parallel_items(exec, pr.batch, [&](int64_t item, int) {
+    const int32_t b = int32_t(item);
+    const ShardSequence s = shard_sequence(call, params, b);
+    const int64_t n = s.selects() ? s.n_candidates() : 0;
+    const std::vector<double> scores = n > 0 ? shard_scores(call, params, b, s) : std::vector<double>();
+    int64_t* out = call.out.ptr<int64_t>();
+    for (int32_t h = 0; h < pr.num_q_heads; ++h) {
+      const double max_score = read_f64(call.global_max, b, h);
+      FixedPointSum sum;
+      for (int64_t c = 0; c < n; ++c) sum.add(std::exp(scores[size_t(h) * size_t(n) + size_t(c)] - max_score));
+      int64_t digits[FixedPointSum::kDigits];
+      sum.to_digits(digits);
+      for (int i = 0; i < FixedPointSum::kDigits; ++i)
+        out[b * call.out.stride(0) + h * call.out.stride(1) + i * call.out.stride(2)] = digits[i];
+    }
+  });
+}
+
+// Z_h of every (b, h) from the combined digits; throws INVALID_ARGUMENT for a negative digit (not a sum of step-2
+// outputs). Checked for every sequence before anything is written.
+std::vector<double> normalisers(const CpSelectCall& call) {
+  const AttentionProblem& pr = call.problem;
+  const TensorArg& g = call.global_sum;
+  std::vector<double> z(size_t(pr.batch) * size_t(pr.num_q_heads));
+  for (int32_t b = 0; b < pr.batch; ++b) {
+    for (int32_t h = 0; h < pr.num_q_heads; ++h) {
+      int64_t digits[FixedPointSum::kDigits];
+      for (int i = 0; i < FixedPointSum::kDigits; ++i)
+        digits[i] = g.ptr<const int64_t>()[b * g.stride(0) + h * g.stride(1) + i * g.stride(2)];
+      FixedPointSum sum;
+      if (!FixedPointSum::from_digits(digits, &sum)) {
+        fail(SPARSA_STATUS_INVALID_ARGUMENT, "global_sum: a negative digit at [", b, ", ", h,
+             "] (expected the element-wise sum of every shard's sparsa_cp_select_sum output)");
+      }
+      z[size_t(b) * size_t(pr.num_q_heads) + size_t(h)] = sum.value();
+    }
+  }
+  return z;
+}
+
+void step_topk(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
+  const AttentionProblem& pr = call.problem;
+  const std::vector<double> z = normalisers(call);
+  parallel_items(exec, pr.batch, [&](int64_t item, int) {
+    const int32_t b = int32_t(item);
+    const ShardSequence s = shard_sequence(call, params, b);
+    const int64_t n = s.selects() ? s.n_candidates() : 0;
+    const std::vector<double> scores = n > 0 ? shard_scores(call, params, b, s) : std::vector<double>();
+    std::vector<double> votes(static_cast<size_t>(n));
+    std::vector<int64_t> order(static_cast<size_t>(n)), ids(static_cast<size_t>(n));
+    for (int32_t set = 0; set < params.n_sets; ++set) {
+      const int32_t first_head = set * params.heads_per_set;
+      for (int64_t c = 0; c < n; ++c) {
+        double vote = 0.0;
+        for (int32_t l = 0; l < params.heads_per_set; ++l) {
+          const int32_t h = first_head + l;
+          const double e = std::exp(scores[size_t(h) * size_t(n) + size_t(c)] - read_f64(call.global_max, b, h));
+          vote += e / z[size_t(b) * size_t(pr.num_q_heads) + size_t(h)];
+        }
+        votes[size_t(c)] = vote;
+      }
+      const int64_t k = std::min(params.top_k, n);
+      top_k_ids_ascending(votes.data(), n, k, order.data(), ids.data());
+      double* out_votes = call.out.ptr<double>();
+      int32_t* out_positions = call.out_positions.ptr<int32_t>();
+      const int64_t votes_row = b * call.out.stride(0) + set * call.out.stride(1);
+      const int64_t positions_row = b * call.out_positions.stride(0) + set * call.out_positions.stride(1);
+      for (int64_t i = 0; i < params.top_k; ++i) {
+        out_votes[votes_row + i * call.out.stride(2)] = i < k ? votes[size_t(ids[size_t(i)])] : -INFINITY;
+        out_positions[positions_row + i * call.out_positions.stride(2)] =
+            i < k ? int32_t(s.candidate_begin + ids[size_t(i)]) : -1;
+      }
+    }
+  });
+}
+
+// The largest index set a sequence can have on this shard (the cap out_indices must hold).
+int64_t max_shard_set(const ShardSequence& s, const Params& params) {
+  if (s.seq_q == 0) return 0;
+  if (s.dense) return s.length;
+  return std::min(s.length, token_select_set_size(params.n_init, params.top_k, params.n_local));
+}
+
+void step_indices(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
+  const AttentionProblem& pr = call.problem;
+  const int64_t shards = call.all_votes.extent(0);
+  const int64_t cap = call.out.extent(2);
+  const TensorArg& av = call.all_votes;
+  const TensorArg& ap = call.all_positions;
+  // Phase 0: every check, before anything is written; the global selection T of every (b, set), ascending.
+  std::vector<std::vector<int64_t>> selection(size_t(pr.batch) * size_t(params.n_sets));
+  for (int32_t b = 0; b < pr.batch; ++b) {
+    const ShardSequence s = shard_sequence(call, params, b);
+    if (max_shard_set(s, params) > cap) {
+      fail(SPARSA_STATUS_SHAPE_MISMATCH, "out_indices: cap (last extent) ", cap, " but sequence ", b,
+           " can have up to ", max_shard_set(s, params), " of its ", s.length, " keys on this shard selected");
+    }
+    if (!s.selects()) continue;
+    for (int32_t set = 0; set < params.n_sets; ++set) {
+      std::vector<std::pair<double, int64_t>> entries;
+      for (int64_t g = 0; g < shards; ++g) {
+        for (int64_t i = 0; i < params.top_k; ++i) {
+          const int64_t position =
+              ap.ptr<const int32_t>()[g * ap.stride(0) + b * ap.stride(1) + set * ap.stride(2) + i * ap.stride(3)];
+          if (position < 0) continue;
+          if (position < params.n_init || position >= s.total - params.n_local) {
+            fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "all_positions: ", position, " at shard ", g, ", sequence ", b,
+                 " is not a candidate (expected -1 or a position in [", params.n_init, ", ",
+                 s.total - params.n_local, "))");
+          }
+          entries.emplace_back(
+              av.ptr<const double>()[g * av.stride(0) + b * av.stride(1) + set * av.stride(2) + i * av.stride(3)],
+              position);
+        }
+      }
+      if (int64_t(entries.size()) < params.top_k) {
+        fail(SPARSA_STATUS_INVALID_ARGUMENT, "all_votes/all_positions: sequence ", b, " set ", set, " has ",
+             entries.size(), " gathered candidates but top_k is ", params.top_k,
+             " (expected every shard's sparsa_cp_select_topk output)");
+      }
+      const auto by_rank = [](const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& c) {
+        return ranks_before(a.first, a.second, c.first, c.second);
+      };
+      std::nth_element(entries.begin(), entries.begin() + (params.top_k - 1), entries.end(), by_rank);
+      std::vector<int64_t>& chosen = selection[size_t(b) * size_t(params.n_sets) + size_t(set)];
+      for (int64_t i = 0; i < params.top_k; ++i) chosen.push_back(entries[size_t(i)].second);
+      std::sort(chosen.begin(), chosen.end());
+      if (std::adjacent_find(chosen.begin(), chosen.end()) != chosen.end()) {
+        fail(SPARSA_STATUS_INVALID_ARGUMENT, "all_positions: sequence ", b, " set ", set,
+             " holds a position twice among the top_k (shards overlap or a list was gathered twice)");
+      }
+    }
+  }
+  // Phase 1: I ∩ shard as local ids, ascending (sinks, T, window lie in that order), -1-padded.
+  parallel_items(exec, int64_t(pr.batch) * params.n_sets, [&](int64_t item, int) {
+    const int32_t b = int32_t(item / params.n_sets);
+    const int32_t set = int32_t(item % params.n_sets);
+    const ShardSequence s = shard_sequence(call, params, b);
+    std::vector<int64_t> ids;
+    const int64_t end = s.start + s.length;
+    if (s.seq_q > 0 && s.dense) {
+      for (int64_t t = 0; t < s.length; ++t) ids.push_back(t);
+    } else if (s.selects()) {
+      for (int64_t t = s.start; t < std::min(params.n_init, end); ++t) ids.push_back(t - s.start);
+      for (int64_t t : selection[size_t(item)])
+        if (t >= s.start && t < end) ids.push_back(t - s.start);
+      for (int64_t t = std::max(s.total - params.n_local, s.start); t < end; ++t) ids.push_back(t - s.start);
+    }
+    write_selected_set(call.out, b, set, ids.data(), int64_t(ids.size()));
+  });
+}
+
+}  // namespace
+
+void cpu_cp_select(const CpSelectCall& call, const ExecContext& exec) {
+  const Params params = resolve(call);
+  switch (call.step) {
+    case CpSelectStep::kMax:
+      step_max(call, params, exec);
+      break;
+    case CpSelectStep::kSum:
+      step_sum(call, params, exec);
+      break;
+    case CpSelectStep::kTopk:
+      step_topk(call, params, exec);
+      break;
+    case CpSelectStep::kIndices:
+      step_indices(call, params, exec);
+      break;
+  }
+}
+
+}  // namespace sparsa::cpu

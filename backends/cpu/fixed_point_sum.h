@@ -1,0 +1,106 @@
+// An order-independent sum of softmax numerators exp(s − max), each in [0, 1] (or NaN): TOKEN_SELECT's per-head
+// normaliser Z_h (§6.3), on one device and across context-parallel shards (sparsa_cp_select_sum).
+//
+// A float64 running sum depends on the order of its terms, so shards that each sum their part and add the parts
+// would be rounded differently from one sequential sum, and a near-tie in the vote could flip. Here every term is
+// truncated to a multiple of 2^-128 (exactly, from its bits) and added as an integer, which is exact and
+// associative: any order and any split gives the same integer, and one fixed conversion gives the same double.
+// The truncation drops less than 2^-128 per term; Z_h >= 1 (the maximum's own term is exp(0) = 1), so the relative
+// error is below N · 2^-128, far under one float64 ulp.
+#pragma once
+
+#include <sparsa/sparsa.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace sparsa::cpu {
+
+class FixedPointSum {
+ public:
+  // Digit layout of to_digits/from_digits (SPARSA_CP_SUM_DIGITS): NaN count, integer part, then the 128 fraction
+  // bits as four 32-bit digits, most significant first.
+  static constexpr int kDigits = SPARSA_CP_SUM_DIGITS;
+  static constexpr int kFractionBits = 128;
+  static constexpr int kDigitBits = 32;
+  static constexpr uint64_t kDigitMask = (uint64_t{1} << kDigitBits) - 1;
+
+  // Adds a term; NaN is counted (the sum is then NaN), anything else must be >= 0 (finite).
+  void add(double term) {
+    if (std::isnan(term)) {
+      ++nan_count_;
+      return;
+    }
+    const double whole = std::floor(term);
+    whole_ += uint64_t(whole);
+    const double part = term - whole;  // exact, in [0, 1)
+    if (part == 0.0) return;
+    int exponent = 0;
+    const double mantissa = std::frexp(part, &exponent);  // part = mantissa · 2^exponent, mantissa in [0.5, 1)
+    const uint64_t bits = uint64_t(std::ldexp(mantissa, kMantissaBits));  // exact: a 53-bit integer
+    const int shift = exponent - kMantissaBits + kFractionBits;  // part · 2^128 = bits · 2^shift, shift <= 75
+    unsigned __int128 units = 0;
+    if (shift >= 0) {
+      units = static_cast<unsigned __int128>(bits) << shift;
+    } else if (shift > -kMantissaBits) {
+      units = bits >> -shift;  // truncation: the same for this term in any order
+    }
+    add_units(units);
+  }
+
+  // This sum as SPARSA_CP_SUM_DIGITS digits, each in [0, 2^32) (the integer part below 2^31 for N <= INT32_MAX).
+  void to_digits(int64_t* digits) const {
+    digits[0] = int64_t(nan_count_);
+    digits[1] = int64_t(whole_);
+    for (int i = 0; i < kFractionDigits; ++i) {
+      const int low_bit = kFractionBits - kDigitBits * (i + 1);
+      digits[2 + i] = int64_t(uint64_t(fraction_ >> low_bit) & kDigitMask);
+    }
+  }
+
+  // The sum whose digits (each >= 0, possibly past 2^32 after an element-wise add over shards) are given: carries
+  // move up from the least significant digit, so every representation of one value gives the same FixedPointSum.
+  // Returns false for a negative digit.
+  static bool from_digits(const int64_t* digits, FixedPointSum* out) {
+    for (int i = 0; i < kDigits; ++i)
+      if (digits[i] < 0) return false;
+    FixedPointSum sum;
+    sum.nan_count_ = uint64_t(digits[0]);
+    uint64_t carry = 0;
+    for (int i = kFractionDigits - 1; i >= 0; --i) {
+      const uint64_t value = uint64_t(digits[2 + i]) + carry;
+      const int low_bit = kFractionBits - kDigitBits * (i + 1);
+      sum.fraction_ |= static_cast<unsigned __int128>(value & kDigitMask) << low_bit;
+      carry = value >> kDigitBits;
+    }
+    sum.whole_ = uint64_t(digits[1]) + carry;
+    *out = sum;
+    return true;
+  }
+
+  // The sum as a double: NaN when a NaN term was added; otherwise a fixed sequence of roundings of the unique
+  // (whole, fraction) pair, so equal sums give equal doubles.
+  double value() const {
+    if (nan_count_ > 0) return std::numeric_limits<double>::quiet_NaN();
+    const double low = std::ldexp(double(uint64_t(fraction_)), -kFractionBits);
+    const double high = std::ldexp(double(uint64_t(fraction_ >> 64)), 64 - kFractionBits);
+    return double(whole_) + (high + low);
+  }
+
+ private:
+  static constexpr int kMantissaBits = std::numeric_limits<double>::digits;  // 53
+  static constexpr int kFractionDigits = kFractionBits / kDigitBits;         // 4
+
+  void add_units(unsigned __int128 units) {
+    const unsigned __int128 before = fraction_;
+    fraction_ += units;
+    if (fraction_ < before) ++whole_;  // wrapped past 2^128: one whole unit
+  }
+
+  uint64_t nan_count_ = 0;
+  uint64_t whole_ = 0;
+  unsigned __int128 fraction_ = 0;  // units of 2^-128
+};
+
+}  // namespace sparsa::cpu

@@ -1,0 +1,353 @@
+"""Context parallelism: attention over a sequence whose KV cache (decode) or whose tokens (prefill) are split by
+position across ranks (docs/context_parallel.md).
+
+sparsa has no transport of its own. Every function here takes a `group` with three collectives:
+
+    group.rank, group.size
+    group.all_reduce_max(x) / group.all_reduce_sum(x)   element-wise, in place, returns x
+    group.all_gather(x)                                 a new array [size, *x.shape], in rank order
+
+TorchGroup provides them through torch.distributed (NCCL for CUDA tensors, gloo for CPU tensors) on the caller's
+process group; ThreadGroup simulates `size` ranks as threads of one process (numpy arrays), for tests and for
+trying the protocol without torch.
+
+Decode (cp_decode): rank r holds keys [kv_start[b], kv_start[b] + L_b) of each sequence b of full length
+kv_total[b], computes its partial (out, lse) under the policy, and the partial states are merged exactly
+(sparsa_merge_states). TOKEN_SELECT's selection is global (sparsa_cp_select_*) and equal to the single-device
+selection. Prefill (prefill): the tokens are split zig-zag (zigzag_ranges) so that causal work is balanced; the
+keys are all-gathered and each rank attends with its own query rows over the causal key prefix, which is exact for
+every policy whose decisions are local to a query row or a query block (DENSE, SINK_WINDOW, BLOCK_SPARSE, and Δ on
+top of them, composed here from its dense anchor rows).
+"""
+import copy
+import threading
+
+import numpy
+
+from . import _library as L
+from . import ops
+from .context import Context
+from .policy import BlockSparse, Dense, SinkWindow, TokenIndices, TokenSelect
+
+
+# ---- Groups ------------------------------------------------------------------------------------------------------
+
+class TorchGroup:
+    """The three collectives over torch.distributed, on `group` (None = the default process group). With the NCCL
+    backend, host tensors travel through the current CUDA device and come back to the host."""
+
+    def __init__(self, group=None):
+        import torch
+        import torch.distributed as dist
+        self._dist = dist
+        self._group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        nccl = dist.get_backend(group) == "nccl"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+
+    def _on_device(self, x):
+        return x.to(self._device) if self._device is not None and x.device != self._device else x
+
+    def _reduce(self, x, op):
+        y = self._on_device(x.contiguous())
+        self._dist.all_reduce(y, op=op, group=self._group)
+        if y.data_ptr() != x.data_ptr():
+            x.copy_(y)
+        return x
+
+    def all_reduce_max(self, x):
+        return self._reduce(x, self._dist.ReduceOp.MAX)
+
+    def all_reduce_sum(self, x):
+        return self._reduce(x, self._dist.ReduceOp.SUM)
+
+    def all_gather(self, x):
+        import torch
+        y = self._on_device(x.contiguous())
+        parts = [torch.empty_like(y) for _ in range(self.size)]
+        self._dist.all_gather(parts, y, group=self._group)
+        return torch.stack(parts).to(x.device)
+
+
+class ThreadGroup:
+    """`size` simulated ranks in one process: run each rank's code on its own thread with `member(rank)` as its
+    group (numpy arrays). Every rank must call the same collectives in the same order, as with a real group."""
+
+    def __init__(self, size):
+        self.size = size
+        self._barrier = threading.Barrier(size)
+        self._slots = [None] * size
+
+    def member(self, rank):
+        return _ThreadMember(self, rank)
+
+    def run(self, function):
+        """Runs function(rank, member) on `size` threads and returns the results in rank order; re-raises the first
+        exception (the other ranks are released from their barrier with BrokenBarrierError)."""
+        results, failures = [None] * self.size, []
+
+        def body(rank):
+            try:
+                results[rank] = function(rank, self.member(rank))
+            except BaseException as exc:  # noqa: B902 - every failure is reported to the caller
+                failures.append(exc)
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(rank,)) for rank in range(self.size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        return results
+
+
+class _ThreadMember:
+    def __init__(self, shared, rank):
+        self._shared = shared
+        self.rank = rank
+        self.size = shared.size
+
+    def _exchange(self, x):
+        shared = self._shared
+        shared._slots[self.rank] = numpy.array(x, copy=True)
+        shared._barrier.wait()
+        parts = list(shared._slots)
+        shared._barrier.wait()  # nobody overwrites a slot before every rank has read them all
+        return parts
+
+    def all_reduce_max(self, x):
+        x[...] = numpy.maximum.reduce(self._exchange(x))
+        return x
+
+    def all_reduce_sum(self, x):
+        x[...] = numpy.sum(self._exchange(x), axis=0, dtype=x.dtype)
+        return x
+
+    def all_gather(self, x):
+        return numpy.stack(self._exchange(x))
+
+
+# ---- Internals -----------------------------------------------------------------------------------------------------
+
+def _like(template, array):
+    """`array` (numpy) as the same kind and device as `template` (numpy array or torch tensor)."""
+    if type(template).__module__.split(".")[0] == "torch":
+        import torch
+        return torch.from_numpy(numpy.ascontiguousarray(array)).to(template.device)
+    return numpy.ascontiguousarray(array)
+
+
+def _to_host(x):
+    return x.cpu() if hasattr(x, "cpu") else x
+
+
+def _host_int32(x, name):
+    array = numpy.asarray(x.cpu() if hasattr(x, "cpu") else x, dtype=numpy.int32)
+    if array.ndim != 1:
+        raise ValueError(f"{name}: expected int32 [B], got shape {array.shape}")
+    return numpy.ascontiguousarray(array)
+
+
+def _shard_lengths(k, seq_lens_k, batch):
+    if seq_lens_k is not None:
+        return _host_int32(seq_lens_k, "seq_lens_k")
+    return numpy.full(batch, k.shape[1], dtype=numpy.int32)
+
+
+def _local_index_lists(rows, cap, kv_start, lengths):
+    """int32 [B, H_idx, cap] from rows[b][r] = global positions (ascending): those on this shard, as local ids,
+    -1-padded."""
+    batch, h_idx = len(rows), len(rows[0])
+    out = numpy.full((batch, h_idx, max(cap, 1)), -1, dtype=numpy.int32)
+    for b in range(batch):
+        for r in range(h_idx):
+            positions = numpy.asarray(rows[b][r], dtype=numpy.int64)
+            local = positions[(positions >= kv_start[b]) & (positions < kv_start[b] + lengths[b])] - kv_start[b]
+            out[b, r, :len(local)] = local
+    return out
+
+
+# ---- Decode ------------------------------------------------------------------------------------------------------
+
+def token_select_indices(ctx, group, q, k, v, policy, kv_start, kv_total, *, seq_lens_k=None, softmax_scale=0.0):
+    """This rank's part of TOKEN_SELECT's index set (sparsa_cp_select_*, three collectives in between): int32
+    [B, n_sets, cap] local key ids, equal on every rank to its slice of the single-device selection."""
+    kv_start, kv_total = _host_int32(kv_start, "kv_start"), _host_int32(kv_total, "kv_total")
+    if ctx.device_type != L.DEVICE_CPU:
+        # The GPU backends answer UNSUPPORTED to sparsa_cp_select_* for now: select on a host context over host
+        # copies of q and of this shard's keys (correct, but it copies the shard's K to the host every call). The
+        # steps do not read v: the host keys stand in for it.
+        host_k = _to_host(k)
+        with Context() as host:
+            indices = token_select_indices(host, group, _to_host(q), host_k, host_k, policy, kv_start,
+                                           kv_total, seq_lens_k=None if seq_lens_k is None else
+                                           _host_int32(seq_lens_k, "seq_lens_k"), softmax_scale=softmax_scale)
+        return _like(q, indices)
+    common = dict(seq_lens_k=seq_lens_k, softmax_scale=softmax_scale)
+    global_max = group.all_reduce_max(ops.cp_select_max(ctx, q, k, v, policy, kv_start, kv_total, **common))
+    global_sum = group.all_reduce_sum(
+        ops.cp_select_sum(ctx, q, k, v, policy, kv_start, kv_total, global_max, **common))
+    votes, positions = ops.cp_select_topk(ctx, q, k, v, policy, kv_start, kv_total, global_max, global_sum,
+                                          **common)
+    all_votes, all_positions = group.all_gather(votes), group.all_gather(positions)
+    return ops.cp_select_indices(ctx, q, k, v, policy, kv_start, kv_total, all_votes, all_positions, **common)
+
+
+def _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, softmax_scale):
+    """The TOKEN_INDICES policy that makes this rank attend to its part of the policy's index set (decode: the
+    query row is the last position, kv_total[b] - 1)."""
+    kv_start, kv_total = _host_int32(kv_start, "kv_start"), _host_int32(kv_total, "kv_total")
+    lengths = _shard_lengths(k, seq_lens_k, len(kv_start))
+    batch = len(kv_start)
+    cap = int(lengths.max(initial=0))
+    if isinstance(policy, TokenSelect):
+        return TokenIndices(token_select_indices(ctx, group, q, k, v, policy, kv_start, kv_total,
+                                                 seq_lens_k=seq_lens_k, softmax_scale=softmax_scale))
+    if isinstance(policy, Dense):
+        rows = [[range(int(kv_start[b]), int(kv_start[b] + lengths[b]))] for b in range(batch)]
+    elif isinstance(policy, SinkWindow):
+        rows = []
+        for b in range(batch):
+            n = int(kv_total[b])
+            sinks = range(min(policy.sink_tokens, n))
+            window = range(max(policy.sink_tokens, n - policy.window), n)
+            rows.append([list(sinks) + list(window)])
+    elif isinstance(policy, TokenIndices) and policy.block_size == 1:
+        indices = numpy.asarray(policy.indices.cpu() if hasattr(policy.indices, "cpu") else policy.indices)
+        rows = []
+        for b in range(batch):
+            n = int(kv_total[b])
+            always = set(range(min(policy.n_init, n))) | set(range(max(0, n - policy.n_local), n))
+            rows.append([sorted(always | {int(t) for t in indices[b, r] if t >= 0})
+                         for r in range(indices.shape[1])])
+        head_map = policy.head_map
+        return TokenIndices(_like(q, _local_index_lists(rows, cap, kv_start, lengths)), head_map=head_map)
+    else:
+        raise NotImplementedError(f"cp_decode: {type(policy).__name__} is not supported (DENSE, SINK_WINDOW, "
+                                  "TOKEN_INDICES with block_size 1 and TOKEN_SELECT are)")
+    return TokenIndices(_like(q, _local_index_lists(rows, cap, kv_start, lengths)))
+
+
+def merge_gathered(ctx, outs, lses):
+    """Merges [G, ...] partial states in rank order with sparsa_merge_states; returns (out, lse)."""
+    out, lse = outs[0], lses[0]
+    for g in range(1, len(outs)):
+        out, lse = ops.merge_states(ctx, out, lse, outs[g], lses[g])
+    return out, lse
+
+
+def cp_decode(ctx, group, q, k, v, policy=None, *, kv_start, kv_total, seq_lens_k=None, softmax_scale=0.0):
+    """Decode attention over a KV cache split by position across the group's ranks. q [B, 1, Hq, D] (every rank
+    the same); k/v [B, L, Hkv, D] this rank's keys (seq_lens_k for ragged shards); kv_start / kv_total int32 [B].
+    Returns (out, lse) of the whole cache, the same on every rank (partial states all-gathered and merged)."""
+    policy = policy if policy is not None else Dense()
+    shard_policy = _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, softmax_scale)
+    out, lse, _, _, _ = ops.attention(ctx, q, k, v, policy=shard_policy, lse=True, seq_lens_k=seq_lens_k,
+                                      softmax_scale=softmax_scale)
+    return merge_gathered(ctx, group.all_gather(out), group.all_gather(lse))
+
+
+# ---- Prefill -----------------------------------------------------------------------------------------------------
+
+def zigzag_ranges(total, size, rank):
+    """The two token ranges rank `rank` of `size` holds: chunks rank and 2·size − 1 − rank of 2·size equal chunks
+    (total must be a multiple of 2·size), so that every rank has the same amount of causal work."""
+    if total % (2 * size) != 0:
+        raise ValueError(f"zigzag_ranges: total {total} is not a multiple of 2 * size = {2 * size}")
+    chunk = total // (2 * size)
+    return [(rank * chunk, (rank + 1) * chunk), ((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)]
+
+
+def _concat(parts, axis):
+    if type(parts[0]).__module__.split(".")[0] == "torch":
+        import torch
+        return torch.cat(list(parts), dim=axis)
+    return numpy.concatenate(list(parts), axis=axis)
+
+
+def _block_aligned(policy, start, chunk):
+    if start % policy.block_q != 0 or chunk % policy.block_q != 0:
+        raise ValueError(f"prefill: chunks of {chunk} tokens must be multiples of block_q {policy.block_q}")
+
+
+def _chunk_policy(policy, start, end, chunk):
+    """The policy for query rows [start, end) over keys [0, end): BLOCK_SPARSE's mask cut to those blocks."""
+    if isinstance(policy, BlockSparse):
+        _block_aligned(policy, start, chunk)
+        mask = policy.mask[:, :, start // policy.block_q:-(-end // policy.block_q), :-(-end // policy.block_k)]
+        return BlockSparse(_contiguous(mask), block_q=policy.block_q, block_k=policy.block_k)
+    return policy
+
+
+def _delta_chunk(ctx, q_chunk, k, v, base, delta, start, end, total, softmax_scale):
+    """§8 for query rows [start, end) of a prompt of `total` rows: rows >= s_p dense; rows i < s_p get
+    O_sparse[i] + (O_dense[r] - O_sparse[r]) with r = floor(i / gamma) * gamma, which lies in the chunk because
+    chunks are multiples of gamma."""
+    gamma = delta.gamma
+    if start % gamma != 0 or (end - start) % gamma != 0:
+        raise ValueError(f"prefill: Δ needs chunks that are multiples of gamma {gamma}")
+    split = total - (total % gamma + max(delta.tail_min, gamma))  # s_p
+    out = ops.attention(ctx, q_chunk, k[:, :end], v[:, :end], policy=base, causal=True, softmax_scale=softmax_scale)
+    dense_from = max(start, split)
+    if dense_from < end:  # the dense tail
+        out[:, dense_from - start:] = ops.attention(ctx, _contiguous(q_chunk[:, dense_from - start:]), k[:, :end],
+                                                    v[:, :end], causal=True, softmax_scale=softmax_scale)
+    for anchor in range(start, min(end, split), gamma):
+        row = anchor - start
+        dense = ops.attention(ctx, _contiguous(q_chunk[:, row:row + 1]), _contiguous(k[:, :anchor + 1]),
+                              _contiguous(v[:, :anchor + 1]), softmax_scale=softmax_scale)
+        last = min(row + gamma, split - start)
+        correction = dense - out[:, row:row + 1]
+        out[:, row:last] = out[:, row:last] + correction
+    return out
+
+
+def prefill(ctx, group, q, k, v, policy=None, *, total, softmax_scale=0.0):
+    """Causal prefill of one batch of sequences of `total` tokens split zig-zag: q/k/v [B, 2·c, H, D] hold this
+    rank's two chunks (zigzag_ranges) one after the other. K/V are all-gathered; each chunk's rows attend over the
+    key prefix up to their own last position (bottom-right causal alignment makes that the global causal mask), so
+    a rank computes only the pairs the policy keeps. Supported: DENSE, SINK_WINDOW, BLOCK_SPARSE (the global mask
+    [B, Hq, ceil(total/bq), ceil(total/bk)]; chunks multiples of block_q), and Δ on SINK_WINDOW or BLOCK_SPARSE
+    (chunks multiples of gamma). Not SPARGE: its prediction centres K by the mean over the whole sequence and its
+    top-k variant counts the call's key blocks, so a run over a key prefix predicts a different mask
+    (docs/context_parallel.md). Returns this rank's out [B, 2·c, Hq, D]."""
+    policy = policy if policy is not None else Dense()
+    if not isinstance(policy, (Dense, SinkWindow, BlockSparse)):
+        raise NotImplementedError(f"prefill: {policy!r} is not supported (DENSE, SINK_WINDOW and BLOCK_SPARSE, "
+                                  "with or without Δ, are)")
+    ranges = [zigzag_ranges(total, group.size, r) for r in range(group.size)]
+    chunk = ranges[0][0][1] - ranges[0][0][0]
+    gathered_k, gathered_v = group.all_gather(k), group.all_gather(v)
+    pieces_k, pieces_v, starts = [], [], []
+    for r in range(group.size):
+        for i, (start, _) in enumerate(ranges[r]):
+            starts.append(start)
+            pieces_k.append(gathered_k[r][:, i * chunk:(i + 1) * chunk])
+            pieces_v.append(gathered_v[r][:, i * chunk:(i + 1) * chunk])
+    order = sorted(range(len(starts)), key=lambda j: starts[j])
+    full_k = _concat([pieces_k[j] for j in order], 1)
+    full_v = _concat([pieces_v[j] for j in order], 1)
+    base = copy.copy(policy)
+    base.delta = None
+    outs = []
+    for i, (start, end) in enumerate(ranges[group.rank]):
+        q_chunk = _contiguous(q[:, i * chunk:(i + 1) * chunk])
+        chunk_policy = _chunk_policy(base, start, end, chunk)
+        if policy.delta is not None:
+            outs.append(_delta_chunk(ctx, q_chunk, full_k, full_v, chunk_policy, policy.delta, start, end, total,
+                                     softmax_scale))
+        else:
+            outs.append(ops.attention(ctx, q_chunk, full_k[:, :end], full_v[:, :end], policy=chunk_policy,
+                                      causal=True, softmax_scale=softmax_scale))
+    return _concat(outs, 1)
+
+
+def _contiguous(x):
+    return x.contiguous() if hasattr(x, "contiguous") else numpy.ascontiguousarray(x)
+
+
+__all__ = ["TorchGroup", "ThreadGroup", "token_select_indices", "cp_decode", "merge_gathered", "zigzag_ranges",
+           "prefill"]

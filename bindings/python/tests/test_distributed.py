@@ -1,0 +1,219 @@
+"""sparsa.distributed (docs/context_parallel.md): G = 2 and 4 ranks simulated as threads of this process
+(ThreadGroup, numpy on the CPU backend), compared with one context over the whole sequence: TOKEN_SELECT index sets
+exactly, outputs within fp32 rounding. With torch, the torchrun example runs on two gloo processes and checks the
+same on its own."""
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import sparsa
+from sparsa import distributed as cp
+
+RTOL = 1e-5  # max |got - want| / max |want| over the output (fp32 rounding of the merge)
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "context_parallel_torchrun.py")
+
+
+def _relative(got, want):
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def _split(lengths, size, rng):
+    """Per rank, (start, length) of every sequence: random cuts, sorted (a rank may get no key of a sequence)."""
+    cuts = [np.sort(np.concatenate([[0], rng.integers(0, n + 1, size - 1), [n]])) for n in lengths]
+    return [(np.array([c[r] for c in cuts], np.int32), np.array([c[r + 1] - c[r] for c in cuts], np.int32))
+            for r in range(size)]
+
+
+def _problem(rng, batch, hq, hkv, d, lengths, duplicates=0):
+    q = rng.standard_normal((batch, 1, hq, d)).astype(np.float32)
+    k = rng.standard_normal((batch, max(lengths), hkv, d)).astype(np.float32)
+    v = rng.standard_normal((batch, max(lengths), hkv, d)).astype(np.float32)
+    k[:, :4] *= 3.0  # attention sinks
+    for b, n in enumerate(lengths):  # needles, and runs of identical keys (exact vote ties)
+        k[b, rng.integers(4, n, 3)] = q[b, 0, ::hq // hkv] * 2.0
+        for _ in range(duplicates):
+            k[b, rng.integers(0, n, 4)] = k[b, rng.integers(0, n)]
+    return q, k, v
+
+
+def _run_ranks(size, q, k, v, lengths, shards, policy):
+    """cp_decode on every simulated rank; returns per-rank (out, lse, token-select indices or None)."""
+    total = np.array(lengths, np.int32)
+
+    def rank_body(rank, group):
+        start, length = shards[rank]
+        local_k = np.zeros((len(lengths), max(1, int(length.max())), k.shape[2], k.shape[3]), np.float32)
+        local_v = np.zeros_like(local_k)
+        for b in range(len(lengths)):
+            local_k[b, :length[b]] = k[b, start[b]:start[b] + length[b]]
+            local_v[b, :length[b]] = v[b, start[b]:start[b] + length[b]]
+        with sparsa.Context() as ctx:
+            indices = None
+            if isinstance(policy, sparsa.TokenSelect):
+                indices = cp.token_select_indices(ctx, group, q, local_k, local_v, policy, start, total,
+                                                  seq_lens_k=length)
+            out, lse = cp.cp_decode(ctx, group, q, local_k, local_v, policy, kv_start=start, kv_total=total,
+                                    seq_lens_k=length)
+        return out, lse, indices
+
+    return cp.ThreadGroup(size).run(rank_body)
+
+
+TOKEN_SELECT_CASES = [
+    # (batch, hq, hkv, d, lengths, policy, duplicates, ranks)
+    (1, 4, 4, 32, [300], dict(n_init=8, n_local=16, top_k=32), 0, 2),
+    (2, 8, 2, 32, [257, 400], dict(n_init=4, n_local=8, top_k=24), 0, 4),
+    (3, 8, 1, 16, [300, 97, 513], dict(n_init=16, n_local=32, top_k=40), 20, 4),
+    (2, 8, 2, 32, [350, 211], dict(n_init=8, n_local=16, top_k=30, per_kv_head=True), 20, 2),
+    (3, 4, 2, 16, [60, 300, 5], dict(n_init=8, n_local=16, top_k=40), 0, 2),  # dense fallback rows mixed in
+]
+
+
+@pytest.mark.parametrize("batch,hq,hkv,d,lengths,params,duplicates,size", TOKEN_SELECT_CASES)
+def test_token_select_decode_selection_and_output_equal_one_context(batch, hq, hkv, d, lengths, params,
+                                                                    duplicates, size):
+    rng = np.random.default_rng(len(lengths) * 100 + size)
+    q, k, v = _problem(rng, batch, hq, hkv, d, lengths, duplicates)
+    policy = sparsa.TokenSelect(cache_theta=1.0, **params)
+    n_sets = hkv if params.get("per_kv_head") else 1
+    selected = np.full((batch, n_sets, max(lengths)), -7, np.int32)
+    with sparsa.Context() as ctx:
+        want = sparsa.attention(ctx, q, k, v, policy=policy, lse=True, selected_indices=selected,
+                                seq_lens_k=np.array(lengths, np.int32))
+    shards = _split(lengths, size, rng)
+    results = _run_ranks(size, q, k, v, lengths, shards, policy)
+    for b in range(batch):
+        for s in range(n_sets):
+            got = sorted(int(t) + int(shards[r][0][b]) for r in range(size) for t in results[r][2][b, s] if t >= 0)
+            assert got == sorted(int(t) for t in selected[b, s] if t >= 0), (b, s)
+    for out, lse, _ in results:  # every rank holds the merged state
+        assert _relative(out, want.out) <= RTOL
+        assert _relative(lse, want.lse) <= RTOL
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("kind", ["dense", "sink_window", "token_indices"])
+def test_known_index_set_decode_equals_one_context(kind, size):
+    rng = np.random.default_rng(size)
+    lengths = [300, 123]
+    q, k, v = _problem(rng, 2, 8, 2, 32, lengths)
+    if kind == "dense":
+        policy = sparsa.Dense()
+    elif kind == "sink_window":
+        policy = sparsa.SinkWindow(sink_tokens=8, window=64)
+    else:
+        indices = rng.integers(-1, 123, (2, 2, 40)).astype(np.int32)
+        policy = sparsa.TokenIndices(indices, n_init=4, n_local=8)
+    with sparsa.Context() as ctx:
+        want = sparsa.attention(ctx, q, k, v, policy=policy, lse=True, seq_lens_k=np.array(lengths, np.int32))
+    for out, lse, _ in _run_ranks(size, q, k, v, lengths, _split(lengths, size, rng), policy):
+        assert _relative(out, want.out) <= RTOL
+        assert _relative(lse, want.lse) <= RTOL
+
+
+PREFILL_KINDS = ["dense", "sink_window", "block_sparse", "sink_window_delta", "block_sparse_delta"]
+
+
+def _prefill_policy(kind, rng, batch, hq, total):
+    delta = sparsa.Delta(gamma=32, tail_min=40) if kind.endswith("_delta") else None
+    if kind.startswith("dense"):
+        return sparsa.Dense()
+    if kind.startswith("sink_window"):
+        return sparsa.SinkWindow(sink_tokens=16, window=100, delta=delta)
+    if kind.startswith("block_sparse"):
+        mask = (rng.random((batch, hq, total // 32, total // 32)) < 0.4).astype(np.uint8)
+        return sparsa.BlockSparse(mask, block_q=32, block_k=32, delta=delta)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("kind", PREFILL_KINDS)
+def test_zigzag_prefill_equals_one_context(kind, size):
+    rng = np.random.default_rng(10 + size)
+    batch, hq, hkv, d, total = 2, 4, 2, 32, 512
+    q = rng.standard_normal((batch, total, hq, d)).astype(np.float32)
+    k = rng.standard_normal((batch, total, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((batch, total, hkv, d)).astype(np.float32)
+    policy = _prefill_policy(kind, rng, batch, hq, total)
+    with sparsa.Context() as ctx:
+        want = sparsa.attention(ctx, q, k, v, policy=policy, causal=True)
+
+    def rank_body(rank, group):
+        ranges = cp.zigzag_ranges(total, size, rank)
+        take = lambda x: np.ascontiguousarray(np.concatenate([x[:, a:e] for a, e in ranges], axis=1))  # noqa: E731
+        with sparsa.Context() as ctx:
+            out = cp.prefill(ctx, group, take(q), take(k), take(v), policy, total=total)
+        return out, take(want)
+
+    for out, expected in cp.ThreadGroup(size).run(rank_body):
+        assert _relative(out, expected) <= RTOL
+
+
+def test_prefill_refuses_what_it_cannot_reproduce():
+    group = cp.ThreadGroup(1).member(0)
+    x = np.zeros((1, 64, 1, 16), np.float32)
+    with sparsa.Context() as ctx:
+        with pytest.raises(NotImplementedError):  # a prefix run would predict a different mask
+            cp.prefill(ctx, group, x, x, x, sparsa.Sparge(block_q=32), total=64)
+        with pytest.raises(ValueError):  # chunks of 32 rows, blocks of 64
+            mask = np.ones((1, 1, 1, 1), np.uint8)
+            cp.prefill(ctx, group, x, x, x, sparsa.BlockSparse(mask, block_q=64, block_k=64), total=64)
+        with pytest.raises(ValueError):  # Δ anchors every 64 rows cross the 32-row chunks
+            cp.prefill(ctx, group, x, x, x, sparsa.SinkWindow(delta=sparsa.Delta(gamma=64)), total=64)
+
+
+def test_zigzag_ranges_balance_causal_work():
+    size, total = 4, 64
+    work = []
+    for rank in range(size):
+        ranges = cp.zigzag_ranges(total, size, rank)
+        work.append(sum(sum(range(a + 1, e + 1)) for a, e in ranges))  # causal pairs of the rank's rows
+    assert len(set(work)) == 1
+    with pytest.raises(ValueError):
+        cp.zigzag_ranges(100, 4, 0)
+
+
+def test_a_rank_failure_reaches_the_caller_and_releases_the_others():
+    def rank_body(rank, group):
+        if rank == 1:
+            raise RuntimeError("planted")
+        return group.all_gather(np.zeros(1))
+
+    with pytest.raises(RuntimeError, match="planted"):
+        cp.ThreadGroup(2).run(rank_body)
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_torchrun_example_on_two_gloo_processes():
+    """Starts the example's two ranks with the environment torchrun gives them (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT). Not through torchrun itself: Debian's torch 1.13 launcher fails under Python 3.11
+    before starting any worker ("'NoneType' object has no attribute 'get'" in elastic/multiprocessing/api.py)."""
+    torch = pytest.importorskip("torch")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    size, port = 2, _free_port()
+    processes = []
+    for rank in range(size):
+        env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."), OMP_NUM_THREADS="1",
+                   RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+        processes.append(subprocess.Popen([sys.executable, EXAMPLE, "--check", "--kv-len", "2048"], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=300)[0])
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert all(p.returncode == 0 for p in processes), "\n".join(outputs)
+    assert "context-parallel decode and prefill match one device on 2 ranks" in outputs[0]
