@@ -141,39 +141,29 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
   __syncthreads();
 
   // Histogram of this block's share. Clustered data (votes share their exponent bits) would serialise the shared
-  // atomics on one bin: on NVIDIA the lanes of a warp with the same digit add once through their leader
-  // (__match_any_sync); elsewhere each thread merges runs of equal digits first. Every lane runs the same number of
-  // rounds, so whole warps reach the match.
+  // atomics on one bin, so each thread merges runs of equal digits first.
   const T* row = static_cast<const T*>(a.values) + s * a.row_stride;
   const int64_t begin = part * kPassElementsPerBlock;
   const int64_t end = begin + kPassElementsPerBlock < length ? begin + kPassElementsPerBlock : length;
   const uint32_t digit_mask = (1u << digit_bits) - 1u;
-  constexpr uint32_t kNoDigit = 0xffffffffu;  // an element outside the block or already decided
   uint32_t run_digit = 0, run_count = 0;
-  for (int64_t base = begin; base < end; base += int64_t(kThreads) * kLoadsInFlight) {
-    uint32_t digits[kLoadsInFlight];
+  for (int64_t first = begin + threadIdx.x; first < end; first += int64_t(kThreads) * kLoadsInFlight) {
+    uint64_t keys[kLoadsInFlight];
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int64_t t = base + threadIdx.x + int64_t(u) * kThreads;
-      const uint64_t key = t < end ? order_key(row[t]) : 0;
-      digits[u] = t < end && (key & mask) == prefix ? uint32_t(key >> shift) & digit_mask : kNoDigit;
+      const int64_t t = first + int64_t(u) * kThreads;
+      keys[u] = t < end ? order_key(row[t]) : 0;
     }
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
-#if !SPARSA_GPU_IS_HIP
-      const unsigned peers = __match_any_sync(0xffffffffu, digits[u]);
-      if (digits[u] != kNoDigit && (threadIdx.x % 32) == unsigned(__ffs(peers) - 1)) {
-        atomicAdd(&hist[digits[u]], unsigned(__popc(peers)));
-      }
-#else
-      if (digits[u] == kNoDigit) continue;
-      if (digits[u] != run_digit) {
+      if (first + int64_t(u) * kThreads >= end || (keys[u] & mask) != prefix) continue;
+      const uint32_t digit = uint32_t(keys[u] >> shift) & digit_mask;
+      if (digit != run_digit) {
         if (run_count != 0) atomicAdd(&hist[run_digit], run_count);
-        run_digit = digits[u];
+        run_digit = digit;
         run_count = 0;
       }
       ++run_count;
-#endif
     }
   }
   if (run_count != 0) atomicAdd(&hist[run_digit], run_count);
