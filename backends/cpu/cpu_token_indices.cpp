@@ -10,6 +10,7 @@
 
 #include "../../src/error.h"
 #include "attention_loop.h"
+#include "cpu_engine.h"
 #include "cpu_select_util.h"
 
 namespace sparsa::cpu {
@@ -109,15 +110,49 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
   if (!problem.contents_validated) check_contents(problem, policy, params);
   for (int32_t b = 0; b < batch; ++b) require_selected_capacity(problem, problem.seq_len_k(b), b, "TOKEN_INDICES");
 
+  const int32_t group = n_heads / problem.num_kv_heads;
+  bool groups_share_rows = true;  // every head of a kv group reads its group's first head's row of indices
+  bool all_share_row = true;      // every head reads head 0's row
+  for (int32_t h = 0; h < n_heads; ++h) {
+    const int32_t row = index_row_of(problem, policy, params, h);
+    groups_share_rows = groups_share_rows && row == index_row_of(problem, policy, params, h - h % group);
+    all_share_row = all_share_row && row == index_row_of(problem, policy, params, 0);
+  }
+
+  // Decode on a 16-bit cache: one key list per kv group (or one for all heads when they share a row of indices),
+  // attended with the dense decode kernels (run_decode_lists: each listed key's K and V read once for the list's
+  // kv heads). The lists live in run scratch.
+  if (groups_share_rows && decode_lists_apply(problem)) {
+    const int32_t n_lists = all_share_row ? 1 : problem.num_kv_heads;
+    const int32_t heads_per_list = n_heads / n_lists;
+    ScratchLayout lists_layout;
+    const size_t n_entries = size_t(batch) * size_t(n_lists);
+    const size_t keys_at = lists_layout.add<int64_t>(n_entries * size_t(problem.max_seq_k));
+    const size_t sizes_at = lists_layout.add<int64_t>(n_entries);
+    lists_layout.bind(run_scratch(exec, kRunScratchSelection));
+    int64_t* keys = lists_layout.get<int64_t>(keys_at, n_entries * size_t(problem.max_seq_k));
+    int64_t* sizes = lists_layout.get<int64_t>(sizes_at, n_entries);
+    parallel_items(exec, int64_t(n_entries), [&](int64_t item, int worker) {
+      const int32_t b = int32_t(item / n_lists);
+      const int32_t h_first = int32_t(item % n_lists) * heads_per_list;
+      ScratchLayout layout;
+      const size_t ranges_at = layout.add<IdRange>(size_t(params.slots + kAlwaysIncludedRanges));
+      layout.bind(policy_scratch(exec, worker));
+      int64_t* list = keys + item * problem.max_seq_k;
+      sizes[item] = build_key_set(problem, policy, params, b, h_first, problem.seq_len_k(b),
+                                  layout.get<IdRange>(ranges_at, size_t(params.slots + kAlwaysIncludedRanges)), list);
+      if (problem.selected_indices.present)
+        for (int32_t l = 0; l < heads_per_list; ++l)
+          write_selected_set(problem.selected_indices, b, h_first + l, list, sizes[item]);
+    });
+    run_decode_lists(problem, DecodeLists{keys, sizes, problem.max_seq_k, n_lists}, sink, exec);
+    return;
+  }
+
   // Decode-sized sequences stack the query heads of a kv group into one tile (each K/V tile converted once per
   // group; bit-identical results) when every head of every group reads the same row of indices (so the same key
   // set) and there is still a work item per worker.
-  const int32_t group = n_heads / problem.num_kv_heads;
-  bool groups_share_rows = group > 1;
-  for (int32_t h = 0; h < n_heads && groups_share_rows; ++h)
-    groups_share_rows = index_row_of(problem, policy, params, h) ==
-                        index_row_of(problem, policy, params, h - h % group);
-  const bool stack = groups_share_rows && problem.max_seq_q > 0 &&
+  const bool stack = group > 1 && groups_share_rows && problem.max_seq_q > 0 &&
                      int64_t(problem.max_seq_q) * group <= kMaxStackedRows &&
                      int64_t(batch) * problem.num_kv_heads >= worker_count(exec);
   const int32_t heads_per_item = stack ? group : 1;

@@ -1,0 +1,226 @@
+// TOKEN_SELECT's float64 scoring kernel (see select_scores.h). Three versions, bit-identical by construction: every
+// score is 0, then for c = 0, 1, ..., d-1 one multiply q̄[c]·K[c] rounded to float64 and one add rounded to float64,
+// then the product with `scale`; only the number of sums in flight differs.
+//   portable  one sum at a time;
+//   AVX2      4 heads × 2 vectors of 4 keys = 8 sums per pass, 4 passes per 32-key tile;
+//   AVX-512F  4 heads × 4 vectors of 8 keys = 16 sums per pass over the tile.
+// A sequential sum is a chain of dependent adds, so it runs at one add per add latency; the register blocks keep
+// enough chains in flight to fill both the multiply and the add pipes. Keys are transposed once per tile (8×8 fp32
+// blocks), and every head block of the call reads the same transposed tile.
+// This file is compiled with -ffp-contract=off (CMakeLists.txt): GCC enables FMA with "avx512f" and would otherwise
+// fuse _mm512_mul_pd + _mm512_add_pd into one differently rounded FMA.
+#include "select_scores.h"
+
+#include <algorithm>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace sparsa::cpu {
+namespace {
+
+constexpr int kHeadBlock = 4;   // query heads per register block
+constexpr int kKeyGroup = 8;    // keys per transposed group (one 8×8 fp32 transpose wide)
+constexpr int kKeyGroups = kScoreTileKeys / kKeyGroup;
+
+void score_tile_portable(const double* qbars, int n_heads, const float* keys, int n_keys, int32_t d, double scale,
+                         float*, double* scores, int64_t score_stride) {
+  for (int j = 0; j < n_keys; ++j) {
+    const float* k = keys + int64_t(j) * d;
+    for (int l = 0; l < n_heads; ++l) {
+      const double* q = qbars + int64_t(l) * d;
+      double sum = 0.0;
+      for (int32_t c = 0; c < d; ++c) sum += q[c] * double(k[c]);
+      scores[j * score_stride + l] = scale * sum;
+    }
+  }
+}
+
+constexpr SelectScoreKernel kPortable = {score_tile_portable, "portable"};
+
+#if defined(__x86_64__) && !defined(SPARSA_CPU_PORTABLE_KERNELS)
+
+// transposed[c * kScoreTileKeys + j] = keys[j * d + c] for j < n_keys, 0 for n_keys <= j < kScoreTileKeys.
+__attribute__((target("avx"))) void transpose_keys(const float* keys, int n_keys, int32_t d, float* transposed) {
+  for (int group = 0; group < kKeyGroups; ++group) {
+    const int first = group * kKeyGroup;
+    const int in_group = std::clamp(n_keys - first, 0, kKeyGroup);
+    int32_t c0 = 0;
+    if (in_group == kKeyGroup) {
+      const float* rows = keys + int64_t(first) * d;
+      for (; c0 + kKeyGroup <= d; c0 += kKeyGroup) {
+        __m256 r[kKeyGroup];
+        for (int i = 0; i < kKeyGroup; ++i) r[i] = _mm256_loadu_ps(rows + int64_t(i) * d + c0);
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        constexpr int kLow = _MM_SHUFFLE(1, 0, 1, 0), kHigh = _MM_SHUFFLE(3, 2, 3, 2);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, kLow), u1 = _mm256_shuffle_ps(t0, t2, kHigh);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, kLow), u3 = _mm256_shuffle_ps(t1, t3, kHigh);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, kLow), u5 = _mm256_shuffle_ps(t4, t6, kHigh);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, kLow), u7 = _mm256_shuffle_ps(t5, t7, kHigh);
+        constexpr int kLowHalves = 0x20, kHighHalves = 0x31;
+        const __m256 columns[kKeyGroup] = {
+            _mm256_permute2f128_ps(u0, u4, kLowHalves),  _mm256_permute2f128_ps(u1, u5, kLowHalves),
+            _mm256_permute2f128_ps(u2, u6, kLowHalves),  _mm256_permute2f128_ps(u3, u7, kLowHalves),
+            _mm256_permute2f128_ps(u0, u4, kHighHalves), _mm256_permute2f128_ps(u1, u5, kHighHalves),
+            _mm256_permute2f128_ps(u2, u6, kHighHalves), _mm256_permute2f128_ps(u3, u7, kHighHalves)};
+        for (int i = 0; i < kKeyGroup; ++i)
+          _mm256_storeu_ps(transposed + int64_t(c0 + i) * kScoreTileKeys + first, columns[i]);
+      }
+    }
+    for (int32_t c = c0; c < d; ++c)
+      for (int i = 0; i < kKeyGroup; ++i)
+        transposed[int64_t(c) * kScoreTileKeys + first + i] = i < in_group ? keys[int64_t(first + i) * d + c] : 0.f;
+  }
+}
+
+// Writes lanes [0, n) of `values` (keys first_key, first_key + 1, ...) of head `head` into scores.
+inline void store_lanes(const double* values, int n, int first_key, int head, double* scores, int64_t score_stride) {
+  for (int i = 0; i < n; ++i) scores[(first_key + i) * score_stride + head] = values[i];
+}
+
+// ---- AVX-512F: kHeads heads × the whole 32-key tile (4 zmm of 8 keys) per pass ----
+
+constexpr int kZmmDoubles = 8;
+constexpr int kZmmVectors = kScoreTileKeys / kZmmDoubles;
+
+template <int kHeads>
+__attribute__((target("avx512f"))) void head_block_avx512(const double* qbars, const float* transposed, int n_keys,
+                                                          int32_t d, double scale, int first_head, double* scores,
+                                                          int64_t score_stride) {
+  __m512d acc[kHeads][kZmmVectors];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 4
+    for (int x = 0; x < kZmmVectors; ++x) acc[h][x] = _mm512_setzero_pd();
+  for (int32_t c = 0; c < d; ++c) {
+    const float* column = transposed + int64_t(c) * kScoreTileKeys;
+    __m512d k[kZmmVectors];
+#pragma GCC unroll 4
+    for (int x = 0; x < kZmmVectors; ++x) k[x] = _mm512_cvtps_pd(_mm256_loadu_ps(column + x * kZmmDoubles));
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      const __m512d q = _mm512_set1_pd(qbars[int64_t(h) * d + c]);
+#pragma GCC unroll 4
+      for (int x = 0; x < kZmmVectors; ++x) acc[h][x] = _mm512_add_pd(acc[h][x], _mm512_mul_pd(q, k[x]));
+    }
+  }
+  const __m512d factor = _mm512_set1_pd(scale);
+  for (int h = 0; h < kHeads; ++h)
+    for (int x = 0; x < kZmmVectors; ++x) {
+      const int first_key = x * kZmmDoubles;
+      if (first_key >= n_keys) break;
+      alignas(64) double lanes[kZmmDoubles];
+      _mm512_store_pd(lanes, _mm512_mul_pd(factor, acc[h][x]));
+      store_lanes(lanes, std::min(kZmmDoubles, n_keys - first_key), first_key, first_head + h, scores, score_stride);
+    }
+}
+
+__attribute__((target("avx512f"))) void score_tile_avx512(const double* qbars, int n_heads, const float* keys,
+                                                          int n_keys, int32_t d, double scale, float* transposed,
+                                                          double* scores, int64_t score_stride) {
+  transpose_keys(keys, n_keys, d, transposed);
+  for (int h = 0; h < n_heads; h += kHeadBlock) {
+    const double* q = qbars + int64_t(h) * d;
+    switch (std::min(kHeadBlock, n_heads - h)) {
+      case 4: head_block_avx512<4>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 3: head_block_avx512<3>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 2: head_block_avx512<2>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      default: head_block_avx512<1>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+    }
+  }
+}
+
+// ---- AVX2: kHeads heads × 8 keys (2 ymm of 4 keys) per pass, one pass per 8-key group ----
+
+constexpr int kYmmDoubles = 4;
+constexpr int kYmmVectors = kKeyGroup / kYmmDoubles;
+
+template <int kHeads>
+__attribute__((target("avx2"))) void head_block_avx2(const double* qbars, const float* transposed, int n_keys, int32_t d,
+                                                     double scale, int first_head, double* scores,
+                                                     int64_t score_stride) {
+  for (int first_key = 0; first_key < n_keys; first_key += kKeyGroup) {
+    __m256d acc[kHeads][kYmmVectors];
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+      for (int x = 0; x < kYmmVectors; ++x) acc[h][x] = _mm256_setzero_pd();
+    for (int32_t c = 0; c < d; ++c) {
+      const float* column = transposed + int64_t(c) * kScoreTileKeys + first_key;
+      __m256d k[kYmmVectors];
+#pragma GCC unroll 2
+      for (int x = 0; x < kYmmVectors; ++x) k[x] = _mm256_cvtps_pd(_mm_loadu_ps(column + x * kYmmDoubles));
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeads; ++h) {
+        const __m256d q = _mm256_set1_pd(qbars[int64_t(h) * d + c]);
+#pragma GCC unroll 2
+        for (int x = 0; x < kYmmVectors; ++x) acc[h][x] = _mm256_add_pd(acc[h][x], _mm256_mul_pd(q, k[x]));
+      }
+    }
+    const __m256d factor = _mm256_set1_pd(scale);
+    for (int h = 0; h < kHeads; ++h)
+      for (int x = 0; x < kYmmVectors; ++x) {
+        const int key = first_key + x * kYmmDoubles;
+        if (key >= n_keys) break;
+        alignas(32) double lanes[kYmmDoubles];
+        _mm256_store_pd(lanes, _mm256_mul_pd(factor, acc[h][x]));
+        store_lanes(lanes, std::min(kYmmDoubles, n_keys - key), key, first_head + h, scores, score_stride);
+      }
+  }
+}
+
+__attribute__((target("avx2"))) void score_tile_avx2(const double* qbars, int n_heads, const float* keys, int n_keys,
+                                                     int32_t d, double scale, float* transposed, double* scores,
+                                                     int64_t score_stride) {
+  transpose_keys(keys, n_keys, d, transposed);
+  for (int h = 0; h < n_heads; h += kHeadBlock) {
+    const double* q = qbars + int64_t(h) * d;
+    switch (std::min(kHeadBlock, n_heads - h)) {
+      case 4: head_block_avx2<4>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 3: head_block_avx2<3>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 2: head_block_avx2<2>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      default: head_block_avx2<1>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+    }
+  }
+}
+
+constexpr SelectScoreKernel kAvx2 = {score_tile_avx2, "avx2"};
+constexpr SelectScoreKernel kAvx512 = {score_tile_avx512, "avx512f"};
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2");
+}
+bool has_avx512f() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+#endif
+
+}  // namespace
+
+const SelectScoreKernel& portable_select_score_kernel() { return kPortable; }
+
+#if defined(__x86_64__) && !defined(SPARSA_CPU_PORTABLE_KERNELS)
+const SelectScoreKernel* avx2_select_score_kernel() { return has_avx2() ? &kAvx2 : nullptr; }
+const SelectScoreKernel* avx512_select_score_kernel() { return has_avx512f() ? &kAvx512 : nullptr; }
+#else
+const SelectScoreKernel* avx2_select_score_kernel() { return nullptr; }
+const SelectScoreKernel* avx512_select_score_kernel() { return nullptr; }
+#endif
+
+const SelectScoreKernel& select_score_kernel() {
+  static const SelectScoreKernel& chosen = []() -> const SelectScoreKernel& {  // a CPU property: chosen once
+    if (const SelectScoreKernel* k = avx512_select_score_kernel()) return *k;
+    if (const SelectScoreKernel* k = avx2_select_score_kernel()) return *k;
+    return kPortable;
+  }();
+  return chosen;
+}
+
+}  // namespace sparsa::cpu
