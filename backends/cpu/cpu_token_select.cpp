@@ -22,6 +22,7 @@
 #include "../../src/common/policy_sizes.h"
 #include "../../src/error.h"
 #include "attention_loop.h"
+#include "cpu_convert.h"
 #include "cpu_select_util.h"
 #include "cpu_utilities.h"
 #include "select_scores.h"
@@ -179,6 +180,7 @@ int64_t build_index_set(const SequencePlan& plan, const SelectParams& params, co
 
 // Candidates one vote work item covers: gives the pool parallel work even for one decode sequence.
 constexpr int64_t kCandidatesPerVoteItem = 2048;
+constexpr int64_t kCacheLineBytes = 64;
 
 // Phase 3 works on s[h, t] = q̄_h·K[t, h/g] (· scale when asked) over the candidates t ∈ C, in three steps:
 //   3a per (b, kv head): the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head of the group;
@@ -206,21 +208,22 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   const int64_t n_candidates = plan.candidate_end - plan.candidate_begin;
   const double* qbars = concat_qbar + int64_t(first_head) * d;  // the group's q̄, [g, d]
   ScratchLayout layout;
-  const size_t keys_at = layout.add<float>(size_t(kScoreTileKeys) * size_t(d));
   const size_t transposed_at = layout.add<float>(score_tile_scratch_floats(d));
   const size_t scores_at = layout.add<double>(kept_scores ? 0 : size_t(group) * size_t(n_candidates));  // [C, g]
   layout.bind(scratch);
-  float* key_rows = layout.get<float>(keys_at, size_t(kScoreTileKeys) * size_t(d));
   float* transposed = layout.get<float>(transposed_at, score_tile_scratch_floats(d));
   double* scores =
       kept_scores ? kept_scores : layout.get<double>(scores_at, size_t(group) * size_t(n_candidates));
   const SelectScoreKernel& kernel = select_score_kernel();
+  const unsigned char* k_base = static_cast<const unsigned char*>(problem.k.t.data);
+  const int64_t eb = element_bytes(problem.dtype);
+  const void* rows[kScoreTileKeys];
   for (int64_t c0 = 0; c0 < (scores_ready ? 0 : n_candidates); c0 += kScoreTileKeys) {
     const int n_keys = int(std::min<int64_t>(kScoreTileKeys, n_candidates - c0));
     for (int key = 0; key < n_keys; ++key)
-      load_row_f32(problem.dtype, problem.k.t.data,
-                   problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk), d, key_rows + key * d);
-    kernel.score_tile(qbars, group, key_rows, n_keys, d, in.score_scale, transposed, scores + c0 * group, group);
+      rows[key] = k_base + problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk) * eb;
+    kernel.score_tile(qbars, group, rows, problem.dtype, n_keys, d, in.score_scale, transposed, scores + c0 * group,
+                      group);
   }
   for (int32_t l = 0; l < group; ++l) {
     double max_score = -INFINITY;
@@ -237,9 +240,9 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
 }
 
 // 3a's scores when they are kept, for candidates [first, last) of sequence b and every kv head: a tile of keys for
-// all kv heads before the next tile, so K is read front to back once (one kv head at a time over all candidates
-// reads the [B, S, Hkv, D] cache several times slower). Each score is the same sequential float64 sum as
-// head_softmax_stats computes (select_scores.h: bit-identical on every kernel). kept: [Hkv][|C|, g] of b.
+// all kv heads before the next tile (in the [B, S, Hkv, D] layout one key's rows are adjacent, so K is read front to
+// back once), the next tile's rows prefetched while this one is scored. Each score is the same sequential float64
+// sum as head_softmax_stats computes (select_scores.h: bit-identical on every kernel). kept: [Hkv][|C|, g] of b.
 void score_candidates_all_heads(const VoteInputs& in, const SequencePlan& plan, int32_t b, int64_t first,
                                 int64_t last, const double* concat_qbar, ThreadScratch& scratch, double* kept,
                                 int64_t kept_stride) {
@@ -248,20 +251,27 @@ void score_candidates_all_heads(const VoteInputs& in, const SequencePlan& plan, 
   const int32_t n_kv_heads = problem.num_kv_heads;
   const int32_t group = problem.num_q_heads / n_kv_heads;
   ScratchLayout layout;
-  const size_t keys_at = layout.add<float>(size_t(kScoreTileKeys) * size_t(d));
   const size_t transposed_at = layout.add<float>(score_tile_scratch_floats(d));
   layout.bind(scratch);
-  float* key_rows = layout.get<float>(keys_at, size_t(kScoreTileKeys) * size_t(d));
   float* transposed = layout.get<float>(transposed_at, score_tile_scratch_floats(d));
   const SelectScoreKernel& kernel = select_score_kernel();
+  const unsigned char* k_base = static_cast<const unsigned char*>(problem.k.t.data);
+  const int64_t eb = element_bytes(problem.dtype);
+  const int64_t row_bytes = int64_t(d) * eb;
+  const auto k_row = [&](int64_t c, int32_t hk) {
+    return k_base + problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk) * eb;
+  };
+  const void* rows[kScoreTileKeys];
   for (int64_t c0 = first; c0 < last; c0 += kScoreTileKeys) {
     const int n_keys = int(std::min<int64_t>(kScoreTileKeys, last - c0));
+    const int64_t next_end = std::min<int64_t>(last, c0 + 2 * kScoreTileKeys);
+    for (int64_t c = c0 + kScoreTileKeys; c < next_end; ++c)
+      for (int32_t hk = 0; hk < n_kv_heads; ++hk)
+        for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) __builtin_prefetch(k_row(c, hk) + byte);
     for (int32_t hk = 0; hk < n_kv_heads; ++hk) {
-      for (int key = 0; key < n_keys; ++key)
-        load_row_f32(problem.dtype, problem.k.t.data,
-                     problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk), d, key_rows + key * d);
-      kernel.score_tile(concat_qbar + int64_t(hk) * group * d, group, key_rows, n_keys, d, in.score_scale, transposed,
-                        kept + hk * kept_stride + c0 * group, group);
+      for (int key = 0; key < n_keys; ++key) rows[key] = k_row(c0 + key, hk);
+      kernel.score_tile(concat_qbar + int64_t(hk) * group * d, group, rows, problem.dtype, n_keys, d, in.score_scale,
+                        transposed, kept + hk * kept_stride + c0 * group, group);
     }
   }
 }

@@ -11,9 +11,13 @@
 // fuse _mm512_mul_pd + _mm512_add_pd into one differently rounded FMA.
 #include "select_scores.h"
 
+#include <sparsa/sparsa.h>
+
 #include <algorithm>
+#include <cstring>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -24,14 +28,48 @@ constexpr int kHeadBlock = 4;   // query heads per register block
 constexpr int kKeyGroup = 8;    // keys per transposed group (one 8×8 fp32 transpose wide)
 constexpr int kKeyGroups = kScoreTileKeys / kKeyGroup;
 
-void score_tile_portable(const double* qbars, int n_heads, const float* keys, int n_keys, int32_t d, double scale,
-                         float*, double* scores, int64_t score_stride) {
+uint16_t load_u16(const unsigned char* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return h;
+}
+float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+float f16_bits_to_float(uint16_t h) {  // exact, as cpu_convert.h's f16_to_float (this file stands alone)
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1fu) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));  // inf / NaN
+  if (exponent != 0) return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  if (mantissa == 0) return bits_to_float(sign);
+  int shift = 0;  // subnormal: mantissa · 2^-24
+  while ((mantissa & 0x400u) == 0) {
+    mantissa <<= 1;
+    ++shift;
+  }
+  return bits_to_float(sign | (uint32_t(113 - shift) << 23) | ((mantissa & 0x3ffu) << 13));
+}
+
+// Element c of a row of `dtype`, widened to fp32 (exact).
+float element(const void* row, int32_t dtype, int64_t c) {
+  const unsigned char* p = static_cast<const unsigned char*>(row);
+  if (dtype == SPARSA_DTYPE_F16) return f16_bits_to_float(load_u16(p + 2 * c));
+  if (dtype == SPARSA_DTYPE_BF16) return bits_to_float(uint32_t(load_u16(p + 2 * c)) << 16);
+  float f;
+  std::memcpy(&f, p + 4 * c, sizeof f);
+  return f;
+}
+
+void score_tile_portable(const double* qbars, int n_heads, const void* const* keys, int32_t dtype, int n_keys,
+                         int32_t d, double scale, float*, double* scores, int64_t score_stride) {
   for (int j = 0; j < n_keys; ++j) {
-    const float* k = keys + int64_t(j) * d;
     for (int l = 0; l < n_heads; ++l) {
       const double* q = qbars + int64_t(l) * d;
       double sum = 0.0;
-      for (int32_t c = 0; c < d; ++c) sum += q[c] * double(k[c]);
+      for (int32_t c = 0; c < d; ++c) sum += q[c] * double(element(keys[j], dtype, c));
       scores[j * score_stride + l] = scale * sum;
     }
   }
@@ -41,17 +79,34 @@ constexpr SelectScoreKernel kPortable = {score_tile_portable, "portable"};
 
 #if defined(__x86_64__) && !defined(SPARSA_CPU_PORTABLE_KERNELS)
 
-// transposed[c * kScoreTileKeys + j] = keys[j * d + c] for j < n_keys, 0 for n_keys <= j < kScoreTileKeys.
-__attribute__((target("avx"))) void transpose_keys(const float* keys, int n_keys, int32_t d, float* transposed) {
+// Eight values of a row from element c, widened to fp32.
+template <int32_t kDtype>
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const void* row, int64_t c) {
+  const unsigned char* p = static_cast<const unsigned char*>(row);
+  if constexpr (kDtype == SPARSA_DTYPE_F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * c)));
+  } else if constexpr (kDtype == SPARSA_DTYPE_BF16) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * c)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p + 4 * c));
+  }
+}
+
+// transposed[c * kScoreTileKeys + j] = K_j[c] for j < n_keys, 0 for n_keys <= j < kScoreTileKeys: rows widened and
+// transposed in 8×8 blocks straight from the cache.
+template <int32_t kDtype>
+__attribute__((target("avx2,f16c"))) void transpose_keys(const void* const* keys, int n_keys, int32_t d,
+                                                         float* transposed) {
   for (int group = 0; group < kKeyGroups; ++group) {
     const int first = group * kKeyGroup;
     const int in_group = std::clamp(n_keys - first, 0, kKeyGroup);
     int32_t c0 = 0;
     if (in_group == kKeyGroup) {
-      const float* rows = keys + int64_t(first) * d;
+      const void* const* rows = keys + first;
       for (; c0 + kKeyGroup <= d; c0 += kKeyGroup) {
         __m256 r[kKeyGroup];
-        for (int i = 0; i < kKeyGroup; ++i) r[i] = _mm256_loadu_ps(rows + int64_t(i) * d + c0);
+        for (int i = 0; i < kKeyGroup; ++i) r[i] = load8<kDtype>(rows[i], c0);
         const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
         const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
         const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -73,7 +128,17 @@ __attribute__((target("avx"))) void transpose_keys(const float* keys, int n_keys
     }
     for (int32_t c = c0; c < d; ++c)
       for (int i = 0; i < kKeyGroup; ++i)
-        transposed[int64_t(c) * kScoreTileKeys + first + i] = i < in_group ? keys[int64_t(first + i) * d + c] : 0.f;
+        transposed[int64_t(c) * kScoreTileKeys + first + i] = i < in_group ? element(keys[first + i], kDtype, c) : 0.f;
+  }
+}
+
+void transpose_any(const void* const* keys, int32_t dtype, int n_keys, int32_t d, float* transposed) {
+  if (dtype == SPARSA_DTYPE_F16) {
+    transpose_keys<SPARSA_DTYPE_F16>(keys, n_keys, d, transposed);
+  } else if (dtype == SPARSA_DTYPE_BF16) {
+    transpose_keys<SPARSA_DTYPE_BF16>(keys, n_keys, d, transposed);
+  } else {
+    transpose_keys<SPARSA_DTYPE_F32>(keys, n_keys, d, transposed);
   }
 }
 
@@ -119,10 +184,10 @@ __attribute__((target("avx512f"))) void head_block_avx512(const double* qbars, c
     }
 }
 
-__attribute__((target("avx512f"))) void score_tile_avx512(const double* qbars, int n_heads, const float* keys,
-                                                          int n_keys, int32_t d, double scale, float* transposed,
-                                                          double* scores, int64_t score_stride) {
-  transpose_keys(keys, n_keys, d, transposed);
+__attribute__((target("avx512f"))) void score_tile_avx512(const double* qbars, int n_heads, const void* const* keys,
+                                                          int32_t dtype, int n_keys, int32_t d, double scale,
+                                                          float* transposed, double* scores, int64_t score_stride) {
+  transpose_any(keys, dtype, n_keys, d, transposed);
   for (int h = 0; h < n_heads; h += kHeadBlock) {
     const double* q = qbars + int64_t(h) * d;
     switch (std::min(kHeadBlock, n_heads - h)) {
@@ -173,10 +238,10 @@ __attribute__((target("avx2"))) void head_block_avx2(const double* qbars, const 
   }
 }
 
-__attribute__((target("avx2"))) void score_tile_avx2(const double* qbars, int n_heads, const float* keys, int n_keys,
-                                                     int32_t d, double scale, float* transposed, double* scores,
-                                                     int64_t score_stride) {
-  transpose_keys(keys, n_keys, d, transposed);
+__attribute__((target("avx2"))) void score_tile_avx2(const double* qbars, int n_heads, const void* const* keys,
+                                                     int32_t dtype, int n_keys, int32_t d, double scale,
+                                                     float* transposed, double* scores, int64_t score_stride) {
+  transpose_any(keys, dtype, n_keys, d, transposed);
   for (int h = 0; h < n_heads; h += kHeadBlock) {
     const double* q = qbars + int64_t(h) * d;
     switch (std::min(kHeadBlock, n_heads - h)) {
@@ -191,14 +256,16 @@ __attribute__((target("avx2"))) void score_tile_avx2(const double* qbars, int n_
 constexpr SelectScoreKernel kAvx2 = {score_tile_avx2, "avx2"};
 constexpr SelectScoreKernel kAvx512 = {score_tile_avx512, "avx512f"};
 
+// F16C from CPUID leaf 1 (clang's __builtin_cpu_supports does not know "f16c").
+bool has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+}
 bool has_avx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
+  return __builtin_cpu_supports("avx2") && has_f16c();
 }
-bool has_avx512f() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-}
+bool has_avx512f() { return has_avx2() && __builtin_cpu_supports("avx512f"); }
 
 #endif
 
