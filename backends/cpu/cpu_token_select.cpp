@@ -261,13 +261,16 @@ void score_candidates_all_heads(const VoteInputs& in, const SequencePlan& plan, 
   const auto k_row = [&](int64_t c, int32_t hk) {
     return k_base + problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk) * eb;
   };
+  const int64_t head_bytes = n_kv_heads > 1 ? k_row(first, 1) - k_row(first, 0) : 0;  // kv head stride of a token
   const void* rows[kScoreTileKeys];
   for (int64_t c0 = first; c0 < last; c0 += kScoreTileKeys) {
     const int n_keys = int(std::min<int64_t>(kScoreTileKeys, last - c0));
     const int64_t next_end = std::min<int64_t>(last, c0 + 2 * kScoreTileKeys);
-    for (int64_t c = c0 + kScoreTileKeys; c < next_end; ++c)
-      for (int32_t hk = 0; hk < n_kv_heads; ++hk)
-        for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) __builtin_prefetch(k_row(c, hk) + byte);
+    for (int64_t c = c0 + kScoreTileKeys; c < next_end; ++c) {
+      const unsigned char* row = k_row(c, 0);
+      for (int32_t hk = 0; hk < n_kv_heads; ++hk, row += head_bytes)
+        for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) __builtin_prefetch(row + byte);
+    }
     for (int32_t hk = 0; hk < n_kv_heads; ++hk) {
       for (int key = 0; key < n_keys; ++key) rows[key] = k_row(c0 + key, hk);
       kernel.score_tile(concat_qbar + int64_t(hk) * group * d, group, rows, problem.dtype, n_keys, d, in.score_scale,
