@@ -225,18 +225,20 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
     kernel.score_tile(qbars, group, rows, problem.dtype, n_keys, d, in.score_scale, transposed, scores + c0 * group,
                       group);
   }
-  for (int32_t l = 0; l < group; ++l) {
-    double max_score = -INFINITY;
-    for (int64_t c = 0; c < n_candidates; ++c) max_score = std::max(max_score, scores[c * group + l]);
-    double total = 0.0;
-    for (int64_t c = 0; c < n_candidates; ++c) {
-      const double e = std::exp(scores[c * group + l] - max_score);
-      total += e;
+  // Per head: m_h = the running max over c, then Z_h = Σ_c exp(s − m_h) in c order; all g heads in one pass over
+  // the [C, g] rows (each head's max and sum still take its candidates in c order, so the bits are unchanged).
+  double* max_score = head_max + first_head;
+  double* total = head_sum + first_head;
+  std::fill(max_score, max_score + group, -INFINITY);
+  std::fill(total, total + group, 0.0);
+  for (int64_t c = 0; c < n_candidates; ++c)
+    for (int32_t l = 0; l < group; ++l) max_score[l] = std::max(max_score[l], scores[c * group + l]);
+  for (int64_t c = 0; c < n_candidates; ++c)
+    for (int32_t l = 0; l < group; ++l) {
+      const double e = std::exp(scores[c * group + l] - max_score[l]);
+      total[l] += e;
       if (kept_scores) scores[c * group + l] = e;  // 3b needs exactly this exp(s − m_h): keep it, not s
     }
-    head_max[first_head + l] = max_score;
-    head_sum[first_head + l] = total;
-  }
 }
 
 // 3a's scores when they are kept, for candidates [first, last) of sequence b and every kv head: a tile of keys for
