@@ -24,10 +24,6 @@
 namespace sparsa::cpu {
 namespace {
 
-constexpr int kHeadBlock = 4;   // query heads per register block
-constexpr int kKeyGroup = 8;    // keys per transposed group (one 8×8 fp32 transpose wide)
-constexpr int kKeyGroups = kScoreTileKeys / kKeyGroup;
-
 uint16_t load_u16(const unsigned char* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
@@ -78,6 +74,10 @@ void score_tile_portable(const double* qbars, int n_heads, const void* const* ke
 constexpr SelectScoreKernel kPortable = {score_tile_portable, "portable"};
 
 #if defined(__x86_64__) && !defined(SPARSA_CPU_PORTABLE_KERNELS)
+
+constexpr int kHeadBlock = 4;  // query heads per register block
+constexpr int kKeyGroup = 8;   // keys per transposed group (one 8×8 fp32 transpose wide)
+constexpr int kKeyGroups = kScoreTileKeys / kKeyGroup;
 
 // Eight values of a row from element c, widened to fp32.
 template <int32_t kDtype>
