@@ -19,6 +19,11 @@
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <immintrin.h>
+// GCC 12's avx512fintrin.h starts some intrinsics (unpacks, lane shuffles, conversions) from an undefined register
+// and warns -Wmaybe-uninitialized at every use; the warning is about the header, not this code.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace sparsa::cpu {
