@@ -177,7 +177,7 @@ TEST_P(TokenIndices, MissingIndicesIsANullPointer) {
 TEST_P(TokenIndices, HalfPrecisionDecodeOverLongIndexListsMatchesTheReference) {
   // One query row per sequence on fp16/bf16 caches with index lists longer than one decode slice (rows merged by
   // LSE): one row of indices per kv group, one row for every head, a head map that splits a group (each head its own
-  // list), token and block ids, padded and paged caches.
+  // list), token and block ids, padded and paged caches, and a plan that sizes the scratch up front.
   struct Case {
     int h_idx, k, block_size;
     std::vector<int> head_map;
@@ -201,6 +201,8 @@ TEST_P(TokenIndices, HalfPrecisionDecodeOverLongIndexListsMatchesTheReference) {
         st::RunOptions opt;
         opt.dtype = dtype;
         opt.layout = layout;
-        check(ctx(), p, tp, opt);
+        opt.plan_first = true;
+        const st::RunResult r = check(ctx(), p, tp, opt);
+        EXPECT_EQ(r.scratch_after_plan, r.scratch_after_run) << "the run after sparsa_attention_plan grew scratch";
       }
 }

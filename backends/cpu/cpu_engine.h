@@ -24,9 +24,12 @@ namespace sparsa::cpu {
 constexpr int kRunScratchSlots = 5;
 constexpr int kRunScratchDeltaStaging = 0;  // Δ: the base policy's fp32 output [rows, Hq, D] + lse
 constexpr int kRunScratchDeltaKeys = 1;     // Δ: the list 0..Skv−1 as int64, shared read-only by all workers
-constexpr int kRunScratchSelection = 2;     // selection policies: per-run plans, q̄, selections
-constexpr int kRunScratchSelectionVotes = 3;  // selection policies: softmax stats, kept scores, votes
-constexpr int kRunScratchDecodeRanges = 4;  // dense decode: each key range's rows + LSE (items write disjoint parts)
+constexpr int kRunScratchSelection = 2;     // selection policies: per-run plans, q̄, selections; TOKEN_INDICES'
+                                            // decode key lists
+constexpr int kRunScratchSelectionVotes = 3;  // selection policies: softmax stats, kept scores, votes; then
+                                              // TOKEN_SELECT's decode key lists
+constexpr int kRunScratchDecodeRanges = 4;  // dense decode: each key range's rows + LSE (items write disjoint
+                                            // parts); selection policies' decode: each list slice's rows + LSE
 
 // Tiling DENSE and SINK_WINDOW run at (and report BLOCKS_* at): query rows per work item × keys per tile.
 constexpr int32_t kDefaultBlockQ = 128;
@@ -82,6 +85,9 @@ void parallel_items(const ExecContext& exec, int64_t n, const Fn& fn) {
 // so that the run after plan() allocates nothing; and the loop scratch sparge_predict_mask needs.
 void plan_token_select(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
 void plan_token_sparse(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
+// TOKEN_INDICES: when its decode runs over key lists (decode_lists_apply), grow their run scratch and every worker's
+// loop and policy scratch they use.
+void plan_token_indices(const AttentionProblem& problem, const ExecContext& exec);
 // DENSE: when the 16-bit decode ranges apply (cpu_dense.cpp), grow the run scratch of their rows and every worker's
 // loop and policy scratch they use.
 void plan_dense(const AttentionProblem& problem, const ExecContext& exec);

@@ -93,7 +93,29 @@ int64_t build_key_set(const AttentionProblem& problem, const PolicyParams& polic
   return n;
 }
 
+// The decode path's key lists in run scratch (slot kRunScratchSelection): [B, n_lists, max_seq_k] ids, then the
+// lists' sizes [B, n_lists].
+struct DecodeKeyLists {
+  ScratchLayout layout;
+  size_t keys_at, sizes_at;
+  DecodeKeyLists(const AttentionProblem& problem, int32_t n_lists) {
+    const size_t n_entries = size_t(problem.batch) * size_t(n_lists);
+    keys_at = layout.add<int64_t>(n_entries * size_t(problem.max_seq_k));
+    sizes_at = layout.add<int64_t>(n_entries);
+  }
+};
+
 }  // namespace
+
+void plan_token_indices(const AttentionProblem& problem, const ExecContext& exec) {
+  if (!decode_lists_apply(problem)) return;
+  run_scratch(exec, kRunScratchSelection).reserve(DecodeKeyLists(problem, problem.num_kv_heads).layout.floats());
+  run_scratch(exec, kRunScratchDecodeRanges).reserve(decode_lists_partial_floats(problem, problem.max_seq_k));
+  for (int w = 0; w < worker_count(exec); ++w) {
+    loop_scratch(exec, w).reserve(decode_keys_floats(problem.head_dim, problem.num_q_heads));
+    policy_scratch(exec, w).reserve(size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1));
+  }
+}
 
 void run_token_indices(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
                        const ExecContext& exec) {
@@ -125,13 +147,11 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
   if (groups_share_rows && decode_lists_apply(problem)) {
     const int32_t n_lists = all_share_row ? 1 : problem.num_kv_heads;
     const int32_t heads_per_list = n_heads / n_lists;
-    ScratchLayout lists_layout;
+    DecodeKeyLists lists(problem, n_lists);
+    lists.layout.bind(run_scratch(exec, kRunScratchSelection));
     const size_t n_entries = size_t(batch) * size_t(n_lists);
-    const size_t keys_at = lists_layout.add<int64_t>(n_entries * size_t(problem.max_seq_k));
-    const size_t sizes_at = lists_layout.add<int64_t>(n_entries);
-    lists_layout.bind(run_scratch(exec, kRunScratchSelection));
-    int64_t* keys = lists_layout.get<int64_t>(keys_at, n_entries * size_t(problem.max_seq_k));
-    int64_t* sizes = lists_layout.get<int64_t>(sizes_at, n_entries);
+    int64_t* keys = lists.layout.get<int64_t>(lists.keys_at, n_entries * size_t(problem.max_seq_k));
+    int64_t* sizes = lists.layout.get<int64_t>(lists.sizes_at, n_entries);
     parallel_items(exec, int64_t(n_entries), [&](int64_t item, int worker) {
       const int32_t b = int32_t(item / n_lists);
       const int32_t h_first = int32_t(item % n_lists) * heads_per_list;
