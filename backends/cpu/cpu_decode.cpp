@@ -1,5 +1,7 @@
 // Dense decode over a key range on a 16-bit KV cache (attend_decode_keys, cpu_engine.h) with the AVX-512F decode
-// kernels (decode_kernels.h); run_dense uses it only where they exist.
+// kernels (decode_kernels.h); run_dense uses it only where they exist. The same loop over an explicit key list
+// (attend_decode_list) serves the selection policies' decode (run_decode_lists: lists cut into slices, merged by
+// LSE like dense decode's ranges).
 //
 // One call keeps every query head's state (q, o, m, l) for sequence b and streams the range's keys in tiles of
 // kDecodeTileKeys: all kv heads of a key are read before the next key, so the K and V bytes of the range are read
@@ -187,8 +189,8 @@ int64_t list_chunks(int64_t max_list_size) { return (max_list_size + kDecodeRang
 }  // namespace
 
 size_t decode_lists_partial_floats(const AttentionProblem& problem, int64_t max_list_size) {
-  return size_t(problem.batch) * size_t(list_chunks(max_list_size)) * size_t(problem.num_q_heads) *
-         (size_t(problem.head_dim) + 1);
+  return size_t(problem.batch) * size_t(std::max<int64_t>(1, list_chunks(max_list_size))) *
+         size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1);
 }
 
 void run_decode_lists(const AttentionProblem& problem, const DecodeLists& lists, const OutputSink& sink,
