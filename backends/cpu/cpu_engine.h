@@ -85,9 +85,9 @@ void parallel_items(const ExecContext& exec, int64_t n, const Fn& fn) {
 // so that the run after plan() allocates nothing; and the loop scratch sparge_predict_mask needs.
 void plan_token_select(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
 void plan_token_sparse(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
-// TOKEN_INDICES: when its decode runs over key lists (decode_lists_apply), grow their run scratch and every worker's
-// loop and policy scratch they use.
-void plan_token_indices(const AttentionProblem& problem, const ExecContext& exec);
+// TOKEN_INDICES: every worker's policy scratch for a work item's key set and rows, and when its decode runs over key
+// lists (decode_lists_apply), their run scratch and the loop and policy scratch they use.
+void plan_token_indices(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
 // DENSE: when the 16-bit decode ranges apply (cpu_dense.cpp), grow the run scratch of their rows and every worker's
 // loop and policy scratch they use.
 void plan_dense(const AttentionProblem& problem, const ExecContext& exec);

@@ -105,9 +105,26 @@ struct DecodeKeyLists {
   }
 };
 
+// A work item's arrays in its worker's policy scratch on the tile path: ranges, its key set, its rows, output rows.
+struct ItemArrays {
+  ScratchLayout layout;
+  size_t ranges_at, keys_at, rows_at, out_at, lse_at;
+  ItemArrays(const AttentionProblem& problem, int64_t slots, int64_t seq_q, int64_t seq_k) {
+    ranges_at = layout.add<IdRange>(size_t(slots + kAlwaysIncludedRanges));
+    keys_at = layout.add<int64_t>(size_t(seq_k));
+    rows_at = layout.add<int64_t>(size_t(seq_q));
+    out_at = layout.add<float>(out_rows_count(problem));
+    lse_at = layout.add<float>(lse_rows_count());
+  }
+};
+
 }  // namespace
 
-void plan_token_indices(const AttentionProblem& problem, const ExecContext& exec) {
+void plan_token_indices(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec) {
+  const size_t item_floats =
+      ItemArrays(problem, policy.indices.present ? policy.indices.extent(2) : 0, problem.max_seq_q, problem.max_seq_k)
+          .layout.floats();
+  for (int w = 0; w < worker_count(exec); ++w) policy_scratch(exec, w).reserve(item_floats);
   if (!decode_lists_apply(problem)) return;
   run_scratch(exec, kRunScratchSelection).reserve(DecodeKeyLists(problem, problem.num_kv_heads).layout.floats());
   run_scratch(exec, kRunScratchDecodeRanges).reserve(decode_lists_partial_floats(problem, problem.max_seq_k));
@@ -183,20 +200,16 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
     const int32_t h_first = int32_t(item % head_items) * heads_per_item;
     const int64_t seq_q = problem.seq_len_q(b);
     const int64_t seq_k = problem.seq_len_k(b);
-    ScratchLayout layout;
-    const size_t ranges_at = layout.add<IdRange>(size_t(params.slots + kAlwaysIncludedRanges));
-    const size_t keys_at = layout.add<int64_t>(size_t(seq_k));
-    const size_t rows_at = layout.add<int64_t>(size_t(seq_q));
-    const size_t out_at = layout.add<float>(out_rows_count(problem));
-    const size_t lse_at = layout.add<float>(lse_rows_count());
+    ItemArrays arrays(problem, params.slots, seq_q, seq_k);
+    ScratchLayout& layout = arrays.layout;
     layout.bind(policy_scratch(exec, worker));
-    int64_t* keys = layout.get<int64_t>(keys_at, size_t(seq_k));
-    int64_t* rows = layout.get<int64_t>(rows_at, size_t(seq_q));
-    float* out_rows = layout.get<float>(out_at, out_rows_count(problem));
-    float* lse_rows = layout.get<float>(lse_at, lse_rows_count());
-    const int64_t n_keys = build_key_set(problem, policy, params, b, h_first, seq_k,
-                                         layout.get<IdRange>(ranges_at, size_t(params.slots + kAlwaysIncludedRanges)),
-                                         keys);
+    int64_t* keys = layout.get<int64_t>(arrays.keys_at, size_t(seq_k));
+    int64_t* rows = layout.get<int64_t>(arrays.rows_at, size_t(seq_q));
+    float* out_rows = layout.get<float>(arrays.out_at, out_rows_count(problem));
+    float* lse_rows = layout.get<float>(arrays.lse_at, lse_rows_count());
+    const int64_t n_keys = build_key_set(
+        problem, policy, params, b, h_first, seq_k,
+        layout.get<IdRange>(arrays.ranges_at, size_t(params.slots + kAlwaysIncludedRanges)), keys);
     if (problem.selected_indices.present)
       for (int32_t l = 0; l < heads_per_item; ++l)
         write_selected_set(problem.selected_indices, b, h_first + l, keys, n_keys);
