@@ -9,10 +9,13 @@
 //   5. fp16 / bf16 K/V (Q and output in the same dtype): the machine's measured read bandwidth (every thread
 //      streaming its share of a buffer far larger than the caches), then dense prefill (H=8, N, non-causal), dense
 //      decode (Sq=1, GQA 8/2 at Skv=4096 and GQA 32/8 at Skv=decode-n) with the K/V bytes moved per second against
-//      that bandwidth, and the selection policies' decode against dense at the same N.
-// Usage: sparsa_cpu_bench [--threads T] [--n N] [--policy-n N] [--decode-n N] [--repeats R] [--half-only 1].
-// Times are the best of R runs after one warm-up run (--half-only: sections 1 and 5 only). No assertion: numbers are
-// for docs/performance.md.
+//      that bandwidth, and the selection policies' decode (f16, GQA 32/8, keeping N/8 and N/4 of the keys) against
+//      dense at the same N, wall and CPU time.
+// Usage: sparsa_cpu_bench [--threads T] [--n N] [--policy-n N] [--decode-n N] [--repeats R] [--half-only 1]
+//                         [--select-only 1 [--evict-mib M]].
+// Times are the best of R runs after one warm-up run (--half-only: sections 1 and 5 only; --select-only: the
+// selection policies' decode only, with --evict-mib M reading M MiB before each timed run so that it starts with
+// cold caches). No assertion: numbers are for docs/performance.md.
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -201,12 +204,23 @@ struct Timing {
   double median_seconds = 0.0;  // median wall time of the R runs
   double seconds = 0.0;      // best wall time of one run
   double cpu_seconds = 0.0;  // CPU time of that run (all threads)
+  double median_cpu_seconds = 0.0;  // median CPU time of the R runs (all threads)
   int64_t stats[SPARSA_STAT_COUNT] = {};
   bool ok = false;
 };
 
+// Reads every cache line of `buffer` (far larger than the last-level cache), so that the next run finds none of its
+// inputs in the caches; returns a sum the caller publishes so the reads are not optimised away.
+uint64_t evict_caches(const std::vector<uint64_t>& buffer) {
+  uint64_t sum = 0;
+  constexpr size_t kLineWords = 64 / sizeof(uint64_t);
+  for (size_t i = 0; i < buffer.size(); i += kLineWords) sum += buffer[i];
+  return sum;
+}
+
+// evict: null, or a buffer evict_caches reads before every timed run (outside the timing).
 Timing time_run(sparsa_context* ctx, Problem& p, bool causal, const sparsa_policy& policy, int repeats,
-                const sparsa_tensor* block_mask = nullptr) {
+                const sparsa_tensor* block_mask = nullptr, const std::vector<uint64_t>* evict = nullptr) {
   sparsa_tensor q, k, v, out, stats;
   const int64_t q_shape[4] = {p.batch, p.seq_q, p.heads_q, p.dim};
   const int64_t kv_shape[4] = {p.batch, p.seq_k, p.heads_kv, p.dim};
@@ -238,20 +252,27 @@ Timing time_run(sparsa_context* ctx, Problem& p, bool causal, const sparsa_polic
     return timing;
   }
   timing.seconds = 1e300;
-  std::vector<double> walls;
+  std::vector<double> walls, cpus;
+  uint64_t evicted = 0;
   for (int r = 0; r < repeats; ++r) {
+    if (evict) evicted += evict_caches(*evict);
     const Clock::time_point start = Clock::now();
     const double cpu_start = process_cpu_seconds();
     sparsa_attention_run(ctx, &args, &run_policy);
     const double wall = seconds_since(start);
+    const double cpu = process_cpu_seconds() - cpu_start;
     walls.push_back(wall);
+    cpus.push_back(cpu);
     if (wall < timing.seconds) {
       timing.seconds = wall;
-      timing.cpu_seconds = process_cpu_seconds() - cpu_start;
+      timing.cpu_seconds = cpu;
     }
   }
   std::sort(walls.begin(), walls.end());
+  std::sort(cpus.begin(), cpus.end());
   timing.median_seconds = walls.empty() ? 0.0 : walls[walls.size() / 2];
+  timing.median_cpu_seconds = cpus.empty() ? 0.0 : cpus[cpus.size() / 2];
+  if (evicted == 1) std::printf("(eviction checksum %llu)\n", (unsigned long long)evicted);  // keeps the reads
   timing.ok = true;
   return timing;
 }
@@ -319,6 +340,53 @@ double decode_kv_bytes(const Timing& t, const Problem& p) {
   return rows * 2.0 * double(p.dim) * 2.0;
 }
 
+// Selection policies' decode against dense at the same N (f16, GQA 32/8, D=128): TOKEN_SELECT with top_k N/8 and
+// N/4, TOKEN_INDICES with N/8 and N/4 indices per kv head (every 8th / 4th key), median wall and CPU time. With
+// evict_bytes > 0 every timed run starts with caches holding none of its inputs (a buffer of that size is read
+// first, outside the timing): otherwise a selection whose rows fit the last-level cache finds them there, run
+// after run, while dense decode's K and V do not fit.
+void run_selection_decode(sparsa_context* ctx, int decode_n, int repeats, size_t evict_bytes) {
+  constexpr int kDim = 128;
+  std::vector<uint64_t> evict_buffer(evict_bytes / sizeof(uint64_t));
+  for (size_t i = 0; i < evict_buffer.size(); ++i) evict_buffer[i] = i;
+  const std::vector<uint64_t>* evict = evict_bytes > 0 ? &evict_buffer : nullptr;
+  for (int64_t seq_k : {int64_t(8192), int64_t(decode_n)}) {
+    if (seq_k <= 0) continue;
+    Problem decode = make_problem(1, 1, seq_k, 32, 8, kDim);
+    to_half(decode, SPARSA_DTYPE_F16);
+    std::printf("\nf16 decode Sq=1 Skv=%lld GQA 32/8 D=%d; median of %d runs%s: wall (best), CPU time all threads\n",
+                (long long)seq_k, kDim, repeats, evict ? ", caches evicted before each" : "");
+    sparsa_policy dense_policy;
+    sparsa_policy_init(&dense_policy, sizeof dense_policy, SPARSA_POLICY_DENSE);
+    const Timing dense = time_run(ctx, decode, true, dense_policy, repeats, nullptr, evict);
+    if (dense.ok)
+      std::printf("%-44s %9.3f ms (best %.3f)  CPU %8.3f ms\n", "DENSE", dense.median_seconds * 1e3,
+                  dense.seconds * 1e3, dense.median_cpu_seconds * 1e3);
+    for (int keep_divisor : {8, 4}) {
+      const int32_t keep = int32_t(seq_k / keep_divisor);
+      std::vector<int32_t> index_data(size_t(8) * size_t(keep));
+      for (size_t i = 0; i < index_data.size(); ++i) index_data[i] = int32_t((i % size_t(keep)) * keep_divisor);
+      sparsa_tensor indices;
+      const int64_t index_shape[3] = {1, 8, keep};
+      sparsa_tensor_init(&indices, sizeof indices, index_data.data(), SPARSA_DTYPE_I32, 3, index_shape);
+      for (int32_t kind : {SPARSA_POLICY_TOKEN_SELECT, SPARSA_POLICY_TOKEN_INDICES}) {
+        sparsa_policy policy;
+        sparsa_policy_init(&policy, sizeof policy, kind);
+        if (kind == SPARSA_POLICY_TOKEN_SELECT) policy.select_top_k = keep;
+        if (kind == SPARSA_POLICY_TOKEN_INDICES) policy.indices = &indices;
+        const Timing t = time_run(ctx, decode, true, policy, repeats, nullptr, evict);
+        if (!t.ok) continue;
+        const std::string name = std::string(kind == SPARSA_POLICY_TOKEN_SELECT ? "TOKEN_SELECT" : "TOKEN_INDICES") +
+                                 " keep N/" + std::to_string(keep_divisor) + " = " + std::to_string(keep);
+        std::printf("%-44s %9.3f ms (best %.3f)  CPU %8.3f ms  sparsity %.3f  vs dense: wall %.2fx, CPU %.2fx\n",
+                    name.c_str(), t.median_seconds * 1e3, t.seconds * 1e3, t.median_cpu_seconds * 1e3, sparsity(t),
+                    dense.ok ? t.median_seconds / dense.median_seconds : 0.0,
+                    dense.ok ? t.median_cpu_seconds / dense.median_cpu_seconds : 0.0);
+      }
+    }
+  }
+}
+
 void run_half_sections(sparsa_context* ctx, int threads, int n, int decode_n, int repeats) {
   constexpr int kHeads = 8;
   constexpr int kDim = 128;
@@ -364,30 +432,7 @@ void run_half_sections(sparsa_context* ctx, int threads, int n, int decode_n, in
                   rate_cpu / bandwidth.per_cpu);
     }
   }
-  // Selection policies' decode against dense at the same N (f16, GQA 32/8, keeping 1/8 of the keys).
-  for (int64_t seq_k : {int64_t(8192), int64_t(decode_n)}) {
-    if (seq_k <= 0) continue;
-    Problem decode = make_problem(1, 1, seq_k, 32, 8, kDim);
-    to_half(decode, SPARSA_DTYPE_F16);
-    const int32_t keep = int32_t(seq_k / 8);
-    std::vector<int32_t> index_data(size_t(8) * size_t(keep));
-    for (size_t i = 0; i < index_data.size(); ++i) index_data[i] = int32_t((i % size_t(keep)) * 8);
-    sparsa_tensor indices;
-    const int64_t index_shape[3] = {1, 8, keep};
-    sparsa_tensor_init(&indices, sizeof indices, index_data.data(), SPARSA_DTYPE_I32, 3, index_shape);
-    std::printf("\nf16 decode Sq=1 Skv=%lld GQA 32/8, selections keep N/8 = %d keys\n", (long long)seq_k, keep);
-    for (int32_t kind : {SPARSA_POLICY_DENSE, SPARSA_POLICY_TOKEN_SELECT, SPARSA_POLICY_TOKEN_INDICES}) {
-      sparsa_policy policy;
-      sparsa_policy_init(&policy, sizeof policy, kind);
-      if (kind == SPARSA_POLICY_TOKEN_SELECT) policy.select_top_k = keep;
-      if (kind == SPARSA_POLICY_TOKEN_INDICES) policy.indices = &indices;
-      const Timing t = time_run(ctx, decode, true, policy, repeats);
-      if (!t.ok) continue;
-      std::printf("%-44s %9.3f ms (best %.3f)  sparsity %.3f\n",
-                  kind == SPARSA_POLICY_DENSE ? "DENSE" : kind == SPARSA_POLICY_TOKEN_SELECT ? "TOKEN_SELECT" : "TOKEN_INDICES",
-                  t.median_seconds * 1e3, t.seconds * 1e3, sparsity(t));
-    }
-  }
+  run_selection_decode(ctx, decode_n, repeats, 0);
 }
 
 }  // namespace
@@ -399,10 +444,25 @@ int main(int argc, char** argv) {
   const int repeats = int_option(argc, argv, "--repeats", 3);
   const int decode_n = int_option(argc, argv, "--decode-n", 32768);  // 0 skips the long decode cases
   const bool half_only = int_option(argc, argv, "--half-only", 0) != 0;
+  const bool select_only = int_option(argc, argv, "--select-only", 0) != 0;
+  const int evict_mib = int_option(argc, argv, "--evict-mib", 0);  // with --select-only
   constexpr int kHeads = 8;
   constexpr int kDim = 128;
 
   std::printf("sparsa %s CPU benchmark, %d threads\n", sparsa_version_string(), threads);
+  if (select_only) {
+    sparsa_context_options options;
+    sparsa_context_options_init(&options, sizeof options);
+    options.num_threads = threads;
+    sparsa_context* ctx = nullptr;
+    if (sparsa_context_create(&options, &ctx) != SPARSA_STATUS_SUCCESS) {
+      std::printf("context: %s\n", sparsa_last_error_message());
+      return 1;
+    }
+    run_selection_decode(ctx, decode_n, repeats, size_t(std::max(0, evict_mib)) << 20);
+    sparsa_context_destroy(ctx);
+    return 0;
+  }
   bool avx2 = false;
   Peak peak = measure_fma_peak(threads, &avx2);
   if (avx2) {

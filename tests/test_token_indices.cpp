@@ -173,3 +173,36 @@ TEST_P(TokenIndices, MissingIndicesIsANullPointer) {
 }
 
 }  // namespace
+
+TEST_P(TokenIndices, HalfPrecisionDecodeOverLongIndexListsMatchesTheReference) {
+  // One query row per sequence on fp16/bf16 caches with index lists longer than one decode slice (rows merged by
+  // LSE): one row of indices per kv group, one row for every head, a head map that splits a group (each head its own
+  // list), token and block ids, padded and paged caches, and a plan that sizes the scratch up front.
+  struct Case {
+    int h_idx, k, block_size;
+    std::vector<int> head_map;
+  };
+  const Case cases[] = {{2, 2600, 1, {}}, {1, 2400, 1, {}}, {2, 500, 4, {}}, {2, 1200, 1, {0, 1, 0, 1, 1, 0, 1, 0}}};
+  int counter = 0;
+  for (const Case& c : cases)
+    for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
+      for (st::Layout layout : {st::Layout::kPadded, st::Layout::kPaged}) {
+        ST_RNG(rng, counter++);
+        SCOPED_TRACE(::testing::Message() << "h_idx=" << c.h_idx << " k=" << c.k << " block_size=" << c.block_size
+                                          << " head_map=" << !c.head_map.empty() << " dtype=" << dtype
+                                          << " layout=" << int(layout));
+        ref::Problem p = st::make_problem(2, 8, 2, 128, {1}, {2600, 1700}, true);
+        st::fill(p, Pattern::kNeedles, rng);
+        p = st::rounded(p, dtype);
+        ref::TokenIndicesParams tp = random_indices(rng, p, c.h_idx, c.k, c.block_size);
+        tp.head_map = c.head_map;
+        tp.n_init = 3;
+        tp.n_local = 20;
+        st::RunOptions opt;
+        opt.dtype = dtype;
+        opt.layout = layout;
+        opt.plan_first = true;
+        const st::RunResult r = check(ctx(), p, tp, opt);
+        EXPECT_EQ(r.scratch_after_plan, r.scratch_after_run) << "the run after sparsa_attention_plan grew scratch";
+      }
+}

@@ -363,3 +363,45 @@ TEST_P(TokenSelect, CacheHitOnAShorterSequenceStaysInBounds) {
 }
 
 }  // namespace
+
+TEST_P(TokenSelect, HalfPrecisionDecodeOverThousandsOfCandidatesSelectsLikeTheOracle) {
+  // One query row per sequence on fp16/bf16 caches over thousands of keys: the scoring kernel's key tiles (the last
+  // one partial), index sets longer than one decode slice (their rows merged by LSE), shared and per-kv-head sets,
+  // GQA 4/1/8, head dims 64/128/256, padded and paged caches, and a plan that sizes the scratch up front.
+  struct Case {
+    int B, Hq, Hkv, D;
+    std::vector<int> skv;
+  };
+  const Case cases[] = {{1, 8, 2, 128, {3000}}, {2, 4, 4, 64, {2100, 1500}}, {1, 8, 1, 256, {1800}}};
+  ref::TokenSelectParams tp;
+  tp.n_init = 16;
+  tp.n_local = 64;
+  int counter = 0;
+  for (const Case& c : cases)
+    for (bool per_kv_head : {false, true})
+      for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
+        for (st::Layout layout : {st::Layout::kPadded, st::Layout::kPaged}) {
+          ST_RNG(rng, counter++);
+          SCOPED_TRACE(::testing::Message() << "B=" << c.B << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " D=" << c.D
+                                            << " per_kv_head=" << per_kv_head << " dtype=" << dtype
+                                            << " layout=" << int(layout));
+          ref::Problem p = st::make_problem(c.B, c.Hq, c.Hkv, c.D, {1}, c.skv, true);
+          st::fill(p, Pattern::kRandom, rng);
+          p = st::rounded(p, dtype);
+          tp.per_kv_head = per_kv_head;
+          // top_k near 1100 where the oracle's votes leave a gap at the boundary (thousands of random candidates
+          // sit close together).
+          ref::TokenSelectResult want;
+          for (int top_k : {1100, 1090, 1110, 1080, 1120}) {
+            tp.top_k = top_k;
+            want = ref::token_select(p, tp, nullptr);
+            if (want.topk_margin > kVoteMargin) break;
+          }
+          st::RunOptions opt;
+          opt.dtype = dtype;
+          opt.layout = layout;
+          opt.plan_first = true;
+          const st::RunResult r = check(ctx(), p, tp, want, opt);
+          EXPECT_EQ(r.scratch_after_plan, r.scratch_after_run) << "the run after sparsa_attention_plan grew scratch";
+        }
+}

@@ -98,6 +98,7 @@ class CpuBackend final : public Backend {
     }
     if (policy.p.kind == SPARSA_POLICY_TOKEN_SELECT) plan_token_select(problem, policy, exec_);
     if (policy.p.kind == SPARSA_POLICY_TOKEN_SPARSE) plan_token_sparse(problem, policy, exec_);
+    if (policy.p.kind == SPARSA_POLICY_TOKEN_INDICES) plan_token_indices(problem, policy, exec_);
     if (policy.p.kind == SPARSA_POLICY_DENSE) plan_dense(problem, exec_);
     for (int w = 0; w < pool_.size(); ++w) {
       loop_scratch(exec_, w).reserve(loop_floats);

@@ -1,5 +1,7 @@
 // Dense decode over a key range on a 16-bit KV cache (attend_decode_keys, cpu_engine.h) with the AVX-512F decode
-// kernels (decode_kernels.h); run_dense uses it only where they exist.
+// kernels (decode_kernels.h); run_dense uses it only where they exist. The same loop over an explicit key list
+// (attend_decode_list) serves the selection policies' decode (run_decode_lists: lists cut into slices, merged by
+// LSE like dense decode's ranges).
 //
 // One call keeps every query head's state (q, o, m, l) for sequence b and streams the range's keys in tiles of
 // kDecodeTileKeys: all kv heads of a key are read before the next key, so the K and V bytes of the range are read
@@ -8,6 +10,7 @@
 // stream, and software prefetching on top of it measured slower). Per tile: Sᵀ = K·qᵀ for every head, the online
 // softmax with the fp32 tile microkernels (column max, exp, rescale), then o += P·V.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -35,11 +38,17 @@ size_t decode_keys_floats(int head_dim, int num_q_heads) {
   return pointers + hq * size_t(head_dim) + size_t(kDecodeTileKeys) * st_stride + 5 * st_stride;
 }
 
-void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_begin, int64_t key_end,
-                        float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
+namespace {
+
+// The kv heads [hk_first, hk_first + n_kv) of sequence b (query heads hk_first·g ... ) over n_keys keys, key j at
+// position key_at(j). out_rows [n_kv·g, D], lse_rows [n_kv·g].
+template <typename KeyAt>
+void attend_decode(const AttentionProblem& problem, int32_t b, int32_t hk_first, int32_t n_kv, KeyAt key_at,
+                   int64_t n_keys, float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
   const int d = problem.head_dim;
-  const int hq = problem.num_q_heads;
-  const int hkv = problem.num_kv_heads;
+  const int group = problem.num_q_heads / problem.num_kv_heads;
+  const int hq = n_kv * group;  // query heads of this call
+  const int h_first = hk_first * group;
   const int nr_pad = round_up(std::max(hq, 1), kRowAlign);
   const int st_stride = nr_pad + kStridePad;
   const int64_t eb = element_bytes(problem.dtype);
@@ -48,7 +57,7 @@ void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_
   if (!kernels_or_null) fail(SPARSA_STATUS_INTERNAL, "attend_decode_keys: no decode kernels for head_dim ", d);
   const DecodeKernels& decode = *kernels_or_null;
 
-  float* next = scratch.reserve(decode_keys_floats(d, hq));
+  float* next = scratch.reserve(decode_keys_floats(d, problem.num_q_heads));
   auto carve = [&next](size_t floats) {
     float* carved = next;
     next += floats;
@@ -69,7 +78,8 @@ void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_
   float* block_sum = carve(size_t(st_stride));
 
   for (int h = 0; h < hq; ++h) {
-    load_row_f32(problem.dtype, problem.q.t.data, problem.q_offset(problem.q, b, 0, h), d, q + int64_t(h) * d);
+    load_row_f32(problem.dtype, problem.q.t.data, problem.q_offset(problem.q, b, 0, h_first + h), d,
+                 q + int64_t(h) * d);
     for (int c = 0; c < d; ++c) q[int64_t(h) * d + c] *= problem.scale;
   }
   std::memset(o, 0, sizeof(float) * size_t(hq) * size_t(d));
@@ -87,18 +97,21 @@ void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_
   DecodeTile tile;
   tile.k_rows = k_rows;
   tile.v_rows = v_rows;
-  tile.k_head_bytes = hkv > 1 ? k_row(key_begin, 1) - k_row(key_begin, 0) : 0;
-  tile.v_head_bytes = hkv > 1 ? v_row(key_begin, 1) - v_row(key_begin, 0) : 0;
-  tile.n_kv_heads = hkv;
-  tile.group = hq / hkv;
+  if (n_keys > 0 && n_kv > 1) {
+    tile.k_head_bytes = k_row(key_at(0), hk_first + 1) - k_row(key_at(0), hk_first);
+    tile.v_head_bytes = v_row(key_at(0), hk_first + 1) - v_row(key_at(0), hk_first);
+  }
+  tile.n_kv_heads = n_kv;
+  tile.group = group;
   tile.d = d;
   tile.dtype = problem.dtype;
 
-  for (int64_t key0 = key_begin; key0 < key_end; key0 += kDecodeTileKeys) {
-    const int nk = int(std::min(kDecodeTileKeys, key_end - key0));
+  for (int64_t key0 = 0; key0 < n_keys; key0 += kDecodeTileKeys) {
+    const int nk = int(std::min(kDecodeTileKeys, n_keys - key0));
     for (int j = 0; j < nk; ++j) {
-      k_rows[j] = k_row(key0 + j, 0);
-      v_rows[j] = v_row(key0 + j, 0);
+      const int64_t t = key_at(key0 + j);
+      k_rows[j] = k_row(t, hk_first);
+      v_rows[j] = v_row(t, hk_first);
     }
     tile.nk = nk;
     decode.scores(tile, q, st, st_stride);
@@ -123,6 +136,113 @@ void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_
     const SoftmaxState state{m[r], l[r]};
     lse_rows[r] = state.finalize(o + int64_t(r) * d, d);
   }
+}
+
+}  // namespace
+
+void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_begin, int64_t key_end,
+                        float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
+  attend_decode(problem, b, 0, problem.num_kv_heads, [key_begin](int64_t j) { return key_begin + j; },
+                key_end - key_begin, out_rows, lse_rows, counters, scratch);
+}
+
+void attend_decode_list(const AttentionProblem& problem, int32_t b, int32_t hk_first, int32_t n_kv,
+                        const int64_t* keys, int64_t n_keys, float* out_rows, float* lse_rows, RunCounters* counters,
+                        ThreadScratch& scratch) {
+  attend_decode(problem, b, hk_first, n_kv, [keys](int64_t j) { return keys[j]; }, n_keys, out_rows, lse_rows,
+                counters, scratch);
+}
+
+void merge_decode_parts(const AttentionProblem& problem, const OutputSink& sink, int32_t b, int32_t h,
+                        const float* first_part, int64_t n_parts, size_t part_stride, float* merged) {
+  const int d = problem.head_dim;
+  const auto part = [&](int64_t r) { return first_part + size_t(r) * part_stride; };
+  std::fill(merged, merged + d, 0.f);
+  float max_lse = kNegInf;
+  for (int64_t r = 0; r < n_parts; ++r) max_lse = std::max(max_lse, part(r)[d]);
+  if (max_lse == kNegInf) {
+    sink.write_row(problem, b, 0, h, merged, max_lse);
+    return;
+  }
+  float weight_sum = 0.f;
+  for (int64_t r = 0; r < n_parts; ++r) {
+    const float* row = part(r);
+    const float w = std::exp(row[d] - max_lse);
+    weight_sum += w;
+    for (int c = 0; c < d; ++c) merged[c] += w * row[c];
+  }
+  const float inverse = 1.f / weight_sum;
+  for (int c = 0; c < d; ++c) merged[c] *= inverse;
+  sink.write_row(problem, b, 0, h, merged, max_lse + std::log(weight_sum));
+}
+
+bool decode_lists_apply(const AttentionProblem& problem) {
+  return problem.max_seq_q == 1 && problem.dtype != SPARSA_DTYPE_F32 && problem.num_q_heads > 0 &&
+         problem.num_q_heads / problem.num_kv_heads <= kMaxStackedRows &&
+         avx512_decode_kernels(problem.head_dim) != nullptr;
+}
+
+namespace {
+
+int64_t list_chunks(int64_t max_list_size) { return (max_list_size + kDecodeRangeKeys - 1) / kDecodeRangeKeys; }
+
+}  // namespace
+
+size_t decode_lists_partial_floats(const AttentionProblem& problem, int64_t max_list_size) {
+  return size_t(problem.batch) * size_t(std::max<int64_t>(1, list_chunks(max_list_size))) *
+         size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1);
+}
+
+void run_decode_lists(const AttentionProblem& problem, const DecodeLists& lists, const OutputSink& sink,
+                      const ExecContext& exec) {
+  const int d = problem.head_dim;
+  const int32_t group = problem.num_q_heads / problem.num_kv_heads;
+  const int32_t kv_per_list = problem.num_kv_heads / lists.n_lists;
+  const int32_t list_heads = kv_per_list * group;
+  const size_t row_floats = size_t(d) + 1;  // a row, then its LSE
+  const size_t part_floats = size_t(list_heads) * row_floats;
+  int64_t max_size = 0;
+  for (int64_t i = 0; i < int64_t(problem.batch) * lists.n_lists; ++i) max_size = std::max(max_size, lists.sizes[i]);
+  const int64_t chunks = std::max<int64_t>(1, list_chunks(max_size));
+  const size_t total = size_t(problem.batch) * size_t(lists.n_lists) * size_t(chunks) * part_floats;
+  float* partial = run_scratch(exec, kRunScratchDecodeRanges).reserve(total);
+  const auto part_of = [&](int32_t b, int32_t list, int64_t chunk) {
+    return partial + ((size_t(b) * lists.n_lists + size_t(list)) * size_t(chunks) + size_t(chunk)) * part_floats;
+  };
+  const auto chunk_item = [&](int64_t item, int worker) {
+    const int64_t chunk = item % chunks;
+    const int32_t list = int32_t(item / chunks % lists.n_lists);
+    const int32_t b = int32_t(item / chunks / lists.n_lists);
+    const int64_t list_index = int64_t(b) * lists.n_lists + list;
+    const int64_t first = chunk * kDecodeRangeKeys;
+    const int64_t last = std::min(lists.sizes[list_index], first + kDecodeRangeKeys);
+    if (problem.seq_len_q(b) == 0 || first >= last) return;
+    ThreadScratch& mine = policy_scratch(exec, worker);
+    float* rows = mine.reserve(part_floats);
+    float* lse = rows + size_t(list_heads) * d;
+    attend_decode_list(problem, b, list * kv_per_list, kv_per_list, lists.keys + list_index * lists.stride + first,
+                       last - first, rows, lse, &(*exec.counters)[size_t(worker)], loop_scratch(exec, worker));
+    float* out = part_of(b, list, chunk);
+    for (int32_t h = 0; h < list_heads; ++h) {
+      std::copy(rows + size_t(h) * d, rows + size_t(h + 1) * d, out + size_t(h) * row_floats);
+      out[size_t(h) * row_floats + d] = lse[h];
+    }
+  };
+  parallel_items(exec, int64_t(problem.batch) * lists.n_lists * chunks, chunk_item);
+  const auto merge_item = [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / problem.num_q_heads);
+    const int32_t h = int32_t(item % problem.num_q_heads);
+    if (problem.seq_len_q(b) == 0) return;
+    const int32_t list = h / list_heads;
+    const int64_t size = lists.sizes[int64_t(b) * lists.n_lists + list];
+    if (size == 0) {
+      sink.write_zero_row(problem, b, 0, h);
+      return;
+    }
+    merge_decode_parts(problem, sink, b, h, part_of(b, list, 0) + size_t(h % list_heads) * row_floats,
+                       list_chunks(size), part_floats, policy_scratch(exec, worker).reserve(size_t(d)));
+  };
+  parallel_items(exec, int64_t(problem.batch) * problem.num_q_heads, merge_item);
 }
 
 }  // namespace sparsa::cpu

@@ -91,7 +91,6 @@ namespace {
 // size, so the result does not depend on the thread count), each range is one work item that reads its K and V once
 // for all heads (attend_decode_keys), and the ranges' normalised rows are merged by LSE. fp32 problems keep the block
 // walk (its arithmetic is what the shared test vectors pin), and so do CPUs without the AVX-512F decode kernels.
-constexpr int64_t kDecodeRangeKeys = 1024;  // a multiple of kDefaultBlockK, so BLOCKS_COMPUTED counts the same
 
 bool use_decode_ranges(const AttentionProblem& problem) {
   return problem.max_seq_q == 1 && problem.dtype != SPARSA_DTYPE_F32 && problem.num_q_heads > 0 &&
@@ -133,34 +132,14 @@ void run_dense_decode(const AttentionProblem& problem, const OutputSink& sink, c
   };
   parallel_items(exec, int64_t(problem.batch) * ranges, range_item);
 
-  // Merge: O = Σ_r w_r·O_r / Σ_r w_r with w_r = exp(lse_r − max lse), LSE = max lse + log Σ_r w_r. One range gives
-  // w = 1: its row unchanged.
+  // Merge by LSE (one range gives its row unchanged).
   const auto merge_item = [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / hq);
     const int32_t h = int32_t(item % hq);
     if (problem.seq_len_q(b) == 0) return;
     const int64_t n_ranges = (problem.seq_len_k(b) + kDecodeRangeKeys - 1) / kDecodeRangeKeys;
-    const auto range_row = [&](int64_t r) {
-      return partial + (size_t(b) * ranges + size_t(r)) * range_floats + size_t(h) * row_floats;
-    };
-    float* merged = policy_scratch(exec, worker).reserve(size_t(d));
-    std::fill(merged, merged + d, 0.f);
-    float max_lse = -std::numeric_limits<float>::infinity();
-    for (int64_t r = 0; r < n_ranges; ++r) max_lse = std::max(max_lse, range_row(r)[d]);
-    if (max_lse == -std::numeric_limits<float>::infinity()) {
-      sink.write_row(problem, b, 0, h, merged, max_lse);
-      return;
-    }
-    float weight_sum = 0.f;
-    for (int64_t r = 0; r < n_ranges; ++r) {
-      const float* row = range_row(r);
-      const float w = std::exp(row[d] - max_lse);
-      weight_sum += w;
-      for (int c = 0; c < d; ++c) merged[c] += w * row[c];
-    }
-    const float inverse = 1.f / weight_sum;
-    for (int c = 0; c < d; ++c) merged[c] *= inverse;
-    sink.write_row(problem, b, 0, h, merged, max_lse + std::log(weight_sum));
+    merge_decode_parts(problem, sink, b, h, partial + size_t(b) * ranges * range_floats + size_t(h) * row_floats,
+                       n_ranges, range_floats, policy_scratch(exec, worker).reserve(size_t(d)));
   };
   parallel_items(exec, int64_t(problem.batch) * hq, merge_item);
 }

@@ -24,9 +24,12 @@ namespace sparsa::cpu {
 constexpr int kRunScratchSlots = 5;
 constexpr int kRunScratchDeltaStaging = 0;  // Δ: the base policy's fp32 output [rows, Hq, D] + lse
 constexpr int kRunScratchDeltaKeys = 1;     // Δ: the list 0..Skv−1 as int64, shared read-only by all workers
-constexpr int kRunScratchSelection = 2;     // selection policies: per-run plans, q̄, selections
-constexpr int kRunScratchSelectionVotes = 3;  // selection policies: softmax stats, kept scores, votes
-constexpr int kRunScratchDecodeRanges = 4;  // dense decode: each key range's rows + LSE (items write disjoint parts)
+constexpr int kRunScratchSelection = 2;     // selection policies: per-run plans, q̄, selections; TOKEN_INDICES'
+                                            // decode key lists
+constexpr int kRunScratchSelectionVotes = 3;  // selection policies: softmax stats, kept scores, votes; then
+                                              // TOKEN_SELECT's decode key lists
+constexpr int kRunScratchDecodeRanges = 4;  // dense decode: each key range's rows + LSE (items write disjoint
+                                            // parts); selection policies' decode: each list slice's rows + LSE
 
 // Tiling DENSE and SINK_WINDOW run at (and report BLOCKS_* at): query rows per work item × keys per tile.
 constexpr int32_t kDefaultBlockQ = 128;
@@ -82,6 +85,9 @@ void parallel_items(const ExecContext& exec, int64_t n, const Fn& fn) {
 // so that the run after plan() allocates nothing; and the loop scratch sparge_predict_mask needs.
 void plan_token_select(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
 void plan_token_sparse(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
+// TOKEN_INDICES: every worker's policy scratch for a work item's key set and rows, and when its decode runs over key
+// lists (decode_lists_apply), their run scratch and the loop and policy scratch they use.
+void plan_token_indices(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec);
 // DENSE: when the 16-bit decode ranges apply (cpu_dense.cpp), grow the run scratch of their rows and every worker's
 // loop and policy scratch they use.
 void plan_dense(const AttentionProblem& problem, const ExecContext& exec);
@@ -102,6 +108,37 @@ constexpr int64_t kDecodeTileKeys = 128;  // keys per tile (measured: 16 -> 128 
 size_t decode_keys_floats(int head_dim, int num_q_heads);  // loop scratch attend_decode_keys needs
 void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_begin, int64_t key_end,
                         float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
+// The same over an explicit list of n_keys key positions (any order; all visible), for the query heads of the kv
+// heads [hk_first, hk_first + n_kv) only: out_rows [n_kv·g, D], lse_rows [n_kv·g].
+void attend_decode_list(const AttentionProblem& problem, int32_t b, int32_t hk_first, int32_t n_kv,
+                        const int64_t* keys, int64_t n_keys, float* out_rows, float* lse_rows, RunCounters* counters,
+                        ThreadScratch& scratch);
+// Keys per work item of a decode cut into parts (dense: key ranges; selection policies: slices of a key list).
+constexpr int64_t kDecodeRangeKeys = 1024;  // a multiple of kDefaultBlockK, so BLOCKS_COMPUTED counts the same
+// Merges n_parts normalised rows of (b, h) (each D floats then its LSE, part_stride floats apart) by LSE:
+// O = Σ_r w_r·O_r / Σ_r w_r with w_r = exp(lse_r − max lse), LSE = max lse + log Σ_r w_r (one part: its row
+// unchanged), and hands the row to `sink`. merged: D floats of scratch.
+void merge_decode_parts(const AttentionProblem& problem, const OutputSink& sink, int32_t b, int32_t h,
+                        const float* first_part, int64_t n_parts, size_t part_stride, float* merged);
+
+// Decode of the selection policies (TOKEN_SELECT, TOKEN_INDICES) over explicit key lists on a 16-bit KV cache, the
+// same kernels as dense decode (decode_lists_apply: one query row per sequence, fp16/bf16, the AVX-512F decode
+// kernels exist for D): list l of sequence b is shared by the query heads of kv heads [l·Hkv/n_lists, (l+1)·Hkv/n_lists)
+// and every listed key is visible to them. Each list is cut into slices of kDecodeRangeKeys keys (a fixed size, so
+// results do not depend on the thread count); a slice is one work item that reads each listed key's K and V rows of
+// all its kv heads once (adjacent in the [B, S, Hkv, D] layout), and the slices' rows are merged by LSE. A sequence
+// without query rows gets nothing written, an empty list zero rows with LSE −inf.
+bool decode_lists_apply(const AttentionProblem& problem);
+struct DecodeLists {
+  const int64_t* keys = nullptr;   // [B, n_lists, stride] key positions
+  const int64_t* sizes = nullptr;  // [B, n_lists] entries used of each list
+  int64_t stride = 0;
+  int32_t n_lists = 1;             // divides Hkv
+};
+// Run scratch (slot kRunScratchDecodeRanges) run_decode_lists uses for lists of up to max_list_size keys.
+size_t decode_lists_partial_floats(const AttentionProblem& problem, int64_t max_list_size);
+void run_decode_lists(const AttentionProblem& problem, const DecodeLists& lists, const OutputSink& sink,
+                      const ExecContext& exec);
 
 // Floats of loop scratch one attend_* call needs for a tile of `rows` query rows and `keys` keys.
 size_t attention_tile_floats(int head_dim, int64_t rows, int64_t keys, bool quantized);

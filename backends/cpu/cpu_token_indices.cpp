@@ -10,6 +10,7 @@
 
 #include "../../src/error.h"
 #include "attention_loop.h"
+#include "cpu_engine.h"
 #include "cpu_select_util.h"
 
 namespace sparsa::cpu {
@@ -92,7 +93,46 @@ int64_t build_key_set(const AttentionProblem& problem, const PolicyParams& polic
   return n;
 }
 
+// The decode path's key lists in run scratch (slot kRunScratchSelection): [B, n_lists, max_seq_k] ids, then the
+// lists' sizes [B, n_lists].
+struct DecodeKeyLists {
+  ScratchLayout layout;
+  size_t keys_at, sizes_at;
+  DecodeKeyLists(const AttentionProblem& problem, int32_t n_lists) {
+    const size_t n_entries = size_t(problem.batch) * size_t(n_lists);
+    keys_at = layout.add<int64_t>(n_entries * size_t(problem.max_seq_k));
+    sizes_at = layout.add<int64_t>(n_entries);
+  }
+};
+
+// A work item's arrays in its worker's policy scratch on the tile path: ranges, its key set, its rows, output rows.
+struct ItemArrays {
+  ScratchLayout layout;
+  size_t ranges_at, keys_at, rows_at, out_at, lse_at;
+  ItemArrays(const AttentionProblem& problem, int64_t slots, int64_t seq_q, int64_t seq_k) {
+    ranges_at = layout.add<IdRange>(size_t(slots + kAlwaysIncludedRanges));
+    keys_at = layout.add<int64_t>(size_t(seq_k));
+    rows_at = layout.add<int64_t>(size_t(seq_q));
+    out_at = layout.add<float>(out_rows_count(problem));
+    lse_at = layout.add<float>(lse_rows_count());
+  }
+};
+
 }  // namespace
+
+void plan_token_indices(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec) {
+  const size_t item_floats =
+      ItemArrays(problem, policy.indices.present ? policy.indices.extent(2) : 0, problem.max_seq_q, problem.max_seq_k)
+          .layout.floats();
+  for (int w = 0; w < worker_count(exec); ++w) policy_scratch(exec, w).reserve(item_floats);
+  if (!decode_lists_apply(problem)) return;
+  run_scratch(exec, kRunScratchSelection).reserve(DecodeKeyLists(problem, problem.num_kv_heads).layout.floats());
+  run_scratch(exec, kRunScratchDecodeRanges).reserve(decode_lists_partial_floats(problem, problem.max_seq_k));
+  for (int w = 0; w < worker_count(exec); ++w) {
+    loop_scratch(exec, w).reserve(decode_keys_floats(problem.head_dim, problem.num_q_heads));
+    policy_scratch(exec, w).reserve(size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1));
+  }
+}
 
 void run_token_indices(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
                        const ExecContext& exec) {
@@ -109,15 +149,47 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
   if (!problem.contents_validated) check_contents(problem, policy, params);
   for (int32_t b = 0; b < batch; ++b) require_selected_capacity(problem, problem.seq_len_k(b), b, "TOKEN_INDICES");
 
+  const int32_t group = n_heads / problem.num_kv_heads;
+  bool groups_share_rows = true;  // every head of a kv group reads its group's first head's row of indices
+  bool all_share_row = true;      // every head reads head 0's row
+  for (int32_t h = 0; h < n_heads; ++h) {
+    const int32_t row = index_row_of(problem, policy, params, h);
+    groups_share_rows = groups_share_rows && row == index_row_of(problem, policy, params, h - h % group);
+    all_share_row = all_share_row && row == index_row_of(problem, policy, params, 0);
+  }
+
+  // Decode on a 16-bit cache: one key list per kv group (or one for all heads when they share a row of indices),
+  // attended with the dense decode kernels (run_decode_lists: each listed key's K and V read once for the list's
+  // kv heads). The lists live in run scratch.
+  if (groups_share_rows && decode_lists_apply(problem)) {
+    const int32_t n_lists = all_share_row ? 1 : problem.num_kv_heads;
+    const int32_t heads_per_list = n_heads / n_lists;
+    DecodeKeyLists lists(problem, n_lists);
+    lists.layout.bind(run_scratch(exec, kRunScratchSelection));
+    const size_t n_entries = size_t(batch) * size_t(n_lists);
+    int64_t* keys = lists.layout.get<int64_t>(lists.keys_at, n_entries * size_t(problem.max_seq_k));
+    int64_t* sizes = lists.layout.get<int64_t>(lists.sizes_at, n_entries);
+    parallel_items(exec, int64_t(n_entries), [&](int64_t item, int worker) {
+      const int32_t b = int32_t(item / n_lists);
+      const int32_t h_first = int32_t(item % n_lists) * heads_per_list;
+      ScratchLayout layout;
+      const size_t ranges_at = layout.add<IdRange>(size_t(params.slots + kAlwaysIncludedRanges));
+      layout.bind(policy_scratch(exec, worker));
+      int64_t* list = keys + item * problem.max_seq_k;
+      sizes[item] = build_key_set(problem, policy, params, b, h_first, problem.seq_len_k(b),
+                                  layout.get<IdRange>(ranges_at, size_t(params.slots + kAlwaysIncludedRanges)), list);
+      if (problem.selected_indices.present)
+        for (int32_t l = 0; l < heads_per_list; ++l)
+          write_selected_set(problem.selected_indices, b, h_first + l, list, sizes[item]);
+    });
+    run_decode_lists(problem, DecodeLists{keys, sizes, problem.max_seq_k, n_lists}, sink, exec);
+    return;
+  }
+
   // Decode-sized sequences stack the query heads of a kv group into one tile (each K/V tile converted once per
   // group; bit-identical results) when every head of every group reads the same row of indices (so the same key
   // set) and there is still a work item per worker.
-  const int32_t group = n_heads / problem.num_kv_heads;
-  bool groups_share_rows = group > 1;
-  for (int32_t h = 0; h < n_heads && groups_share_rows; ++h)
-    groups_share_rows = index_row_of(problem, policy, params, h) ==
-                        index_row_of(problem, policy, params, h - h % group);
-  const bool stack = groups_share_rows && problem.max_seq_q > 0 &&
+  const bool stack = group > 1 && groups_share_rows && problem.max_seq_q > 0 &&
                      int64_t(problem.max_seq_q) * group <= kMaxStackedRows &&
                      int64_t(batch) * problem.num_kv_heads >= worker_count(exec);
   const int32_t heads_per_item = stack ? group : 1;
@@ -128,20 +200,16 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
     const int32_t h_first = int32_t(item % head_items) * heads_per_item;
     const int64_t seq_q = problem.seq_len_q(b);
     const int64_t seq_k = problem.seq_len_k(b);
-    ScratchLayout layout;
-    const size_t ranges_at = layout.add<IdRange>(size_t(params.slots + kAlwaysIncludedRanges));
-    const size_t keys_at = layout.add<int64_t>(size_t(seq_k));
-    const size_t rows_at = layout.add<int64_t>(size_t(seq_q));
-    const size_t out_at = layout.add<float>(out_rows_count(problem));
-    const size_t lse_at = layout.add<float>(lse_rows_count());
+    ItemArrays arrays(problem, params.slots, seq_q, seq_k);
+    ScratchLayout& layout = arrays.layout;
     layout.bind(policy_scratch(exec, worker));
-    int64_t* keys = layout.get<int64_t>(keys_at, size_t(seq_k));
-    int64_t* rows = layout.get<int64_t>(rows_at, size_t(seq_q));
-    float* out_rows = layout.get<float>(out_at, out_rows_count(problem));
-    float* lse_rows = layout.get<float>(lse_at, lse_rows_count());
-    const int64_t n_keys = build_key_set(problem, policy, params, b, h_first, seq_k,
-                                         layout.get<IdRange>(ranges_at, size_t(params.slots + kAlwaysIncludedRanges)),
-                                         keys);
+    int64_t* keys = layout.get<int64_t>(arrays.keys_at, size_t(seq_k));
+    int64_t* rows = layout.get<int64_t>(arrays.rows_at, size_t(seq_q));
+    float* out_rows = layout.get<float>(arrays.out_at, out_rows_count(problem));
+    float* lse_rows = layout.get<float>(arrays.lse_at, lse_rows_count());
+    const int64_t n_keys = build_key_set(
+        problem, policy, params, b, h_first, seq_k,
+        layout.get<IdRange>(arrays.ranges_at, size_t(params.slots + kAlwaysIncludedRanges)), keys);
     if (problem.selected_indices.present)
       for (int32_t l = 0; l < heads_per_item; ++l)
         write_selected_set(problem.selected_indices, b, h_first + l, keys, n_keys);

@@ -22,9 +22,11 @@
 #include "../../src/common/policy_sizes.h"
 #include "../../src/error.h"
 #include "attention_loop.h"
+#include "cpu_convert.h"
 #include "cpu_select_util.h"
 #include "cpu_utilities.h"
 #include "fixed_point_sum.h"
+#include "select_scores.h"
 
 namespace sparsa::cpu {
 namespace {
@@ -179,6 +181,7 @@ int64_t build_index_set(const SequencePlan& plan, const SelectParams& params, co
 
 // Candidates one vote work item covers: gives the pool parallel work even for one decode sequence.
 constexpr int64_t kCandidatesPerVoteItem = 2048;
+constexpr int64_t kCacheLineBytes = 64;
 
 // Phase 3 works on s[h, t] = q̄_h·K[t, h/g] (· scale when asked) over the candidates t ∈ C, in three steps:
 //   3a per (b, kv head): the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head of the group
@@ -205,25 +208,24 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   const int32_t group = problem.num_q_heads / problem.num_kv_heads;
   const int32_t first_head = hk * group;
   const int64_t n_candidates = plan.candidate_end - plan.candidate_begin;
+  const double* qbars = concat_qbar + int64_t(first_head) * d;  // the group's q̄, [g, d]
   ScratchLayout layout;
-  const size_t row_at = layout.add<float>(size_t(kDotKeys) * size_t(d));
-  const size_t qbars_at = layout.add<double>(interleaved_size(group, d));
+  const size_t transposed_at = layout.add<float>(score_tile_scratch_floats(d));
   const size_t scores_at = layout.add<double>(kept_scores ? 0 : size_t(group) * size_t(n_candidates));  // [C, g]
   layout.bind(scratch);
-  float* key_rows = layout.get<float>(row_at, size_t(kDotKeys) * size_t(d));
-  double* qbars = layout.get<double>(qbars_at, interleaved_size(group, d));
+  float* transposed = layout.get<float>(transposed_at, score_tile_scratch_floats(d));
   double* scores =
       kept_scores ? kept_scores : layout.get<double>(scores_at, size_t(group) * size_t(n_candidates));
-  std::fill(qbars, qbars + interleaved_size(group, d), 0.0);
-  for (int32_t l = 0; l < group; ++l) interleave_vector(qbars, l, concat_qbar + int64_t(first_head + l) * d, d);
-  const float* rows[kDotKeys];
-  for (int key = 0; key < kDotKeys; ++key) rows[key] = key_rows + int64_t(key) * d;
-  for (int64_t c0 = 0; c0 < (scores_ready ? 0 : n_candidates); c0 += kDotKeys) {
-    const int n_keys = int(std::min<int64_t>(kDotKeys, n_candidates - c0));
+  const SelectScoreKernel& kernel = select_score_kernel();
+  const unsigned char* k_base = static_cast<const unsigned char*>(problem.k.t.data);
+  const int64_t eb = element_bytes(problem.dtype);
+  const void* rows[kScoreTileKeys];
+  for (int64_t c0 = 0; c0 < (scores_ready ? 0 : n_candidates); c0 += kScoreTileKeys) {
+    const int n_keys = int(std::min<int64_t>(kScoreTileKeys, n_candidates - c0));
     for (int key = 0; key < n_keys; ++key)
-      load_row_f32(problem.dtype, problem.k.t.data,
-                   problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk), d, key_rows + key * d);
-    interleaved_dots_keys(qbars, group, rows, n_keys, d, in.score_scale, scores + c0 * group, group);
+      rows[key] = k_base + problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk) * eb;
+    kernel.score_tile(qbars, group, rows, problem.dtype, n_keys, d, in.score_scale, transposed, scores + c0 * group,
+                      group);
   }
   for (int32_t l = 0; l < group; ++l) {
     double max_score = -INFINITY;
@@ -239,10 +241,10 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   }
 }
 
-// 3a's scores when they are kept, for candidates [first, last) of sequence b and every kv head: key by key, all kv
-// heads of a few keys before the next ones, so K is read front to back once (one kv head at a time over all
-// candidates reads the [B, S, Hkv, D] cache several times slower). Each score is the same interleaved_dots_keys
-// call on the same rows as head_softmax_stats makes, so the scores are bit-identical. kept: [Hkv][|C|, g] of b.
+// 3a's scores when they are kept, for candidates [first, last) of sequence b and every kv head: a tile of keys for
+// all kv heads before the next tile (in the [B, S, Hkv, D] layout one key's rows are adjacent, so K is read front to
+// back once), the next tile's rows prefetched while this one is scored. Each score is the same sequential float64
+// sum as head_softmax_stats computes (select_scores.h: bit-identical on every kernel). kept: [Hkv][|C|, g] of b.
 void score_candidates_all_heads(const VoteInputs& in, const SequencePlan& plan, int32_t b, int64_t first,
                                 int64_t last, const double* concat_qbar, ThreadScratch& scratch, double* kept,
                                 int64_t kept_stride) {
@@ -250,27 +252,31 @@ void score_candidates_all_heads(const VoteInputs& in, const SequencePlan& plan, 
   const int32_t d = problem.head_dim;
   const int32_t n_kv_heads = problem.num_kv_heads;
   const int32_t group = problem.num_q_heads / n_kv_heads;
-  const size_t group_qbars = interleaved_size(group, d);
   ScratchLayout layout;
-  const size_t row_at = layout.add<float>(size_t(kDotKeys) * size_t(d));
-  const size_t qbars_at = layout.add<double>(group_qbars * size_t(n_kv_heads));
+  const size_t transposed_at = layout.add<float>(score_tile_scratch_floats(d));
   layout.bind(scratch);
-  float* key_rows = layout.get<float>(row_at, size_t(kDotKeys) * size_t(d));
-  double* qbars = layout.get<double>(qbars_at, group_qbars * size_t(n_kv_heads));
-  std::fill(qbars, qbars + group_qbars * size_t(n_kv_heads), 0.0);
-  for (int32_t hk = 0; hk < n_kv_heads; ++hk)
-    for (int32_t l = 0; l < group; ++l)
-      interleave_vector(qbars + hk * group_qbars, l, concat_qbar + int64_t(hk * group + l) * d, d);
-  const float* rows[kDotKeys];
-  for (int key = 0; key < kDotKeys; ++key) rows[key] = key_rows + int64_t(key) * d;
-  for (int64_t c0 = first; c0 < last; c0 += kDotKeys) {
-    const int n_keys = int(std::min<int64_t>(kDotKeys, last - c0));
+  float* transposed = layout.get<float>(transposed_at, score_tile_scratch_floats(d));
+  const SelectScoreKernel& kernel = select_score_kernel();
+  const unsigned char* k_base = static_cast<const unsigned char*>(problem.k.t.data);
+  const int64_t eb = element_bytes(problem.dtype);
+  const int64_t row_bytes = int64_t(d) * eb;
+  const auto k_row = [&](int64_t c, int32_t hk) {
+    return k_base + problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk) * eb;
+  };
+  const int64_t head_bytes = n_kv_heads > 1 ? k_row(first, 1) - k_row(first, 0) : 0;  // kv head stride of a token
+  const void* rows[kScoreTileKeys];
+  for (int64_t c0 = first; c0 < last; c0 += kScoreTileKeys) {
+    const int n_keys = int(std::min<int64_t>(kScoreTileKeys, last - c0));
+    const int64_t next_end = std::min<int64_t>(last, c0 + 2 * kScoreTileKeys);
+    for (int64_t c = c0 + kScoreTileKeys; c < next_end; ++c) {
+      const unsigned char* row = k_row(c, 0);
+      for (int32_t hk = 0; hk < n_kv_heads; ++hk, row += head_bytes)
+        for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) __builtin_prefetch(row + byte);
+    }
     for (int32_t hk = 0; hk < n_kv_heads; ++hk) {
-      for (int key = 0; key < n_keys; ++key)
-        load_row_f32(problem.dtype, problem.k.t.data,
-                     problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk), d, key_rows + key * d);
-      interleaved_dots_keys(qbars + hk * group_qbars, group, rows, n_keys, d, in.score_scale,
-                            kept + hk * kept_stride + c0 * group, group);
+      for (int key = 0; key < n_keys; ++key) rows[key] = k_row(c0 + key, hk);
+      kernel.score_tile(concat_qbar + int64_t(hk) * group * d, group, rows, problem.dtype, n_keys, d, in.score_scale,
+                        transposed, kept + hk * kept_stride + c0 * group, group);
     }
   }
 }
@@ -352,6 +358,28 @@ struct RunArrays {
     plans_at = layout.add<SequencePlan>(batch);
     qbars_at = layout.add<double>(qbars_count);
     selections_at = layout.add<int64_t>(selections_count);
+  }
+};
+
+// Phase 6's key lists on the decode path (run scratch slot kRunScratchSelectionVotes, after phase 3): I per
+// (b, set), [B, n_sets, stride], and their sizes [B, n_sets].
+struct DecodeListArrays {
+  ScratchLayout layout;
+  int64_t stride = 0;
+  size_t keys_count, sizes_count, keys_at, sizes_at;
+  // plans: null sizes the lists for the longest I any sequence of the problem can have (plan_token_select).
+  DecodeListArrays(const AttentionProblem& problem, const SelectParams& params, const SequencePlan* plans) {
+    for (int32_t b = 0; b < problem.batch; ++b) {
+      if (plans && !plans[size_t(b)].has_rows()) continue;
+      SequencePlan worst;
+      worst.seq_k = problem.max_seq_k;
+      worst.dense = true;
+      stride = std::max(stride, index_set_size(plans ? plans[size_t(b)] : worst, params));
+    }
+    sizes_count = size_t(problem.batch) * size_t(params.n_sets);
+    keys_count = sizes_count * size_t(stride);
+    keys_at = layout.add<int64_t>(keys_count);
+    sizes_at = layout.add<int64_t>(sizes_count);
   }
 };
 
@@ -484,8 +512,16 @@ void plan_token_select(const AttentionProblem& problem, const PolicyParams& poli
   const int64_t largest_kept =
       std::min<int64_t>(worst, int64_t(kMaxKeptScoreBytes / std::max<size_t>(per_candidate, 1)));
   run_scratch(exec, kRunScratchSelectionVotes)
-      .reserve(std::max(VoteArrays(problem, params, worst).layout.floats(),
-                        VoteArrays(problem, params, largest_kept).layout.floats()));
+      .reserve(std::max({VoteArrays(problem, params, worst).layout.floats(),
+                         VoteArrays(problem, params, largest_kept).layout.floats(),
+                         decode_lists_apply(problem) ? DecodeListArrays(problem, params, nullptr).layout.floats() : 0}));
+  if (decode_lists_apply(problem)) {
+    run_scratch(exec, kRunScratchDecodeRanges).reserve(decode_lists_partial_floats(problem, problem.max_seq_k));
+    for (int w = 0; w < worker_count(exec); ++w) {
+      loop_scratch(exec, w).reserve(decode_keys_floats(problem.head_dim, problem.num_q_heads));
+      policy_scratch(exec, w).reserve(size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1));
+    }
+  }
 }
 
 void run_token_select(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
@@ -577,6 +613,26 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
                           : 0;
       write_selected_set(problem.selected_indices, b, set, ids, n_ids);
     });
+  }
+
+  // Phase 6, decode on a 16-bit cache: the sets' I as key lists (in the vote arrays' run scratch, which phase 3 no
+  // longer needs), attended with the dense decode kernels, every key of a list read once for all its kv heads.
+  if (decode_lists_apply(problem)) {
+    DecodeListArrays lists(problem, params, plans);
+    lists.layout.bind(run_scratch(exec, kRunScratchSelectionVotes));
+    int64_t* keys = lists.layout.get<int64_t>(lists.keys_at, lists.keys_count);
+    int64_t* sizes = lists.layout.get<int64_t>(lists.sizes_at, lists.sizes_count);
+    parallel_items(exec, int64_t(batch) * params.n_sets, [&](int64_t item, int) {
+      const int32_t b = int32_t(item / params.n_sets);
+      const int32_t set = int32_t(item % params.n_sets);
+      const SequencePlan& plan = plans[size_t(b)];
+      sizes[item] = plan.has_rows() ? build_index_set(plan, params,
+                                                      selections + b * selection_len + set * params.top_k_stride,
+                                                      keys + item * lists.stride)
+                                    : 0;
+    });
+    run_decode_lists(problem, DecodeLists{keys, sizes, lists.stride, params.n_sets}, sink, exec);
+    return;
   }
 
   // Phase 6: every row of every head attends over its set's I, causal with the bottom-right offset N - Sq. The
