@@ -86,12 +86,7 @@ void check_sink_window(const st::Context& ctx, const ref::Problem& p, int sinks,
   sparsa_policy pol = st::make_policy(SPARSA_POLICY_SINK_WINDOW);
   pol.sink_tokens = sinks;
   pol.sink_window = window;
-  const ref::Output want = attend_where(p, [&](int b, int, int i, int j) {
-    const int a = i + p.skv[b] - p.sq[b];
-    if (p.causal) return j <= a && (j < sinks || a - j < window);
-    return j < sinks || std::abs(a - j) < window;
-  });
-  compare(ctx, p, pol, want);
+  compare(ctx, p, pol, ref::attend(p, ref::sink_window(p, sinks, window)));
 }
 
 TEST(SpecAudit, SinkWindowEdges) {
@@ -126,10 +121,7 @@ TEST(SpecAudit, BlockSparseUnitAndNonDividingBlocks) {
       sparsa_policy pol = st::make_policy(SPARSA_POLICY_BLOCK_SPARSE);
       pol.block_q = bq;
       pol.block_k = bk;
-      const ref::Output want = attend_where(p, [&](int b, int h, int i, int j) {
-        if (causal && j > i + 4) return false;
-        return mask[((size_t(b) * 2 + h) * nqb + i / bq) * nkb + j / bk] != 0;
-      });
+      const ref::Output want = attend_mask(p, mask, bq, bk);
       st::RunOptions opt;
       opt.block_mask = mask;
       SCOPED_TRACE(::testing::Message() << "bq " << bq << " bk " << bk << " causal " << causal);
@@ -156,7 +148,7 @@ TEST(SpecAudit, SpargeTauOneKeepsEveryVisibleBlock) {
     for (int h = 0; h < 2; ++h)
       for (int I = 0; I < nqb; ++I)
         for (int J = 0; J < nkb; ++J)
-          want[(size_t(h) * nqb + I) * nkb + J] = block_visible(causal, I, J, bq, bk, 100, 300);
+          want[(size_t(h) * nqb + I) * nkb + J] = ref::block_causal_allowed(p, 0, I, J, bq, bk);
     SCOPED_TRACE(::testing::Message() << "causal " << causal);
     EXPECT_TRUE(st::masks_equal(r.block_mask, want, 1, 2, nqb, nkb));
     EXPECT_TRUE(st::outputs_close(r.out, attend_mask(p, want, bq, bk), st::kTolF32));
@@ -230,7 +222,7 @@ TEST(SpecAudit, SpargeCausalPruningUsesFirstKeyVsLastRowWithOffset) {
   st::expect_ok(r);
   std::vector<uint8_t> want;
   for (int I = 0; I < 3; ++I)
-    for (int J = 0; J < 5; ++J) want.push_back(block_visible(true, I, J, 4, 6, 10, 25));
+    for (int J = 0; J < 5; ++J) want.push_back(ref::block_causal_allowed(p, 0, I, J, 4, 6));
   EXPECT_TRUE(st::masks_equal(r.block_mask, want, 1, 1, 3, 5));
   EXPECT_TRUE(st::outputs_close(r.out, dense_of(p), st::kTolF32));
 }
@@ -457,7 +449,7 @@ TEST(SpecAudit, SpargePvSkipOrderAndFirstComputedBlock) {
       pol.sparge_lambda = lambda;
       SCOPED_TRACE(::testing::Message() << "causal " << causal << " lambda " << lambda);
       int64_t skipped = 0, pairs = 0;
-      const ref::Output want = pv_skip_brute(p, 5, 8, lambda, &skipped, &pairs);
+      const ref::Output want = pv_skip(p, 5, 8, lambda, &skipped, &pairs);
       const st::RunResult r = st::run_and_compare(c.ctx, p, pol, want);
       EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], skipped);
       EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], pairs);  // λ-skipped tiles' pairs count as computed
@@ -470,7 +462,7 @@ TEST(SpecAudit, SpargePvSkipOrderAndFirstComputedBlock) {
   ref::Problem q = random_problem(1, 1, 1, 8, {30}, {12}, true, rng, st::Pattern::kSinks);
   sparsa_policy pol = sparge(30, 4, 1.f, 0.9f);
   pol.sparge_lambda = -1.f;
-  compare(c.ctx, q, pol, pv_skip_brute(q, 30, 4, -1.0));
+  compare(c.ctx, q, pol, pv_skip(q, 30, 4, -1.0));
 }
 
 // §4 "Each may be per head": λ from sparge_head_params applies to its head only (NaN = the scalar, here off).
@@ -483,12 +475,13 @@ TEST(SpecAudit, SpargePerHeadLambda) {
   opt.sparge_head_params = {nan, nan, nan, nan, nan, nan, nan, -2.f};
   const st::RunResult r = st::run(c.ctx, p, sparge(5, 8, 1.f, 0.9f), opt);
   st::expect_ok(r);
-  ref::Output want = pv_skip_brute(p, 5, 8, -kInfD);
-  const ref::Output head1 = pv_skip_brute(p, 5, 8, -2.0);
-  for (int i = 0; i < 20; ++i) {
-    for (int d = 0; d < 16; ++d) want.o[0][(size_t(i) * 2 + 1) * 16 + d] = head1.o[0][(size_t(i) * 2 + 1) * 16 + d];
-    want.lse[0][size_t(1) * 20 + i] = head1.lse[0][size_t(1) * 20 + i];
-  }
+  ref::SpargeParams sp;  // every block forced (theta 1), λ off on head 0 and -2 on head 1
+  sp.bq = 5;
+  sp.bk = 8;
+  sp.theta = kInfD;
+  std::vector<ref::SpargeParams> per_head(2, sp);
+  per_head[1].lambda = -2.0;
+  const ref::Output want = ref::sparge(p, per_head).out;
   EXPECT_TRUE(st::outputs_close(r.out, want, st::kTolF32));
   EXPECT_TRUE(st::lse_close(r.out, want, st::kTolF32));
 }

@@ -5,28 +5,6 @@
 
 namespace {
 
-ref::Output delta_brute(const ref::Problem& p, const ref::Output& sparse, int gamma, int tail_min) {
-  const ref::Output dense = dense_of(p);
-  ref::Output out = sparse;
-  for (int b = 0; b < p.B; ++b) {
-    const int sq = p.sq[b];
-    const int s_p = sq - (sq % gamma + std::max(tail_min, gamma));
-    for (int i = 0; i < sq; ++i)
-      for (int h = 0; h < p.Hq; ++h)
-        for (int d = 0; d < p.D; ++d) {
-          const size_t at = (size_t(i) * p.Hq + h) * p.D + d;
-          if (i >= s_p) {
-            out.o[b][at] = dense.o[b][at];
-          } else {
-            const size_t r = (size_t(i / gamma * gamma) * p.Hq + h) * p.D + d;
-            out.o[b][at] = sparse.o[b][at] + (dense.o[b][r] - sparse.o[b][r]);
-          }
-        }
-  }
-  out.lse.clear();
-  return out;
-}
-
 TEST(SpecAudit, DeltaCutEdgesOverSinkWindow) {
   Cpu c;
   ST_RNG(rng, 25);
@@ -41,13 +19,10 @@ TEST(SpecAudit, DeltaCutEdgesOverSinkWindow) {
     pol.flags = SPARSA_POLICY_FLAG_DELTA;
     pol.delta_gamma = gamma;
     pol.delta_tail_min = tail;
-    const ref::Output base = attend_where(p, [&](int b, int, int i, int j) {
-      const int a = i + p.skv[b] - p.sq[b];
-      return j <= a && (j < sinks || a - j < window);
-    });
+    const ref::Output base = ref::attend(p, ref::sink_window(p, sinks, window));
     st::RunOptions opt;
     opt.lse = false;
-    compare(c.ctx, p, pol, delta_brute(p, base, gamma, tail), opt);
+    compare(c.ctx, p, pol, ref::delta(p, base, gamma, tail), opt);
   }
 }
 
@@ -72,7 +47,7 @@ TEST(SpecAudit, DeltaOverDenseAndBlockSparse) {
   bs.delta_gamma = 6;
   bs.delta_tail_min = 5;
   opt.block_mask = mask;
-  compare(c.ctx, p, bs, delta_brute(p, attend_mask(p, mask, bq, bk), 6, 5), opt);
+  compare(c.ctx, p, bs, ref::delta(p, attend_mask(p, mask, bq, bk), 6, 5), opt);
 }
 
 TEST(SpecAudit, DeltaOverTokenSparseDroppedRows) {
@@ -91,7 +66,7 @@ TEST(SpecAudit, DeltaOverTokenSparseDroppedRows) {
   pol.delta_tail_min = 8;
   st::RunOptions opt;
   opt.lse = false;
-  compare(c.ctx, p, pol, delta_brute(p, base.out, 8, 8), opt);
+  compare(c.ctx, p, pol, ref::delta(p, base.out, 8, 8), opt);
 }
 
 TEST(SpecAudit, DeltaOverTokenIndicesAndRaggedVarlen) {
@@ -113,7 +88,7 @@ TEST(SpecAudit, DeltaOverTokenIndicesAndRaggedVarlen) {
   opt.indices = indices;
   opt.h_idx = 1;
   opt.k = 3;
-  compare(c.ctx, p, pol, delta_brute(p, base, 4, 4), opt);
+  compare(c.ctx, p, pol, ref::delta(p, base, 4, 4), opt);
 }
 
 
@@ -129,18 +104,18 @@ TEST(SpecAudit, DeltaOverTokenSelectChunkAndSparge) {
     pol.delta_tail_min = 4;
     st::RunOptions opt;
     opt.lse = false;
-    if (base.topk_margin > 1e-9) compare(c.ctx, p, pol, delta_brute(p, base.out, 8, 4), opt);
+    if (base.topk_margin > 1e-9) compare(c.ctx, p, pol, ref::delta(p, base.out, 8, 4), opt);
   }
   {
     sparsa_policy pol = sparge(8, 8, 1.f, 0.9f);  // theta 1: dense mask; λ skips some blocks
     pol.sparge_lambda = -3.f;
-    const ref::Output base = pv_skip_brute(p, 8, 8, -3.0);
+    const ref::Output base = pv_skip(p, 8, 8, -3.0);
     pol.flags = SPARSA_POLICY_FLAG_DELTA;
     pol.delta_gamma = 5;
     pol.delta_tail_min = 6;
     st::RunOptions opt;
     opt.lse = false;
-    compare(c.ctx, p, pol, delta_brute(p, base, 5, 6), opt);
+    compare(c.ctx, p, pol, ref::delta(p, base, 5, 6), opt);
   }
 }
 
