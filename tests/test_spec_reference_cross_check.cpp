@@ -2,7 +2,7 @@
 // reference.cpp: §0 bottom-right causal visibility (dense), §2 sink/window, §3 block masks, §4 block-level causal
 // pruning and the λ PV skip of step 7, §8 Δ. Every other test uses the reference as its oracle; this one checks
 // that oracle against a second reading of the spec.
-#include "spec_audit_util.h"
+#include "spec_test_util.h"
 
 namespace {
 

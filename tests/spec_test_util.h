@@ -1,5 +1,6 @@
-// Shared helpers of the spec-audit tests (test_spec_audit_*.cpp): brute-force float64 oracles written from
-// ALGORITHMS.md and small policy builders. Header-only, internal linkage: each test file gets its own copy.
+// Shared helpers of the spec tests (test_spec_*.cpp): small policy builders, thin wrappers over the float64 reference
+// (tests/reference, the one oracle), and the checks of the token policies' selections. Header-only with internal
+// linkage: the helpers hold no state.
 #pragma once
 
 #include <algorithm>
