@@ -181,71 +181,9 @@ ref::Problem rounded(const ref::Problem& p, int32_t dtype) {
   return r;
 }
 
-uint16_t float_to_half(float x) {
-  uint32_t f;
-  std::memcpy(&f, &x, 4);
-  const uint32_t sign = (f >> 16) & 0x8000u;
-  const int32_t exponent = int32_t((f >> 23) & 0xFF) - 127 + 15;
-  uint32_t mantissa = f & 0x7FFFFFu;
-  if (((f >> 23) & 0xFF) == 0xFF) return uint16_t(sign | 0x7C00u | (mantissa ? 0x200u : 0));
-  if (exponent >= 31) return uint16_t(sign | 0x7C00u);
-  if (exponent <= 0) {
-    if (exponent < -10) return uint16_t(sign);
-    mantissa |= 0x800000u;
-    const int shift = 14 - exponent;
-    uint32_t half = mantissa >> shift;
-    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-    if (rest > halfway || (rest == halfway && (half & 1))) ++half;
-    return uint16_t(sign | half);
-  }
-  uint32_t half = (uint32_t(exponent) << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1FFFu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1))) ++half;
-  return uint16_t(sign | half);
-}
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FFu, f;
-  if (exponent == 0x1F) {
-    f = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent == 0) {
-    if (mantissa == 0) {
-      f = sign;
-    } else {
-      int e = -1;
-      do {
-        ++e;
-        mantissa <<= 1;
-      } while (!(mantissa & 0x400u));
-      f = sign | (uint32_t(127 - 15 - e) << 23) | ((mantissa & 0x3FFu) << 13);
-    }
-  } else {
-    f = sign | ((exponent - 15 + 127) << 23) | (mantissa << 13);
-  }
-  float x;
-  std::memcpy(&x, &f, 4);
-  return x;
-}
-
-uint16_t float_to_bf16(float x) {
-  uint32_t f;
-  std::memcpy(&f, &x, 4);
-  if ((f & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((f >> 16) | 0x40u);
-  f += 0x7FFFu + ((f >> 16) & 1u);
-  return uint16_t(f >> 16);
-}
-
-float bf16_to_float(uint16_t h) {
-  const uint32_t f = uint32_t(h) << 16;
-  float x;
-  std::memcpy(&x, &f, 4);
-  return x;
-}
-
 double round_to_dtype(double x, int32_t dtype) {
   switch (dtype) {
-    case SPARSA_DTYPE_F16: return half_to_float(float_to_half(float(x)));
+    case SPARSA_DTYPE_F16: return f16_to_float(float_to_f16(float(x)));
     case SPARSA_DTYPE_BF16: return bf16_to_float(float_to_bf16(float(x)));
     case SPARSA_DTYPE_F32: return float(x);
     default: return x;
@@ -329,7 +267,7 @@ double Buffer::get(size_t e) const {
   switch (dtype_) {
     case SPARSA_DTYPE_F32: { float x; std::memcpy(&x, at, 4); return x; }
     case SPARSA_DTYPE_F64: { double x; std::memcpy(&x, at, 8); return x; }
-    case SPARSA_DTYPE_F16: { uint16_t x; std::memcpy(&x, at, 2); return half_to_float(x); }
+    case SPARSA_DTYPE_F16: { uint16_t x; std::memcpy(&x, at, 2); return f16_to_float(x); }
     case SPARSA_DTYPE_BF16: { uint16_t x; std::memcpy(&x, at, 2); return bf16_to_float(x); }
     case SPARSA_DTYPE_I32: { int32_t x; std::memcpy(&x, at, 4); return x; }
     case SPARSA_DTYPE_I64: { int64_t x; std::memcpy(&x, at, 8); return double(x); }
@@ -343,7 +281,7 @@ void Buffer::set(size_t e, double x) {
   switch (dtype_) {
     case SPARSA_DTYPE_F32: { const float y = float(x); std::memcpy(at, &y, 4); break; }
     case SPARSA_DTYPE_F64: std::memcpy(at, &x, 8); break;
-    case SPARSA_DTYPE_F16: { const uint16_t y = float_to_half(float(x)); std::memcpy(at, &y, 2); break; }
+    case SPARSA_DTYPE_F16: { const uint16_t y = float_to_f16(float(x)); std::memcpy(at, &y, 2); break; }
     case SPARSA_DTYPE_BF16: { const uint16_t y = float_to_bf16(float(x)); std::memcpy(at, &y, 2); break; }
     case SPARSA_DTYPE_I32: { const int32_t y = int32_t(x); std::memcpy(at, &y, 4); break; }
     case SPARSA_DTYPE_I64: { const int64_t y = int64_t(x); std::memcpy(at, &y, 8); break; }

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "host_half.h"
 #include "reference/reference.h"
 
 namespace st {
@@ -58,11 +59,11 @@ void fill(ref::Problem& p, Pattern pattern, Rng& rng);
 // The same problem with q/k/v rounded to dtype (the reference for f16/bf16 runs).
 ref::Problem rounded(const ref::Problem& p, int32_t dtype);
 
-// Host conversions.
-uint16_t float_to_half(float x);
-float half_to_float(uint16_t h);
-uint16_t float_to_bf16(float x);
-float bf16_to_float(uint16_t h);
+// Host conversions (tests/host_half.h, shared with the GPU tests and the vector generator).
+using host_half::bf16_to_float;
+using host_half::f16_to_float;
+using host_half::float_to_bf16;
+using host_half::float_to_f16;
 double round_to_dtype(double x, int32_t dtype);
 
 // ---------------------------------------------------------------------------------------------------------------

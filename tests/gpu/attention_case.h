@@ -220,8 +220,9 @@ inline RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, b
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
-  sparsa_context* ctx = nullptr;
-  result.status = sparsa_context_create(&options, &ctx);
+  ScopedContext context(options);
+  result.status = context.status();
+  sparsa_context* const ctx = context.get();
   if (result.status != SPARSA_STATUS_SUCCESS) {
     result.message = sparsa_last_error_message();
     return result;
@@ -309,7 +310,6 @@ inline RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, b
       result.lse = host_lse;
     }
   }
-  sparsa_context_destroy(ctx);
   return result;
 }
 

@@ -227,14 +227,16 @@ TEST(GpuAttentionGraph, CaptureAndReplay) {
   const RunResult eager = run_case(c, in, ph, true);
   ASSERT_EQ(eager.status, SPARSA_STATUS_SUCCESS) << eager.message;
 
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreate(&stream));
+  ScopedStream owned_stream;
+  CUDA_OK(cudaStreamCreate(owned_stream.out()));
+  const cudaStream_t stream = owned_stream.get();
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
   options.stream = stream;
-  sparsa_context* ctx = nullptr;
-  SPARSA_OK(sparsa_context_create(&options, &ctx));
+  ScopedContext context(options);
+  SPARSA_OK(context.status());
+  sparsa_context* const ctx = context.get();
   DeviceBuffer q(ph.q.size()), k(ph.k.size()), v(ph.v.size()), out(ph.q.size());
   q.upload(ph.q.data(), ph.q.size());
   k.upload(ph.k.data(), ph.k.size());
@@ -252,22 +254,18 @@ TEST(GpuAttentionGraph, CaptureAndReplay) {
   args.out = &tout;
   args.causal = 1;
   SPARSA_OK(sparsa_attention_plan(ctx, &args, nullptr));
-  cudaGraph_t graph;
+  ScopedGraph graph;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   const sparsa_status captured = sparsa_attention_run(ctx, &args, nullptr);
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaStreamEndCapture(stream, graph.out()));
   ASSERT_EQ(captured, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 3; ++replay) CUDA_OK(cudaGraphLaunch(exec, stream));
+  ScopedGraphExec exec;
+  CUDA_OK(cudaGraphInstantiate(exec.out(), graph.get(), 0));
+  for (int replay = 0; replay < 3; ++replay) CUDA_OK(cudaGraphLaunch(exec.get(), stream));
   CUDA_OK(cudaStreamSynchronize(stream));
   const std::vector<float> replayed = decode(out.download<uint8_t>(ph.q.size()), c.dtype);
   ASSERT_EQ(replayed.size(), eager.out.size());
   for (size_t i = 0; i < replayed.size(); ++i) ASSERT_EQ(replayed[i], eager.out[i]) << "element " << i;
-  CUDA_OK(cudaGraphExecDestroy(exec));
-  CUDA_OK(cudaGraphDestroy(graph));
-  sparsa_context_destroy(ctx);
-  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 // What the backend does not implement is refused with UNSUPPORTED and a reason, never computed wrongly.
@@ -279,8 +277,9 @@ TEST(GpuAttentionSupport, CaseBeyondTheLimitsIsUnsupportedWithAReason) {
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
-  sparsa_context* ctx = nullptr;
-  SPARSA_OK(sparsa_context_create(&options, &ctx));
+  ScopedContext context(options);
+  SPARSA_OK(context.status());
+  sparsa_context* const ctx = context.get();
   const int64_t shape[4] = {1, 1, 2, kTooLargeHeadDim};
   const size_t bytes = 2 * kTooLargeHeadDim * 2;
   DeviceBuffer buf(bytes);
@@ -306,7 +305,6 @@ TEST(GpuAttentionSupport, CaseBeyondTheLimitsIsUnsupportedWithAReason) {
   std::vector<uint8_t> after(bytes);
   CUDA_OK(cudaMemcpy(after.data(), out.data(), bytes, cudaMemcpyDeviceToHost));
   EXPECT_EQ(after, poison);
-  sparsa_context_destroy(ctx);
 }
 
 // TOKEN_INDICES (§7) at decode and short-chunk shapes with long sequences, so the index-driven kernel splits the
@@ -337,8 +335,9 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
       sparsa_context_options options;
       sparsa_context_options_init(&options, sizeof options);
       options.device_type = device;
-      sparsa_context* ctx = nullptr;
-      SPARSA_OK(sparsa_context_create(&options, &ctx));
+      ScopedContext context(options);
+      SPARSA_OK(context.status());
+      sparsa_context* const ctx = context.get();
       const bool gpu = device == SPARSA_DEVICE_CUDA;
       std::vector<uint8_t> out_host(qb.size(), 0xff);
       std::vector<float> lse_host(size_t(B) * Hq * shape.sq, std::nanf(""));
@@ -385,7 +384,6 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
       res->lse = lse_host;
       res->stats = stats_host;
       res->selected = sel_host;
-      sparsa_context_destroy(ctx);
     };
     Result cpu, gpu;
     run(SPARSA_DEVICE_CPU, &cpu);
@@ -433,8 +431,9 @@ TEST(GpuTokenIndices, OutOfRangeDeviceIdsAreIgnoredLikeUnusedSlots) {
     sparsa_context_options options;
     sparsa_context_options_init(&options, sizeof options);
     options.device_type = SPARSA_DEVICE_CUDA;
-    sparsa_context* ctx = nullptr;
-    SPARSA_OK(sparsa_context_create(&options, &ctx));
+    ScopedContext context(options);
+    SPARSA_OK(context.status());
+    sparsa_context* const ctx = context.get();
     DeviceBuffer dq(qb.size()), dk(kb.size()), dv(vb.size()), dout(qb.size()), dsel(size_t(B) * Hq * Skv * 4),
         dids(ids.size() * 4);
     dq.upload(qb.data(), qb.size());
@@ -458,7 +457,6 @@ TEST(GpuTokenIndices, OutOfRangeDeviceIdsAreIgnoredLikeUnusedSlots) {
     CUDA_OK(cudaDeviceSynchronize());
     *out = dout.download<uint8_t>(qb.size());
     *selected = dsel.download<int32_t>(size_t(B) * Hq * Skv);
-    sparsa_context_destroy(ctx);
   };
   std::vector<uint8_t> out_planted, out_clean;
   std::vector<int32_t> sel_planted, sel_clean;
@@ -487,8 +485,9 @@ TEST(GpuMergeStates, MatchesFormula) {
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
-  sparsa_context* ctx = nullptr;
-  SPARSA_OK(sparsa_context_create(&options, &ctx));
+  ScopedContext context(options);
+  SPARSA_OK(context.status());
+  sparsa_context* const ctx = context.get();
   DeviceBuffer doa(oa.size() * 4), dob(ob.size() * 4), dla(la.size() * 4), dlb(lb.size() * 4), dlo(la.size() * 4);
   doa.upload(oa.data(), oa.size() * 4);
   dob.upload(ob.data(), ob.size() * 4);
@@ -522,7 +521,6 @@ TEST(GpuMergeStates, MatchesFormula) {
           EXPECT_NEAR(out[oi], want, 1e-5) << "b" << b << " s" << s << " h" << h << " d" << d;
         }
       }
-  sparsa_context_destroy(ctx);
 }
 
 }  // namespace

@@ -30,8 +30,6 @@ namespace {
 
 using namespace sparsa_gpu_test;
 
-// ---- element conversions (host; test data stays within [-8, 8], normal range) ----
-
 // ---- one case ----
 
 enum class KvLayout { kPadded, kPacked, kPaged, kPaddedOddStride };
@@ -246,13 +244,15 @@ void run_case(const Case& c, const Inputs& in, int32_t device, bool plain, bool 
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = device;
-  cudaStream_t stream = nullptr;
+  ScopedStream owned_stream;
   if (graph) {
-    CUDA_OK(cudaStreamCreate(&stream));
-    options.stream = stream;
+    CUDA_OK(cudaStreamCreate(owned_stream.out()));
   }
-  sparsa_context* ctx = nullptr;
-  SPARSA_OK(sparsa_context_create(&options, &ctx));
+  const cudaStream_t stream = owned_stream.get();
+  options.stream = stream;
+  ScopedContext context(options);
+  SPARSA_OK(context.status());
+  sparsa_context* const ctx = context.get();
   std::deque<DeviceBuffer> buffers;
   auto place = [&](const void* host, size_t bytes) -> void* {
     if (!gpu) return const_cast<void*>(host);
@@ -333,17 +333,15 @@ void run_case(const Case& c, const Inputs& in, int32_t device, bool plain, bool 
   }
   if (graph) {
     SPARSA_OK(sparsa_attention_plan(ctx, &args, &policy));
-    cudaGraph_t captured;
+    ScopedGraph captured;
     CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     const sparsa_status status = sparsa_attention_run(ctx, &args, &policy);
-    CUDA_OK(cudaStreamEndCapture(stream, &captured));
+    CUDA_OK(cudaStreamEndCapture(stream, captured.out()));
     ASSERT_EQ(status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaGraphInstantiate(&exec, captured, 0));
-    for (int replay = 0; replay < 2; ++replay) CUDA_OK(cudaGraphLaunch(exec, stream));
+    ScopedGraphExec exec;
+    CUDA_OK(cudaGraphInstantiate(exec.out(), captured.get(), 0));
+    for (int replay = 0; replay < 2; ++replay) CUDA_OK(cudaGraphLaunch(exec.get(), stream));
     CUDA_OK(cudaStreamSynchronize(stream));
-    CUDA_OK(cudaGraphExecDestroy(exec));
-    CUDA_OK(cudaGraphDestroy(captured));
   } else {
     SPARSA_OK(sparsa_attention_run(ctx, &args, &policy));
   }
@@ -355,10 +353,6 @@ void run_case(const Case& c, const Inputs& in, int32_t device, bool plain, bool 
     if (token_indices) {
       CUDA_OK(cudaMemcpy(selected_host.data(), selected_ptr, selected_host.size() * 4, cudaMemcpyDeviceToHost));
     }
-  }
-  sparsa_context_destroy(ctx);
-  if (stream != nullptr) {
-    CUDA_OK(cudaStreamDestroy(stream));
   }
 
   // Logical form.

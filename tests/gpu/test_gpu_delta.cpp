@@ -24,8 +24,6 @@ namespace {
 
 using namespace sparsa_gpu_test;
 
-// ---- host element conversions (round to nearest even; test data stays small and normal) ----
-
 // ---- one case ----
 
 enum class Layout { kPadded, kPacked, kPaged };
@@ -175,20 +173,21 @@ enum class Mode { kCpu, kGpu, kGpuGraph };
 RunResult run_case(const Case& c, const Inputs& in, Mode mode, bool delta = true) {
   RunResult result;
   const bool on_gpu = mode != Mode::kCpu;
-  cudaStream_t stream = nullptr;
-  if (mode == Mode::kGpuGraph && cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+  ScopedStream owned_stream;
+  if (mode == Mode::kGpuGraph && cudaStreamCreateWithFlags(owned_stream.out(), cudaStreamNonBlocking) != cudaSuccess) {
     result.message = "cudaStreamCreate failed";
     return result;
   }
+  const cudaStream_t stream = owned_stream.get();
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
   options.stream = stream;
-  sparsa_context* ctx = nullptr;
-  result.status = sparsa_context_create(&options, &ctx);
+  ScopedContext context(options);
+  result.status = context.status();
+  sparsa_context* const ctx = context.get();
   if (result.status != SPARSA_STATUS_SUCCESS) {
     result.message = sparsa_last_error_message();
-    if (stream != nullptr) (void)cudaStreamDestroy(stream);
     return result;
   }
   const int32_t dev = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
@@ -244,22 +243,20 @@ RunResult run_case(const Case& c, const Inputs& in, Mode mode, bool delta = true
   if (mode == Mode::kGpuGraph) {
     // Plan, capture one run, poison the outputs, replay: the replay alone must produce everything.
     result.status = sparsa_attention_plan(ctx, &args, &policy);
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
+    ScopedGraph graph;
+    ScopedGraphExec exec;
     if (result.status == SPARSA_STATUS_SUCCESS) {
       EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
       result.status = sparsa_attention_run(ctx, &args, &policy);
-      EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      EXPECT_EQ(cudaStreamEndCapture(stream, graph.out()), cudaSuccess);
     }
     if (result.status == SPARSA_STATUS_SUCCESS) {
-      EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      EXPECT_EQ(cudaGraphInstantiate(exec.out(), graph.get(), 0), cudaSuccess);
       EXPECT_EQ(cudaMemset(out, 0xff, out_bytes), cudaSuccess);
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the capture stream does not wait for the legacy stream
-      EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      EXPECT_EQ(cudaGraphLaunch(exec.get(), stream), cudaSuccess);
       EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     }
-    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
-    if (graph != nullptr) (void)cudaGraphDestroy(graph);
   } else {
     result.status = sparsa_attention_run(ctx, &args, &policy);
   }
@@ -273,8 +270,6 @@ RunResult run_case(const Case& c, const Inputs& in, Mode mode, bool delta = true
     result.out = decode(host_out, c.dtype);
     result.stats = host_stats;
   }
-  sparsa_context_destroy(ctx);
-  if (stream != nullptr) (void)cudaStreamDestroy(stream);
   return result;
 }
 

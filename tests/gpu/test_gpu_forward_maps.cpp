@@ -27,8 +27,6 @@ namespace {
 
 using namespace sparsa_gpu_test;
 
-// ---- host element conversions (round to nearest even; test data stays small and normal) ----
-
 struct Case {
   std::string name;
   int32_t dtype = SPARSA_DTYPE_BF16;
@@ -86,8 +84,9 @@ RunResult run_case(const Case& c, const Inputs& in, bool on_gpu) {
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
-  sparsa_context* ctx = nullptr;
-  result.status = sparsa_context_create(&options, &ctx);
+  ScopedContext context(options);
+  result.status = context.status();
+  sparsa_context* const ctx = context.get();
   if (result.status != SPARSA_STATUS_SUCCESS) {
     result.message = sparsa_last_error_message();
     return result;
@@ -137,7 +136,6 @@ RunResult run_case(const Case& c, const Inputs& in, bool on_gpu) {
     result.out = decode(host_out, c.dtype);
     result.stats = host_stats;
   }
-  sparsa_context_destroy(ctx);
   return result;
 }
 

@@ -23,8 +23,6 @@ namespace {
 
 using namespace sparsa_gpu_test;
 
-// ---- element conversions (host; round to nearest even, test data stays well inside the f16 range) ----
-
 // ---- memory and contexts ----
 
 struct Context {
@@ -626,27 +624,32 @@ TEST(GpuTokenSelectCache, GraphReplayHitThenMiss) {
     queries.push_back(encode_rounded(q, c.dtype));
   }
 
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreate(&stream));
+  ScopedStream owned_stream;
+  CUDA_OK(cudaStreamCreate(owned_stream.out()));
+  const cudaStream_t stream = owned_stream.get();
   {
     Context cpu_ctx(SPARSA_DEVICE_CPU), gpu_ctx(SPARSA_DEVICE_CUDA, stream);
     ASSERT_EQ(gpu_ctx.status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
-    sparsa_selection_cache *cpu_cache = nullptr, *gpu_cache = nullptr;
-    SPARSA_OK(sparsa_selection_cache_create(cpu_ctx.ctx, 2, c.q_heads, c.kv_heads, c.head_dim, c.top_k, &cpu_cache));
-    SPARSA_OK(sparsa_selection_cache_create(gpu_ctx.ctx, 2, c.q_heads, c.kv_heads, c.head_dim, c.top_k, &gpu_cache));
+    ScopedSelectionCache cpu_owned, gpu_owned;
+    SPARSA_OK(
+        sparsa_selection_cache_create(cpu_ctx.ctx, 2, c.q_heads, c.kv_heads, c.head_dim, c.top_k, cpu_owned.out()));
+    SPARSA_OK(
+        sparsa_selection_cache_create(gpu_ctx.ctx, 2, c.q_heads, c.kv_heads, c.head_dim, c.top_k, gpu_owned.out()));
+    sparsa_selection_cache* const cpu_cache = cpu_owned.get();
+    sparsa_selection_cache* const gpu_cache = gpu_owned.get();
     SelectRunner cpu(c, t, cpu_ctx, SPARSA_DEVICE_CPU), gpu(c, t, gpu_ctx, SPARSA_DEVICE_CUDA);
     cpu.use_cache(cpu_cache);
     gpu.use_cache(gpu_cache);
     sparsa_attention_args args = gpu.args();
     const sparsa_policy policy = gpu.policy();
     SPARSA_OK(sparsa_attention_plan(gpu_ctx.ctx, &args, &policy));
-    cudaGraph_t graph;
+    ScopedGraph graph;
     CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     const sparsa_status captured = sparsa_attention_run(gpu_ctx.ctx, &args, &policy);
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaStreamEndCapture(stream, graph.out()));
     ASSERT_EQ(captured, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    ScopedGraphExec exec;
+    CUDA_OK(cudaGraphInstantiate(exec.out(), graph.get(), 0));
     const int64_t want_hits[3] = {0, 2, 0}, want_misses[3] = {2, 0, 2};
     std::vector<int32_t> first_selection;
     for (int step = 0; step < 3; ++step) {
@@ -655,7 +658,7 @@ TEST(GpuTokenSelectCache, GraphReplayHitThenMiss) {
       const SelectResult want = cpu.run();
       gpu.set_q(queries[step]);
       gpu.poison();
-      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaGraphLaunch(exec.get(), stream));
       CUDA_OK(cudaStreamSynchronize(stream));
       SelectResult got;
       gpu.collect(got);
@@ -674,12 +677,7 @@ TEST(GpuTokenSelectCache, GraphReplayHitThenMiss) {
     SPARSA_OK(sparsa_selection_cache_reset(gpu_cache));
     SPARSA_OK(sparsa_selection_cache_counts(gpu_cache, &hits, &misses));
     EXPECT_EQ(hits + misses, 0);
-    CUDA_OK(cudaGraphExecDestroy(exec));
-    CUDA_OK(cudaGraphDestroy(graph));
-    sparsa_selection_cache_destroy(cpu_cache);
-    sparsa_selection_cache_destroy(gpu_cache);
   }
-  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 // =====================================================================================================================
@@ -698,12 +696,21 @@ sparsa_status prefetch_on_gpu(const std::vector<float>& k_src, const std::vector
   Context gpu(SPARSA_DEVICE_CUDA);
   const size_t src_bytes = k_src.size() * 4;
   void *ks = nullptr, *vs = nullptr;
+  std::unique_ptr<PinnedBuffer> k_pinned, v_pinned;
   std::unique_ptr<DeviceBuffer> kd_src, vd_src;
   std::vector<float> k_pageable = k_src, v_pageable = v_src;
   int32_t src_device = SPARSA_DEVICE_CUDA_HOST;
   if (sources == 0) {
-    EXPECT_EQ(cudaMallocHost(&ks, src_bytes), cudaSuccess);
-    EXPECT_EQ(cudaMallocHost(&vs, src_bytes), cudaSuccess);
+    k_pinned = std::make_unique<PinnedBuffer>(src_bytes);
+    v_pinned = std::make_unique<PinnedBuffer>(src_bytes);
+    ks = k_pinned->data();
+    vs = v_pinned->data();
+    EXPECT_NE(ks, nullptr);
+    EXPECT_NE(vs, nullptr);
+    if (ks == nullptr || vs == nullptr) {
+      *message = "cudaMallocHost failed";
+      return SPARSA_STATUS_INTERNAL;
+    }
     std::memcpy(ks, k_src.data(), src_bytes);
     std::memcpy(vs, v_src.data(), src_bytes);
   } else if (sources == 1) {
@@ -749,10 +756,6 @@ sparsa_status prefetch_on_gpu(const std::vector<float>& k_src, const std::vector
     pos.download(out->positions.data());
     rem.download(out->remapped.data());
     cnt.download(out->counts.data());
-  }
-  if (sources == 0) {
-    (void)cudaFreeHost(ks);
-    (void)cudaFreeHost(vs);
   }
   return status;
 }

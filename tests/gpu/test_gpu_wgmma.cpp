@@ -696,8 +696,9 @@ SpargeResult run_sparge(const Case& c, const Inputs& in, const Physical& ph, boo
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
-  sparsa_context* ctx = nullptr;
-  result.status = sparsa_context_create(&options, &ctx);
+  ScopedContext context(options);
+  result.status = context.status();
+  sparsa_context* const ctx = context.get();
   if (result.status != SPARSA_STATUS_SUCCESS) {
     result.message = sparsa_last_error_message();
     return result;
@@ -762,7 +763,6 @@ SpargeResult run_sparge(const Case& c, const Inputs& in, const Physical& ph, boo
       result.mask = host_mask;
     }
   }
-  sparsa_context_destroy(ctx);
   return result;
 }
 
