@@ -314,26 +314,26 @@ class UnsupportedFilter : public ::testing::ScopedFakeTestPartResultReporter {
   ::testing::TestPartResultArray results_;
 };
 
-BackendTest::BackendTest() = default;
-BackendTest::~BackendTest() = default;
+BackendSetup::BackendSetup() = default;
+BackendSetup::~BackendSetup() = default;
 
-void BackendTest::SetUp() {
-  if (GetParam() != SPARSA_DEVICE_CPU) {
+void BackendSetup::set_up(int32_t backend) {
+  if (backend != SPARSA_DEVICE_CPU) {
     const ExpectedSkip* by_design = not_run_here(test_id(*::testing::UnitTest::GetInstance()->current_test_info()));
     if (by_design != nullptr) GTEST_SKIP() << by_design->reason << ": " << by_design->why;
   }
-  ctx_ = std::make_unique<Context>(GetParam());
-  if (GetParam() == SPARSA_DEVICE_CPU) {
+  ctx_ = std::make_unique<Context>(backend);
+  if (backend == SPARSA_DEVICE_CPU) {
     ASSERT_EQ(ctx_->status(), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
     return;
   }
   if (ctx_->status() != SPARSA_STATUS_SUCCESS) GTEST_SKIP() << "no context for this backend: " << sparsa_last_error_message();
-  if (!device_memory_supported(GetParam())) GTEST_SKIP() << "test device-memory seam not wired for this backend yet";
+  if (!device_memory_supported(backend)) GTEST_SKIP() << "test device-memory seam not wired for this backend yet";
   filter_ = std::make_unique<UnsupportedFilter>();
   host_memory_used = false;
 }
 
-void BackendTest::TearDown() {
+void BackendSetup::tear_down() {
   if (!filter_) return;
   ::testing::TestPartResultArray held;
   for (int i = 0; i < filter_->results().size(); ++i) held.Append(filter_->results().GetTestPartResult(i));
@@ -354,12 +354,14 @@ void BackendTest::TearDown() {
 
 void skip_unsupported(const std::string& reason) { GTEST_SKIP() << "unsupported on this backend: " << reason; }
 
-std::string backend_name(const ::testing::TestParamInfo<int32_t>& info) {
-  switch (info.param) {
+std::string backend_name(const ::testing::TestParamInfo<int32_t>& info) { return backend_label(info.param); }
+
+std::string backend_label(int32_t backend) {
+  switch (backend) {
     case SPARSA_DEVICE_CPU: return "CPU";
     case SPARSA_DEVICE_CUDA: return "CUDA";
     case SPARSA_DEVICE_ROCM: return "ROCM";
-    default: return "device" + std::to_string(info.param);
+    default: return "device" + std::to_string(backend);
   }
 }
 
@@ -397,7 +399,7 @@ struct AttentionView {
 };
 
 AttentionView make_view(const Context& ctx, int32_t dtype, bool packed, const std::vector<int>& lens, int padded_len,
-                        int H, int D, int64_t gap, bool head_major) {
+                        int H, int D, int64_t gap, bool head_major, int64_t row_pad = 0) {
   AttentionView v;
   v.packed = packed;
   std::vector<int64_t> shape;
@@ -408,7 +410,17 @@ AttentionView make_view(const Context& ctx, int32_t dtype, bool packed, const st
   } else {
     shape = {int64_t(lens.size()), padded_len, H, D};
   }
-  v.buf = std::make_unique<Buffer>(ctx, dtype, shape, gapped_strides(shape, gap, head_major));
+  std::vector<int64_t> strides = gapped_strides(shape, gap, head_major);
+  if (row_pad > 0) {  // rows (tokens) row_pad elements further apart; with gap 0 and token-major storage only
+    EXPECT_TRUE(gap == 0 && !head_major) << "row_pad combines with neither gap nor head_major";
+    if (packed) {
+      strides[0] += row_pad;
+    } else {
+      strides[1] += row_pad;
+      strides[0] = strides[1] * padded_len;
+    }
+  }
+  v.buf = std::make_unique<Buffer>(ctx, dtype, shape, strides);
   return v;
 }
 
@@ -507,9 +519,10 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
         }
     }
   } else {
-    const bool packed = opt.layout == Layout::kVarlen;
+    const bool packed = opt.layout == Layout::kVarlen || opt.kv_packed;
     for (int which = 0; which < 2; ++which) {
-      kv_view[which] = make_view(ctx, opt.dtype, packed, p.skv, skv_max, Hkv, D, opt.gap, opt.head_major);
+      kv_view[which] =
+          make_view(ctx, opt.dtype, packed, p.skv, skv_max, Hkv, D, opt.gap, opt.head_major, opt.kv_row_pad);
       Buffer& buf = *kv_view[which].buf;
       poison(buf);
       for (int b = 0; b < B; ++b)
@@ -529,7 +542,8 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
     cu_q = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32, std::vector<int64_t>{B + 1});
     for (int b = 0; b <= B; ++b) cu_q->as<int32_t>()[b] = q.row_offset[b];
   }
-  if (opt.layout == Layout::kPaged || (opt.layout == Layout::kPadded && (opt.seq_lens_k || ragged_k))) {
+  if (opt.layout == Layout::kPaged ||
+      (opt.layout == Layout::kPadded && !opt.kv_packed && (opt.seq_lens_k || ragged_k))) {
     seq_lens = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32, std::vector<int64_t>{B});
     for (int b = 0; b < B; ++b) seq_lens->as<int32_t>()[b] = p.skv[b];
   }

@@ -1,0 +1,210 @@
+// The attention case table's check (case_table.h).
+#include "case_table.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace st {
+
+namespace {
+
+constexpr double kKernelTolF32 = 2e-4, kKernelTolF16 = 4e-3, kKernelTolBF16 = 3e-2;
+constexpr double kLseAbs = 1e-3;                 // prefill rows: 1e-3 + 1e-4·|ref|
+constexpr double kLseRelPrefill = 1e-4;
+constexpr double kLseRelDecode = 1e-3;           // decode rows: 1e-3·max(1, |ref|)
+constexpr double kCpuFactorPrefill = 2.0;        // prefill rows: |o − o_cpu| within twice `out`
+constexpr int kUnusedSlotPercent = 8, kRepeatSlotPercent = 16;  // TOKEN_INDICES ids: -1, then repeats
+
+void round_in_place(ref::Problem& p, int32_t dtype) {
+  for (auto* t : {&p.q, &p.k, &p.v})
+    for (auto& rows : *t)
+      for (double& x : rows) x = round_to_dtype(x, dtype);
+}
+
+std::vector<uint8_t> random_mask(const AttentionCase& c, const ref::Problem& p, Rng& rng) {
+  const int nqb = (p.max_sq() + c.block_q - 1) / c.block_q, nkb = (p.max_skv() + c.block_k - 1) / c.block_k;
+  std::vector<uint8_t> mask(size_t(p.B) * p.Hq * nqb * nkb);
+  for (auto& m : mask) m = rng.uniform(0, 1) < c.mask_density ? 1 : 0;
+  return mask;
+}
+
+std::vector<int32_t> random_indices(const AttentionCase& c, const ref::Problem& p, Rng& rng) {
+  const int slots = c.index_heads * c.index_slots;
+  std::vector<int32_t> ids(size_t(p.B) * slots);
+  for (int b = 0; b < p.B; ++b) {
+    const int n_ids = (p.skv[b] + c.index_block_size - 1) / c.index_block_size;
+    for (int s = 0; s < slots; ++s) {
+      const size_t at = size_t(b) * slots + s;
+      const int r = rng.integer(0, 99);
+      ids[at] = r < kUnusedSlotPercent ? -1 : (r < kRepeatSlotPercent && s > 0 ? ids[at - 1] : rng.integer(0, n_ids - 1));
+    }
+    if (!c.sorted_rows) continue;
+    for (int row = (b == 0 ? 1 : 0); row < c.index_heads; ++row) {  // row 0 of sequence 0 stays unsorted
+      std::vector<int32_t> pool(n_ids);
+      std::iota(pool.begin(), pool.end(), 0);
+      std::shuffle(pool.begin(), pool.end(), rng.gen);
+      const int taken = std::min(n_ids, c.index_slots);
+      std::sort(pool.begin(), pool.begin() + taken);
+      if (c.index_block_size > 1 && taken > 0) pool[taken - 1] = n_ids - 1;  // the last block may be partial
+      int32_t* row_ids = &ids[(size_t(b) * c.index_heads + row) * c.index_slots];
+      for (int s = 0; s < c.index_slots; ++s) row_ids[s] = s < taken ? pool[s] : -1;
+    }
+  }
+  return ids;
+}
+
+// Per-element comparison over every row of every sequence; LSE when both sides have it.
+void expect_close(const AttentionCase& c, const ref::Output& got, const ref::Output& want, double out_tol,
+                  const char* who) {
+  int64_t bad = 0;
+  double worst = 0, worst_lse = 0;
+  for (size_t b = 0; b < want.o.size(); ++b) {
+    for (size_t e = 0; e < want.o[b].size(); ++e) {
+      const double err = std::fabs(got.o[b][e] - want.o[b][e]);
+      if (!(err <= out_tol)) ++bad;  // NaN counts as bad
+      worst = std::max(worst, std::isnan(err) ? 1e30 : err);
+    }
+    if (!c.lse || want.lse.size() <= b || got.lse.size() <= b) continue;
+    for (size_t e = 0; e < want.lse[b].size(); ++e) {
+      const double g = got.lse[b][e], w = want.lse[b][e];
+      if (std::isinf(w) || std::isinf(g)) {
+        if (g != w) ++bad;
+        continue;
+      }
+      const double err = std::fabs(g - w);
+      if (!(err <= c.tol.lse_bound(w))) ++bad;
+      worst_lse = std::max(worst_lse, std::isnan(err) ? 1e30 : err);
+    }
+  }
+  EXPECT_EQ(bad, 0) << who << " " << c.name << ": max |out - want| = " << worst << " (tol " << out_tol
+                    << "), max |lse - want| = " << worst_lse;
+}
+
+}  // namespace
+
+double Tolerance::lse_bound(double want) const { return std::max(lse_floor, lse_abs + lse_rel * std::fabs(want)); }
+
+double kernel_out_tolerance(int32_t dtype) {
+  return dtype == SPARSA_DTYPE_F32 ? kKernelTolF32 : dtype == SPARSA_DTYPE_F16 ? kKernelTolF16 : kKernelTolBF16;
+}
+
+Tolerance prefill_tolerance(int32_t dtype) {
+  Tolerance t;
+  t.out = kernel_out_tolerance(dtype);
+  t.out_vs_cpu = kCpuFactorPrefill * t.out;
+  t.lse_abs = kLseAbs;
+  t.lse_rel = kLseRelPrefill;
+  return t;
+}
+
+Tolerance decode_tolerance(int32_t dtype) {
+  Tolerance t;
+  t.out = t.out_vs_cpu = kernel_out_tolerance(dtype);
+  t.lse_floor = kLseAbs;
+  t.lse_rel = kLseRelDecode;
+  return t;
+}
+
+AttentionCase prefill_row(std::string name, int32_t dtype) {
+  AttentionCase c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.tol = prefill_tolerance(dtype);
+  return c;
+}
+
+AttentionCase decode_row(std::string name, int32_t dtype) {
+  AttentionCase c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.head_dim = 128;
+  c.seq_q = {1};
+  c.seq_k = {1000};
+  c.is_causal = true;
+  c.sink_tokens = 4;
+  c.sink_window = 100;
+  c.tol = decode_tolerance(dtype);
+  return c;
+}
+
+void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
+  Rng rng(seed);
+  SCOPED_TRACE(::testing::Message() << c.name << ", rng seed " << seed);
+  const int B = int(c.seq_q.size());
+  ref::Problem p = make_problem(B, c.q_heads, c.kv_heads, c.head_dim, c.seq_q, c.seq_k, c.is_causal);
+  fill(p, c.pattern, rng);
+  round_in_place(p, c.dtype);  // the kernels read dtype-rounded inputs; so does the reference
+
+  sparsa_policy policy = make_policy(c.policy);
+  RunOptions opt;
+  opt.dtype = c.dtype;
+  opt.layout = c.layout;
+  opt.q_packed = c.q_packed;
+  opt.kv_packed = c.kv_packed;
+  opt.page_size = c.page_size;
+  opt.kv_row_pad = c.kv_row_pad;
+  opt.seq_lens_k = true;
+  opt.lse = c.lse;
+  ref::Output want;
+  ref::TokenIndicesResult indices_want;
+  const bool token_indices = c.policy == SPARSA_POLICY_TOKEN_INDICES;
+  if (c.policy == SPARSA_POLICY_SINK_WINDOW) {
+    policy.sink_tokens = c.sink_tokens;
+    policy.sink_window = c.sink_window;
+    want = ref::attend(p, ref::sink_window(p, c.sink_tokens, c.sink_window));
+  } else if (c.policy == SPARSA_POLICY_BLOCK_SPARSE) {
+    policy.block_q = c.block_q;
+    policy.block_k = c.block_k;
+    opt.block_mask = random_mask(c, p, rng);
+    want = ref::attend(p, ref::block_sparse(p, c.block_q, c.block_k, opt.block_mask));
+  } else if (token_indices) {
+    ref::TokenIndicesParams tp;
+    tp.h_idx = c.index_heads;
+    tp.k = c.index_slots;
+    const std::vector<int32_t> ids = random_indices(c, p, rng);
+    tp.indices.assign(ids.begin(), ids.end());
+    if (c.head_map)
+      for (int h = 0; h < c.q_heads; ++h) tp.head_map.push_back((h * 3 + 1) % c.index_heads);
+    tp.block_size = c.index_block_size;
+    tp.n_init = c.index_n_init;
+    tp.n_local = c.index_n_local;
+    policy.index_block_size = c.index_block_size;
+    policy.index_n_init = c.index_n_init;
+    policy.index_n_local = c.index_n_local;
+    opt.indices = ids;
+    opt.h_idx = c.index_heads;
+    opt.k = c.index_slots;
+    opt.head_map.assign(tp.head_map.begin(), tp.head_map.end());
+    opt.selected_sets = c.q_heads;
+    opt.selected_cap = p.max_skv();
+    indices_want = ref::token_indices(p, tp);
+    want = indices_want.out;
+  } else {
+    want = ref::attend(p, ref::dense(p));
+  }
+
+  const RunResult r = run(ctx, p, policy, opt);
+  expect_ok(r);
+  if (r.status != SPARSA_STATUS_SUCCESS) return;
+  expect_close(c, r.out, want, c.tol.out, "vs the float64 reference:");
+  if (token_indices) {
+    EXPECT_TRUE(sets_equal(r.selected, opt.selected_cap, indices_want.selected));
+    EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], indices_want.pairs_computed);
+  }
+  if (ctx.device_type() == SPARSA_DEVICE_CPU) return;
+  // The same inputs on the CPU backend, the project's reference implementation.
+  const Context cpu(SPARSA_DEVICE_CPU);
+  const RunResult on_cpu = run(cpu, p, policy, opt);
+  expect_ok(on_cpu);
+  if (on_cpu.status != SPARSA_STATUS_SUCCESS) return;
+  expect_close(c, r.out, on_cpu.out, c.tol.out_vs_cpu, "vs the CPU backend:");
+  if (token_indices) {
+    EXPECT_EQ(r.stats, on_cpu.stats) << "stats";
+    EXPECT_EQ(r.selected, on_cpu.selected) << "selected_indices";
+  }
+}
+
+}  // namespace st

@@ -1,0 +1,94 @@
+// The attention case table: one row per case (shape, layout, policy, inputs pattern, tolerance), run on every
+// backend by SPARSA_BACKEND_TABLE (test_util.h) in the manner of ggml's test-backend-ops. A row's check runs the case
+// through the st harness (every layout, poisoned outputs, writes checked) and compares it with the float64 reference
+// (tests/reference) per element at the row's tolerance; on a non-CPU backend it also compares with the CPU backend.
+// Rows are written as one chained expression each, e.g.
+//   prefill_row("dense_bf16_d128_causal", SPARSA_DTYPE_BF16).heads(8, 2).dim(128).lengths({77}, {301}).causal()
+#pragma once
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace st {
+
+// Per-element bounds: |o − ref| <= out; |lse − ref| <= max(lse_floor, lse_abs + lse_rel·|ref|), −inf exactly.
+// Against the CPU backend (non-CPU rows): |o − o_cpu| <= out_vs_cpu, the LSE bound likewise.
+struct Tolerance {
+  double out = 0, out_vs_cpu = 0;
+  double lse_abs = 0, lse_rel = 0, lse_floor = 0;
+  double lse_bound(double want) const;
+};
+// The GPU kernels' tolerances by output dtype: out 2e-4 (f32), 4e-3 (f16), 3e-2 (bf16).
+double kernel_out_tolerance(int32_t dtype);
+// Prefill and mixed shapes: LSE within 1e-3 + 1e-4·|ref|; against the CPU backend within twice `out`.
+Tolerance prefill_tolerance(int32_t dtype);
+// Decode shapes and TOKEN_INDICES: LSE within 1e-3·max(1, |ref|); against the CPU backend within `out`.
+Tolerance decode_tolerance(int32_t dtype);
+
+struct AttentionCase {
+  std::string name;
+  // Shape.
+  int32_t dtype = SPARSA_DTYPE_F16;
+  int q_heads = 4, kv_heads = 4, head_dim = 64;
+  std::vector<int> seq_q{64}, seq_k{64};  // per sequence
+  bool is_causal = false;
+  // Layout (RunOptions): padded k/v always carry seq_lens_k.
+  Layout layout = Layout::kPadded;
+  bool q_packed = false, kv_packed = false;
+  int page_size = 16;
+  int64_t kv_row_pad = 0;
+  bool lse = true;
+  // Policy.
+  int32_t policy = SPARSA_POLICY_DENSE;
+  int sink_tokens = 8, sink_window = 32;
+  int block_q = 64, block_k = 64;
+  double mask_density = 0.5;  // BLOCK_SPARSE: each mask cell kept with this probability
+  // TOKEN_INDICES: H_idx rows of `index_slots` ids (random, 8 % unused, 8 % repeats of the previous slot).
+  int index_heads = 0, index_slots = 0, index_block_size = 1, index_n_init = 0, index_n_local = 0;
+  bool head_map = false;     // a permuted head_map (h·3 + 1) mod H_idx
+  bool sorted_rows = false;  // rows strictly ascending and duplicate-free, except row 0 of sequence 0
+  // Inputs.
+  Pattern pattern = Pattern::kRandom;
+  // Tolerance.
+  Tolerance tol;
+
+  AttentionCase& with_dtype(int32_t d) { dtype = d; return *this; }
+  AttentionCase& heads(int hq, int hkv) { q_heads = hq; kv_heads = hkv; return *this; }
+  AttentionCase& dim(int d) { head_dim = d; return *this; }
+  AttentionCase& lengths(std::vector<int> sq, std::vector<int> skv) { seq_q = std::move(sq); seq_k = std::move(skv); return *this; }
+  AttentionCase& causal(bool on = true) { is_causal = on; return *this; }
+  AttentionCase& varlen() { layout = Layout::kVarlen; return *this; }
+  AttentionCase& paged(int ps) { layout = Layout::kPaged; page_size = ps; return *this; }
+  AttentionCase& packed_q() { q_packed = true; return *this; }
+  AttentionCase& packed_kv() { kv_packed = true; return *this; }
+  AttentionCase& kv_rows_padded_by(int64_t pad) { kv_row_pad = pad; return *this; }
+  AttentionCase& no_lse() { lse = false; return *this; }
+  AttentionCase& sink_window_policy(int sinks, int window) {
+    policy = SPARSA_POLICY_SINK_WINDOW; sink_tokens = sinks; sink_window = window; return *this;
+  }
+  AttentionCase& block_sparse_policy(int bq, int bk, double density) {
+    policy = SPARSA_POLICY_BLOCK_SPARSE; block_q = bq; block_k = bk; mask_density = density; return *this;
+  }
+  AttentionCase& token_indices_policy(int h_idx, int slots) {
+    policy = SPARSA_POLICY_TOKEN_INDICES; index_heads = h_idx; index_slots = slots; return *this;
+  }
+  AttentionCase& index_blocks(int block_size) { index_block_size = block_size; return *this; }
+  AttentionCase& index_init_local(int n_init, int n_local) { index_n_init = n_init; index_n_local = n_local; return *this; }
+  AttentionCase& with_head_map() { head_map = true; return *this; }
+  AttentionCase& with_sorted_rows() { sorted_rows = true; return *this; }
+  AttentionCase& inputs(Pattern p) { pattern = p; return *this; }
+};
+inline void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
+
+// A row with the defaults of a prefill table (Hq = Hkv = 4, D 64, Sq = Skv = 64, non-causal, prefill tolerance) and
+// of a decode table (Hq 8, Hkv 2, D 128, Sq 1, Skv 1000, causal, decode tolerance).
+AttentionCase prefill_row(std::string name, int32_t dtype);
+AttentionCase decode_row(std::string name, int32_t dtype);
+
+// Runs the row on ctx and checks it (see the top of this file). `seed` seeds its inputs.
+void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed);
+
+}  // namespace st

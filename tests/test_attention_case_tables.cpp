@@ -1,0 +1,100 @@
+// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE and §7 TOKEN_INDICES on every backend, as case tables (one
+// row per case: shape, layout, policy, inputs pattern, tolerance; case_table.h). The rows pick the kernel paths of
+// the GPU backend: the tensor-core prefill kernel, the portable kernel (f32, head_dim 96/256), split-KV with its
+// combine kernel, the tensor-core and CUDA-core decode kernels (rows off 16-byte boundaries), TOKEN_INDICES' key sets
+// and list walk; every row runs on the CPU backend too. Each is checked against the float64 reference, and on a
+// non-CPU backend against the CPU backend as well.
+#include "case_table.h"
+
+namespace {
+
+using st::AttentionCase;
+using st::decode_row;
+using st::prefill_row;
+using st::Pattern;
+
+constexpr int32_t kF32 = SPARSA_DTYPE_F32, kF16 = SPARSA_DTYPE_F16, kBF16 = SPARSA_DTYPE_BF16;
+
+// Prefill and mixed shapes. Defaults: Hq = Hkv = 4, D 64, Sq = Skv = 64, non-causal, padded, dense.
+const std::vector<AttentionCase> kPrefillCases = {
+    prefill_row("dense_f16_d64_noncausal", kF16).lengths({300, 300}, {300, 300}),
+    prefill_row("dense_bf16_d128_causal_sq_lt_skv_gqa4", kBF16).heads(8, 2).dim(128).lengths({77}, {301}).causal(),
+    prefill_row("dense_f16_d128_causal_sq_gt_skv_empty_rows", kF16).dim(128).lengths({300}, {129}).causal(),
+    prefill_row("decode_f16_d64_gqa8", kF16).heads(8, 1).lengths({1, 1, 1}, {1000, 17, 333}).causal(),
+    prefill_row("sink_window_bf16_d128_causal", kBF16).dim(128).sink_window_policy(16, 100).lengths({333}, {333})
+        .causal(),
+    prefill_row("sink_window_f16_d64_noncausal", kF16).sink_window_policy(3, 70).lengths({200}, {260}),
+    prefill_row("block_sparse_f16_d128_causal_64x64", kF16).dim(128).block_sparse_policy(64, 64, 0.5)
+        .lengths({257, 257}, {257, 300}).causal(),
+    prefill_row("block_sparse_bf16_d64_odd_blocks_32x48", kBF16).block_sparse_policy(32, 48, 0.3)
+        .lengths({190}, {250}),
+    prefill_row("dense_f32_d64_causal_portable", kF32).lengths({150}, {150}).causal(),
+    prefill_row("dense_bf16_d256_portable", kBF16).heads(2, 1).dim(256).lengths({70}, {90}).causal(),
+    prefill_row("dense_f16_d96_portable", kF16).dim(96).lengths({40}, {65}),
+    prefill_row("varlen_packed_f16_d128_causal", kF16).dim(128).varlen().lengths({5, 130, 64, 1}, {5, 200, 64, 90})
+        .causal(),
+    prefill_row("paged_ps16_bf16_d128_gqa4_prefill", kBF16).heads(8, 2).dim(128).packed_q().paged(16)
+        .lengths({40, 7}, {100, 7}).causal(),
+    prefill_row("paged_ps1_f16_d64_decode", kF16).heads(4, 1).paged(1).lengths({1, 1}, {77, 200}).causal(),
+    // Few thread blocks, long keys: split-KV + combine.
+    prefill_row("decode_split_kv_bf16_d128_gqa4", kBF16).heads(8, 2).dim(128).lengths({1, 1, 1}, {5000, 3000, 77})
+        .causal(),
+    prefill_row("varlen_split_kv_f16_d64", kF16).varlen().lengths({3, 1}, {4000, 2500}).causal(),
+    // The tensor-core kernel with split-KV (9 rows: too many for decode).
+    prefill_row("short_prefill_split_kv_f16_d128", kF16).heads(2, 2).dim(128).lengths({9}, {5000}).causal(),
+    prefill_row("decode_f32_d128_sink_window_gqa2", kF32).heads(4, 2).dim(128).sink_window_policy(5, 300)
+        .lengths({2, 2}, {3000, 700}).causal(),
+    prefill_row("padded_seq_lens_f16_d64_no_lse", kF16).lengths({64, 64}, {30, 129}).no_lse(),
+};
+
+// Decode shapes (forward_decode.cu: tensor-core and CUDA-core decode kernels, split-KV and combine; token_indices.cu:
+// key sets and the list walk). Defaults: Hq 8, Hkv 2, D 128, Sq 1, Skv 1000, causal, padded, dense.
+const std::vector<AttentionCase> kDecodeCases = {
+    // Dense decode, tensor-core kernel.
+    decode_row("gqa1_f16_d64_padded_ragged_b3", kF16).dim(64).heads(4, 4).lengths({1, 1, 1}, {1, 77, 3001}),
+    decode_row("gqa4_bf16_d128_paged16_b2", kBF16).paged(16).lengths({1, 1}, {5000, 123}),
+    decode_row("gqa8_f16_d128_paged1", kF16).heads(8, 1).paged(1).lengths({1, 1}, {300, 1001}),
+    decode_row("gqa8_bf16_d256_long_many_splits", kBF16).dim(256).heads(16, 2).lengths({1}, {40000}),
+    decode_row("gqa4_f16_d128_long_needle", kF16).inputs(Pattern::kNeedles).lengths({1}, {70001}),
+    decode_row("gqa4_bf16_d64_sinks_packed_kv", kBF16).dim(64).inputs(Pattern::kSinks).packed_kv()
+        .lengths({1, 1, 1}, {2049, 15, 9000}),
+    // 16 rows: 4 query rows x 4 heads.
+    decode_row("gqa4_f16_d64_sq4_packed_q_causal_tail", kF16).dim(64).packed_q().lengths({4, 3, 1}, {4, 700, 2500}),
+    decode_row("gqa8_bf16_d128_sq2_noncausal", kBF16).heads(16, 2).lengths({2, 2}, {33, 1500}).causal(false),
+    decode_row("gqa1_f16_d128_sq9_short_prefill", kF16).heads(2, 2).lengths({9}, {5000}),
+    // Tiles outside the sinks and the window are never loaded.
+    decode_row("sink_window_bf16_d128_gqa4", kBF16).sink_window_policy(5, 300).lengths({2, 2}, {20000, 700}),
+    decode_row("block_sparse_f16_d64_gqa2", kF16).dim(64).heads(4, 2).block_sparse_policy(64, 64, 0.35)
+        .lengths({1, 1}, {3000, 190}),
+    // CUDA-core kernel (f32, rows off 16-byte boundaries).
+    decode_row("gqa4_f32_d128_paged16", kF32).paged(16).lengths({1, 1}, {2500, 17}),
+    decode_row("gqa4_f16_d64_odd_row_stride", kF16).dim(64).kv_rows_padded_by(4).lengths({1, 1}, {999, 4000}),
+    // TOKEN_INDICES: key sets + the list walk.
+    decode_row("indices_list_per_head_bf16_d128", kBF16).token_indices_policy(8, 900).lengths({1, 1}, {20000, 3000}),
+    // H_idx = Hkv: the heads of a group share a list.
+    decode_row("indices_list_per_group_f16_d64_blocks_init_local", kF16).dim(64).heads(16, 2)
+        .token_indices_policy(2, 300).index_blocks(16).index_init_local(4, 64).paged(16)
+        .lengths({1, 1, 1}, {50000, 31, 8000}),
+    // H_idx = 1: 5 rows x 4 heads = two row tiles.
+    decode_row("indices_list_per_sequence_bf16_d128_sq5", kBF16).token_indices_policy(1, 500).index_init_local(0, 16)
+        .lengths({5, 5}, {9000, 40}),
+    decode_row("indices_head_map_bf16_d256_paged16", kBF16).dim(256).token_indices_policy(3, 400).with_head_map()
+        .paged(16).lengths({1, 1}, {6000, 2000}),
+    decode_row("indices_prefill_f16_d128_gqa1", kF16).heads(2, 2).token_indices_policy(2, 60).index_init_local(2, 0)
+        .varlen().lengths({70, 33}, {300, 33}),
+    // Ascending rows: lists copied without the bitmap; sequence 1 has fewer ids than slots (-1 padding, bitmap).
+    decode_row("indices_sorted_rows_bf16_d128", kBF16).token_indices_policy(8, 2000).with_sorted_rows()
+        .lengths({1, 1}, {30000, 1500}),
+    // Ascending block ids, the last block partial.
+    decode_row("indices_sorted_blocks_f16_d64_gqa4", kF16).dim(64).token_indices_policy(2, 50).index_blocks(16)
+        .with_sorted_rows().paged(16).lengths({1, 1, 1}, {4001, 9000, 333}),
+    decode_row("indices_f32_d64_simt", kF32).dim(64).token_indices_policy(2, 200).lengths({1, 1}, {7000, 500}),
+};
+
+SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
+SPARSA_BACKEND_TABLE(DecodeCases, AttentionCase, kDecodeCases);
+
+TEST_P(PrefillCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+
+}  // namespace
