@@ -14,6 +14,7 @@ constexpr double kLseAbs = 1e-3;                 // prefill rows: 1e-3 + 1e-4·|
 constexpr double kLseRelPrefill = 1e-4;
 constexpr double kLseRelDecode = 1e-3;           // decode rows: 1e-3·max(1, |ref|)
 constexpr double kCpuFactorPrefill = 2.0;        // prefill rows: |o − o_cpu| within twice `out`
+constexpr double kDeltaTolF32 = 4e-4, kDeltaTolF16 = 8e-3, kDeltaTolBF16 = 6e-2;
 constexpr int kUnusedSlotPercent = 8, kRepeatSlotPercent = 16;  // TOKEN_INDICES ids: -1, then repeats
 
 void round_in_place(ref::Problem& p, int32_t dtype) {
@@ -106,6 +107,13 @@ Tolerance decode_tolerance(int32_t dtype) {
   return t;
 }
 
+Tolerance delta_tolerance(int32_t dtype) {
+  Tolerance t;
+  t.out = dtype == SPARSA_DTYPE_F32 ? kDeltaTolF32 : dtype == SPARSA_DTYPE_F16 ? kDeltaTolF16 : kDeltaTolBF16;
+  t.out_vs_cpu = t.out;
+  return t;
+}
+
 AttentionCase prefill_row(std::string name, int32_t dtype) {
   AttentionCase c;
   c.name = std::move(name);
@@ -127,6 +135,24 @@ AttentionCase decode_row(std::string name, int32_t dtype) {
   c.sink_tokens = 4;
   c.sink_window = 100;
   c.tol = decode_tolerance(dtype);
+  return c;
+}
+
+AttentionCase delta_row(std::string name, int32_t dtype) {
+  AttentionCase c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.head_dim = 128;
+  c.seq_q = {256};
+  c.seq_k = {256};
+  c.is_causal = true;
+  c.lse = false;
+  c.policy = SPARSA_POLICY_SINK_WINDOW;
+  c.sink_tokens = 4;
+  c.sink_window = 48;
+  c.delta = true;
+  c.stats_vs_cpu = true;
+  c.tol = delta_tolerance(dtype);
   return c;
 }
 
@@ -186,6 +212,13 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
     want = ref::attend(p, ref::dense(p));
   }
 
+  if (c.delta) {
+    policy.flags |= SPARSA_POLICY_FLAG_DELTA;
+    policy.delta_gamma = c.gamma;
+    policy.delta_tail_min = c.tail_min;
+    want = ref::delta(p, want, c.gamma, c.tail_min);
+  }
+
   const RunResult r = run(ctx, p, policy, opt);
   expect_ok(r);
   if (r.status != SPARSA_STATUS_SUCCESS) return;
@@ -201,8 +234,10 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   expect_ok(on_cpu);
   if (on_cpu.status != SPARSA_STATUS_SUCCESS) return;
   expect_close(c, r.out, on_cpu.out, c.tol.out_vs_cpu, "vs the CPU backend:");
-  if (token_indices) {
+  if (token_indices || c.stats_vs_cpu) {
     EXPECT_EQ(r.stats, on_cpu.stats) << "stats";
+  }
+  if (token_indices) {
     EXPECT_EQ(r.selected, on_cpu.selected) << "selected_indices";
   }
 }

@@ -27,6 +27,9 @@ double kernel_out_tolerance(int32_t dtype);
 Tolerance prefill_tolerance(int32_t dtype);
 // Decode shapes and TOKEN_INDICES: LSE within 1e-3·max(1, |ref|); against the CPU backend within `out`.
 Tolerance decode_tolerance(int32_t dtype);
+// Δ rows: out 4e-4 (f32), 8e-3 (f16), 6e-2 (bf16), both against the reference and the CPU backend (the GPU corrects
+// the base rows in out's dtype, the CPU stages them in f32); no LSE.
+Tolerance delta_tolerance(int32_t dtype);
 
 struct AttentionCase {
   std::string name;
@@ -50,6 +53,10 @@ struct AttentionCase {
   int index_heads = 0, index_slots = 0, index_block_size = 1, index_n_init = 0, index_n_local = 0;
   bool head_map = false;     // a permuted head_map (h·3 + 1) mod H_idx
   bool sorted_rows = false;  // rows strictly ascending and duplicate-free, except row 0 of sequence 0
+  // §8 Δ over the policy above (SPARSA_POLICY_FLAG_DELTA; causal, no LSE).
+  bool delta = false;
+  int gamma = 64, tail_min = 128;
+  bool stats_vs_cpu = false;  // non-CPU backends: every stats counter equal to the CPU backend's
   // Inputs.
   Pattern pattern = Pattern::kRandom;
   // Tolerance.
@@ -79,6 +86,8 @@ struct AttentionCase {
   AttentionCase& index_init_local(int n_init, int n_local) { index_n_init = n_init; index_n_local = n_local; return *this; }
   AttentionCase& with_head_map() { head_map = true; return *this; }
   AttentionCase& with_sorted_rows() { sorted_rows = true; return *this; }
+  AttentionCase& with_delta(int g, int tail) { delta = true; gamma = g; tail_min = tail; return *this; }
+  AttentionCase& dense_policy() { policy = SPARSA_POLICY_DENSE; return *this; }
   AttentionCase& inputs(Pattern p) { pattern = p; return *this; }
 };
 inline void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
@@ -87,6 +96,9 @@ inline void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
 // of a decode table (Hq 8, Hkv 2, D 128, Sq 1, Skv 1000, causal, decode tolerance).
 AttentionCase prefill_row(std::string name, int32_t dtype);
 AttentionCase decode_row(std::string name, int32_t dtype);
+// A Δ row: Hq = Hkv = 4, D 128, Sq = Skv = 256, causal, no LSE, SINK_WINDOW (4 sinks, window 48) as the base, γ 64,
+// tail_min 128, stats compared with the CPU backend, Δ tolerance.
+AttentionCase delta_row(std::string name, int32_t dtype);
 
 // Runs the row on ctx and checks it (see the top of this file). `seed` seeds its inputs.
 void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed);

@@ -1,4 +1,4 @@
-// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE and §7 TOKEN_INDICES on every backend, as case tables (one
+// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §7 TOKEN_INDICES and §8 DELTA on every backend, as case tables (one
 // row per case: shape, layout, policy, inputs pattern, tolerance; case_table.h). The rows pick the kernel paths of
 // the GPU backend: the tensor-core prefill kernel, the portable kernel (f32, head_dim 96/256), split-KV with its
 // combine kernel, the tensor-core and CUDA-core decode kernels (rows off 16-byte boundaries), TOKEN_INDICES' key sets
@@ -91,10 +91,33 @@ const std::vector<AttentionCase> kDecodeCases = {
     decode_row("indices_f32_d64_simt", kF32).dim(64).token_indices_policy(2, 200).lengths({1, 1}, {7000, 500}),
 };
 
+// §8 Δ over DENSE, SINK_WINDOW and BLOCK_SPARSE (gpu_delta.cu: the base policy, one kDeltaRows forward launch and the
+// correction; the tensor-core kernel for f16/bf16 D 64/128, the portable one for f32 and D 96). Defaults: Hq = Hkv
+// = 4, D 128, Sq = Skv = 256, causal, no LSE, SINK_WINDOW (4, 48) base, γ 64, tail_min 128, stats against the CPU.
+const std::vector<AttentionCase> kDeltaCases = {
+    st::delta_row("sink_window_bf16_d128_gqa4_defaults", kBF16).heads(8, 2).sink_window_policy(4, 200)
+        .lengths({1000}, {1000}),
+    st::delta_row("dense_base_f16_d64_gqa8_bottom_right", kF16).dim(64).heads(8, 1).dense_policy()
+        .lengths({777, 777}, {900, 900}).with_delta(16, 32).inputs(Pattern::kSinks),
+    st::delta_row("block_sparse_bf16_d128_odd_lengths", kBF16).block_sparse_policy(64, 64, 0.35)
+        .lengths({513}, {513}).with_delta(32, 40),
+    st::delta_row("varlen_f16_d128_sink_window_ragged", kF16).varlen()
+        .lengths({300, 5, 129, 64, 200}, {300, 5, 150, 64, 260}).with_delta(16, 32),
+    st::delta_row("paged_ps16_bf16_d128_gqa4", kBF16).heads(8, 2).packed_q().paged(16).lengths({333, 90}, {400, 90})
+        .with_delta(16, 32).inputs(Pattern::kSinks),
+    st::delta_row("portable_f32_d64_sink_window", kF32).dim(64).lengths({300}, {300}).with_delta(16, 32),
+    st::delta_row("portable_f16_d96_dense_gamma10_tail0", kF16).dim(96).heads(2, 1).dense_policy()
+        .lengths({250}, {250}).with_delta(10, 0),
+    st::delta_row("short_sequences_all_dense_base_skipped", kBF16).lengths({100, 100}, {100, 100}),
+    st::delta_row("sq_exceeds_skv_empty_rows", kF16).lengths({300}, {200}).with_delta(16, 32),
+};
+
 SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
 SPARSA_BACKEND_TABLE(DecodeCases, AttentionCase, kDecodeCases);
+SPARSA_BACKEND_TABLE(DeltaCases, AttentionCase, kDeltaCases);
 
 TEST_P(PrefillCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(DeltaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 
 }  // namespace
