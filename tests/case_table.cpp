@@ -38,7 +38,9 @@ std::vector<int32_t> random_indices(const AttentionCase& c, const ref::Problem& 
     for (int s = 0; s < slots; ++s) {
       const size_t at = size_t(b) * slots + s;
       const int r = rng.integer(0, 99);
-      ids[at] = r < kUnusedSlotPercent ? -1 : (r < kRepeatSlotPercent && s > 0 ? ids[at - 1] : rng.integer(0, n_ids - 1));
+      ids[at] = r < kUnusedSlotPercent                  ? -1
+                : r < kRepeatSlotPercent && s > 0 ? ids[at - 1]
+                                                  : rng.integer(0, n_ids - 1);
     }
     if (!c.sorted_rows) continue;
     for (int row = (b == 0 ? 1 : 0); row < c.index_heads; ++row) {  // row 0 of sequence 0 stays unsorted
@@ -162,6 +164,8 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   const int B = int(c.seq_q.size());
   ref::Problem p = make_problem(B, c.q_heads, c.kv_heads, c.head_dim, c.seq_q, c.seq_k, c.is_causal);
   fill(p, c.pattern, rng);
+  for (auto& rows : p.q)
+    for (double& x : rows) x *= c.q_scale;
   round_in_place(p, c.dtype);  // the kernels read dtype-rounded inputs; so does the reference
 
   sparsa_policy policy = make_policy(c.policy);

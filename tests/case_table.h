@@ -59,13 +59,16 @@ struct AttentionCase {
   bool stats_vs_cpu = false;  // non-CPU backends: every stats counter equal to the CPU backend's
   // Inputs.
   Pattern pattern = Pattern::kRandom;
+  double q_scale = 1;  // multiplies q: large scores move the running max across key tiles
   // Tolerance.
   Tolerance tol;
 
   AttentionCase& with_dtype(int32_t d) { dtype = d; return *this; }
   AttentionCase& heads(int hq, int hkv) { q_heads = hq; kv_heads = hkv; return *this; }
   AttentionCase& dim(int d) { head_dim = d; return *this; }
-  AttentionCase& lengths(std::vector<int> sq, std::vector<int> skv) { seq_q = std::move(sq); seq_k = std::move(skv); return *this; }
+  AttentionCase& lengths(std::vector<int> sq, std::vector<int> skv) {
+    seq_q = std::move(sq); seq_k = std::move(skv); return *this;
+  }
   AttentionCase& causal(bool on = true) { is_causal = on; return *this; }
   AttentionCase& varlen() { layout = Layout::kVarlen; return *this; }
   AttentionCase& paged(int ps) { layout = Layout::kPaged; page_size = ps; return *this; }
@@ -83,12 +86,17 @@ struct AttentionCase {
     policy = SPARSA_POLICY_TOKEN_INDICES; index_heads = h_idx; index_slots = slots; return *this;
   }
   AttentionCase& index_blocks(int block_size) { index_block_size = block_size; return *this; }
-  AttentionCase& index_init_local(int n_init, int n_local) { index_n_init = n_init; index_n_local = n_local; return *this; }
+  AttentionCase& index_init_local(int n_init, int n_local) {
+    index_n_init = n_init; index_n_local = n_local; return *this;
+  }
   AttentionCase& with_head_map() { head_map = true; return *this; }
   AttentionCase& with_sorted_rows() { sorted_rows = true; return *this; }
   AttentionCase& with_delta(int g, int tail) { delta = true; gamma = g; tail_min = tail; return *this; }
   AttentionCase& dense_policy() { policy = SPARSA_POLICY_DENSE; return *this; }
   AttentionCase& inputs(Pattern p) { pattern = p; return *this; }
+  AttentionCase& scaled_q(double s) { q_scale = s; return *this; }
+  AttentionCase& with_tolerance(Tolerance t) { tol = t; return *this; }
+  AttentionCase& stats_against_cpu(bool on) { stats_vs_cpu = on; return *this; }
 };
 inline void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
 

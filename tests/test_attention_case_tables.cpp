@@ -1,9 +1,9 @@
-// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §7 TOKEN_INDICES and §8 DELTA on every backend, as case tables (one
-// row per case: shape, layout, policy, inputs pattern, tolerance; case_table.h). The rows pick the kernel paths of
-// the GPU backend: the tensor-core prefill kernel, the portable kernel (f32, head_dim 96/256), split-KV with its
-// combine kernel, the tensor-core and CUDA-core decode kernels (rows off 16-byte boundaries), TOKEN_INDICES' key sets
-// and list walk; every row runs on the CPU backend too. Each is checked against the float64 reference, and on a
-// non-CPU backend against the CPU backend as well.
+// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §7 TOKEN_INDICES and §8 DELTA on every backend, as case
+// tables (one row per case: shape, layout, policy, inputs pattern, tolerance; case_table.h). The rows pick the kernel
+// paths of the GPU backend: the tensor-core prefill kernels (mma.sync, and wgmma on sm_90), the portable kernel (f32,
+// head_dim 96/256), split-KV with its combine kernel, the tensor-core and CUDA-core decode kernels (rows off 16-byte
+// boundaries), TOKEN_INDICES' key sets and list walk, Δ's query-row map; every row runs on the CPU backend too. Each
+// is checked against the float64 reference, and on a non-CPU backend against the CPU backend as well.
 #include "case_table.h"
 
 namespace {
@@ -112,12 +112,70 @@ const std::vector<AttentionCase> kDeltaCases = {
     st::delta_row("sq_exceeds_skv_empty_rows", kF16).lengths({300}, {200}).with_delta(16, 32),
 };
 
+// Shapes of the Hopper wgmma prefill kernel (forward_wgmma.cu takes f16/bf16 with D 64/128 on sm_90): 128-row query
+// tiles split over two consumer warpgroups (tails inside either half), 128-key tiles through a 3-deep ring that wraps,
+// bottom-right causal with Sq < Skv and Sq > Skv, GQA 1/4/8, packed and paged (page sizes 1 and 16) K/V, block masks
+// whose cells cut tiles, sink/window, large scores (online-softmax rescaling across tiles), and Δ's dense pass through
+// the query-row map (kDeltaRows: anchor and tail rows read at their positions, written compact). Defaults as the
+// prefill table's.
+const std::vector<AttentionCase> kWgmmaCases = {
+    // One 128-row tile with a tail in the second consumer half, several key tiles.
+    prefill_row("dense_bf16_d128_noncausal_tail", kBF16).dim(128).heads(2, 2).lengths({100}, {700}),
+    // 9 key tiles: the 3-slot ring wraps three times.
+    prefill_row("dense_f16_d64_noncausal_many_tiles", kF16).heads(2, 2).lengths({257}, {1100}),
+    prefill_row("dense_bf16_d64_causal_square_gqa8", kBF16).heads(8, 1).lengths({389}, {389}).causal(),
+    // Bottom-right: row i sees keys <= i + 500.
+    prefill_row("dense_f16_d128_causal_sq_lt_skv_gqa4", kF16).dim(128).heads(8, 2).lengths({130}, {630}).causal(),
+    // The first 171 rows see nothing.
+    prefill_row("dense_bf16_d128_causal_sq_gt_skv_empty_rows", kBF16).dim(128).heads(2, 1).lengths({300}, {129})
+        .causal(),
+    // |q| ~ 6: the running max changes between tiles.
+    prefill_row("dense_bf16_d128_large_scores", kBF16).dim(128).heads(2, 2).lengths({200}, {600}).scaled_q(6),
+    prefill_row("dense_f16_d64_causal_large_scores_batch3", kF16).heads(4, 4).varlen()
+        .lengths({129, 200, 64}, {129, 450, 64}).causal().scaled_q(5),
+    prefill_row("varlen_packed_bf16_d128_causal_gqa4", kBF16).dim(128).heads(8, 2).varlen()
+        .lengths({5, 130, 257, 1, 64}, {5, 200, 257, 90, 400}).causal(),
+    prefill_row("varlen_packed_f16_d64_noncausal", kF16).varlen().lengths({33, 140, 9}, {300, 17, 129}),
+    prefill_row("paged_ps16_bf16_d128_gqa4_causal", kBF16).dim(128).heads(8, 2).packed_q().paged(16)
+        .lengths({140, 30}, {500, 30}).causal(),
+    prefill_row("paged_ps1_f16_d64_prefill", kF16).heads(4, 1).packed_q().paged(1).lengths({150, 40}, {333, 41})
+        .causal(),
+    prefill_row("padded_seq_lens_bf16_d64_no_lse", kBF16).lengths({200, 200}, {30, 333}).no_lse(),
+    prefill_row("block_sparse_bf16_d128_causal_128x128", kBF16).dim(128).heads(2, 2).block_sparse_policy(128, 128, 0.5)
+        .lengths({700}, {700}).causal(),
+    // Cells cut tiles: the element predicate inside tiles.
+    prefill_row("block_sparse_f16_d64_odd_cells_48x80", kF16).heads(2, 1).block_sparse_policy(48, 80, 0.3)
+        .lengths({301}, {517}),
+    prefill_row("sink_window_bf16_d128_causal_long", kBF16).dim(128).heads(2, 2).sink_window_policy(20, 150)
+        .lengths({900}, {900}).causal(),
+    prefill_row("sink_window_f16_d64_noncausal", kF16).sink_window_policy(3, 200).lengths({260}, {700}),
+    // 2 thread blocks, 40 key tiles.
+    prefill_row("short_prefill_f16_d128_long_keys", kF16).dim(128).heads(2, 2).lengths({9}, {5000}).causal(),
+    // Δ over SINK_WINDOW, odd Sq: cut = 1111 % 8 + 40 = 47, s_p = 1064, 133 anchors + 47 tail rows = 180 launch rows
+    // (two 128-row tiles; the second ends inside its first consumer half). Anchor tiles reach far past their launch
+    // index, so the causal horizon must come from the row's position.
+    prefill_row("delta_sink_window_bf16_d128_odd", kBF16).dim(128).heads(4, 2).sink_window_policy(16, 200)
+        .with_delta(8, 40).lengths({1111}, {1111}).causal().no_lse().with_tolerance(st::delta_tolerance(kBF16)),
+    // A tail longer than a consumer half; 170 anchors.
+    prefill_row("delta_sink_window_f16_d64_odd", kF16).heads(8, 1).sink_window_policy(16, 200).with_delta(5, 130)
+        .lengths({987}, {987}).causal().no_lse().with_tolerance(st::delta_tolerance(kF16)),
+    // Δ over DENSE, varlen with Sq < Skv (positions shift by Skv − Sq) and sequences too short for any sparse row
+    // (s_p = 0: every row dense, launch row a = position a).
+    prefill_row("delta_dense_varlen_bf16_d64", kBF16).heads(4, 4).varlen().with_delta(7, 33)
+        .lengths({517, 20, 901}, {700, 20, 901}).causal().no_lse().with_tolerance(st::delta_tolerance(kBF16)),
+    prefill_row("delta_dense_varlen_f16_d128_paged", kF16).dim(128).heads(8, 2).packed_q().paged(16)
+        .with_delta(64, 128).lengths({1500, 300}, {1600, 300}).causal().no_lse()
+        .with_tolerance(st::delta_tolerance(kF16)),
+};
+
 SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
 SPARSA_BACKEND_TABLE(DecodeCases, AttentionCase, kDecodeCases);
 SPARSA_BACKEND_TABLE(DeltaCases, AttentionCase, kDeltaCases);
+SPARSA_BACKEND_TABLE(WgmmaCases, AttentionCase, kWgmmaCases);
 
 TEST_P(PrefillCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DeltaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(WgmmaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 
 }  // namespace
