@@ -53,7 +53,6 @@ struct Case {
   bool sorted_rows = false;  // rows strictly ascending and duplicate-free (the key-set fast path), except row 0 of b 0
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 // Logical inputs: q [b][i][h][d] and k/v [b][t][hk][d] with per-batch max lengths, plus the policy's tensors.
 struct Inputs {

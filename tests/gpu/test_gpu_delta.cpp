@@ -43,7 +43,6 @@ struct Case {
   bool sinks = false;  // key 0 of every sequence attracts every query (structured input)
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 struct Inputs {
   int32_t batch = 0, max_q = 0, max_k = 0;
