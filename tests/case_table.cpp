@@ -16,6 +16,24 @@ constexpr double kLseRelDecode = 1e-3;           // decode rows: 1e-3·max(1, |r
 constexpr double kCpuFactorPrefill = 2.0;        // prefill rows: |o − o_cpu| within twice `out`
 constexpr double kDeltaTolF32 = 4e-4, kDeltaTolF16 = 8e-3, kDeltaTolBF16 = 6e-2;
 constexpr int kUnusedSlotPercent = 8, kRepeatSlotPercent = 16;  // TOKEN_INDICES ids: -1, then repeats
+constexpr double kSinkBlockScore = 30;  // natural-log score of a sink-block row against key 0
+constexpr double kSinkBlockNoise = 0.5;
+constexpr double kNoiseClamp = 3;
+
+// AttentionCase::sink_blocks: replaces the pattern's values.
+void plant_sink_blocks(ref::Problem& p, int block_q, Rng& rng) {
+  for (auto* t : {&p.q, &p.k, &p.v})
+    for (auto& rows : *t)
+      for (double& x : rows) x = kSinkBlockNoise * std::clamp(rng.normal(), -kNoiseClamp, kNoiseClamp);
+  const double a = std::sqrt(kSinkBlockScore * std::sqrt(double(p.D)));  // scale·a·a = kSinkBlockScore
+  for (int b = 0; b < p.B; ++b) {
+    for (int h = 0; h < p.Hkv; ++h) p.k[b][size_t(h) * p.D] = a;
+    for (int i = 0; i < p.sq[b]; ++i) {
+      if ((i / block_q) % 2 != 0) continue;
+      for (int h = 0; h < p.Hq; ++h) p.q[b][(size_t(i) * p.Hq + h) * p.D] = a;
+    }
+  }
+}
 
 void round_in_place(ref::Problem& p, int32_t dtype) {
   for (auto* t : {&p.q, &p.k, &p.v})
@@ -164,6 +182,7 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   const int B = int(c.seq_q.size());
   ref::Problem p = make_problem(B, c.q_heads, c.kv_heads, c.head_dim, c.seq_q, c.seq_k, c.is_causal);
   fill(p, c.pattern, rng);
+  if (c.sink_blocks) plant_sink_blocks(p, c.block_q, rng);
   for (auto& rows : p.q)
     for (double& x : rows) x *= c.q_scale;
   round_in_place(p, c.dtype);  // the kernels read dtype-rounded inputs; so does the reference
@@ -176,10 +195,12 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   opt.kv_packed = c.kv_packed;
   opt.page_size = c.page_size;
   opt.kv_row_pad = c.kv_row_pad;
-  opt.seq_lens_k = true;
+  opt.seq_lens_k = c.kv_lengths;
   opt.lse = c.lse;
   ref::Output want;
   ref::TokenIndicesResult indices_want;
+  ref::SpargeResult sparge_want;
+  const bool sparge = c.policy == SPARSA_POLICY_SPARGE;
   const bool token_indices = c.policy == SPARSA_POLICY_TOKEN_INDICES;
   if (c.policy == SPARSA_POLICY_SINK_WINDOW) {
     policy.sink_tokens = c.sink_tokens;
@@ -190,6 +211,18 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
     policy.block_k = c.block_k;
     opt.block_mask = random_mask(c, p, rng);
     want = ref::attend(p, ref::block_sparse(p, c.block_q, c.block_k, opt.block_mask));
+  } else if (sparge) {
+    policy.block_q = c.block_q;
+    policy.block_k = c.block_k;
+    policy.sparge_theta = 1.f;  // every block computed: only the λ test decides
+    policy.sparge_lambda = float(c.sparge_lambda);
+    ref::SpargeParams sp;
+    sp.bq = c.block_q;
+    sp.bk = c.block_k;
+    sp.theta = ref::kInf;  // above any similarity: every block forced, as theta 1 gives the library (sim <= 1)
+    sp.lambda = c.sparge_lambda;
+    sparge_want = ref::sparge(p, std::vector<ref::SpargeParams>(p.Hq, sp));
+    want = sparge_want.out;
   } else if (token_indices) {
     ref::TokenIndicesParams tp;
     tp.h_idx = c.index_heads;
@@ -227,6 +260,12 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   expect_ok(r);
   if (r.status != SPARSA_STATUS_SUCCESS) return;
   expect_close(c, r.out, want, c.tol.out, "vs the float64 reference:");
+  if (sparge) {
+    EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], sparge_want.pv_blocks_skipped);
+    // The row's inputs must make λ skip some blocks and keep others.
+    EXPECT_GT(sparge_want.pv_blocks_skipped, 0) << "inputs";
+    EXPECT_LT(sparge_want.pv_blocks_skipped, sparge_want.blocks_computed) << "inputs";
+  }
   if (token_indices) {
     EXPECT_TRUE(sets_equal(r.selected, opt.selected_cap, indices_want.selected));
     EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], indices_want.pairs_computed);
@@ -240,6 +279,9 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   expect_close(c, r.out, on_cpu.out, c.tol.out_vs_cpu, "vs the CPU backend:");
   if (token_indices || c.stats_vs_cpu) {
     EXPECT_EQ(r.stats, on_cpu.stats) << "stats";
+  }
+  if (sparge) {
+    EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], on_cpu.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED]);
   }
   if (token_indices) {
     EXPECT_EQ(r.selected, on_cpu.selected) << "selected_indices";

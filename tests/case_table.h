@@ -38,8 +38,9 @@ struct AttentionCase {
   int q_heads = 4, kv_heads = 4, head_dim = 64;
   std::vector<int> seq_q{64}, seq_k{64};  // per sequence
   bool is_causal = false;
-  // Layout (RunOptions): padded k/v always carry seq_lens_k.
+  // Layout (RunOptions).
   Layout layout = Layout::kPadded;
+  bool kv_lengths = true;  // padded k/v carry seq_lens_k
   bool q_packed = false, kv_packed = false;
   int page_size = 16;
   int64_t kv_row_pad = 0;
@@ -49,6 +50,7 @@ struct AttentionCase {
   int sink_tokens = 8, sink_window = 32;
   int block_q = 64, block_k = 64;
   double mask_density = 0.5;  // BLOCK_SPARSE: each mask cell kept with this probability
+  double sparge_lambda = 0;   // SPARGE with theta 1 (every causal block computed): the λ PV-skip threshold
   // TOKEN_INDICES: H_idx rows of `index_slots` ids (random, 8 % unused, 8 % repeats of the previous slot).
   int index_heads = 0, index_slots = 0, index_block_size = 1, index_n_init = 0, index_n_local = 0;
   bool head_map = false;     // a permuted head_map (h·3 + 1) mod H_idx
@@ -60,6 +62,10 @@ struct AttentionCase {
   // Inputs.
   Pattern pattern = Pattern::kRandom;
   double q_scale = 1;  // multiplies q: large scores move the running max across key tiles
+  // Noise of 0.5·N(0, 1) in q, k, v; key 0 and every row of the even query blocks share a first coordinate scoring
+  // kSinkBlockScore: the even blocks' later key blocks fall ~29 below their running max, the odd blocks' gains stay
+  // within a few units of 0 (wide margins around any λ in between).
+  bool sink_blocks = false;
   // Tolerance.
   Tolerance tol;
 
@@ -76,11 +82,15 @@ struct AttentionCase {
   AttentionCase& packed_kv() { kv_packed = true; return *this; }
   AttentionCase& kv_rows_padded_by(int64_t pad) { kv_row_pad = pad; return *this; }
   AttentionCase& no_lse() { lse = false; return *this; }
+  AttentionCase& without_kv_lengths() { kv_lengths = false; return *this; }
   AttentionCase& sink_window_policy(int sinks, int window) {
     policy = SPARSA_POLICY_SINK_WINDOW; sink_tokens = sinks; sink_window = window; return *this;
   }
   AttentionCase& block_sparse_policy(int bq, int bk, double density) {
     policy = SPARSA_POLICY_BLOCK_SPARSE; block_q = bq; block_k = bk; mask_density = density; return *this;
+  }
+  AttentionCase& pv_skip_policy(int bq, int bk, double lambda) {
+    policy = SPARSA_POLICY_SPARGE; block_q = bq; block_k = bk; sparge_lambda = lambda; return *this;
   }
   AttentionCase& token_indices_policy(int h_idx, int slots) {
     policy = SPARSA_POLICY_TOKEN_INDICES; index_heads = h_idx; index_slots = slots; return *this;
@@ -95,6 +105,7 @@ struct AttentionCase {
   AttentionCase& dense_policy() { policy = SPARSA_POLICY_DENSE; return *this; }
   AttentionCase& inputs(Pattern p) { pattern = p; return *this; }
   AttentionCase& scaled_q(double s) { q_scale = s; return *this; }
+  AttentionCase& with_sink_blocks() { sink_blocks = true; return *this; }
   AttentionCase& with_tolerance(Tolerance t) { tol = t; return *this; }
   AttentionCase& stats_against_cpu(bool on) { stats_vs_cpu = on; return *this; }
 };

@@ -1,10 +1,14 @@
-// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §7 TOKEN_INDICES and §8 DELTA on every backend, as case
-// tables (one row per case: shape, layout, policy, inputs pattern, tolerance; case_table.h). The rows pick the kernel
-// paths of the GPU backend: the tensor-core prefill kernels (mma.sync, and wgmma on sm_90), the portable kernel (f32,
-// head_dim 96/256), split-KV with its combine kernel, the tensor-core and CUDA-core decode kernels (rows off 16-byte
-// boundaries), TOKEN_INDICES' key sets and list walk, Δ's query-row map; every row runs on the CPU backend too. Each
-// is checked against the float64 reference, and on a non-CPU backend against the CPU backend as well.
+// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §4's PV skip, §7 TOKEN_INDICES and §8 DELTA on every
+// backend, as case tables (one row per case: shape, layout, policy, inputs pattern, tolerance; case_table.h). The rows
+// pick the kernel paths of the GPU backend: the tensor-core prefill kernels (mma.sync, and wgmma on sm_90), the
+// portable kernel (f32, head_dim 96/256), split-KV with its combine kernel, the tensor-core and CUDA-core decode
+// kernels (rows off 16-byte boundaries), TOKEN_INDICES' key sets and list walk, Δ's query-row map, the λ PV skip in
+// the forward tiles; every row runs on the CPU backend too. Each is checked against the float64 reference, and on a
+// non-CPU backend against the CPU backend as well.
 #include "case_table.h"
+
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -168,14 +172,40 @@ const std::vector<AttentionCase> kWgmmaCases = {
         .with_tolerance(st::delta_tolerance(kF16)),
 };
 
+// §4 step 7, SPARGE's λ PV skip in the forward kernels, with theta 1 (every block computed, so only the λ test
+// decides) on inputs with wide margins (sink_blocks: the even query blocks' later key blocks skipped at λ = −10, the
+// odd ones kept): tensor-core tiles (block_q 64 and 128 × block_k 64, f16/bf16) and the portable kernel (f32, and
+// block sizes the tensor cores do not take), causal and not, Sq != Skv, GQA. Outputs within the Δ tolerance (4e-4 /
+// 8e-3 / 6e-2), PV_BLOCKS_SKIPPED equal to the reference's. Defaults: Hq 4, Hkv 1, D 128, causal, no LSE.
+AttentionCase pv_skip_row(std::string name, int32_t dtype) {
+  return prefill_row(std::move(name), dtype).heads(4, 1).dim(128).causal().no_lse().without_kv_lengths()
+      .with_sink_blocks().with_tolerance(st::delta_tolerance(dtype));
+}
+constexpr double kSkipLambda = -10;
+const std::vector<AttentionCase> kPvSkipCases = {
+    pv_skip_row("tensor_cores_bf16_bq128_bk64_causal_gqa4", kBF16).pv_skip_policy(128, 64, kSkipLambda)
+        .lengths({300}, {300}),
+    pv_skip_row("tensor_cores_f16_bq64_bk64_noncausal_sq_lt_skv", kF16).dim(64).heads(2, 2)
+        .pv_skip_policy(64, 64, kSkipLambda).causal(false).lengths({200}, {333}),
+    pv_skip_row("tensor_cores_bf16_bq128_bk64_causal_batch2_sq_lt_skv", kBF16).pv_skip_policy(128, 64, kSkipLambda)
+        .lengths({257, 257}, {400, 400}),
+    pv_skip_row("portable_f32_bq32_bk16_causal", kF32).dim(64).pv_skip_policy(32, 16, kSkipLambda)
+        .lengths({190}, {190}),
+    // Block sizes the tensor-core tiles do not take.
+    pv_skip_row("portable_bf16_bq48_bk40_noncausal", kBF16).dim(64).heads(4, 2).pv_skip_policy(48, 40, kSkipLambda)
+        .causal(false).lengths({230}, {250}),
+};
+
 SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
 SPARSA_BACKEND_TABLE(DecodeCases, AttentionCase, kDecodeCases);
 SPARSA_BACKEND_TABLE(DeltaCases, AttentionCase, kDeltaCases);
 SPARSA_BACKEND_TABLE(WgmmaCases, AttentionCase, kWgmmaCases);
+SPARSA_BACKEND_TABLE(PvSkipCases, AttentionCase, kPvSkipCases);
 
 TEST_P(PrefillCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DeltaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(WgmmaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(PvSkipCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 
 }  // namespace
