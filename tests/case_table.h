@@ -14,10 +14,10 @@
 
 namespace st {
 
-// Per-element bounds: |o − ref| <= out; |lse − ref| <= max(lse_floor, lse_abs + lse_rel·|ref|), −inf exactly.
-// Against the CPU backend (non-CPU rows): |o − o_cpu| <= out_vs_cpu, the LSE bound likewise.
+// Per-element bounds: |o − ref| <= out + out_rel·|ref|; |lse − ref| <= max(lse_floor, lse_abs + lse_rel·|ref|), −inf
+// exactly. Against the CPU backend (non-CPU rows): |o − o_cpu| <= out_vs_cpu + out_rel·|o_cpu|, the LSE bound likewise.
 struct Tolerance {
-  double out = 0, out_vs_cpu = 0;
+  double out = 0, out_vs_cpu = 0, out_rel = 0;
   double lse_abs = 0, lse_rel = 0, lse_floor = 0;
   double lse_bound(double want) const;
 };
@@ -27,6 +27,8 @@ double kernel_out_tolerance(int32_t dtype);
 Tolerance prefill_tolerance(int32_t dtype);
 // Decode shapes and TOKEN_INDICES: LSE within 1e-3·max(1, |ref|); against the CPU backend within `out`.
 Tolerance decode_tolerance(int32_t dtype);
+// TOKEN_SELECT rows: out within t·(1 + |ref|), t = 1e-4 (f32), 4e-3 (f16), 3e-2 (bf16); LSE within 2e-3·(1 + |ref|).
+Tolerance select_tolerance(int32_t dtype);
 // Δ rows: out 4e-4 (f32), 8e-3 (f16), 6e-2 (bf16), both against the reference and the CPU backend (the GPU corrects
 // the base rows in out's dtype, the CPU stages them in f32); no LSE.
 Tolerance delta_tolerance(int32_t dtype);
@@ -43,7 +45,7 @@ struct AttentionCase {
   bool kv_lengths = true;  // padded k/v carry seq_lens_k
   bool q_packed = false, kv_packed = false;
   int page_size = 16;
-  int64_t kv_row_pad = 0;
+  int64_t kv_row_pad = 0, kv_head_pad = 0;
   bool lse = true;
   // Policy.
   int32_t policy = SPARSA_POLICY_DENSE;
@@ -55,6 +57,11 @@ struct AttentionCase {
   int index_heads = 0, index_slots = 0, index_block_size = 1, index_n_init = 0, index_n_local = 0;
   bool head_map = false;     // a permuted head_map (h·3 + 1) mod H_idx
   bool sorted_rows = false;  // rows strictly ascending and duplicate-free, except row 0 of sequence 0
+  // TOKEN_SELECT (§6), no selection cache; `needles` candidate keys per sequence point along the sum of their group's
+  // query rows (3·sqrt(D) long) and must be selected by every set.
+  int select_n_init = 16, select_top_k = 128, select_n_local = 32;
+  bool select_per_kv_head = false, select_scale_scores = false;
+  int needles = 0;
   // §8 Δ over the policy above (SPARSA_POLICY_FLAG_DELTA; causal, no LSE).
   bool delta = false;
   int gamma = 64, tail_min = 128;
@@ -81,6 +88,7 @@ struct AttentionCase {
   AttentionCase& packed_q() { q_packed = true; return *this; }
   AttentionCase& packed_kv() { kv_packed = true; return *this; }
   AttentionCase& kv_rows_padded_by(int64_t pad) { kv_row_pad = pad; return *this; }
+  AttentionCase& kv_heads_padded_by(int64_t pad) { kv_head_pad = pad; return *this; }
   AttentionCase& no_lse() { lse = false; return *this; }
   AttentionCase& without_kv_lengths() { kv_lengths = false; return *this; }
   AttentionCase& sink_window_policy(int sinks, int window) {
@@ -92,6 +100,13 @@ struct AttentionCase {
   AttentionCase& pv_skip_policy(int bq, int bk, double lambda) {
     policy = SPARSA_POLICY_SPARGE; block_q = bq; block_k = bk; sparge_lambda = lambda; return *this;
   }
+  AttentionCase& token_select_policy(int n_init, int top_k, int n_local) {
+    policy = SPARSA_POLICY_TOKEN_SELECT; select_n_init = n_init; select_top_k = top_k; select_n_local = n_local;
+    return *this;
+  }
+  AttentionCase& per_kv_head() { select_per_kv_head = true; return *this; }
+  AttentionCase& scale_scores() { select_scale_scores = true; return *this; }
+  AttentionCase& with_needles(int n) { needles = n; return *this; }
   AttentionCase& token_indices_policy(int h_idx, int slots) {
     policy = SPARSA_POLICY_TOKEN_INDICES; index_heads = h_idx; index_slots = slots; return *this;
   }
@@ -118,6 +133,8 @@ AttentionCase decode_row(std::string name, int32_t dtype);
 // A Δ row: Hq = Hkv = 4, D 128, Sq = Skv = 256, causal, no LSE, SINK_WINDOW (4 sinks, window 48) as the base, γ 64,
 // tail_min 128, stats compared with the CPU backend, Δ tolerance.
 AttentionCase delta_row(std::string name, int32_t dtype);
+// A TOKEN_SELECT row: Hq 32, Hkv 8, D 128, Sq 1, Skv 3000, causal, n_init 16, top_k 128, n_local 32, select tolerance.
+AttentionCase select_row(std::string name, int32_t dtype);
 
 // Runs the row on ctx and checks it (see the top of this file). `seed` seeds its inputs.
 void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed);

@@ -1,10 +1,10 @@
-// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §4's PV skip, §7 TOKEN_INDICES and §8 DELTA on every
-// backend, as case tables (one row per case: shape, layout, policy, inputs pattern, tolerance; case_table.h). The rows
-// pick the kernel paths of the GPU backend: the tensor-core prefill kernels (mma.sync, and wgmma on sm_90), the
-// portable kernel (f32, head_dim 96/256), split-KV with its combine kernel, the tensor-core and CUDA-core decode
-// kernels (rows off 16-byte boundaries), TOKEN_INDICES' key sets and list walk, Δ's query-row map, the λ PV skip in
-// the forward tiles; every row runs on the CPU backend too. Each is checked against the float64 reference, and on a
-// non-CPU backend against the CPU backend as well.
+// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §4's PV skip, §6 TOKEN_SELECT, §7 TOKEN_INDICES and §8
+// DELTA on every backend, as case tables (one row per case: shape, layout, policy, inputs pattern, tolerance;
+// case_table.h). The rows pick the kernel paths of the GPU backend: the tensor-core prefill kernels (mma.sync, and
+// wgmma on sm_90), the portable kernel (f32, head_dim 96/256), split-KV with its combine kernel, the tensor-core and
+// CUDA-core decode kernels (rows off 16-byte boundaries), TOKEN_SELECT's score kernels and vote, TOKEN_INDICES' key
+// sets and list walk, Δ's query-row map, the λ PV skip in the forward tiles; every row runs on the CPU backend too.
+// Each is checked against the float64 reference, and on a non-CPU backend against the CPU backend as well.
 #include "case_table.h"
 
 #include <string>
@@ -196,16 +196,50 @@ const std::vector<AttentionCase> kPvSkipCases = {
         .causal(false).lengths({230}, {250}),
 };
 
+// §6 TOKEN_SELECT without a cache (token_select_score.cu: the tensor-core DMMA score kernel and the FMA one, the
+// vote, the device top-k): dense fallbacks, ragged and chunked batches, paged and packed K/V, per-kv-head sets,
+// scaled scores, k/v heads off alignment, needle keys that must be selected. Selections against the reference where
+// the top-k vote is not too close to call, and off the CPU equal to the CPU backend's (which scores in float64).
+// Defaults: Hq 32, Hkv 8, D 128, Sq 1, Skv 3000, n_init 16, top_k 128, n_local 32; outputs within t·(1 + |ref|).
+const std::vector<AttentionCase> kSelectCases = {
+    st::select_row("gqa32_8_bf16_decode", kBF16),
+    st::select_row("gqa32_8_f16_needles_ragged", kF16).lengths({1, 1}, {2000, 777}).with_needles(2),
+    // Sequence 1 falls back to dense (150 <= n_init + top_k + n_local).
+    st::select_row("f32_packed_q_and_kv_chunks_one_dense", kF32).dim(64).heads(8, 2).varlen()
+        .lengths({4, 1, 7}, {900, 150, 1300}).with_needles(1),
+    st::select_row("paged_per_kv_head_bf16", kBF16).packed_q().paged(16).per_kv_head().lengths({2, 1}, {1500, 2100})
+        .with_needles(1),
+    st::select_row("mha_d80_scale_scores_f16", kF16).dim(80).heads(4, 4).scale_scores().lengths({1}, {1111}),
+    st::select_row("gqa16_1_two_head_chunks", kBF16).heads(16, 1).lengths({1}, {2500}).with_needles(1),
+    st::select_row("unaligned_kv_rows_gqa4", kF16).dim(64).heads(8, 2).kv_heads_padded_by(3).lengths({1}, {1000}),
+    st::select_row("all_dense_chunk", kBF16).dim(64).heads(8, 2).packed_q().lengths({16, 5}, {150, 60}),
+    st::select_row("no_sinks_no_window", kBF16).heads(8, 2).token_select_policy(0, 64, 0).lengths({24}, {700}),
+    // The DMMA score kernel's edges: a head_dim that ends inside a round (80 = 2.5 rounds of 32), f32 rounds of 16
+    // dims with full 8-head chunks over a ragged packed batch, a group of 12 (chunks of 8 and 4 heads) on pages; the
+    // FMA kernel's cases next to it (head_dim above 128, a group of 2).
+    st::select_row("mma_gqa4_d80_f16_dim_tail", kF16).dim(80).heads(8, 2).lengths({1}, {1234}).with_needles(1),
+    st::select_row("mma_gqa8_f32_d64_ragged_batch", kF32).dim(64).heads(16, 2).varlen()
+        .lengths({1, 3, 1}, {3001, 517, 1290}).with_needles(1),
+    st::select_row("mma_gqa12_bf16_paged_chunks_8_and_4", kBF16).heads(24, 2).paged(16).lengths({1}, {2222})
+        .with_needles(2),
+    st::select_row("fma_gqa4_d256_bf16", kBF16).dim(256).heads(8, 2).lengths({1}, {1500}).with_needles(1),
+    st::select_row("fma_gqa2_bf16", kBF16).heads(8, 4).lengths({1}, {1700}).with_needles(1),
+    st::select_row("long_decode_40k_default_shape", kBF16).token_select_policy(128, 2048, 512).lengths({1}, {40000})
+        .with_needles(3),
+};
+
 SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
 SPARSA_BACKEND_TABLE(DecodeCases, AttentionCase, kDecodeCases);
 SPARSA_BACKEND_TABLE(DeltaCases, AttentionCase, kDeltaCases);
 SPARSA_BACKEND_TABLE(WgmmaCases, AttentionCase, kWgmmaCases);
 SPARSA_BACKEND_TABLE(PvSkipCases, AttentionCase, kPvSkipCases);
+SPARSA_BACKEND_TABLE(SelectCases, AttentionCase, kSelectCases);
 
 TEST_P(PrefillCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DeltaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(WgmmaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(PvSkipCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(SelectCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 
 }  // namespace

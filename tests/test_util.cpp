@@ -399,7 +399,7 @@ struct AttentionView {
 };
 
 AttentionView make_view(const Context& ctx, int32_t dtype, bool packed, const std::vector<int>& lens, int padded_len,
-                        int H, int D, int64_t gap, bool head_major, int64_t row_pad = 0) {
+                        int H, int D, int64_t gap, bool head_major, int64_t row_pad = 0, int64_t head_pad = 0) {
   AttentionView v;
   v.packed = packed;
   std::vector<int64_t> shape;
@@ -411,13 +411,13 @@ AttentionView make_view(const Context& ctx, int32_t dtype, bool packed, const st
     shape = {int64_t(lens.size()), padded_len, H, D};
   }
   std::vector<int64_t> strides = gapped_strides(shape, gap, head_major);
-  if (row_pad > 0) {  // rows (tokens) row_pad elements further apart; with gap 0 and token-major storage only
-    EXPECT_TRUE(gap == 0 && !head_major) << "row_pad combines with neither gap nor head_major";
+  if (row_pad > 0 || head_pad > 0) {  // heads, then rows (tokens) further apart; gap 0, token-major storage only
+    EXPECT_TRUE(gap == 0 && !head_major) << "row_pad and head_pad combine with neither gap nor head_major";
+    const int64_t head_stride = D + head_pad, row_stride = H * head_stride + row_pad;
     if (packed) {
-      strides[0] += row_pad;
+      strides = {row_stride, head_stride, 1};
     } else {
-      strides[1] += row_pad;
-      strides[0] = strides[1] * padded_len;
+      strides = {row_stride * padded_len, row_stride, head_stride, 1};
     }
   }
   v.buf = std::make_unique<Buffer>(ctx, dtype, shape, strides);
@@ -522,7 +522,8 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
     const bool packed = opt.layout == Layout::kVarlen || opt.kv_packed;
     for (int which = 0; which < 2; ++which) {
       kv_view[which] =
-          make_view(ctx, opt.dtype, packed, p.skv, skv_max, Hkv, D, opt.gap, opt.head_major, opt.kv_row_pad);
+          make_view(ctx, opt.dtype, packed, p.skv, skv_max, Hkv, D, opt.gap, opt.head_major, opt.kv_row_pad,
+                    opt.kv_head_pad);
       Buffer& buf = *kv_view[which].buf;
       poison(buf);
       for (int b = 0; b < B; ++b)

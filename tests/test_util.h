@@ -228,6 +228,7 @@ struct RunOptions {
   bool q_packed = false;    // packed q/out with cu_seqlens_q (implied by kVarlen; combine with kPaged for ragged Sq)
   bool kv_packed = false;   // with kPadded: packed k/v with cu_seqlens_k, q as q_packed says (implied by kVarlen)
   int64_t kv_row_pad = 0;   // kPadded/kVarlen k/v: extra elements after each key row (rows off 16-byte boundaries)
+  int64_t kv_head_pad = 0;  // kPadded/kVarlen k/v: extra elements after each head of a key row
   int page_size = 16;
   bool seq_lens_k = false;  // padded k/v with a seq_lens_k tensor (forced when key lengths differ)
   int64_t gap = 0;          // extra elements after each head, row and batch entry (strided, non-contiguous views)
