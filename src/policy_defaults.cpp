@@ -1,7 +1,5 @@
-// The documented defaults of every caller-filled struct (include/sparsa/sparsa.h), in one place.
-#include <cmath>
-#include <limits>
-
+// The documented defaults of every caller-filled struct (include/sparsa/sparsa.h): a policy's from the policy table
+// (policy_table.h), the others here.
 #include "policy_table.h"
 #include "validate.h"
 
@@ -9,46 +7,60 @@ namespace sparsa {
 
 bool is_known_policy_kind(int32_t kind) { return policy_kind_info(kind) != nullptr; }
 
+namespace {
+
+// The defaults of the field groups `row` reads, from its row of the policy table.
+void apply_row_defaults(const PolicyKindInfo& row, sparsa_policy* p) {
+  const PolicyDefaults& d = row.defaults;
+  if (row.fields & kFieldsSinkWindow) {
+    p->sink_tokens = d.sink_tokens;
+    p->sink_window = d.sink_window;
+  }
+  if (row.fields & (kFieldsBlockMask | kFieldsSparge)) {
+    p->block_q = d.block_q;
+    p->block_k = d.block_k;
+  }
+  if (row.fields & kFieldsSparge) {
+    p->sparge_theta = d.sparge_theta;
+    p->sparge_tau = d.sparge_tau;
+    p->sparge_topk_fraction = d.sparge_topk_fraction;
+    p->sparge_lambda = d.sparge_lambda;
+    p->sparge_attention_sink = d.sparge_attention_sink;
+    p->sparge_quantized = d.sparge_quantized;
+  }
+  if (row.fields & kFieldsTokenSparse) {
+    p->token_sparse_window = d.token_sparse_window;
+    p->token_sparse_pool_kernel = d.token_sparse_pool_kernel;
+    p->token_sparse_coverage = d.token_sparse_coverage;
+    p->token_sparse_min_tokens = d.token_sparse_min_tokens;
+  }
+  if (row.fields & kFieldsTokenSelect) {
+    p->select_n_init = d.select_n_init;
+    p->select_n_local = d.select_n_local;
+    p->select_top_k = d.select_top_k;
+    p->select_scale_scores = d.select_scale_scores;
+    p->select_cache_theta = d.select_cache_theta;
+    p->select_per_kv_head = d.select_per_kv_head;
+  }
+  if (row.fields & kFieldsTokenIndices) {
+    p->index_block_size = d.index_block_size;
+    p->index_n_init = d.index_n_init;
+    p->index_n_local = d.index_n_local;
+  }
+}
+
+}  // namespace
+
+// Every field of every group gets its documented default, whatever the kind (a caller may switch kinds after init):
+// each group from the row of the table that reads it; pointers NULL, flags 0.
 sparsa_policy default_policy(int32_t kind) {
   sparsa_policy p{};
   p.struct_size = sizeof(sparsa_policy);
   p.kind = kind;
   p.flags = 0;
-  // SINK_WINDOW (§2)
-  p.sink_tokens = 128;
-  p.sink_window = 2048;
-  // BLOCK_SPARSE / SPARGE (§3, §4)
-  p.block_q = 128;
-  p.block_k = 64;
-  p.block_mask = nullptr;
-  p.sparge_theta = 0.6f;
-  p.sparge_tau = 0.98f;
-  p.sparge_topk_fraction = 0.f;
-  p.sparge_lambda = -std::numeric_limits<float>::infinity();
-  p.sparge_attention_sink = 0;
-  p.sparge_quantized = 0;
-  p.sparge_head_params = nullptr;
-  // TOKEN_SPARSE (§5)
-  p.token_sparse_window = 128;
-  p.token_sparse_pool_kernel = 7;
-  p.token_sparse_coverage = 0.005f;
-  p.token_sparse_min_tokens = 1024;
-  // TOKEN_SELECT (§6)
-  p.select_n_init = 128;
-  p.select_n_local = 512;
-  p.select_top_k = 2048;
-  p.select_scale_scores = 0;
-  p.select_cache_theta = 0.9f;
-  p.select_per_kv_head = 0;
-  // TOKEN_INDICES (§7)
-  p.indices = nullptr;
-  p.head_map = nullptr;
-  p.index_block_size = 1;
-  p.index_n_init = 0;
-  p.index_n_local = 0;
-  // DELTA (§8)
-  p.delta_gamma = 64;
-  p.delta_tail_min = 128;
+  for (const PolicyKindInfo& row : kPolicyKinds) apply_row_defaults(row, &p);
+  p.delta_gamma = kDeltaDefaults.gamma;
+  p.delta_tail_min = kDeltaDefaults.tail_min;
   return p;
 }
 

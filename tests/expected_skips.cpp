@@ -93,6 +93,12 @@ TestId test_id(const ::testing::TestInfo& info) {
   if (info.value_param() != nullptr && last != std::string::npos) {  // "Case/CUDA" -> "Case", "CUDA"
     id.backend = name.substr(last + 1);
     name = name.substr(0, last);
+    // A case table's "Case/<row>_<backend>" (BackendCaseTest) -> "Case/<row>", "<backend>".
+    const size_t underscore = id.backend.rfind('_');
+    if (underscore != std::string::npos) {
+      name += "/" + id.backend.substr(0, underscore);
+      id.backend = id.backend.substr(underscore + 1);
+    }
   }
   id.test = suite + "." + name;
   return id;

@@ -18,7 +18,8 @@ enum class SkipKind {
 };
 
 struct ExpectedSkip {
-  const char* test;     // "Suite.Name" without the "Backends/" prefix and the "/CPU" / "/CUDA" suffix; "*" = any
+  const char* test;     // "Suite.Name" (a case table: "Suite.Name/row") without the "Backends/" prefix and the
+                        // backend suffix ("/CPU", "/CUDA"; a table's "_CPU", "_CUDA"); "*" = any
   const char* backend;  // "CPU", "CUDA", or "*" (any backend, and tests that are not backend-parameterised)
   SkipKind kind;
   const char* reason;   // the skip message must contain this text

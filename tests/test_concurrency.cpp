@@ -47,7 +47,7 @@ struct SharedInputs {
       for (float& x : *t) x = next();
     for (auto [from, to] : {std::pair{&q, &q16}, std::pair{&k, &k16}, std::pair{&v, &v16}}) {
       to->resize(from->size());
-      for (size_t i = 0; i < from->size(); ++i) (*to)[i] = st::float_to_half((*from)[i]);
+      for (size_t i = 0; i < from->size(); ++i) (*to)[i] = st::float_to_f16((*from)[i]);
     }
     mask.resize(size_t(B * Hq * (S / kBlock) * (S / kBlock)));
     for (size_t i = 0; i < mask.size(); ++i) mask[i] = (i % 3) != 1;

@@ -181,71 +181,9 @@ ref::Problem rounded(const ref::Problem& p, int32_t dtype) {
   return r;
 }
 
-uint16_t float_to_half(float x) {
-  uint32_t f;
-  std::memcpy(&f, &x, 4);
-  const uint32_t sign = (f >> 16) & 0x8000u;
-  const int32_t exponent = int32_t((f >> 23) & 0xFF) - 127 + 15;
-  uint32_t mantissa = f & 0x7FFFFFu;
-  if (((f >> 23) & 0xFF) == 0xFF) return uint16_t(sign | 0x7C00u | (mantissa ? 0x200u : 0));
-  if (exponent >= 31) return uint16_t(sign | 0x7C00u);
-  if (exponent <= 0) {
-    if (exponent < -10) return uint16_t(sign);
-    mantissa |= 0x800000u;
-    const int shift = 14 - exponent;
-    uint32_t half = mantissa >> shift;
-    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-    if (rest > halfway || (rest == halfway && (half & 1))) ++half;
-    return uint16_t(sign | half);
-  }
-  uint32_t half = (uint32_t(exponent) << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1FFFu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1))) ++half;
-  return uint16_t(sign | half);
-}
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FFu, f;
-  if (exponent == 0x1F) {
-    f = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent == 0) {
-    if (mantissa == 0) {
-      f = sign;
-    } else {
-      int e = -1;
-      do {
-        ++e;
-        mantissa <<= 1;
-      } while (!(mantissa & 0x400u));
-      f = sign | (uint32_t(127 - 15 - e) << 23) | ((mantissa & 0x3FFu) << 13);
-    }
-  } else {
-    f = sign | ((exponent - 15 + 127) << 23) | (mantissa << 13);
-  }
-  float x;
-  std::memcpy(&x, &f, 4);
-  return x;
-}
-
-uint16_t float_to_bf16(float x) {
-  uint32_t f;
-  std::memcpy(&f, &x, 4);
-  if ((f & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((f >> 16) | 0x40u);
-  f += 0x7FFFu + ((f >> 16) & 1u);
-  return uint16_t(f >> 16);
-}
-
-float bf16_to_float(uint16_t h) {
-  const uint32_t f = uint32_t(h) << 16;
-  float x;
-  std::memcpy(&x, &f, 4);
-  return x;
-}
-
 double round_to_dtype(double x, int32_t dtype) {
   switch (dtype) {
-    case SPARSA_DTYPE_F16: return half_to_float(float_to_half(float(x)));
+    case SPARSA_DTYPE_F16: return f16_to_float(float_to_f16(float(x)));
     case SPARSA_DTYPE_BF16: return bf16_to_float(float_to_bf16(float(x)));
     case SPARSA_DTYPE_F32: return float(x);
     default: return x;
@@ -329,7 +267,7 @@ double Buffer::get(size_t e) const {
   switch (dtype_) {
     case SPARSA_DTYPE_F32: { float x; std::memcpy(&x, at, 4); return x; }
     case SPARSA_DTYPE_F64: { double x; std::memcpy(&x, at, 8); return x; }
-    case SPARSA_DTYPE_F16: { uint16_t x; std::memcpy(&x, at, 2); return half_to_float(x); }
+    case SPARSA_DTYPE_F16: { uint16_t x; std::memcpy(&x, at, 2); return f16_to_float(x); }
     case SPARSA_DTYPE_BF16: { uint16_t x; std::memcpy(&x, at, 2); return bf16_to_float(x); }
     case SPARSA_DTYPE_I32: { int32_t x; std::memcpy(&x, at, 4); return x; }
     case SPARSA_DTYPE_I64: { int64_t x; std::memcpy(&x, at, 8); return double(x); }
@@ -343,7 +281,7 @@ void Buffer::set(size_t e, double x) {
   switch (dtype_) {
     case SPARSA_DTYPE_F32: { const float y = float(x); std::memcpy(at, &y, 4); break; }
     case SPARSA_DTYPE_F64: std::memcpy(at, &x, 8); break;
-    case SPARSA_DTYPE_F16: { const uint16_t y = float_to_half(float(x)); std::memcpy(at, &y, 2); break; }
+    case SPARSA_DTYPE_F16: { const uint16_t y = float_to_f16(float(x)); std::memcpy(at, &y, 2); break; }
     case SPARSA_DTYPE_BF16: { const uint16_t y = float_to_bf16(float(x)); std::memcpy(at, &y, 2); break; }
     case SPARSA_DTYPE_I32: { const int32_t y = int32_t(x); std::memcpy(at, &y, 4); break; }
     case SPARSA_DTYPE_I64: { const int64_t y = int64_t(x); std::memcpy(at, &y, 8); break; }
@@ -376,26 +314,26 @@ class UnsupportedFilter : public ::testing::ScopedFakeTestPartResultReporter {
   ::testing::TestPartResultArray results_;
 };
 
-BackendTest::BackendTest() = default;
-BackendTest::~BackendTest() = default;
+BackendSetup::BackendSetup() = default;
+BackendSetup::~BackendSetup() = default;
 
-void BackendTest::SetUp() {
-  if (GetParam() != SPARSA_DEVICE_CPU) {
+void BackendSetup::set_up(int32_t backend) {
+  if (backend != SPARSA_DEVICE_CPU) {
     const ExpectedSkip* by_design = not_run_here(test_id(*::testing::UnitTest::GetInstance()->current_test_info()));
     if (by_design != nullptr) GTEST_SKIP() << by_design->reason << ": " << by_design->why;
   }
-  ctx_ = std::make_unique<Context>(GetParam());
-  if (GetParam() == SPARSA_DEVICE_CPU) {
+  ctx_ = std::make_unique<Context>(backend);
+  if (backend == SPARSA_DEVICE_CPU) {
     ASSERT_EQ(ctx_->status(), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
     return;
   }
   if (ctx_->status() != SPARSA_STATUS_SUCCESS) GTEST_SKIP() << "no context for this backend: " << sparsa_last_error_message();
-  if (!device_memory_supported(GetParam())) GTEST_SKIP() << "test device-memory seam not wired for this backend yet";
+  if (!device_memory_supported(backend)) GTEST_SKIP() << "test device-memory seam not wired for this backend yet";
   filter_ = std::make_unique<UnsupportedFilter>();
   host_memory_used = false;
 }
 
-void BackendTest::TearDown() {
+void BackendSetup::tear_down() {
   if (!filter_) return;
   ::testing::TestPartResultArray held;
   for (int i = 0; i < filter_->results().size(); ++i) held.Append(filter_->results().GetTestPartResult(i));
@@ -416,12 +354,14 @@ void BackendTest::TearDown() {
 
 void skip_unsupported(const std::string& reason) { GTEST_SKIP() << "unsupported on this backend: " << reason; }
 
-std::string backend_name(const ::testing::TestParamInfo<int32_t>& info) {
-  switch (info.param) {
+std::string backend_name(const ::testing::TestParamInfo<int32_t>& info) { return backend_label(info.param); }
+
+std::string backend_label(int32_t backend) {
+  switch (backend) {
     case SPARSA_DEVICE_CPU: return "CPU";
     case SPARSA_DEVICE_CUDA: return "CUDA";
     case SPARSA_DEVICE_ROCM: return "ROCM";
-    default: return "device" + std::to_string(info.param);
+    default: return "device" + std::to_string(backend);
   }
 }
 
@@ -459,7 +399,7 @@ struct AttentionView {
 };
 
 AttentionView make_view(const Context& ctx, int32_t dtype, bool packed, const std::vector<int>& lens, int padded_len,
-                        int H, int D, int64_t gap, bool head_major) {
+                        int H, int D, int64_t gap, bool head_major, int64_t row_pad = 0, int64_t head_pad = 0) {
   AttentionView v;
   v.packed = packed;
   std::vector<int64_t> shape;
@@ -470,7 +410,17 @@ AttentionView make_view(const Context& ctx, int32_t dtype, bool packed, const st
   } else {
     shape = {int64_t(lens.size()), padded_len, H, D};
   }
-  v.buf = std::make_unique<Buffer>(ctx, dtype, shape, gapped_strides(shape, gap, head_major));
+  std::vector<int64_t> strides = gapped_strides(shape, gap, head_major);
+  if (row_pad > 0 || head_pad > 0) {  // heads, then rows (tokens) further apart; gap 0, token-major storage only
+    EXPECT_TRUE(gap == 0 && !head_major) << "row_pad and head_pad combine with neither gap nor head_major";
+    const int64_t head_stride = D + head_pad, row_stride = H * head_stride + row_pad;
+    if (packed) {
+      strides = {row_stride, head_stride, 1};
+    } else {
+      strides = {row_stride * padded_len, row_stride, head_stride, 1};
+    }
+  }
+  v.buf = std::make_unique<Buffer>(ctx, dtype, shape, strides);
   return v;
 }
 
@@ -569,9 +519,11 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
         }
     }
   } else {
-    const bool packed = opt.layout == Layout::kVarlen;
+    const bool packed = opt.layout == Layout::kVarlen || opt.kv_packed;
     for (int which = 0; which < 2; ++which) {
-      kv_view[which] = make_view(ctx, opt.dtype, packed, p.skv, skv_max, Hkv, D, opt.gap, opt.head_major);
+      kv_view[which] =
+          make_view(ctx, opt.dtype, packed, p.skv, skv_max, Hkv, D, opt.gap, opt.head_major, opt.kv_row_pad,
+                    opt.kv_head_pad);
       Buffer& buf = *kv_view[which].buf;
       poison(buf);
       for (int b = 0; b < B; ++b)
@@ -591,7 +543,8 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
     cu_q = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32, std::vector<int64_t>{B + 1});
     for (int b = 0; b <= B; ++b) cu_q->as<int32_t>()[b] = q.row_offset[b];
   }
-  if (opt.layout == Layout::kPaged || (opt.layout == Layout::kPadded && (opt.seq_lens_k || ragged_k))) {
+  if (opt.layout == Layout::kPaged ||
+      (opt.layout == Layout::kPadded && !opt.kv_packed && (opt.seq_lens_k || ragged_k))) {
     seq_lens = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32, std::vector<int64_t>{B});
     for (int b = 0; b < B; ++b) seq_lens->as<int32_t>()[b] = p.skv[b];
   }

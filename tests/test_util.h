@@ -16,8 +16,10 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "host_half.h"
 #include "reference/reference.h"
 
 namespace st {
@@ -58,11 +60,11 @@ void fill(ref::Problem& p, Pattern pattern, Rng& rng);
 // The same problem with q/k/v rounded to dtype (the reference for f16/bf16 runs).
 ref::Problem rounded(const ref::Problem& p, int32_t dtype);
 
-// Host conversions.
-uint16_t float_to_half(float x);
-float half_to_float(uint16_t h);
-uint16_t float_to_bf16(float x);
-float bf16_to_float(uint16_t h);
+// Host conversions (tests/host_half.h, shared with the GPU tests and the vector generator).
+using host_half::bf16_to_float;
+using host_half::f16_to_float;
+using host_half::float_to_bf16;
+using host_half::float_to_f16;
 double round_to_dtype(double x, int32_t dtype);
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -151,26 +153,65 @@ sparsa_tensor host_tensor(void* data, int32_t dtype, std::vector<int64_t> shape)
 // of a result that was never computed do not count as failures). Every skip must be listed with its reason in
 // tests/expected_skips.cpp; the skip audit (tests/test_main.cpp) fails any other.
 class UnsupportedFilter;
-class BackendTest : public ::testing::TestWithParam<int32_t> {
+// What the fixture does for one backend (BackendTest: the parameter is the backend; BackendCaseTest: a backend and a
+// row of a case table). set_up() may skip or fail; gtest then skips the body.
+class BackendSetup {
  public:
-  BackendTest();
-  ~BackendTest() override;
-
- protected:
-  void SetUp() override;
-  void TearDown() override;
+  BackendSetup();
+  ~BackendSetup();
+  void set_up(int32_t backend);
+  void tear_down();
   const Context& ctx() const { return *ctx_; }
+
+ private:
   std::unique_ptr<Context> ctx_;
   std::unique_ptr<UnsupportedFilter> filter_;
 };
+
+class BackendTest : public ::testing::TestWithParam<int32_t> {
+ protected:
+  void SetUp() override { setup_.set_up(GetParam()); }
+  void TearDown() override { setup_.tear_down(); }
+  const Context& ctx() const { return setup_.ctx(); }
+
+ private:
+  BackendSetup setup_;
+};
+
+// A case table on every backend (ggml test-backend-ops style): one test per (row, backend), named
+// "<row name>_<backend>"; Row has a `name`.
+template <typename Row>
+class BackendCaseTest : public ::testing::TestWithParam<std::tuple<int32_t, Row>> {
+ protected:
+  void SetUp() override { setup_.set_up(std::get<0>(this->GetParam())); }
+  void TearDown() override { setup_.tear_down(); }
+  const Context& ctx() const { return setup_.ctx(); }
+  const Row& row() const { return std::get<1>(this->GetParam()); }
+
+ private:
+  BackendSetup setup_;
+};
+
 // Called by the harness when a non-CPU backend refuses a case; skips the current test (see BackendTest).
 void skip_unsupported(const std::string& reason);
+std::string backend_label(int32_t backend);  // "CPU", "CUDA", ...
 std::string backend_name(const ::testing::TestParamInfo<int32_t>& info);
+template <typename Row>
+std::string backend_row_name(const ::testing::TestParamInfo<std::tuple<int32_t, Row>>& info) {
+  return std::get<1>(info.param).name + "_" + backend_label(std::get<0>(info.param));
+}
 
 #define SPARSA_BACKEND_SUITE(Suite)                                                                      \
   class Suite : public ::st::BackendTest {};                                                              \
   INSTANTIATE_TEST_SUITE_P(Backends, Suite, ::testing::Values(SPARSA_DEVICE_CPU, SPARSA_DEVICE_CUDA), \
                            ::st::backend_name)
+
+#define SPARSA_BACKEND_TABLE(Suite, Row, rows)                                                                 \
+  class Suite : public ::st::BackendCaseTest<Row> {};                                                           \
+  INSTANTIATE_TEST_SUITE_P(                                                                                     \
+      Backends, Suite,                                                                                          \
+      ::testing::Combine(::testing::Values(SPARSA_DEVICE_CPU, SPARSA_DEVICE_CUDA), ::testing::ValuesIn(rows)), \
+      ::st::backend_row_name<Row>)
 
 sparsa_policy make_policy(int32_t kind);
 // sparsa_attention_args / sparsa_context_options filled by their init functions (every default).
@@ -185,6 +226,9 @@ struct RunOptions {
   int32_t dtype = SPARSA_DTYPE_F32;
   Layout layout = Layout::kPadded;
   bool q_packed = false;    // packed q/out with cu_seqlens_q (implied by kVarlen; combine with kPaged for ragged Sq)
+  bool kv_packed = false;   // with kPadded: packed k/v with cu_seqlens_k, q as q_packed says (implied by kVarlen)
+  int64_t kv_row_pad = 0;   // kPadded/kVarlen k/v: extra elements after each key row (rows off 16-byte boundaries)
+  int64_t kv_head_pad = 0;  // kPadded/kVarlen k/v: extra elements after each head of a key row
   int page_size = 16;
   bool seq_lens_k = false;  // padded k/v with a seq_lens_k tensor (forced when key lengths differ)
   int64_t gap = 0;          // extra elements after each head, row and batch entry (strided, non-contiguous views)

@@ -51,11 +51,11 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   timeout 150 $TESTS > "$OUT/gpu_tests.log" 2>&1; echo "exit $?"; summary "$OUT/gpu_tests.log"
   grep -B2 -A10 "Failure" "$OUT/gpu_tests.log" | head -40
   echo "=== shared suite, CUDA instances ==="
-  timeout 200 $SHARED --gtest_filter='*/CUDA' > "$OUT/shared_cuda.log" 2>&1; rc=$?; echo "exit $rc"
+  timeout 200 $SHARED --gtest_filter='*/CUDA:*_CUDA' > "$OUT/shared_cuda.log" 2>&1; rc=$?; echo "exit $rc"
   if [ $rc -ge 124 ]; then  # a crash or hang ends the process: run every test in its own process instead
     echo "whole-suite run ended abnormally after: $(grep '^\[ RUN' "$OUT/shared_cuda.log" | tail -1); one process per test:"
     : > "$OUT/shared_cuda.log"
-    for t in $($SHARED --gtest_filter='*/CUDA' --gtest_list_tests | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
+    for t in $($SHARED --gtest_filter='*/CUDA:*_CUDA' --gtest_list_tests | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
       timeout 60 $SHARED --gtest_filter="$t" >> "$OUT/shared_cuda.log" 2>&1
       trc=$?; [ $trc -ge 124 ] && echo "[  FAILED  ] $t (crashed: exit $trc) (" >> "$OUT/shared_cuda.log"
     done
@@ -65,11 +65,11 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   echo "--- skip reasons (distinct) ---"
   grep -A1 ": Skipped" "$OUT/shared_cuda.log" | grep -v -E ": Skipped|^--" | cut -c1-150 | sort | uniq -c | sort -rn | head -15
   echo "=== compute-sanitizer memcheck (shared suite, CUDA instances) ==="
-  timeout ${MEMCHECK_S:-150} compute-sanitizer --tool memcheck --error-exitcode 3 $SHARED --gtest_filter='*/CUDA' > "$OUT/memcheck_shared.log" 2>&1
+  timeout ${MEMCHECK_S:-150} compute-sanitizer --tool memcheck --error-exitcode 3 $SHARED --gtest_filter='*/CUDA:*_CUDA' > "$OUT/memcheck_shared.log" 2>&1
   echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_shared.log" | tail -1); $(summary "$OUT/memcheck_shared.log" | head -1)"
-  echo "=== compute-sanitizer racecheck (TOKEN_INDICES, stats, sink/window) ==="
+  echo "=== compute-sanitizer racecheck (TOKEN_INDICES, stats, sink/window, small attention case-table rows) ==="
   timeout 60 compute-sanitizer --tool racecheck --error-exitcode 3 $SHARED \
-    --gtest_filter='Backends/TokenIndices.*/CUDA:Backends/Common.Stats*/CUDA:*PvSkip*/CUDA' > "$LOGS/racecheck_shared.log" 2>&1
+    --gtest_filter='Backends/TokenIndices.*/CUDA:Backends/Common.Stats*/CUDA:*PvSkip*/CUDA:Backends/PrefillCases.*/dense_f16_d64_noncausal_CUDA:Backends/PrefillCases.*/paged_ps1*_CUDA:Backends/PrefillCases.*/block_sparse_bf16*_CUDA:Backends/PrefillCases.*/decode_split_kv*_CUDA' > "$LOGS/racecheck_shared.log" 2>&1
   echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck_shared.log" | tail -1)"
   echo "=== compute-sanitizer memcheck (GPU tests) ==="
   timeout ${MEMCHECK_S:-150} compute-sanitizer --tool memcheck --error-exitcode 3 $TESTS > "$OUT/memcheck.log" 2>&1

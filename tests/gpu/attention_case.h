@@ -1,7 +1,8 @@
 // The attention-case harness shared by test_gpu_attention.cpp and test_gpu_wgmma.cpp: a case (policy, shapes,
-// layouts, dtype), its inputs, the float64 brute-force reference of ALGORITHMS.md §0-§3, the physical tensors in the
-// case's layout (padded, packed varlen, paged with shuffled pages and junk in unused slots), one run through the
-// public C API on the CPU or CUDA backend with NaN-poisoned outputs, and the comparison with the reference.
+// layouts, dtype), its inputs, the float64 reference of ALGORITHMS.md §0-§3 (tests/reference), the physical
+// tensors in the case's layout (padded, packed varlen, paged with shuffled pages and junk in unused slots), one run
+// through the public C API on the CPU or CUDA backend with NaN-poisoned outputs, and the comparison with the
+// reference.
 // Δ and TOKEN_SPARSE cases (only test_gpu_wgmma.cpp has them) are compared with the CPU backend instead.
 #pragma once
 
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "reference/reference.h"
 
 namespace sparsa_gpu_test {
 
@@ -54,57 +56,50 @@ struct Inputs {
   std::vector<uint8_t> mask;   // [B, Hq, ceil(max_q/bq), ceil(max_k/bk)]
 };
 
-inline bool visible(const Case& c, const Inputs& in, int32_t b, int32_t h, int32_t i, int32_t j) {
-  const int64_t diagonal = int64_t(i) + c.seq_k[b] - c.seq_q[b];
-  if (c.causal && j > diagonal) return false;
-  if (c.policy == SPARSA_POLICY_SINK_WINDOW) {
-    if (j < c.sink_tokens) return true;
-    const int64_t distance = c.causal ? diagonal - j : std::llabs(diagonal - j);
-    return distance < c.sink_window;
+// The case's inputs as a problem of the float64 reference (tests/reference): logical rows, per-sequence lengths.
+inline ref::Problem reference_problem(const Case& c, const Inputs& in) {
+  ref::Problem p;
+  p.B = in.batch;
+  p.Hq = c.q_heads;
+  p.Hkv = c.kv_heads;
+  p.D = c.head_dim;
+  p.sq.assign(c.seq_q.begin(), c.seq_q.end());
+  p.skv.assign(c.seq_k.begin(), c.seq_k.end());
+  p.causal = c.causal;
+  p.allocate();
+  const size_t q_row = size_t(c.q_heads) * c.head_dim, kv_row = size_t(c.kv_heads) * c.head_dim;
+  for (int32_t b = 0; b < in.batch; ++b) {
+    for (int32_t i = 0; i < c.seq_q[b]; ++i)
+      for (size_t x = 0; x < q_row; ++x) p.q[b][i * q_row + x] = in.q[(size_t(b) * in.max_q + i) * q_row + x];
+    for (int32_t j = 0; j < c.seq_k[b]; ++j)
+      for (size_t x = 0; x < kv_row; ++x) {
+        p.k[b][j * kv_row + x] = in.k[(size_t(b) * in.max_k + j) * kv_row + x];
+        p.v[b][j * kv_row + x] = in.v[(size_t(b) * in.max_k + j) * kv_row + x];
+      }
   }
-  if (c.policy == SPARSA_POLICY_BLOCK_SPARSE) {
-    const int64_t rows = (in.max_q + c.block_q - 1) / c.block_q, cols = (in.max_k + c.block_k - 1) / c.block_k;
-    return in.mask[((int64_t(b) * c.q_heads + h) * rows + i / c.block_q) * cols + j / c.block_k] != 0;
-  }
-  return true;
+  return p;
 }
 
-// float64 reference: out [b][i][h][d] (padded logical), lse [b][h][i].
+inline ref::Visibility reference_visibility(const Case& c, const Inputs& in, const ref::Problem& p) {
+  if (c.policy == SPARSA_POLICY_SINK_WINDOW) return ref::sink_window(p, c.sink_tokens, c.sink_window);
+  if (c.policy == SPARSA_POLICY_BLOCK_SPARSE) return ref::block_sparse(p, c.block_q, c.block_k, in.mask);
+  return ref::dense(p);
+}
+
+// float64 reference (ALGORITHMS.md §1-§3 through tests/reference): out [b][i][h][d] (padded logical), lse [b][h][i].
 inline void reference(const Case& c, const Inputs& in, std::vector<double>* out, std::vector<double>* lse) {
-  const int32_t D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads, g = Hq / Hkv;
-  const double scale = 1.0 / std::sqrt(double(D));
+  const ref::Problem p = reference_problem(c, in);
+  const ref::Output want = ref::attend(p, reference_visibility(c, in, p));
+  const int32_t D = c.head_dim, Hq = c.q_heads;
   out->assign(size_t(in.batch) * in.max_q * Hq * D, 0.0);
   lse->assign(size_t(in.batch) * Hq * in.max_q, -std::numeric_limits<double>::infinity());
-  std::vector<double> scores;
-  for (int32_t b = 0; b < in.batch; ++b) {
-    for (int32_t h = 0; h < Hq; ++h) {
-      for (int32_t i = 0; i < c.seq_q[b]; ++i) {
-        const float* qrow = &in.q[((size_t(b) * in.max_q + i) * Hq + h) * D];
-        scores.assign(c.seq_k[b], -std::numeric_limits<double>::infinity());
-        double m = -std::numeric_limits<double>::infinity();
-        for (int32_t j = 0; j < c.seq_k[b]; ++j) {
-          if (!visible(c, in, b, h, i, j)) continue;
-          const float* krow = &in.k[((size_t(b) * in.max_k + j) * Hkv + h / g) * D];
-          double dot = 0;
-          for (int32_t d = 0; d < D; ++d) dot += double(qrow[d]) * krow[d];
-          scores[j] = dot * scale;
-          m = std::max(m, scores[j]);
-        }
-        if (m == -std::numeric_limits<double>::infinity()) continue;
-        double sum = 0;
-        double* orow = &(*out)[((size_t(b) * in.max_q + i) * Hq + h) * D];
-        for (int32_t j = 0; j < c.seq_k[b]; ++j) {
-          if (scores[j] == -std::numeric_limits<double>::infinity()) continue;
-          const double p = std::exp(scores[j] - m);
-          sum += p;
-          const float* vrow = &in.v[((size_t(b) * in.max_k + j) * Hkv + h / g) * D];
-          for (int32_t d = 0; d < D; ++d) orow[d] += p * vrow[d];
-        }
-        for (int32_t d = 0; d < D; ++d) orow[d] /= sum;
-        (*lse)[(size_t(b) * Hq + h) * in.max_q + i] = m + std::log(sum);
+  for (int32_t b = 0; b < in.batch; ++b)
+    for (int32_t i = 0; i < c.seq_q[b]; ++i)
+      for (int32_t h = 0; h < Hq; ++h) {
+        for (int32_t d = 0; d < D; ++d)
+          (*out)[((size_t(b) * in.max_q + i) * Hq + h) * D + d] = want.o[b][(size_t(i) * Hq + h) * D + d];
+        (*lse)[(size_t(b) * Hq + h) * in.max_q + i] = want.lse[b][size_t(h) * c.seq_q[b] + i];
       }
-    }
-  }
 }
 
 inline double tolerance(int32_t dtype) {
@@ -225,8 +220,9 @@ inline RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, b
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
-  sparsa_context* ctx = nullptr;
-  result.status = sparsa_context_create(&options, &ctx);
+  ScopedContext context(options);
+  result.status = context.status();
+  sparsa_context* const ctx = context.get();
   if (result.status != SPARSA_STATUS_SUCCESS) {
     result.message = sparsa_last_error_message();
     return result;
@@ -314,7 +310,6 @@ inline RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, b
       result.lse = host_lse;
     }
   }
-  sparsa_context_destroy(ctx);
   return result;
 }
 

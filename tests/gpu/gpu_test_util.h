@@ -1,6 +1,6 @@
 // Helpers every GPU test file shares: device presence and skipping, host-side f16/bf16 conversions, raw byte
-// encoding of test data, a device buffer, and tensor descriptors. Host code only (cudart), so the tests build
-// wherever the CUDA backend does and skip without a driver.
+// encoding of test data, owners of device memory, contexts, caches, streams and graphs, and tensor descriptors. Host
+// code only (cudart), so the tests build wherever the CUDA backend does and skip without a driver.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,6 +15,8 @@
 #include <limits>
 #include <string>
 #include <vector>
+
+#include "host_half.h"
 
 namespace sparsa_gpu_test {
 
@@ -32,58 +34,12 @@ inline bool cpu_selfcheck_requested() {
   return flag != nullptr && std::string(flag) == "1";
 }
 
-// ---- element conversions (host) ----
+// ---- element conversions (host): the tests' one converter, tests/host_half.h ----
 
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Round-to-nearest-even, subnormals included (test data stays far inside the f16 range).
-inline uint16_t float_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const int32_t exponent = int32_t((x >> 23) & 0xff) - 127 + 15;
-  uint32_t mantissa = x & 0x7fffffu;
-  if (exponent <= 0) {  // subnormal or zero
-    if (exponent < -10) return static_cast<uint16_t>(sign);
-    mantissa |= 0x800000u;
-    const int shift = 14 - exponent;
-    uint32_t half_m = mantissa >> shift;
-    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-    if (rest > halfway || (rest == halfway && (half_m & 1u))) ++half_m;
-    return static_cast<uint16_t>(sign | half_m);
-  }
-  uint32_t half = sign | (uint32_t(exponent) << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-  return static_cast<uint16_t>(half);
-}
-
-inline float f16_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  const int32_t exponent = (h >> 10) & 0x1f;
-  const uint32_t mantissa = h & 0x3ffu;
-  float value;
-  if (exponent == 0) {
-    value = std::ldexp(float(mantissa), -24);
-  } else if (exponent == 31) {
-    value = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
-  } else {
-    value = std::ldexp(float(mantissa | 0x400u), exponent - 25);
-  }
-  return sign ? -value : value;
-}
+using host_half::bf16_to_float;
+using host_half::f16_to_float;
+using host_half::float_to_bf16;
+using host_half::float_to_f16;
 
 inline size_t element_bytes(int32_t dtype) { return dtype == SPARSA_DTYPE_F32 ? 4 : 2; }
 
@@ -173,6 +129,74 @@ class DeviceBuffer {
  private:
   void* data_ = nullptr;
   size_t bytes_ = 0;
+};
+
+// ---- owners: a failed ASSERT returns from the test body early, and every owner below frees on the way out ----
+
+// A sparsa context; status() says whether creation worked (get() is null otherwise).
+class ScopedContext {
+ public:
+  explicit ScopedContext(const sparsa_context_options& options) { status_ = sparsa_context_create(&options, &ctx_); }
+  ~ScopedContext() { sparsa_context_destroy(ctx_); }
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+  sparsa_context* get() const { return ctx_; }
+  sparsa_status status() const { return status_; }
+
+ private:
+  sparsa_context* ctx_ = nullptr;
+  sparsa_status status_ = SPARSA_STATUS_INTERNAL;
+};
+
+// A selection cache; declare it after its context so it is destroyed first (the header's order).
+class ScopedSelectionCache {
+ public:
+  ScopedSelectionCache() = default;
+  ~ScopedSelectionCache() { sparsa_selection_cache_destroy(cache_); }
+  ScopedSelectionCache(const ScopedSelectionCache&) = delete;
+  ScopedSelectionCache& operator=(const ScopedSelectionCache&) = delete;
+  sparsa_selection_cache** out() { return &cache_; }  // for sparsa_selection_cache_create
+  sparsa_selection_cache* get() const { return cache_; }
+
+ private:
+  sparsa_selection_cache* cache_ = nullptr;
+};
+
+// A cudart handle (stream, graph, executable graph) destroyed by `Destroy` when set.
+template <typename Handle, cudaError_t (*Destroy)(Handle)>
+class CudaHandle {
+ public:
+  CudaHandle() = default;
+  ~CudaHandle() {
+    if (handle_ != nullptr) (void)Destroy(handle_);
+  }
+  CudaHandle(const CudaHandle&) = delete;
+  CudaHandle& operator=(const CudaHandle&) = delete;
+  Handle* out() { return &handle_; }  // for the create call
+  Handle get() const { return handle_; }
+
+ private:
+  Handle handle_ = nullptr;
+};
+using ScopedStream = CudaHandle<cudaStream_t, cudaStreamDestroy>;
+using ScopedGraph = CudaHandle<cudaGraph_t, cudaGraphDestroy>;
+using ScopedGraphExec = CudaHandle<cudaGraphExec_t, cudaGraphExecDestroy>;
+
+// Page-locked host memory (cudaMallocHost); data() is null when the allocation failed.
+class PinnedBuffer {
+ public:
+  explicit PinnedBuffer(size_t bytes) {
+    if (cudaMallocHost(&data_, bytes) != cudaSuccess) data_ = nullptr;
+  }
+  ~PinnedBuffer() {
+    if (data_ != nullptr) (void)cudaFreeHost(data_);
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
 };
 
 // A descriptor with contiguous strides unless `strides` is given.

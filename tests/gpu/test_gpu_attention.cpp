@@ -1,7 +1,8 @@
-// GPU backend tests: every case runs through the public C API on a CUDA context and is checked against a float64
-// brute-force reference of ALGORITHMS.md §0-§3 computed here, and against the CPU backend (the project's oracle) on
-// the same inputs. Outputs are poisoned with NaN before each run so an unwritten element fails. Skips cleanly when
-// no CUDA device/driver is present.
+// GPU-only properties of attention through the public C API on a CUDA context: CUDA-graph capture and replay, a
+// case beyond the backend's limits refused with a reason, TOKEN_INDICES split-KV against the CPU backend and device
+// ids out of range, and merge_states against its formula. Outputs are poisoned before each run. The attention cases
+// themselves (§1-§3 over the kernel paths and layouts) are rows of the backend-parameterised case table,
+// tests/test_attention_case_tables.cpp. Skips cleanly when no CUDA device/driver is present.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sparsa/sparsa.h>
@@ -26,192 +27,6 @@ using namespace sparsa_gpu_test;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-class GpuAttention : public ::testing::TestWithParam<Case> {};
-
-TEST_P(GpuAttention, MatchesReferenceAndCpuBackend) {
-  const bool gpu_present = cuda_device_present();
-  if (!gpu_present && !cpu_selfcheck_requested()) GTEST_SKIP() << "no CUDA device/driver";
-  const Case& c = GetParam();
-  expect_matches_reference_and_cpu(c, gpu_present);
-}
-
-std::vector<Case> cases() {
-  std::vector<Case> list;
-  auto add = [&](Case c) { list.push_back(c); };
-  Case c;
-  c.name = "dense_f16_d64_noncausal";
-  c.seq_q = {300, 300};
-  c.seq_k = {300, 300};
-  add(c);
-  c = Case{};
-  c.name = "dense_bf16_d128_causal_sq_lt_skv_gqa4";
-  c.dtype = SPARSA_DTYPE_BF16;
-  c.head_dim = 128;
-  c.q_heads = 8;
-  c.kv_heads = 2;
-  c.seq_q = {77};
-  c.seq_k = {301};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "dense_f16_d128_causal_sq_gt_skv_empty_rows";
-  c.head_dim = 128;
-  c.seq_q = {300};
-  c.seq_k = {129};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "decode_f16_d64_gqa8";
-  c.q_heads = 8;
-  c.kv_heads = 1;
-  c.seq_q = {1, 1, 1};
-  c.seq_k = {1000, 17, 333};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "sink_window_bf16_d128_causal";
-  c.dtype = SPARSA_DTYPE_BF16;
-  c.head_dim = 128;
-  c.policy = SPARSA_POLICY_SINK_WINDOW;
-  c.sink_tokens = 16;
-  c.sink_window = 100;
-  c.seq_q = {333};
-  c.seq_k = {333};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "sink_window_f16_d64_noncausal";
-  c.policy = SPARSA_POLICY_SINK_WINDOW;
-  c.sink_tokens = 3;
-  c.sink_window = 70;
-  c.seq_q = {200};
-  c.seq_k = {260};
-  add(c);
-  c = Case{};
-  c.name = "block_sparse_f16_d128_causal_64x64";
-  c.head_dim = 128;
-  c.policy = SPARSA_POLICY_BLOCK_SPARSE;
-  c.seq_q = {257, 257};
-  c.seq_k = {257, 300};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "block_sparse_bf16_d64_odd_blocks_32x48";
-  c.dtype = SPARSA_DTYPE_BF16;
-  c.policy = SPARSA_POLICY_BLOCK_SPARSE;
-  c.block_q = 32;
-  c.block_k = 48;
-  c.mask_density = 0.3f;
-  c.seq_q = {190};
-  c.seq_k = {250};
-  add(c);
-  c = Case{};
-  c.name = "dense_f32_d64_causal_portable";
-  c.dtype = SPARSA_DTYPE_F32;
-  c.seq_q = {150};
-  c.seq_k = {150};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "dense_bf16_d256_portable";
-  c.dtype = SPARSA_DTYPE_BF16;
-  c.head_dim = 256;
-  c.q_heads = 2;
-  c.kv_heads = 1;
-  c.seq_q = {70};
-  c.seq_k = {90};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "dense_f16_d96_portable";
-  c.head_dim = 96;
-  c.seq_q = {40};
-  c.seq_k = {65};
-  add(c);
-  c = Case{};
-  c.name = "varlen_packed_f16_d128_causal";
-  c.head_dim = 128;
-  c.q_layout = Layout::kPacked;
-  c.kv_layout = Layout::kPacked;
-  c.seq_q = {5, 130, 64, 1};
-  c.seq_k = {5, 200, 64, 90};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "paged_ps16_bf16_d128_gqa4_prefill";
-  c.dtype = SPARSA_DTYPE_BF16;
-  c.head_dim = 128;
-  c.q_heads = 8;
-  c.kv_heads = 2;
-  c.q_layout = Layout::kPacked;
-  c.kv_layout = Layout::kPaged;
-  c.page_size = 16;
-  c.seq_q = {40, 7};
-  c.seq_k = {100, 7};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "paged_ps1_f16_d64_decode";
-  c.kv_layout = Layout::kPaged;
-  c.page_size = 1;
-  c.q_heads = 4;
-  c.kv_heads = 1;
-  c.seq_q = {1, 1};
-  c.seq_k = {77, 200};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "decode_split_kv_bf16_d128_gqa4";  // few thread blocks, long keys: split-KV + combine
-  c.dtype = SPARSA_DTYPE_BF16;
-  c.head_dim = 128;
-  c.q_heads = 8;
-  c.kv_heads = 2;
-  c.seq_q = {1, 1, 1};
-  c.seq_k = {5000, 3000, 77};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "varlen_split_kv_f16_d64";
-  c.q_layout = Layout::kPacked;
-  c.kv_layout = Layout::kPacked;
-  c.seq_q = {3, 1};
-  c.seq_k = {4000, 2500};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "short_prefill_split_kv_f16_d128";  // tensor-core kernel with split-KV (9 rows: too many for decode)
-  c.head_dim = 128;
-  c.q_heads = 2;
-  c.kv_heads = 2;
-  c.seq_q = {9};
-  c.seq_k = {5000};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "decode_f32_d128_sink_window_gqa2";
-  c.dtype = SPARSA_DTYPE_F32;
-  c.head_dim = 128;
-  c.q_heads = 4;
-  c.kv_heads = 2;
-  c.policy = SPARSA_POLICY_SINK_WINDOW;
-  c.sink_tokens = 5;
-  c.sink_window = 300;
-  c.seq_q = {2, 2};
-  c.seq_k = {3000, 700};
-  c.causal = true;
-  add(c);
-  c = Case{};
-  c.name = "padded_seq_lens_f16_d64_no_lse";
-  c.seq_q = {64, 64};
-  c.seq_k = {30, 129};
-  c.lse = false;
-  add(c);
-  return list;
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, GpuAttention, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
-
 // A run is captured in a CUDA graph after plan() and replays to the same result (ABI.md rule 9).
 TEST(GpuAttentionGraph, CaptureAndReplay) {
   SKIP_WITHOUT_GPU();
@@ -227,14 +42,16 @@ TEST(GpuAttentionGraph, CaptureAndReplay) {
   const RunResult eager = run_case(c, in, ph, true);
   ASSERT_EQ(eager.status, SPARSA_STATUS_SUCCESS) << eager.message;
 
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreate(&stream));
+  ScopedStream owned_stream;
+  CUDA_OK(cudaStreamCreate(owned_stream.out()));
+  const cudaStream_t stream = owned_stream.get();
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
   options.stream = stream;
-  sparsa_context* ctx = nullptr;
-  SPARSA_OK(sparsa_context_create(&options, &ctx));
+  ScopedContext context(options);
+  SPARSA_OK(context.status());
+  sparsa_context* const ctx = context.get();
   DeviceBuffer q(ph.q.size()), k(ph.k.size()), v(ph.v.size()), out(ph.q.size());
   q.upload(ph.q.data(), ph.q.size());
   k.upload(ph.k.data(), ph.k.size());
@@ -252,22 +69,18 @@ TEST(GpuAttentionGraph, CaptureAndReplay) {
   args.out = &tout;
   args.causal = 1;
   SPARSA_OK(sparsa_attention_plan(ctx, &args, nullptr));
-  cudaGraph_t graph;
+  ScopedGraph graph;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   const sparsa_status captured = sparsa_attention_run(ctx, &args, nullptr);
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaStreamEndCapture(stream, graph.out()));
   ASSERT_EQ(captured, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 3; ++replay) CUDA_OK(cudaGraphLaunch(exec, stream));
+  ScopedGraphExec exec;
+  CUDA_OK(cudaGraphInstantiate(exec.out(), graph.get(), 0));
+  for (int replay = 0; replay < 3; ++replay) CUDA_OK(cudaGraphLaunch(exec.get(), stream));
   CUDA_OK(cudaStreamSynchronize(stream));
   const std::vector<float> replayed = decode(out.download<uint8_t>(ph.q.size()), c.dtype);
   ASSERT_EQ(replayed.size(), eager.out.size());
   for (size_t i = 0; i < replayed.size(); ++i) ASSERT_EQ(replayed[i], eager.out[i]) << "element " << i;
-  CUDA_OK(cudaGraphExecDestroy(exec));
-  CUDA_OK(cudaGraphDestroy(graph));
-  sparsa_context_destroy(ctx);
-  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 // What the backend does not implement is refused with UNSUPPORTED and a reason, never computed wrongly.
@@ -279,8 +92,9 @@ TEST(GpuAttentionSupport, CaseBeyondTheLimitsIsUnsupportedWithAReason) {
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
-  sparsa_context* ctx = nullptr;
-  SPARSA_OK(sparsa_context_create(&options, &ctx));
+  ScopedContext context(options);
+  SPARSA_OK(context.status());
+  sparsa_context* const ctx = context.get();
   const int64_t shape[4] = {1, 1, 2, kTooLargeHeadDim};
   const size_t bytes = 2 * kTooLargeHeadDim * 2;
   DeviceBuffer buf(bytes);
@@ -306,7 +120,6 @@ TEST(GpuAttentionSupport, CaseBeyondTheLimitsIsUnsupportedWithAReason) {
   std::vector<uint8_t> after(bytes);
   CUDA_OK(cudaMemcpy(after.data(), out.data(), bytes, cudaMemcpyDeviceToHost));
   EXPECT_EQ(after, poison);
-  sparsa_context_destroy(ctx);
 }
 
 // TOKEN_INDICES (§7) at decode and short-chunk shapes with long sequences, so the index-driven kernel splits the
@@ -337,8 +150,9 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
       sparsa_context_options options;
       sparsa_context_options_init(&options, sizeof options);
       options.device_type = device;
-      sparsa_context* ctx = nullptr;
-      SPARSA_OK(sparsa_context_create(&options, &ctx));
+      ScopedContext context(options);
+      SPARSA_OK(context.status());
+      sparsa_context* const ctx = context.get();
       const bool gpu = device == SPARSA_DEVICE_CUDA;
       std::vector<uint8_t> out_host(qb.size(), 0xff);
       std::vector<float> lse_host(size_t(B) * Hq * shape.sq, std::nanf(""));
@@ -385,7 +199,6 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
       res->lse = lse_host;
       res->stats = stats_host;
       res->selected = sel_host;
-      sparsa_context_destroy(ctx);
     };
     Result cpu, gpu;
     run(SPARSA_DEVICE_CPU, &cpu);
@@ -433,8 +246,9 @@ TEST(GpuTokenIndices, OutOfRangeDeviceIdsAreIgnoredLikeUnusedSlots) {
     sparsa_context_options options;
     sparsa_context_options_init(&options, sizeof options);
     options.device_type = SPARSA_DEVICE_CUDA;
-    sparsa_context* ctx = nullptr;
-    SPARSA_OK(sparsa_context_create(&options, &ctx));
+    ScopedContext context(options);
+    SPARSA_OK(context.status());
+    sparsa_context* const ctx = context.get();
     DeviceBuffer dq(qb.size()), dk(kb.size()), dv(vb.size()), dout(qb.size()), dsel(size_t(B) * Hq * Skv * 4),
         dids(ids.size() * 4);
     dq.upload(qb.data(), qb.size());
@@ -458,7 +272,6 @@ TEST(GpuTokenIndices, OutOfRangeDeviceIdsAreIgnoredLikeUnusedSlots) {
     CUDA_OK(cudaDeviceSynchronize());
     *out = dout.download<uint8_t>(qb.size());
     *selected = dsel.download<int32_t>(size_t(B) * Hq * Skv);
-    sparsa_context_destroy(ctx);
   };
   std::vector<uint8_t> out_planted, out_clean;
   std::vector<int32_t> sel_planted, sel_clean;
@@ -487,8 +300,9 @@ TEST(GpuMergeStates, MatchesFormula) {
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
-  sparsa_context* ctx = nullptr;
-  SPARSA_OK(sparsa_context_create(&options, &ctx));
+  ScopedContext context(options);
+  SPARSA_OK(context.status());
+  sparsa_context* const ctx = context.get();
   DeviceBuffer doa(oa.size() * 4), dob(ob.size() * 4), dla(la.size() * 4), dlb(lb.size() * 4), dlo(la.size() * 4);
   doa.upload(oa.data(), oa.size() * 4);
   dob.upload(ob.data(), ob.size() * 4);
@@ -522,7 +336,6 @@ TEST(GpuMergeStates, MatchesFormula) {
           EXPECT_NEAR(out[oi], want, 1e-5) << "b" << b << " s" << s << " h" << h << " d" << d;
         }
       }
-  sparsa_context_destroy(ctx);
 }
 
 }  // namespace

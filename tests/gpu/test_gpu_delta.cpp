@@ -1,8 +1,7 @@
-// §8 Δ on the GPU (gpu_delta.cu: base policy + one kDeltaRows forward launch + correction), checked against the
-// CPU backend on the same inputs through the public API: outputs (poisoned with NaN before each run) and every
-// stats counter. Covers the tensor-core kernel (fp16/bf16, D 64/128) and the portable one (fp32, D 96), bases
-// DENSE / SINK_WINDOW / BLOCK_SPARSE, GQA 1/4/8, bottom-right causal with Sq != Skv, padded / varlen / paged,
-// sequences shorter than the cut (all rows dense), and graph-capture replay. Skips cleanly without a device.
+// §8 Δ on the GPU (gpu_delta.cu), the GPU-only checks: Δ over DENSE equals dense attention on a long sequence whose
+// anchors span many key tiles, and a run captured in a CUDA graph replays to the CPU backend's result. The Δ cases
+// over each base policy, layout and kernel path are rows of the backend-parameterised case table
+// (tests/test_attention_case_tables.cpp, DeltaCases). Skips cleanly without a device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sparsa/sparsa.h>
@@ -24,8 +23,6 @@ namespace {
 
 using namespace sparsa_gpu_test;
 
-// ---- host element conversions (round to nearest even; test data stays small and normal) ----
-
 // ---- one case ----
 
 enum class Layout { kPadded, kPacked, kPaged };
@@ -46,7 +43,6 @@ struct Case {
   bool sinks = false;  // key 0 of every sequence attracts every query (structured input)
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 struct Inputs {
   int32_t batch = 0, max_q = 0, max_k = 0;
@@ -175,20 +171,21 @@ enum class Mode { kCpu, kGpu, kGpuGraph };
 RunResult run_case(const Case& c, const Inputs& in, Mode mode, bool delta = true) {
   RunResult result;
   const bool on_gpu = mode != Mode::kCpu;
-  cudaStream_t stream = nullptr;
-  if (mode == Mode::kGpuGraph && cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+  ScopedStream owned_stream;
+  if (mode == Mode::kGpuGraph && cudaStreamCreateWithFlags(owned_stream.out(), cudaStreamNonBlocking) != cudaSuccess) {
     result.message = "cudaStreamCreate failed";
     return result;
   }
+  const cudaStream_t stream = owned_stream.get();
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
   options.stream = stream;
-  sparsa_context* ctx = nullptr;
-  result.status = sparsa_context_create(&options, &ctx);
+  ScopedContext context(options);
+  result.status = context.status();
+  sparsa_context* const ctx = context.get();
   if (result.status != SPARSA_STATUS_SUCCESS) {
     result.message = sparsa_last_error_message();
-    if (stream != nullptr) (void)cudaStreamDestroy(stream);
     return result;
   }
   const int32_t dev = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
@@ -244,22 +241,20 @@ RunResult run_case(const Case& c, const Inputs& in, Mode mode, bool delta = true
   if (mode == Mode::kGpuGraph) {
     // Plan, capture one run, poison the outputs, replay: the replay alone must produce everything.
     result.status = sparsa_attention_plan(ctx, &args, &policy);
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
+    ScopedGraph graph;
+    ScopedGraphExec exec;
     if (result.status == SPARSA_STATUS_SUCCESS) {
       EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
       result.status = sparsa_attention_run(ctx, &args, &policy);
-      EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      EXPECT_EQ(cudaStreamEndCapture(stream, graph.out()), cudaSuccess);
     }
     if (result.status == SPARSA_STATUS_SUCCESS) {
-      EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      EXPECT_EQ(cudaGraphInstantiate(exec.out(), graph.get(), 0), cudaSuccess);
       EXPECT_EQ(cudaMemset(out, 0xff, out_bytes), cudaSuccess);
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the capture stream does not wait for the legacy stream
-      EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      EXPECT_EQ(cudaGraphLaunch(exec.get(), stream), cudaSuccess);
       EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     }
-    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
-    if (graph != nullptr) (void)cudaGraphDestroy(graph);
   } else {
     result.status = sparsa_attention_run(ctx, &args, &policy);
   }
@@ -273,8 +268,6 @@ RunResult run_case(const Case& c, const Inputs& in, Mode mode, bool delta = true
     result.out = decode(host_out, c.dtype);
     result.stats = host_stats;
   }
-  sparsa_context_destroy(ctx);
-  if (stream != nullptr) (void)cudaStreamDestroy(stream);
   return result;
 }
 
@@ -302,115 +295,6 @@ void expect_close(const Case& c, const Inputs& in, const std::vector<float>& got
   }
   EXPECT_EQ(bad, 0) << what << " " << c.name << ": max error " << worst << " (tol " << tolerance(c.dtype) << ")";
 }
-
-class GpuDelta : public ::testing::TestWithParam<Case> {};
-
-TEST_P(GpuDelta, MatchesCpuBackendIncludingStats) {
-  const bool gpu_present = cuda_device_present();
-  if (!gpu_present && !cpu_selfcheck_requested()) GTEST_SKIP() << "no CUDA device/driver";
-  const Case& c = GetParam();
-  const Inputs in = make_inputs(c);
-  const RunResult cpu = run_case(c, in, Mode::kCpu);
-  ASSERT_EQ(cpu.status, SPARSA_STATUS_SUCCESS) << cpu.message;
-  if (!gpu_present) return;
-  const RunResult gpu = run_case(c, in, Mode::kGpu);
-  ASSERT_EQ(gpu.status, SPARSA_STATUS_SUCCESS) << gpu.message;
-  expect_close(c, in, gpu.out, cpu.out, "cuda vs cpu");
-  for (int s = 0; s < SPARSA_STAT_COUNT; ++s) EXPECT_EQ(gpu.stats[s], cpu.stats[s]) << c.name << " stat " << s;
-}
-
-std::vector<Case> cases() {
-  std::vector<Case> list;
-  Case c;
-  c.name = "sink_window_bf16_d128_gqa4_defaults";
-  c.q_heads = 8;
-  c.kv_heads = 2;
-  c.seq_q = {1000};
-  c.seq_k = {1000};
-  c.sink_window = 200;
-  list.push_back(c);
-  c = Case{};
-  c.name = "dense_base_f16_d64_gqa8_bottom_right";
-  c.dtype = SPARSA_DTYPE_F16;
-  c.head_dim = 64;
-  c.q_heads = 8;
-  c.kv_heads = 1;
-  c.base = SPARSA_POLICY_DENSE;
-  c.seq_q = {777, 777};
-  c.seq_k = {900, 900};
-  c.gamma = 16;
-  c.tail_min = 32;
-  c.sinks = true;
-  list.push_back(c);
-  c = Case{};
-  c.name = "block_sparse_bf16_d128_odd_lengths";
-  c.base = SPARSA_POLICY_BLOCK_SPARSE;
-  c.seq_q = {513};
-  c.seq_k = {513};
-  c.gamma = 32;
-  c.tail_min = 40;
-  list.push_back(c);
-  c = Case{};
-  c.name = "varlen_f16_d128_sink_window_ragged";
-  c.dtype = SPARSA_DTYPE_F16;
-  c.q_layout = Layout::kPacked;
-  c.kv_layout = Layout::kPacked;
-  c.seq_q = {300, 5, 129, 64, 200};
-  c.seq_k = {300, 5, 150, 64, 260};
-  c.gamma = 16;
-  c.tail_min = 32;
-  list.push_back(c);
-  c = Case{};
-  c.name = "paged_ps16_bf16_d128_gqa4";
-  c.q_heads = 8;
-  c.kv_heads = 2;
-  c.q_layout = Layout::kPacked;
-  c.kv_layout = Layout::kPaged;
-  c.seq_q = {333, 90};
-  c.seq_k = {400, 90};
-  c.gamma = 16;
-  c.tail_min = 32;
-  c.sinks = true;
-  list.push_back(c);
-  c = Case{};
-  c.name = "portable_f32_d64_sink_window";
-  c.dtype = SPARSA_DTYPE_F32;
-  c.head_dim = 64;
-  c.seq_q = {300};
-  c.seq_k = {300};
-  c.gamma = 16;
-  c.tail_min = 32;
-  list.push_back(c);
-  c = Case{};
-  c.name = "portable_f16_d96_dense_gamma10_tail0";
-  c.dtype = SPARSA_DTYPE_F16;
-  c.head_dim = 96;
-  c.q_heads = 2;
-  c.kv_heads = 1;
-  c.base = SPARSA_POLICY_DENSE;
-  c.seq_q = {250};
-  c.seq_k = {250};
-  c.gamma = 10;
-  c.tail_min = 0;
-  list.push_back(c);
-  c = Case{};
-  c.name = "short_sequences_all_dense_base_skipped";
-  c.seq_q = {100, 100};
-  c.seq_k = {100, 100};
-  list.push_back(c);
-  c = Case{};
-  c.name = "sq_exceeds_skv_empty_rows";
-  c.dtype = SPARSA_DTYPE_F16;
-  c.seq_q = {300};
-  c.seq_k = {200};
-  c.gamma = 16;
-  c.tail_min = 32;
-  list.push_back(c);
-  return list;
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, GpuDelta, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // Δ over DENSE is dense attention (O[i] + O[r] - O[r]) on every row: a long sequence where the anchors' causal
 // horizons span many key tiles of the tensor-core walk.

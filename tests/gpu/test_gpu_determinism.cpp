@@ -40,8 +40,6 @@ int runs_requested() {
   return std::max(2, runs);
 }
 
-// ---- host element conversions (round to nearest even; the data stays in the normal f16 range) ----
-
 class Context {
  public:
   Context() {

@@ -31,8 +31,6 @@ using namespace sparsa_gpu_test;
 constexpr double kTwoPi = 6.28318530717958647692;
 constexpr uint8_t kMaskPoison = 0xAB;
 
-// ---- element conversions (host; round to nearest even) ----
-
 // ---- device memory ----
 
 // ---- one case ----
@@ -214,16 +212,17 @@ RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
-  cudaStream_t stream = nullptr;
+  ScopedStream owned_stream;
   if (capture) {
-    EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-    options.stream = stream;
+    EXPECT_EQ(cudaStreamCreate(owned_stream.out()), cudaSuccess);
   }
-  sparsa_context* ctx = nullptr;
-  result.status = sparsa_context_create(&options, &ctx);
+  const cudaStream_t stream = owned_stream.get();
+  options.stream = stream;
+  ScopedContext context(options);
+  result.status = context.status();
+  sparsa_context* const ctx = context.get();
   if (result.status != SPARSA_STATUS_SUCCESS) {
     result.message = sparsa_last_error_message();
-    if (stream != nullptr) (void)cudaStreamDestroy(stream);
     return result;
   }
   const int32_t dev = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
@@ -295,22 +294,20 @@ RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_
   if (capture) {
     result.status = sparsa_attention_plan(ctx, &args, &policy);
     if (result.status == SPARSA_STATUS_SUCCESS) {
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
+      ScopedGraph graph;
+      ScopedGraphExec exec;
       EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
       result.status = sparsa_attention_run(ctx, &args, &policy);
-      EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-      if (result.status == SPARSA_STATUS_SUCCESS && graph != nullptr) {
-        EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      EXPECT_EQ(cudaStreamEndCapture(stream, graph.out()), cudaSuccess);
+      if (result.status == SPARSA_STATUS_SUCCESS && graph.get() != nullptr) {
+        EXPECT_EQ(cudaGraphInstantiate(exec.out(), graph.get(), 0), cudaSuccess);
         for (int replay = 0; replay < 2; ++replay) {
           EXPECT_EQ(cudaMemset(out, 0xff, out_bytes), cudaSuccess);  // each replay must write everything again
           EXPECT_EQ(cudaMemset(mask, kMaskPoison, mask_count), cudaSuccess);
-          EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+          EXPECT_EQ(cudaGraphLaunch(exec.get(), stream), cudaSuccess);
           EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
         }
-        (void)cudaGraphExecDestroy(exec);
       }
-      if (graph != nullptr) (void)cudaGraphDestroy(graph);
     }
   } else {
     result.status = sparsa_attention_run(ctx, &args, &policy);
@@ -329,8 +326,6 @@ RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_
     result.mask = host_mask;
     result.stats = host_stats;
   }
-  sparsa_context_destroy(ctx);
-  if (stream != nullptr) (void)cudaStreamDestroy(stream);
   return result;
 }
 

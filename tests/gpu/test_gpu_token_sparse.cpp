@@ -28,8 +28,6 @@ namespace {
 
 using namespace sparsa_gpu_test;
 
-// ---- element conversions (host; test data stays well inside the f16 range) ----
-
 // ---- one case ----
 
 enum class Layout { kPadded, kPacked, kPagedKv };  // kPagedKv: packed q, paged k/v with seq_lens_k
@@ -302,8 +300,9 @@ RunResult run_case(const SparseCase& c, const Physical& ph, bool on_gpu) {
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = on_gpu ? SPARSA_DEVICE_CUDA : SPARSA_DEVICE_CPU;
-  sparsa_context* ctx = nullptr;
-  result.status = sparsa_context_create(&options, &ctx);
+  ScopedContext context(options);
+  result.status = context.status();
+  sparsa_context* const ctx = context.get();
   if (result.status != SPARSA_STATUS_SUCCESS) {
     result.message = sparsa_last_error_message();
     return result;
@@ -313,7 +312,6 @@ RunResult run_case(const SparseCase& c, const Physical& ph, bool on_gpu) {
   result.status = sparsa_attention_run(ctx, tensors.args(), &policy);
   result.message = sparsa_last_error_message();
   if (result.status == SPARSA_STATUS_SUCCESS) tensors.collect(&result);
-  sparsa_context_destroy(ctx);
   return result;
 }
 
@@ -684,28 +682,30 @@ TEST(GpuTokenSparseGraph, CaptureAndReplayVarlen) {
   const RunResult eager = run_case(c, ph, true);
   ASSERT_EQ(eager.status, SPARSA_STATUS_SUCCESS) << eager.message;
 
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreate(&stream));
+  ScopedStream owned_stream;
+  CUDA_OK(cudaStreamCreate(owned_stream.out()));
+  const cudaStream_t stream = owned_stream.get();
   sparsa_context_options options;
   sparsa_context_options_init(&options, sizeof options);
   options.device_type = SPARSA_DEVICE_CUDA;
   options.stream = stream;
-  sparsa_context* ctx = nullptr;
-  SPARSA_OK(sparsa_context_create(&options, &ctx));
+  ScopedContext context(options);
+  SPARSA_OK(context.status());
+  sparsa_context* const ctx = context.get();
   {
     RunTensors tensors(c, ph, true);
     const sparsa_policy policy = policy_of(c);
     SPARSA_OK(sparsa_attention_plan(ctx, tensors.args(), &policy));
-    cudaGraph_t graph;
+    ScopedGraph graph;
     CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     const sparsa_status captured = sparsa_attention_run(ctx, tensors.args(), &policy);
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaStreamEndCapture(stream, graph.out()));
     ASSERT_EQ(captured, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    ScopedGraphExec exec;
+    CUDA_OK(cudaGraphInstantiate(exec.out(), graph.get(), 0));
     for (int replay = 0; replay < 2; ++replay) {
       tensors.poison();
-      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaGraphLaunch(exec.get(), stream));
       CUDA_OK(cudaStreamSynchronize(stream));
       RunResult replayed;
       tensors.collect(&replayed);
@@ -716,11 +716,7 @@ TEST(GpuTokenSparseGraph, CaptureAndReplayVarlen) {
       EXPECT_EQ(replayed.selected, eager.selected);
       EXPECT_EQ(replayed.stats, eager.stats);
     }
-    CUDA_OK(cudaGraphExecDestroy(exec));
-    CUDA_OK(cudaGraphDestroy(graph));
   }
-  sparsa_context_destroy(ctx);
-  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 }  // namespace

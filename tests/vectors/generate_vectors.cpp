@@ -27,6 +27,8 @@
 #include <utility>
 #include <vector>
 
+#include "../host_half.h"
+
 namespace {
 
 constexpr char kMagic[8] = {'S', 'P', 'A', 'R', 'S', 'A', 'V', '1'};
@@ -59,37 +61,10 @@ class Rng {
   uint64_t state_;
 };
 
-// Round-to-nearest-even conversions; inputs here are exact in both formats, so rounding never happens in practice.
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return 0x7FC0;
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return uint16_t(bits >> 16);
-}
-
-uint16_t float_to_f16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const uint16_t sign = uint16_t((bits >> 16) & 0x8000u);
-  const int32_t exponent = int32_t((bits >> 23) & 0xFFu) - 127 + 15;
-  uint32_t mantissa = bits & 0x7FFFFFu;
-  if (std::isnan(f)) return 0x7E00;
-  if (exponent >= 31) return uint16_t(sign | 0x7C00u);  // overflow and infinities
-  if (exponent <= 0) {                                   // subnormal half (or zero)
-    if (exponent < -10) return sign;
-    mantissa |= 0x800000u;
-    const int shift = 14 - exponent;
-    uint32_t half = mantissa >> shift;
-    const uint32_t rest = mantissa & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
-    if (rest > halfway || (rest == halfway && (half & 1u))) ++half;
-    return uint16_t(sign | half);
-  }
-  uint32_t half = (uint32_t(exponent) << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1FFFu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;  // carries into the exponent correctly
-  return uint16_t(sign | half);
-}
+// Round-to-nearest-even conversions (the tests' one converter); inputs here are exact in both formats, so rounding
+// never happens in practice.
+using host_half::float_to_bf16;
+using host_half::float_to_f16;
 
 // ---- Tensors ---------------------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-// Shared helpers of the spec-audit tests (test_spec_audit_*.cpp): brute-force float64 oracles written from
-// ALGORITHMS.md and small policy builders. Header-only, internal linkage: each test file gets its own copy.
+// Shared helpers of the spec tests (test_spec_*.cpp): small policy builders, thin wrappers over the float64 reference
+// (tests/reference, the one oracle), and the checks of the token policies' selections. Header-only with internal
+// linkage: the helpers hold no state.
 #pragma once
 
 #include <algorithm>
@@ -26,13 +27,12 @@ ref::Problem random_problem(int B, int Hq, int Hkv, int D, std::vector<int> sq, 
   return p;
 }
 
-// Spec-literal visibility (§0 bottom-right causal), written here independently of reference.cpp.
+// Thin wrappers over the float64 reference (tests/reference), the one oracle: hand-derived visible sets, dense, a
+// block mask.
 ref::Output attend_where(const ref::Problem& p, const std::function<bool(int, int, int, int)>& visible) {
   return ref::attend(p, ref::make_visibility(p, visible));
 }
-ref::Output dense_of(const ref::Problem& p) {
-  return attend_where(p, [&](int b, int, int i, int j) { return !p.causal || j <= i + (p.skv[b] - p.sq[b]); });
-}
+ref::Output dense_of(const ref::Problem& p) { return ref::attend(p, ref::dense(p)); }
 
 void compare(const st::Context& ctx, const ref::Problem& p, const sparsa_policy& pol, const ref::Output& want,
              st::RunOptions opt = {}) {
@@ -49,19 +49,9 @@ sparsa_policy sparge(int bq, int bk, float theta, float tau) {
   return pol;
 }
 
-// Block-level causal test of §4.4: key block J's first key J·bk is not in the future of query block I's last row.
-bool block_visible(bool causal, int I, int J, int bq, int bk, int sq, int skv) {
-  const int last = std::min(sq, (I + 1) * bq) - 1;
-  return !causal || J * bk <= last + (skv - sq);
-}
-
-// Keys visible under a block mask [B, Hq, nqb, nkb] ∧ element-wise causal.
+// Keys visible under a block mask [B, Hq, nqb, nkb] ∧ element-wise causal (§3).
 ref::Output attend_mask(const ref::Problem& p, const std::vector<uint8_t>& mask, int bq, int bk) {
-  const int nqb = (p.max_sq() + bq - 1) / bq, nkb = (p.max_skv() + bk - 1) / bk;
-  return attend_where(p, [&](int b, int h, int i, int j) {
-    if (p.causal && j > i + p.skv[b] - p.sq[b]) return false;
-    return mask[((size_t(b) * p.Hq + h) * nqb + i / bq) * nkb + j / bk] != 0;
-  });
+  return ref::attend(p, ref::block_sparse(p, bq, bk, mask));
 }
 
 // Counts, per (h, I), the kept blocks of a non-causal run with theta −1 (nothing forced).
@@ -73,68 +63,20 @@ std::vector<int> kept_per_row(const st::RunResult& r, int H, int nqb, int nkb) {
   return counts;
 }
 
-// λ PV skip, brute force from §4.7: ascending key blocks; a computed block after the first adds nothing when
-// max over rows of (m_local − m_new) < λ. theta 1 forces every (causal) block.
-ref::Output pv_skip_brute(const ref::Problem& p, int bq, int bk, double lambda, int64_t* skipped = nullptr,
-                          int64_t* pairs = nullptr) {
-  if (skipped) *skipped = 0;
-  if (pairs) *pairs = 0;
-  ref::Output out;
-  const int sq = p.sq[0], skv = p.skv[0], o = skv - sq, D = p.D;
-  out.o.assign(1, ref::Rows(size_t(sq) * p.Hq * D, 0.0));
-  out.lse.assign(1, ref::Rows(size_t(p.Hq) * sq, -kInfD));
-  for (int h = 0; h < p.Hq; ++h)
-    for (int r0 = 0; r0 < sq; r0 += bq) {
-      const int rows = std::min(bq, sq - r0);
-      std::vector<double> m(rows, -kInfD);
-      std::vector<std::vector<std::pair<double, int>>> kept(rows);
-      bool first = true;
-      for (int c0 = 0; c0 < skv; c0 += bk) {
-        std::vector<std::vector<std::pair<double, int>>> blk(rows);
-        double worst = -kInfD;
-        bool any = false;
-        for (int a = 0; a < rows; ++a) {
-          double lm = -kInfD;
-          for (int j = c0; j < std::min(skv, c0 + bk); ++j) {
-            if (p.causal && j > r0 + a + o) continue;
-            const double s = p.score(0, h, r0 + a, j);
-            blk[a].push_back({s, j});
-            if (pairs) ++*pairs;
-            lm = std::max(lm, s);
-          }
-          if (lm > -kInfD) {
-            any = true;
-            worst = std::max(worst, lm - std::max(m[a], lm));
-          }
-        }
-        if (!any) continue;
-        const bool skip = !first && worst < lambda;
-        first = false;
-        if (skip) {
-          if (skipped) ++*skipped;
-          continue;
-        }
-        for (int a = 0; a < rows; ++a)
-          for (auto& e : blk[a]) {
-            kept[a].push_back(e);
-            m[a] = std::max(m[a], e.first);
-          }
-      }
-      for (int a = 0; a < rows; ++a) {
-        if (kept[a].empty()) continue;
-        double mx = -kInfD, sum = 0;
-        for (auto& e : kept[a]) mx = std::max(mx, e.first);
-        double* orow = &out.o[0][(size_t(r0 + a) * p.Hq + h) * D];
-        for (auto& e : kept[a]) {
-          const double w = std::exp(e.first - mx);
-          sum += w;
-          for (int d = 0; d < D; ++d) orow[d] += w * p.v_row(0, e.second, h / p.group())[d];
-        }
-        for (int d = 0; d < D; ++d) orow[d] /= sum;
-        out.lse[0][size_t(h) * sq + r0 + a] = mx + std::log(sum);
-      }
-    }
-  return out;
+// SPARGE with every causal block computed and the λ PV skip of §4 step 7 (batch 1): the reference's sparge() with
+// theta above any similarity, so every block is forced (what theta 1 gives the library, sim <= 1). `skipped`
+// receives PV_BLOCKS_SKIPPED; `pairs` the computed pairs (λ-skipped blocks' pairs count: every causal pair).
+ref::Output pv_skip(const ref::Problem& p, int bq, int bk, double lambda, int64_t* skipped = nullptr,
+                    int64_t* pairs = nullptr) {
+  ref::SpargeParams sp;
+  sp.bq = bq;
+  sp.bk = bk;
+  sp.theta = kInfD;
+  sp.lambda = lambda;
+  const ref::SpargeResult r = ref::sparge(p, std::vector<ref::SpargeParams>(p.Hq, sp));
+  if (skipped) *skipped = r.pv_blocks_skipped;
+  if (pairs) *pairs = ref::dense_pairs(p);
+  return r.out;
 }
 
 sparsa_policy token_sparse(int window, int min_tokens, float coverage) {

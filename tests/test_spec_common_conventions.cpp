@@ -1,152 +1,15 @@
-// Adversarial spec audit of the CPU backend (the library's oracle) against ALGORITHMS.md, part 3: §8 Δ, stats, layouts, utilities.
-// The edges the spec names and the ones it implies. Oracles are small float64 brute-force computations from the
-// spec (spec_audit_util.h) and, where it was read and agreed with, tests/reference.
-#include "spec_audit_util.h"
+// ALGORITHMS.md §0 common conventions and the header's general rules: pair and tile counts, empty sequences,
+// varlen mask grids, half-precision outputs, the caller's scale, prefetch unions, per-sequence cache slots,
+// zero strides, and the merge of partial states.
+// The edges the spec names and the ones it implies, on the CPU backend (the library's oracle). Expected outputs come
+// from the float64 reference (tests/reference) through spec_test_util.h.
+#include "spec_test_util.h"
 
 namespace {
 
-ref::Output delta_brute(const ref::Problem& p, const ref::Output& sparse, int gamma, int tail_min) {
-  const ref::Output dense = dense_of(p);
-  ref::Output out = sparse;
-  for (int b = 0; b < p.B; ++b) {
-    const int sq = p.sq[b];
-    const int s_p = sq - (sq % gamma + std::max(tail_min, gamma));
-    for (int i = 0; i < sq; ++i)
-      for (int h = 0; h < p.Hq; ++h)
-        for (int d = 0; d < p.D; ++d) {
-          const size_t at = (size_t(i) * p.Hq + h) * p.D + d;
-          if (i >= s_p) {
-            out.o[b][at] = dense.o[b][at];
-          } else {
-            const size_t r = (size_t(i / gamma * gamma) * p.Hq + h) * p.D + d;
-            out.o[b][at] = sparse.o[b][at] + (dense.o[b][r] - sparse.o[b][r]);
-          }
-        }
-  }
-  out.lse.clear();
-  return out;
-}
-
-TEST(SpecAudit, DeltaCutEdgesOverSinkWindow) {
-  Cpu c;
-  ST_RNG(rng, 25);
-  const int sinks = 2, window = 5;
-  for (auto [sq, gamma, tail] : std::vector<std::tuple<int, int, int>>{
-           {10, 4, 16}, {16, 4, 16}, {17, 4, 16}, {20, 4, 16}, {21, 4, 16}, {40, 64, 0}, {37, 4, 3}, {36, 4, 0}, {50, 1, 0}, {50, 7, 8}}) {
-    SCOPED_TRACE(::testing::Message() << "sq " << sq << " gamma " << gamma << " tail_min " << tail);
-    ref::Problem p = random_problem(1, 2, 1, 8, {sq}, {sq + 3}, true, rng, st::Pattern::kNeedles);
-    sparsa_policy pol = st::make_policy(SPARSA_POLICY_SINK_WINDOW);
-    pol.sink_tokens = sinks;
-    pol.sink_window = window;
-    pol.flags = SPARSA_POLICY_FLAG_DELTA;
-    pol.delta_gamma = gamma;
-    pol.delta_tail_min = tail;
-    const ref::Output base = attend_where(p, [&](int b, int, int i, int j) {
-      const int a = i + p.skv[b] - p.sq[b];
-      return j <= a && (j < sinks || a - j < window);
-    });
-    st::RunOptions opt;
-    opt.lse = false;
-    compare(c.ctx, p, pol, delta_brute(p, base, gamma, tail), opt);
-  }
-}
-
-TEST(SpecAudit, DeltaOverDenseAndBlockSparse) {
-  Cpu c;
-  ST_RNG(rng, 52);
-  ref::Problem p = random_problem(1, 2, 1, 8, {45}, {50}, true, rng);
-  sparsa_policy dense = st::make_policy(SPARSA_POLICY_DENSE);
-  dense.flags = SPARSA_POLICY_FLAG_DELTA;
-  dense.delta_gamma = 6;
-  dense.delta_tail_min = 5;
-  st::RunOptions opt;
-  opt.lse = false;
-  compare(c.ctx, p, dense, dense_of(p), opt);  // Δ over dense is dense
-  const int bq = 4, bk = 7, nqb = 12, nkb = 8;
-  std::vector<uint8_t> mask(size_t(2) * nqb * nkb);
-  for (auto& m : mask) m = rng.integer(0, 1);
-  sparsa_policy bs = st::make_policy(SPARSA_POLICY_BLOCK_SPARSE);
-  bs.block_q = bq;
-  bs.block_k = bk;
-  bs.flags = SPARSA_POLICY_FLAG_DELTA;
-  bs.delta_gamma = 6;
-  bs.delta_tail_min = 5;
-  opt.block_mask = mask;
-  compare(c.ctx, p, bs, delta_brute(p, attend_mask(p, mask, bq, bk), 6, 5), opt);
-}
-
-TEST(SpecAudit, DeltaOverTokenSparseDroppedRows) {
-  Cpu c;
-  ST_RNG(rng, 26);
-  ref::Problem p = random_problem(1, 2, 1, 8, {48}, {48}, true, rng, st::Pattern::kNeedles);
-  sparsa_policy pol = token_sparse(4, 8, 0.3f);
-  ref::TokenSparseParams tp;
-  tp.window = 4;
-  tp.min_tokens = 8;
-  tp.coverage = 0.3;
-  const ref::TokenSparseResult base = ref::token_sparse(p, tp);
-  if (base.coverage_margin < 1e-9 || base.topk_margin < 1e-9) GTEST_SKIP() << "decision too close to call";
-  pol.flags = SPARSA_POLICY_FLAG_DELTA;
-  pol.delta_gamma = 8;
-  pol.delta_tail_min = 8;
-  st::RunOptions opt;
-  opt.lse = false;
-  compare(c.ctx, p, pol, delta_brute(p, base.out, 8, 8), opt);
-}
-
-TEST(SpecAudit, DeltaOverTokenIndicesAndRaggedVarlen) {
-  Cpu c;
-  ST_RNG(rng, 27);
-  ref::Problem p = random_problem(2, 2, 2, 8, {30, 5}, {30, 17}, true, rng);  // sequence 1: s_p <= 0, all dense
-  std::vector<int32_t> indices = {0, 5, 9, 3, -1, 12};  // [B = 2, H_idx = 1, k = 3]
-  sparsa_policy pol = st::make_policy(SPARSA_POLICY_TOKEN_INDICES);
-  pol.flags = SPARSA_POLICY_FLAG_DELTA;
-  pol.delta_gamma = 4;
-  pol.delta_tail_min = 4;
-  const ref::Output base = attend_where(p, [&](int b, int, int i, int j) {
-    if (j > i + p.skv[b] - p.sq[b]) return false;
-    return std::find(indices.begin() + 3 * b, indices.begin() + 3 * b + 3, j) != indices.begin() + 3 * b + 3;
-  });
-  st::RunOptions opt;
-  opt.lse = false;
-  opt.layout = st::Layout::kVarlen;
-  opt.indices = indices;
-  opt.h_idx = 1;
-  opt.k = 3;
-  compare(c.ctx, p, pol, delta_brute(p, base, 4, 4), opt);
-}
-
-
-TEST(SpecAudit, DeltaOverTokenSelectChunkAndSparge) {
-  Cpu c;
-  ST_RNG(rng, 35);
-  ref::Problem p = random_problem(1, 4, 2, 8, {40}, {70}, true, rng, st::Pattern::kNeedles);
-  {
-    sparsa_policy pol = token_select(2, 9, 6);
-    const ref::TokenSelectResult base = ref::token_select(p, select_params(pol), nullptr);
-    pol.flags = SPARSA_POLICY_FLAG_DELTA;
-    pol.delta_gamma = 8;
-    pol.delta_tail_min = 4;
-    st::RunOptions opt;
-    opt.lse = false;
-    if (base.topk_margin > 1e-9) compare(c.ctx, p, pol, delta_brute(p, base.out, 8, 4), opt);
-  }
-  {
-    sparsa_policy pol = sparge(8, 8, 1.f, 0.9f);  // theta 1: dense mask; λ skips some blocks
-    pol.sparge_lambda = -3.f;
-    const ref::Output base = pv_skip_brute(p, 8, 8, -3.0);
-    pol.flags = SPARSA_POLICY_FLAG_DELTA;
-    pol.delta_gamma = 5;
-    pol.delta_tail_min = 6;
-    st::RunOptions opt;
-    opt.lse = false;
-    compare(c.ctx, p, pol, delta_brute(p, base, 5, 6), opt);
-  }
-}
-
 // §0 "Achieved sparsity": PAIRS_DENSE counts what dense attention with the same causal flag computes, including
 // rows that see nothing when Sq > Skv; PAIRS_COMPUTED of DENSE equals it; SINK_WINDOW computes its visible pairs.
-TEST(SpecAudit, StatsPairCountsAtTheEdges) {
+TEST(SpecCommonConventions, StatsPairCountsAtTheEdges) {
   Cpu c;
   ST_RNG(rng, 36);
   ref::Problem p = random_problem(2, 3, 1, 4, {9}, {4}, true, rng);
@@ -174,7 +37,7 @@ TEST(SpecAudit, StatsPairCountsAtTheEdges) {
 // ================================================================================================ layouts
 // Varlen batches may hold empty sequences (cu_seqlens non-decreasing) and sequences without keys: nothing to write
 // for the first, zero rows with LSE −inf for the second (§0).
-TEST(SpecAudit, EmptySequencesAndSequencesWithoutKeys) {
+TEST(SpecCommonConventions, EmptySequencesAndSequencesWithoutKeys) {
   Cpu c;
   ST_RNG(rng, 37);
   ref::Problem p = random_problem(3, 2, 1, 8, {0, 4, 6}, {5, 0, 9}, false, rng);
@@ -202,7 +65,7 @@ TEST(SpecAudit, EmptySequencesAndSequencesWithoutKeys) {
   compare(c.ctx, d, sel, ref::token_select(d, select_params(sel), nullptr).out, dopt);
 }
 
-TEST(SpecAudit, BlockSparseVarlenMaskUsesMaxLengthGrid) {
+TEST(SpecCommonConventions, BlockSparseVarlenMaskUsesMaxLengthGrid) {
   Cpu c;
   ST_RNG(rng, 38);
   ref::Problem p = random_problem(2, 2, 1, 4, {10, 23}, {31, 17}, true, rng);
@@ -218,7 +81,7 @@ TEST(SpecAudit, BlockSparseVarlenMaskUsesMaxLengthGrid) {
   compare(c.ctx, p, pol, attend_mask(p, mask, bq, bk), opt);
 }
 
-TEST(SpecAudit, HalfPrecisionOutputsOfSelectionPolicies) {
+TEST(SpecCommonConventions, HalfPrecisionOutputsOfSelectionPolicies) {
   Cpu c;
   ST_RNG(rng, 39);
   for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16}) {
@@ -245,7 +108,7 @@ TEST(SpecAudit, HalfPrecisionOutputsOfSelectionPolicies) {
 
 // A caller's softmax_scale reaches every score the spec scales: attention everywhere, SPARGE's Ŝ, TOKEN_SPARSE's
 // window softmax, TOKEN_SELECT's vote with scale_scores.
-TEST(SpecAudit, CallerScaleReachesSelectionScores) {
+TEST(SpecCommonConventions, CallerScaleReachesSelectionScores) {
   Cpu c;
   ST_RNG(rng, 40);
   ref::Problem p = random_problem(1, 4, 2, 16, {40}, {40}, true, rng, st::Pattern::kNeedles);
@@ -279,7 +142,7 @@ TEST(SpecAudit, CallerScaleReachesSelectionScores) {
 
 // Prefetch (§7): a sequence whose slots are all −1 has an empty union (count 0, positions all −1); duplicates across
 // heads collapse; remapped indices point at the compact rows.
-TEST(SpecAudit, PrefetchEmptyUnionAndDuplicatesAcrossHeads) {
+TEST(SpecCommonConventions, PrefetchEmptyUnionAndDuplicatesAcrossHeads) {
   Cpu c;
   const int B = 2, N = 6, Hkv = 1, D = 2, Hi = 2, K = 2, C = 4;
   std::vector<float> src(size_t(B) * N * Hkv * D);
@@ -306,7 +169,7 @@ TEST(SpecAudit, PrefetchEmptyUnionAndDuplicatesAcrossHeads) {
 
 // BLOCKS_COMPUTED / BLOCKS_TOTAL (header): tiles with at least one visible pair, DENSE and SINK_WINDOW at 128 × 64,
 // BLOCK_SPARSE at block_q × block_k; total = tiles dense attention with the same causal flag would compute.
-TEST(SpecAudit, StatsTileCountsAtTheEdges) {
+TEST(SpecCommonConventions, StatsTileCountsAtTheEdges) {
   Cpu c;
   ST_RNG(rng, 44);
   const auto tiles = [](const ref::Problem& p, int bq, int bk, const std::function<bool(int, int, int, int)>& vis) {
@@ -363,7 +226,7 @@ TEST(SpecAudit, StatsTileCountsAtTheEdges) {
 }
 
 // §6.5 per batch row: one row hits while another misses in the same run.
-TEST(SpecAudit, TokenSelectCacheSlotsArePerSequence) {
+TEST(SpecCommonConventions, TokenSelectCacheSlotsArePerSequence) {
   Cpu c;
   ST_RNG(rng, 45);
   st::SelectionCache cache(c.ctx, 2, 2, 1, 8, 8);
@@ -390,7 +253,7 @@ TEST(SpecAudit, TokenSelectCacheSlotsArePerSequence) {
 
 // Header: strides "may be any non-negative value" (last one 1). K/V broadcast over heads and batch with stride 0
 // (a common MQA/GQA view) must read as the replicated tensor.
-TEST(SpecAudit, ZeroStrideBroadcastKeysAndValues) {
+TEST(SpecCommonConventions, ZeroStrideBroadcastKeysAndValues) {
   Cpu c;
   ST_RNG(rng, 46);
   const int B = 2, S = 5, Sk = 7, H = 3, D = 4;
@@ -444,7 +307,7 @@ TEST(SpecAudit, ZeroStrideBroadcastKeysAndValues) {
 }
 
 // ================================================================================================ merge
-TEST(SpecAudit, MergeMinusInfCasesAndInPlace) {
+TEST(SpecCommonConventions, MergeMinusInfCasesAndInPlace) {
   Cpu c;
   const int D = 3;
   // [B = 1, S = 3, H = 1, D]; rows: both −inf; a −inf; b −inf.
@@ -465,7 +328,7 @@ TEST(SpecAudit, MergeMinusInfCasesAndInPlace) {
 }
 
 
-TEST(SpecAudit, MergePackedLayoutMatchesFormula) {
+TEST(SpecCommonConventions, MergePackedLayoutMatchesFormula) {
   Cpu c;
   ST_RNG(rng, 48);
   const int T = 5, H = 2, D = 3;
@@ -494,90 +357,6 @@ TEST(SpecAudit, MergePackedLayoutMatchesFormula) {
         EXPECT_NEAR(out[e], (wa * oa[e] + wb * ob[e]) / (wa + wb), 1e-5);
       }
     }
-}
-
-// ================================================================================================ utilities
-TEST(SpecAudit, TopkFromScoresTiesAndTailBlockSums) {
-  Cpu c;
-  std::vector<float> scores = {1, 3, 3, 0, 3, 2, 2, 2, 5};  // [1, 1, 9]
-  sparsa_tensor ts = st::host_tensor(scores.data(), SPARSA_DTYPE_F32, {1, 1, 9});
-  std::vector<int32_t> out(3, -7);
-  sparsa_tensor to = st::host_tensor(out.data(), SPARSA_DTYPE_I32, {1, 1, 3});
-  ASSERT_EQ(sparsa_topk_from_scores(c.ctx.get(), &ts, 3, 1, &to), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(out, (std::vector<int32_t>{1, 2, 8}));  // 5, then 3 (ids 1, 2, 4 tie: 1 and 2 win)
-  // Blocks of 4: sums 7, 9, 5 (tail block = 5 over its one real token); k = 2 → {0, 1}.
-  std::vector<int32_t> out2(2, -7);
-  sparsa_tensor to2 = st::host_tensor(out2.data(), SPARSA_DTYPE_I32, {1, 1, 2});
-  ASSERT_EQ(sparsa_topk_from_scores(c.ctx.get(), &ts, 2, 4, &to2), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(out2, (std::vector<int32_t>{0, 1}));
-  // Blocks of 3: sums 7, 5, 9 → k = 1 → {2}; blocks of 2: 4, 3, 5, 4, 5 → k = 2: ties of 5 → {2, 4}.
-  std::vector<int32_t> out3(2, -7);
-  sparsa_tensor to3 = st::host_tensor(out3.data(), SPARSA_DTYPE_I32, {1, 1, 2});
-  ASSERT_EQ(sparsa_topk_from_scores(c.ctx.get(), &ts, 2, 2, &to3), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(out3, (std::vector<int32_t>{2, 4}));
-  // Equal-sum blocks tie → smaller block id: blocks of 2 over {1,1,2,0,1,1}: sums 2, 2, 2; k = 2 → {0, 1}.
-  std::vector<float> flat = {1, 1, 2, 0, 1, 1};
-  sparsa_tensor tf = st::host_tensor(flat.data(), SPARSA_DTYPE_F32, {1, 1, 6});
-  ASSERT_EQ(sparsa_topk_from_scores(c.ctx.get(), &tf, 2, 2, &to3), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(out3, (std::vector<int32_t>{0, 1}));
-}
-
-TEST(SpecAudit, HeadMappingTiesGoToTheSmallerDraftHead) {
-  // T = 1, N = 4, k = 2. Draft heads 0 and 1 both overlap target head 0 in one token; draft 2 in two.
-  std::vector<float> draft = {4, 3, 0, 0,   // hd 0: {0, 1}
-                              0, 4, 0, 3,   // hd 1: {1, 3}
-                              0, 0, 4, 3};  // hd 2: {2, 3}
-  std::vector<float> target = {0, 3, 4, 0,   // ht 0: {1, 2} → hd0 1, hd1 1, hd2 1: tie → 0
-                               1, 1, 1, 1};  // ht 1: all tie → topk {0, 1} → hd0 2 → 0
-  std::vector<int32_t> map(2, -7);
-  sparsa_tensor td = st::host_tensor(draft.data(), SPARSA_DTYPE_F32, {1, 3, 4});
-  sparsa_tensor tt = st::host_tensor(target.data(), SPARSA_DTYPE_F32, {1, 2, 4});
-  sparsa_tensor tm = st::host_tensor(map.data(), SPARSA_DTYPE_I32, {2});
-  ASSERT_EQ(sparsa_head_mapping(&td, &tt, 2, &tm), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(map, (std::vector<int32_t>{0, 0}));
-  // ht = {2, 3}: hd2 overlaps 2, hd1 1 → 2.
-  std::vector<float> target2 = {0, 0, 4, 3};
-  sparsa_tensor tt2 = st::host_tensor(target2.data(), SPARSA_DTYPE_F32, {1, 1, 4});
-  sparsa_tensor tm2 = st::host_tensor(map.data(), SPARSA_DTYPE_I32, {1});
-  ASSERT_EQ(sparsa_head_mapping(&td, &tt2, 2, &tm2), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(map[0], 2);
-}
-
-TEST(SpecAudit, DriftQuantileLinearInterpolation) {
-  // L = 4 layers, T = 1, D = 1: h_in = 1, h_out = 1 + r → R = r. R = {0.4, 0.1, 0.3, 0.2}.
-  std::vector<float> h_in = {1, 1, 1, 1}, h_out = {1.4f, 1.1f, 1.3f, 1.2f};
-  std::vector<float> ratio(4);
-  std::vector<uint8_t> sparse(4, 9);
-  sparsa_tensor ti = st::host_tensor(h_in.data(), SPARSA_DTYPE_F32, {4, 1, 1});
-  sparsa_tensor to = st::host_tensor(h_out.data(), SPARSA_DTYPE_F32, {4, 1, 1});
-  sparsa_tensor tr = st::host_tensor(ratio.data(), SPARSA_DTYPE_F32, {4});
-  sparsa_tensor ts = st::host_tensor(sparse.data(), SPARSA_DTYPE_U8, {4});
-  // δ = 0.5: numpy quantile of {0.1, 0.2, 0.3, 0.4} = 0.25 → layers with R <= 0.25: 0.1, 0.2.
-  ASSERT_EQ(sparsa_drift_select_layers(&ti, &to, 0.5f, &tr, &ts), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(sparse, (std::vector<uint8_t>{0, 1, 0, 1}));
-  EXPECT_NEAR(ratio[0], 0.4, 1e-6);
-  // δ = 1/3: position 1 exactly → 0.2 → {0.1, 0.2} (<=).
-  ASSERT_EQ(sparsa_drift_select_layers(&ti, &to, 1.f / 3.f, &tr, &ts), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(sparse, (std::vector<uint8_t>{0, 1, 0, 1}));
-  // δ = 0: min → only 0.1; δ = 1: max → all.
-  ASSERT_EQ(sparsa_drift_select_layers(&ti, &to, 0.f, &tr, &ts), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(sparse, (std::vector<uint8_t>{0, 1, 0, 0}));
-  ASSERT_EQ(sparsa_drift_select_layers(&ti, &to, 1.f, &tr, &ts), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(sparse, (std::vector<uint8_t>{1, 1, 1, 1}));
-}
-
-TEST(SpecAudit, HilbertSingleCellAndLine) {
-  int32_t perm[8] = {-1, -1, -1, -1, -1, -1, -1, -1}, inverse[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
-  ASSERT_EQ(sparsa_hilbert_permutation(1, 1, 1, perm, inverse, 8), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(perm[0], 0);
-  EXPECT_EQ(inverse[0], 0);
-  EXPECT_EQ(perm[1], -1);  // n = 1: nothing else written
-  // A 1×1×3 grid: a permutation of {0, 1, 2} whose consecutive cells are grid neighbours (Hilbert locality).
-  ASSERT_EQ(sparsa_hilbert_permutation(1, 1, 3, perm, inverse, 8), SPARSA_STATUS_SUCCESS);
-  std::vector<int32_t> seen(perm, perm + 3);
-  std::sort(seen.begin(), seen.end());
-  EXPECT_EQ(seen, (std::vector<int32_t>{0, 1, 2}));
-  for (int i = 0; i < 3; ++i) EXPECT_EQ(inverse[perm[i]], i);
 }
 
 }  // namespace

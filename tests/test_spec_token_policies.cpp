@@ -1,11 +1,12 @@
-// Adversarial spec audit of the CPU backend (the library's oracle) against ALGORITHMS.md, part 2: §5–§7, token sparse, token select, token indices.
-// The edges the spec names and the ones it implies. Oracles are small float64 brute-force computations from the
-// spec (spec_audit_util.h) and, where it was read and agreed with, tests/reference.
-#include "spec_audit_util.h"
+// ALGORITHMS.md §5 TOKEN_SPARSE, §6 TOKEN_SELECT, §7 TOKEN_INDICES: dense fallbacks, budgets, ties, the selection
+// cache, paged and ragged batches, index lists with duplicates, blocks and head maps.
+// The edges the spec names and the ones it implies, on the CPU backend (the library's oracle). Expected outputs come
+// from the float64 reference (tests/reference) through spec_test_util.h.
+#include "spec_test_util.h"
 
 namespace {
 
-TEST(SpecAudit, TokenSparseDenseBoundaryAndTauZero) {
+TEST(SpecTokenPolicies, TokenSparseDenseBoundaryAndTauZero) {
   Cpu c;
   ST_RNG(rng, 16);
   // L = min_tokens + W: dense; L = min_tokens + W + 1: sparse path (budget = max(min, L−W−n_drop)).
@@ -17,7 +18,7 @@ TEST(SpecAudit, TokenSparseDenseBoundaryAndTauZero) {
   check_token_sparse(c.ctx, plus1, token_sparse(8, 16, 0.5f));
 }
 
-TEST(SpecAudit, TokenSparseBudgetsGqaBatchAndPadding) {
+TEST(SpecTokenPolicies, TokenSparseBudgetsGqaBatchAndPadding) {
   Cpu c;
   ST_RNG(rng, 17);
   for (float coverage : {0.001f, 0.05f, 0.3f, 1.f}) {
@@ -33,7 +34,7 @@ TEST(SpecAudit, TokenSparseBudgetsGqaBatchAndPadding) {
   }
 }
 
-TEST(SpecAudit, TokenSparseLongerSequenceMixedDenseBatch) {
+TEST(SpecTokenPolicies, TokenSparseLongerSequenceMixedDenseBatch) {
   Cpu c;
   ST_RNG(rng, 51);
   // Sequence 0 sparse (L = 300 > 64 + 100), sequence 1 dense (L = 150 <= 164).
@@ -43,7 +44,7 @@ TEST(SpecAudit, TokenSparseLongerSequenceMixedDenseBatch) {
   check_token_sparse(c.ctx, p, token_sparse(64, 100, 0.05f), opt);
 }
 
-TEST(SpecAudit, TokenSparseTiesInTopBudgetGoToSmallerIndex) {
+TEST(SpecTokenPolicies, TokenSparseTiesInTopBudgetGoToSmallerIndex) {
   Cpu c;
   // Q = 0: every window row attends uniformly; pooled scores of interior candidates tie (edges get less through
   // zero padding); the budget keeps the lowest-index ties.
@@ -72,7 +73,7 @@ TEST(SpecAudit, TokenSparseTiesInTopBudgetGoToSmallerIndex) {
 // §5.5 with min_tokens = 0 and τ = 1: n_drop = #(cumsum < 1) + 1 is L − W or L − W + 1 (rounding of the last
 // cumsum), so budget = max(0, (L−W) − n_drop) is 0 (or −1, which can only mean "none"): every head keeps only the
 // window [L−W, L). A negative budget must not be used as a count.
-TEST(SpecAudit, TokenSparseCoverageOneKeepsOnlyTheWindow) {
+TEST(SpecTokenPolicies, TokenSparseCoverageOneKeepsOnlyTheWindow) {
   Cpu c;
   ST_RNG(rng, 32);
   bool saw_minus_one = false, saw_zero = false;  // both roundings of the last cumsum
@@ -99,7 +100,7 @@ TEST(SpecAudit, TokenSparseCoverageOneKeepsOnlyTheWindow) {
   EXPECT_TRUE(saw_minus_one && saw_zero) << "only one rounding of the last cumsum was exercised";
 }
 
-TEST(SpecAudit, TokenSparsePagedPageSizeOne) {
+TEST(SpecTokenPolicies, TokenSparsePagedPageSizeOne) {
   Cpu c;
   ST_RNG(rng, 33);
   ref::Problem p = random_problem(2, 4, 2, 8, {30, 26}, {30, 26}, true, rng, st::Pattern::kNeedles);
@@ -113,7 +114,7 @@ TEST(SpecAudit, TokenSparsePagedPageSizeOne) {
 
 // §5.5 counted directly: a τ below the smallest layer score gives count 0 → n_drop 0 → budget L − W → every token
 // kept (dense causal); a τ between the first and second ascending cumsums gives count 1 → n_drop 2 (the "+1").
-TEST(SpecAudit, TokenSparseNDropZeroVersusOne) {
+TEST(SpecTokenPolicies, TokenSparseNDropZeroVersusOne) {
   Cpu c;
   ST_RNG(rng, 41);
   const int L = 40, W = 5;
@@ -144,7 +145,7 @@ TEST(SpecAudit, TokenSparseNDropZeroVersusOne) {
   }
 }
 
-TEST(SpecAudit, TokenSelectDenseBoundaryChunkScaleAndPerKvHead) {
+TEST(SpecTokenPolicies, TokenSelectDenseBoundaryChunkScaleAndPerKvHead) {
   Cpu c;
   ST_RNG(rng, 19);
   // n_init + top_k + n_local == N: dense (causal, bottom-right).
@@ -172,7 +173,7 @@ TEST(SpecAudit, TokenSelectDenseBoundaryChunkScaleAndPerKvHead) {
 }
 
 // More candidates than one vote work item (2048) and a ragged batch: chunked voting must equal the whole vote.
-TEST(SpecAudit, TokenSelectManyCandidatesRaggedBatch) {
+TEST(SpecTokenPolicies, TokenSelectManyCandidatesRaggedBatch) {
   Cpu c;
   ST_RNG(rng, 50);
   ref::Problem p = random_problem(2, 4, 2, 8, {2}, {4500, 2300}, true, rng, st::Pattern::kNeedles);
@@ -182,7 +183,7 @@ TEST(SpecAudit, TokenSelectManyCandidatesRaggedBatch) {
   check_select(c.ctx, p, pol);
 }
 
-TEST(SpecAudit, TokenSelectVoteTiesGoToTheSmallerIndex) {
+TEST(SpecTokenPolicies, TokenSelectVoteTiesGoToTheSmallerIndex) {
   Cpu c;
   // q = 0: s = 0 everywhere, every candidate ties; T = the first top_k candidates.
   ref::Problem p = st::make_problem(1, 2, 1, 4, {1}, {30}, true);
@@ -199,7 +200,7 @@ TEST(SpecAudit, TokenSelectVoteTiesGoToTheSmallerIndex) {
 }
 
 // Decode runs with a cache: q rows given explicitly (Hq = 1, D = 4, Sq = 1).
-TEST(SpecAudit, TokenSelectCacheCosineExactlyAtThetaHitsAndGrowingN) {
+TEST(SpecTokenPolicies, TokenSelectCacheCosineExactlyAtThetaHitsAndGrowingN) {
   Cpu c;
   ST_RNG(rng, 21);
   st::SelectionCache cache(c.ctx, 1, 1, 1, 4, 8);
@@ -254,7 +255,7 @@ TEST(SpecAudit, TokenSelectCacheCosineExactlyAtThetaHitsAndGrowingN) {
 // cached T must still be a selection from the current candidates [n_init, N - n_local): here the slot is reused for a
 // shorter N, so T = {33, 34, 35} now lies inside the local window [32, 36), and sparsa counts a miss and recomputes
 // (docs/algorithms.md, "Readings"). A literal reading would reuse it.
-TEST(SpecAudit, TokenSelectCacheMissesWhenTheCachedSelectionLeavesTheCandidates) {
+TEST(SpecTokenPolicies, TokenSelectCacheMissesWhenTheCachedSelectionLeavesTheCandidates) {
   Cpu c;
   st::SelectionCache cache(c.ctx, 1, 1, 1, 4, 8);
   sparsa_policy pol = token_select(2, 3, 4);
@@ -284,7 +285,7 @@ TEST(SpecAudit, TokenSelectCacheMissesWhenTheCachedSelectionLeavesTheCandidates)
   EXPECT_TRUE(st::sets_equal(second.selected, 36, {{{0, 1, 2, 3, 4, 32, 33, 34, 35}}}));
 }
 
-TEST(SpecAudit, TokenSelectCacheThetaOneDisables) {
+TEST(SpecTokenPolicies, TokenSelectCacheThetaOneDisables) {
   Cpu c;
   ST_RNG(rng, 22);
   st::SelectionCache cache(c.ctx, 1, 2, 1, 8, 8);
@@ -301,7 +302,7 @@ TEST(SpecAudit, TokenSelectCacheThetaOneDisables) {
 }
 
 
-TEST(SpecAudit, TokenSelectPagedDecodeRaggedBatch) {
+TEST(SpecTokenPolicies, TokenSelectPagedDecodeRaggedBatch) {
   Cpu c;
   ST_RNG(rng, 34);
   ref::Problem p = random_problem(3, 8, 1, 8, {1}, {40, 19, 64}, true, rng, st::Pattern::kNeedles);
@@ -315,7 +316,7 @@ TEST(SpecAudit, TokenSelectPagedDecodeRaggedBatch) {
 }
 
 // ================================================================================================ §7 TOKEN_INDICES
-TEST(SpecAudit, TokenIndicesDuplicatesUnusedTailBlocksHeadMapAndOverlap) {
+TEST(SpecTokenPolicies, TokenIndicesDuplicatesUnusedTailBlocksHeadMapAndOverlap) {
   Cpu c;
   ST_RNG(rng, 23);
   const int B = 2, Hq = 4, Hkv = 2, N = 23, sq = 5, D = 8;
@@ -365,7 +366,7 @@ TEST(SpecAudit, TokenIndicesDuplicatesUnusedTailBlocksHeadMapAndOverlap) {
   }
 }
 
-TEST(SpecAudit, TokenIndicesSqGreaterThanN) {
+TEST(SpecTokenPolicies, TokenIndicesSqGreaterThanN) {
   Cpu c;
   ST_RNG(rng, 49);
   ref::Problem p = random_problem(1, 2, 1, 8, {12}, {7}, false, rng);  // causal by definition, o = −5
@@ -380,7 +381,7 @@ TEST(SpecAudit, TokenIndicesSqGreaterThanN) {
           attend_where(p, [&](int, int, int i, int j) { return j <= i - 5 && (j == 0 || j == 2 || j == 6); }), opt);
 }
 
-TEST(SpecAudit, TokenIndicesDefaultHeadMapIsHOverGroup) {
+TEST(SpecTokenPolicies, TokenIndicesDefaultHeadMapIsHOverGroup) {
   Cpu c;
   ST_RNG(rng, 24);
   ref::Problem p = random_problem(1, 6, 3, 8, {4}, {16}, true, rng);
@@ -399,6 +400,4 @@ TEST(SpecAudit, TokenIndicesDefaultHeadMapIsHOverGroup) {
   compare(c.ctx, p, pol, want, opt);
 }
 
-// ================================================================================================ §8 DELTA
-// Spec-literal Δ over a base output `sparse` (one sequence per batch entry, padded).
 }  // namespace

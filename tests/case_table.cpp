@@ -1,0 +1,481 @@
+// The attention case table's check (case_table.h).
+#include "case_table.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+
+namespace st {
+
+namespace {
+
+constexpr double kKernelTolF32 = 2e-4, kKernelTolF16 = 4e-3, kKernelTolBF16 = 3e-2;
+constexpr double kLseAbs = 1e-3;                 // prefill rows: 1e-3 + 1e-4·|ref|
+constexpr double kLseRelPrefill = 1e-4;
+constexpr double kLseRelDecode = 1e-3;           // decode rows: 1e-3·max(1, |ref|)
+constexpr double kCpuFactorPrefill = 2.0;        // prefill rows: |o − o_cpu| within twice `out`
+constexpr double kDeltaTolF32 = 4e-4, kDeltaTolF16 = 8e-3, kDeltaTolBF16 = 6e-2;
+constexpr double kSelectTolF32 = 1e-4, kSelectLse = 2e-3;
+// A selection decision closer than this (relative gap at the top-k boundary) is too close to call: the CPU backend
+// scores in float64 like the reference, but summation orders differ (the spec tests use the same bound).
+constexpr double kSelectionMargin = 1e-9;
+constexpr double kNeedleLength = 3.0;  // a needle key is kNeedleLength·sqrt(D) long
+constexpr int kUnusedSlotPercent = 8, kRepeatSlotPercent = 16;  // TOKEN_INDICES ids: -1, then repeats
+constexpr double kSinkBlockScore = 30;  // natural-log score of a sink-block row against key 0
+constexpr double kSinkBlockNoise = 0.5;
+constexpr double kNoiseClamp = 3;
+
+// AttentionCase::sink_blocks: replaces the pattern's values.
+void plant_sink_blocks(ref::Problem& p, int block_q, Rng& rng) {
+  for (auto* t : {&p.q, &p.k, &p.v})
+    for (auto& rows : *t)
+      for (double& x : rows) x = kSinkBlockNoise * std::clamp(rng.normal(), -kNoiseClamp, kNoiseClamp);
+  const double a = std::sqrt(kSinkBlockScore * std::sqrt(double(p.D)));  // scale·a·a = kSinkBlockScore
+  for (int b = 0; b < p.B; ++b) {
+    for (int h = 0; h < p.Hkv; ++h) p.k[b][size_t(h) * p.D] = a;
+    for (int i = 0; i < p.sq[b]; ++i) {
+      if ((i / block_q) % 2 != 0) continue;
+      for (int h = 0; h < p.Hq; ++h) p.q[b][(size_t(i) * p.Hq + h) * p.D] = a;
+    }
+  }
+}
+
+void round_in_place(ref::Problem& p, int32_t dtype) {
+  for (auto* t : {&p.q, &p.k, &p.v})
+    for (auto& rows : *t)
+      for (double& x : rows) x = round_to_dtype(x, dtype);
+}
+
+std::vector<uint8_t> random_mask(const AttentionCase& c, const ref::Problem& p, Rng& rng) {
+  const int nqb = (p.max_sq() + c.block_q - 1) / c.block_q, nkb = (p.max_skv() + c.block_k - 1) / c.block_k;
+  std::vector<uint8_t> mask(size_t(p.B) * p.Hq * nqb * nkb);
+  for (auto& m : mask) m = rng.uniform(0, 1) < c.mask_density ? 1 : 0;
+  return mask;
+}
+
+std::vector<int32_t> random_indices(const AttentionCase& c, const ref::Problem& p, Rng& rng) {
+  const int slots = c.index_heads * c.index_slots;
+  std::vector<int32_t> ids(size_t(p.B) * slots);
+  for (int b = 0; b < p.B; ++b) {
+    const int n_ids = (p.skv[b] + c.index_block_size - 1) / c.index_block_size;
+    for (int s = 0; s < slots; ++s) {
+      const size_t at = size_t(b) * slots + s;
+      const int r = rng.integer(0, 99);
+      ids[at] = r < kUnusedSlotPercent                  ? -1
+                : r < kRepeatSlotPercent && s > 0 ? ids[at - 1]
+                                                  : rng.integer(0, n_ids - 1);
+    }
+    if (!c.sorted_rows) continue;
+    for (int row = (b == 0 ? 1 : 0); row < c.index_heads; ++row) {  // row 0 of sequence 0 stays unsorted
+      std::vector<int32_t> pool(n_ids);
+      std::iota(pool.begin(), pool.end(), 0);
+      std::shuffle(pool.begin(), pool.end(), rng.gen);
+      const int taken = std::min(n_ids, c.index_slots);
+      std::sort(pool.begin(), pool.begin() + taken);
+      if (c.index_block_size > 1 && taken > 0) pool[taken - 1] = n_ids - 1;  // the last block may be partial
+      int32_t* row_ids = &ids[(size_t(b) * c.index_heads + row) * c.index_slots];
+      for (int s = 0; s < c.index_slots; ++s) row_ids[s] = s < taken ? pool[s] : -1;
+    }
+  }
+  return ids;
+}
+
+// Per-element comparison over every row of every sequence; LSE when both sides have it.
+void expect_close(const AttentionCase& c, const ref::Output& got, const ref::Output& want, double out_tol,
+                  const char* who) {
+  int64_t bad = 0;
+  double worst = 0, worst_lse = 0;
+  for (size_t b = 0; b < want.o.size(); ++b) {
+    for (size_t e = 0; e < want.o[b].size(); ++e) {
+      const double err = std::fabs(got.o[b][e] - want.o[b][e]);
+      if (!(err <= out_tol + c.tol.out_rel * std::fabs(want.o[b][e]))) ++bad;  // NaN counts as bad
+      worst = std::max(worst, std::isnan(err) ? 1e30 : err);
+    }
+    if (!c.lse || want.lse.size() <= b || got.lse.size() <= b) continue;
+    for (size_t e = 0; e < want.lse[b].size(); ++e) {
+      const double g = got.lse[b][e], w = want.lse[b][e];
+      if (std::isinf(w) || std::isinf(g)) {
+        if (g != w) ++bad;
+        continue;
+      }
+      const double err = std::fabs(g - w);
+      if (!(err <= c.tol.lse_bound(w))) ++bad;
+      worst_lse = std::max(worst_lse, std::isnan(err) ? 1e30 : err);
+    }
+  }
+  EXPECT_EQ(bad, 0) << who << " " << c.name << ": max |out - want| = " << worst << " (tol " << out_tol
+                    << "), max |lse - want| = " << worst_lse;
+}
+
+// AttentionCase::needles: per sequence, `needles` candidate positions (between the sinks and the local window) whose
+// keys, in every kv head, point along the sum of the group's query rows. Returns the positions per sequence.
+std::vector<std::vector<int>> plant_needles(ref::Problem& p, const AttentionCase& c, Rng& rng) {
+  std::vector<std::vector<int>> planted(p.B);
+  const int g = p.group();
+  for (int b = 0; b < p.B; ++b) {
+    const int first = c.select_n_init, last = p.skv[b] - c.select_n_local;
+    for (int n = 0; n < c.needles && last > first; ++n) {
+      const int t = rng.integer(first, last - 1);
+      planted[b].push_back(t);
+      for (int hk = 0; hk < p.Hkv; ++hk) {
+        std::vector<double> u(p.D, 0.0);
+        for (int i = 0; i < p.sq[b]; ++i)
+          for (int h = hk * g; h < (hk + 1) * g; ++h)
+            for (int d = 0; d < p.D; ++d) u[d] += p.q_row(b, i, h)[d];
+        const double norm = std::sqrt(ref::dot(u.data(), u.data(), p.D));
+        for (int d = 0; d < p.D; ++d)
+          p.k[b][(size_t(t) * p.Hkv + hk) * p.D + d] = kNeedleLength * std::sqrt(double(p.D)) * u[d] / norm;
+      }
+    }
+  }
+  return planted;
+}
+
+// §0 "Precision of selections" for TOKEN_SELECT off the CPU. The relative vote bound of token_select_score.cu for
+// sequence b: eps = 10E + 2^-16, E = score_scale · 2^-20 · max_h ‖q̄_h‖ · max_t ‖k_t‖, where the device scores in
+// fp32 (fp16/bf16 keys in 16-byte aligned rows, head_dim a multiple of 8 up to 256); float64 scoring elsewhere
+// agrees with the oracle to rounding (1e-12).
+double select_vote_bound(const AttentionCase& c, const ref::Problem& p, int b) {
+  const bool fp32_scores = c.dtype != SPARSA_DTYPE_F32 && c.kv_row_pad == 0 && c.kv_head_pad == 0 && p.D % 8 == 0 &&
+                           p.D <= 256;
+  if (!fp32_scores) return 1e-12;
+  double max_q = 0.0, max_k = 0.0;
+  for (int h = 0; h < p.Hq; ++h) {
+    double norm = 0.0;
+    for (int d = 0; d < p.D; ++d) {
+      double mean = 0.0;
+      for (int i = 0; i < p.sq[b]; ++i) mean += p.q_row(b, i, h)[d] / p.sq[b];
+      norm += mean * mean;
+    }
+    max_q = std::max(max_q, std::sqrt(norm));
+  }
+  for (int t = 0; t < p.skv[b]; ++t)
+    for (int hk = 0; hk < p.Hkv; ++hk) max_k = std::max(max_k, std::sqrt(ref::dot(p.k_row(b, t, hk), p.k_row(b, t, hk), p.D)));
+  const double score_scale = c.select_scale_scores ? p.softmax_scale() : 1.0;
+  return 10.0 * score_scale * std::ldexp(1.0, -20) * max_q * max_k + std::ldexp(1.0, -16);
+}
+
+struct SelectionAudit {
+  int64_t decided = 0;        // decisions whose oracle vote is farther than eps from the k-th: must agree
+  int64_t within_bound = 0;   // decisions inside eps: either way is correct
+  int64_t disagreements = 0;  // decided ones the backend got wrong
+};
+
+// Every (sequence, set): a candidate that fewer than top_k others could outvote (by more than eps) is kept, one that
+// at least top_k others outvote for certain is dropped, the rest may go either way.
+SelectionAudit audit_selection(const AttentionCase& c, const ref::Problem& p, const ref::TokenSelectResult& oracle,
+                               const std::vector<int32_t>& selected, int sets, int64_t cap) {
+  SelectionAudit audit;
+  for (int b = 0; b < p.B; ++b) {
+    if (oracle.ran_dense[b]) continue;
+    const double eps = select_vote_bound(c, p, b);
+    const int first = c.select_n_init, last = p.skv[b] - c.select_n_local;
+    for (int set = 0; set < sets; ++set) {
+      const std::vector<double>& vote = oracle.vote[b][set];
+      const int32_t* row = &selected[(size_t(b) * sets + set) * cap];
+      std::vector<uint8_t> kept(vote.size(), 0);
+      int64_t count = 0;
+      for (int64_t j = 0; j < cap; ++j) {
+        if (row[j] >= first && row[j] < last) {
+          kept[row[j] - first] = 1;
+          ++count;
+        }
+      }
+      EXPECT_EQ(count, c.select_top_k) << c.name << ": b=" << b << " set=" << set << " keeps top_k candidates";
+      std::vector<double> sorted = vote;
+      std::sort(sorted.begin(), sorted.end());
+      const auto at_least = [&](double x) { return int64_t(sorted.end() - std::lower_bound(sorted.begin(), sorted.end(), x)); };
+      const auto above = [&](double x) { return int64_t(sorted.end() - std::upper_bound(sorted.begin(), sorted.end(), x)); };
+      for (size_t j = 0; j < vote.size(); ++j) {
+        const int64_t may_beat = at_least(vote[j] * (1 - eps) / (1 + eps)) - 1;  // others that could outvote j
+        const int64_t sure_beat = above(vote[j] * (1 + eps) / (1 - eps));        // others that outvote j for certain
+        if (may_beat < c.select_top_k || sure_beat >= c.select_top_k) {
+          ++audit.decided;
+          if (bool(kept[j]) != (may_beat < c.select_top_k)) ++audit.disagreements;
+        } else {
+          ++audit.within_bound;
+        }
+      }
+    }
+  }
+  return audit;
+}
+
+}  // namespace
+
+double Tolerance::lse_bound(double want) const { return std::max(lse_floor, lse_abs + lse_rel * std::fabs(want)); }
+
+double kernel_out_tolerance(int32_t dtype) {
+  return dtype == SPARSA_DTYPE_F32 ? kKernelTolF32 : dtype == SPARSA_DTYPE_F16 ? kKernelTolF16 : kKernelTolBF16;
+}
+
+Tolerance prefill_tolerance(int32_t dtype) {
+  Tolerance t;
+  t.out = kernel_out_tolerance(dtype);
+  t.out_vs_cpu = kCpuFactorPrefill * t.out;
+  t.lse_abs = kLseAbs;
+  t.lse_rel = kLseRelPrefill;
+  return t;
+}
+
+Tolerance decode_tolerance(int32_t dtype) {
+  Tolerance t;
+  t.out = t.out_vs_cpu = kernel_out_tolerance(dtype);
+  t.lse_floor = kLseAbs;
+  t.lse_rel = kLseRelDecode;
+  return t;
+}
+
+Tolerance delta_tolerance(int32_t dtype) {
+  Tolerance t;
+  t.out = dtype == SPARSA_DTYPE_F32 ? kDeltaTolF32 : dtype == SPARSA_DTYPE_F16 ? kDeltaTolF16 : kDeltaTolBF16;
+  t.out_vs_cpu = t.out;
+  return t;
+}
+
+Tolerance select_tolerance(int32_t dtype) {
+  Tolerance t;
+  t.out = t.out_vs_cpu = t.out_rel = dtype == SPARSA_DTYPE_F32 ? kSelectTolF32 : kernel_out_tolerance(dtype);
+  t.lse_abs = t.lse_rel = kSelectLse;
+  return t;
+}
+
+AttentionCase prefill_row(std::string name, int32_t dtype) {
+  AttentionCase c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.tol = prefill_tolerance(dtype);
+  return c;
+}
+
+AttentionCase decode_row(std::string name, int32_t dtype) {
+  AttentionCase c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.head_dim = 128;
+  c.seq_q = {1};
+  c.seq_k = {1000};
+  c.is_causal = true;
+  c.sink_tokens = 4;
+  c.sink_window = 100;
+  c.tol = decode_tolerance(dtype);
+  return c;
+}
+
+AttentionCase delta_row(std::string name, int32_t dtype) {
+  AttentionCase c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.head_dim = 128;
+  c.seq_q = {256};
+  c.seq_k = {256};
+  c.is_causal = true;
+  c.lse = false;
+  c.policy = SPARSA_POLICY_SINK_WINDOW;
+  c.sink_tokens = 4;
+  c.sink_window = 48;
+  c.delta = true;
+  c.stats_vs_cpu = true;
+  c.tol = delta_tolerance(dtype);
+  return c;
+}
+
+AttentionCase select_row(std::string name, int32_t dtype) {
+  AttentionCase c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.q_heads = 32;
+  c.kv_heads = 8;
+  c.head_dim = 128;
+  c.seq_q = {1};
+  c.seq_k = {3000};
+  c.is_causal = true;
+  c.policy = SPARSA_POLICY_TOKEN_SELECT;
+  c.stats_vs_cpu = true;
+  c.tol = select_tolerance(dtype);
+  return c;
+}
+
+void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
+  Rng rng(seed);
+  SCOPED_TRACE(::testing::Message() << c.name << ", rng seed " << seed);
+  const int B = int(c.seq_q.size());
+  ref::Problem p = make_problem(B, c.q_heads, c.kv_heads, c.head_dim, c.seq_q, c.seq_k, c.is_causal);
+  fill(p, c.pattern, rng);
+  if (c.sink_blocks) plant_sink_blocks(p, c.block_q, rng);
+  for (auto& rows : p.q)
+    for (double& x : rows) x *= c.q_scale;
+  const std::vector<std::vector<int>> needles = plant_needles(p, c, rng);
+  round_in_place(p, c.dtype);  // the kernels read dtype-rounded inputs; so does the reference
+
+  sparsa_policy policy = make_policy(c.policy);
+  RunOptions opt;
+  opt.dtype = c.dtype;
+  opt.layout = c.layout;
+  opt.q_packed = c.q_packed;
+  opt.kv_packed = c.kv_packed;
+  opt.page_size = c.page_size;
+  opt.kv_row_pad = c.kv_row_pad;
+  opt.kv_head_pad = c.kv_head_pad;
+  opt.seq_lens_k = c.kv_lengths;
+  opt.lse = c.lse;
+  ref::Output want;
+  ref::TokenIndicesResult indices_want;
+  ref::SpargeResult sparge_want;
+  const bool sparge = c.policy == SPARSA_POLICY_SPARGE;
+  ref::TokenSelectResult select_want;
+  const bool token_select = c.policy == SPARSA_POLICY_TOKEN_SELECT;
+  bool reference_decides = true;  // false: a selection too close to call, compared with the CPU backend only
+  const bool token_indices = c.policy == SPARSA_POLICY_TOKEN_INDICES;
+  if (c.policy == SPARSA_POLICY_SINK_WINDOW) {
+    policy.sink_tokens = c.sink_tokens;
+    policy.sink_window = c.sink_window;
+    want = ref::attend(p, ref::sink_window(p, c.sink_tokens, c.sink_window));
+  } else if (c.policy == SPARSA_POLICY_BLOCK_SPARSE) {
+    policy.block_q = c.block_q;
+    policy.block_k = c.block_k;
+    opt.block_mask = random_mask(c, p, rng);
+    want = ref::attend(p, ref::block_sparse(p, c.block_q, c.block_k, opt.block_mask));
+  } else if (sparge) {
+    policy.block_q = c.block_q;
+    policy.block_k = c.block_k;
+    policy.sparge_theta = 1.f;  // every block computed: only the λ test decides
+    policy.sparge_lambda = float(c.sparge_lambda);
+    ref::SpargeParams sp;
+    sp.bq = c.block_q;
+    sp.bk = c.block_k;
+    sp.theta = ref::kInf;  // above any similarity: every block forced, as theta 1 gives the library (sim <= 1)
+    sp.lambda = c.sparge_lambda;
+    sparge_want = ref::sparge(p, std::vector<ref::SpargeParams>(p.Hq, sp));
+    want = sparge_want.out;
+  } else if (token_select) {
+    policy.select_n_init = c.select_n_init;
+    policy.select_top_k = c.select_top_k;
+    policy.select_n_local = c.select_n_local;
+    policy.select_per_kv_head = c.select_per_kv_head ? 1 : 0;
+    policy.select_scale_scores = c.select_scale_scores ? 1 : 0;
+    ref::TokenSelectParams sp;
+    sp.n_init = c.select_n_init;
+    sp.top_k = c.select_top_k;
+    sp.n_local = c.select_n_local;
+    sp.per_kv_head = c.select_per_kv_head;
+    sp.scale_scores = c.select_scale_scores;
+    sp.cache_theta = policy.select_cache_theta;
+    select_want = ref::token_select(p, sp, nullptr);
+    opt.selected_sets = c.select_per_kv_head ? c.kv_heads : 1;
+    opt.selected_cap = p.max_skv();
+    want = select_want.out;
+    reference_decides = select_want.topk_margin >= kSelectionMargin;
+    if (!reference_decides) std::printf("[ note     ] %s: top-k vote too close to call, CPU backend only\n", c.name.c_str());
+  } else if (token_indices) {
+    ref::TokenIndicesParams tp;
+    tp.h_idx = c.index_heads;
+    tp.k = c.index_slots;
+    const std::vector<int32_t> ids = random_indices(c, p, rng);
+    tp.indices.assign(ids.begin(), ids.end());
+    if (c.head_map)
+      for (int h = 0; h < c.q_heads; ++h) tp.head_map.push_back((h * 3 + 1) % c.index_heads);
+    tp.block_size = c.index_block_size;
+    tp.n_init = c.index_n_init;
+    tp.n_local = c.index_n_local;
+    policy.index_block_size = c.index_block_size;
+    policy.index_n_init = c.index_n_init;
+    policy.index_n_local = c.index_n_local;
+    opt.indices = ids;
+    opt.h_idx = c.index_heads;
+    opt.k = c.index_slots;
+    opt.head_map.assign(tp.head_map.begin(), tp.head_map.end());
+    opt.selected_sets = c.q_heads;
+    opt.selected_cap = p.max_skv();
+    indices_want = ref::token_indices(p, tp);
+    want = indices_want.out;
+  } else {
+    want = ref::attend(p, ref::dense(p));
+  }
+
+  if (c.delta) {
+    policy.flags |= SPARSA_POLICY_FLAG_DELTA;
+    policy.delta_gamma = c.gamma;
+    policy.delta_tail_min = c.tail_min;
+    want = ref::delta(p, want, c.gamma, c.tail_min);
+  }
+
+  const RunResult r = run(ctx, p, policy, opt);
+  expect_ok(r);
+  if (r.status != SPARSA_STATUS_SUCCESS) return;
+  const bool on_device = ctx.device_type() != SPARSA_DEVICE_CPU;
+  bool own_selection = false;  // a device TOKEN_SELECT chose other sets than the oracle, inside the §0 bound
+  if (token_select && on_device) {
+    // §0: decisions outside the bound agree with the oracle; the output is the oracle's attention over the
+    // device's own sets. This replaces the margin rule above off the CPU.
+    const SelectionAudit audit = audit_selection(c, p, select_want, r.selected, opt.selected_sets, opt.selected_cap);
+    std::printf("[ AUDIT    ] %s: %lld decisions outside the bound, %lld inside\n", c.name.c_str(),
+                static_cast<long long>(audit.decided), static_cast<long long>(audit.within_bound));
+    EXPECT_EQ(audit.disagreements, 0) << c.name << ": decisions outside the bound differ from the oracle";
+    if (std::count(select_want.ran_dense.begin(), select_want.ran_dense.end(), false) > 0) {
+      EXPECT_GT(audit.decided, 0) << c.name << ": no decision outside the bound";
+    }
+    if (c.decisions_inside_bound) {
+      EXPECT_GT(audit.within_bound, 0) << c.name << ": no decision inside the bound";
+    }
+    own_selection = !sets_equal(r.selected, opt.selected_cap, select_want.selected);
+    if (own_selection) {
+      ref::TokenIndicesParams own;
+      own.h_idx = opt.selected_sets;
+      own.k = int(opt.selected_cap);
+      own.indices.assign(r.selected.begin(), r.selected.end());
+      want = ref::token_indices(p, own).out;
+    }
+    reference_decides = true;
+  }
+  if (reference_decides) expect_close(c, r.out, want, c.tol.out, "vs the float64 reference:");
+  if (token_select) {
+    if (reference_decides && !own_selection) {
+      EXPECT_TRUE(sets_equal(r.selected, opt.selected_cap, select_want.selected));
+    }
+    if (reference_decides) EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], select_want.pairs_computed);
+    for (int b = 0; b < p.B && c.needles <= c.select_top_k; ++b)  // every set selects the planted keys
+      for (int needle : needles[b])
+        for (int set = 0; set < opt.selected_sets; ++set) {
+          const int32_t* row = &r.selected[(size_t(b) * opt.selected_sets + set) * opt.selected_cap];
+          EXPECT_TRUE(std::find(row, row + opt.selected_cap, needle) != row + opt.selected_cap)
+              << "needle " << needle << " of sequence " << b << ", set " << set;
+        }
+  }
+  if (sparge) {
+    EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], sparge_want.pv_blocks_skipped);
+    // The row's inputs must make λ skip some blocks and keep others.
+    EXPECT_GT(sparge_want.pv_blocks_skipped, 0) << "inputs";
+    EXPECT_LT(sparge_want.pv_blocks_skipped, sparge_want.blocks_computed) << "inputs";
+  }
+  if (token_indices) {
+    EXPECT_TRUE(sets_equal(r.selected, opt.selected_cap, indices_want.selected));
+    EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], indices_want.pairs_computed);
+  }
+  if (ctx.device_type() == SPARSA_DEVICE_CPU) return;
+  // The same inputs on the CPU backend, the project's reference implementation.
+  const Context cpu(SPARSA_DEVICE_CPU);
+  const RunResult on_cpu = run(cpu, p, policy, opt);
+  expect_ok(on_cpu);
+  if (on_cpu.status != SPARSA_STATUS_SUCCESS) return;
+  if (token_select && r.selected != on_cpu.selected) {
+    std::printf("[ note     ] %s: sets differ from the CPU backend's inside the §0 bound (audited above)\n",
+                c.name.c_str());
+    return;
+  }
+  expect_close(c, r.out, on_cpu.out, c.tol.out_vs_cpu, "vs the CPU backend:");
+  if (token_indices || c.stats_vs_cpu) {
+    EXPECT_EQ(r.stats, on_cpu.stats) << "stats";
+  }
+  if (sparge) {
+    EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], on_cpu.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED]);
+  }
+  if (token_indices || token_select) {
+    EXPECT_EQ(r.selected, on_cpu.selected) << "selected_indices";
+  }
+}
+
+}  // namespace st

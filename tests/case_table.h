@@ -1,0 +1,145 @@
+// The attention case table: one row per case (shape, layout, policy, inputs pattern, tolerance), run on every
+// backend by SPARSA_BACKEND_TABLE (test_util.h) in the manner of ggml's test-backend-ops. A row's check runs the case
+// through the st harness (every layout, poisoned outputs, writes checked) and compares it with the float64 reference
+// (tests/reference) per element at the row's tolerance; on a non-CPU backend it also compares with the CPU backend.
+// Rows are written as one chained expression each, e.g.
+//   prefill_row("dense_bf16_d128_causal", SPARSA_DTYPE_BF16).heads(8, 2).dim(128).lengths({77}, {301}).causal()
+#pragma once
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace st {
+
+// Per-element bounds: |o − ref| <= out + out_rel·|ref|; |lse − ref| <= max(lse_floor, lse_abs + lse_rel·|ref|), −inf
+// exactly. Against the CPU backend (non-CPU rows): |o − o_cpu| <= out_vs_cpu + out_rel·|o_cpu|, the LSE bound likewise.
+struct Tolerance {
+  double out = 0, out_vs_cpu = 0, out_rel = 0;
+  double lse_abs = 0, lse_rel = 0, lse_floor = 0;
+  double lse_bound(double want) const;
+};
+// The GPU kernels' tolerances by output dtype: out 2e-4 (f32), 4e-3 (f16), 3e-2 (bf16).
+double kernel_out_tolerance(int32_t dtype);
+// Prefill and mixed shapes: LSE within 1e-3 + 1e-4·|ref|; against the CPU backend within twice `out`.
+Tolerance prefill_tolerance(int32_t dtype);
+// Decode shapes and TOKEN_INDICES: LSE within 1e-3·max(1, |ref|); against the CPU backend within `out`.
+Tolerance decode_tolerance(int32_t dtype);
+// TOKEN_SELECT rows: out within t·(1 + |ref|), t = 1e-4 (f32), 4e-3 (f16), 3e-2 (bf16); LSE within 2e-3·(1 + |ref|).
+Tolerance select_tolerance(int32_t dtype);
+// Δ rows: out 4e-4 (f32), 8e-3 (f16), 6e-2 (bf16), both against the reference and the CPU backend (the GPU corrects
+// the base rows in out's dtype, the CPU stages them in f32); no LSE.
+Tolerance delta_tolerance(int32_t dtype);
+
+struct AttentionCase {
+  std::string name;
+  // Shape.
+  int32_t dtype = SPARSA_DTYPE_F16;
+  int q_heads = 4, kv_heads = 4, head_dim = 64;
+  std::vector<int> seq_q{64}, seq_k{64};  // per sequence
+  bool is_causal = false;
+  // Layout (RunOptions).
+  Layout layout = Layout::kPadded;
+  bool kv_lengths = true;  // padded k/v carry seq_lens_k
+  bool q_packed = false, kv_packed = false;
+  int page_size = 16;
+  int64_t kv_row_pad = 0, kv_head_pad = 0;
+  bool lse = true;
+  // Policy.
+  int32_t policy = SPARSA_POLICY_DENSE;
+  int sink_tokens = 8, sink_window = 32;
+  int block_q = 64, block_k = 64;
+  double mask_density = 0.5;  // BLOCK_SPARSE: each mask cell kept with this probability
+  double sparge_lambda = 0;   // SPARGE with theta 1 (every causal block computed): the λ PV-skip threshold
+  // TOKEN_INDICES: H_idx rows of `index_slots` ids (random, 8 % unused, 8 % repeats of the previous slot).
+  int index_heads = 0, index_slots = 0, index_block_size = 1, index_n_init = 0, index_n_local = 0;
+  bool head_map = false;     // a permuted head_map (h·3 + 1) mod H_idx
+  bool sorted_rows = false;  // rows strictly ascending and duplicate-free, except row 0 of sequence 0
+  // TOKEN_SELECT (§6), no selection cache; `needles` candidate keys per sequence point along the sum of their group's
+  // query rows (3·sqrt(D) long) and must be selected by every set (when there are no more than top_k of them: more
+  // put the top-k threshold inside their tied votes).
+  int select_n_init = 16, select_top_k = 128, select_n_local = 32;
+  bool select_per_kv_head = false, select_scale_scores = false;
+  int needles = 0;
+  bool decisions_inside_bound = false;  // non-CPU backends: the §0 audit must find decisions inside the bound
+  // §8 Δ over the policy above (SPARSA_POLICY_FLAG_DELTA; causal, no LSE).
+  bool delta = false;
+  int gamma = 64, tail_min = 128;
+  bool stats_vs_cpu = false;  // non-CPU backends: every stats counter equal to the CPU backend's
+  // Inputs.
+  Pattern pattern = Pattern::kRandom;
+  double q_scale = 1;  // multiplies q: large scores move the running max across key tiles
+  // Noise of 0.5·N(0, 1) in q, k, v; key 0 and every row of the even query blocks share a first coordinate scoring
+  // kSinkBlockScore: the even blocks' later key blocks fall ~29 below their running max, the odd blocks' gains stay
+  // within a few units of 0 (wide margins around any λ in between).
+  bool sink_blocks = false;
+  // Tolerance.
+  Tolerance tol;
+
+  AttentionCase& with_dtype(int32_t d) { dtype = d; return *this; }
+  AttentionCase& heads(int hq, int hkv) { q_heads = hq; kv_heads = hkv; return *this; }
+  AttentionCase& dim(int d) { head_dim = d; return *this; }
+  AttentionCase& lengths(std::vector<int> sq, std::vector<int> skv) {
+    seq_q = std::move(sq); seq_k = std::move(skv); return *this;
+  }
+  AttentionCase& causal(bool on = true) { is_causal = on; return *this; }
+  AttentionCase& varlen() { layout = Layout::kVarlen; return *this; }
+  AttentionCase& paged(int ps) { layout = Layout::kPaged; page_size = ps; return *this; }
+  AttentionCase& packed_q() { q_packed = true; return *this; }
+  AttentionCase& packed_kv() { kv_packed = true; return *this; }
+  AttentionCase& kv_rows_padded_by(int64_t pad) { kv_row_pad = pad; return *this; }
+  AttentionCase& kv_heads_padded_by(int64_t pad) { kv_head_pad = pad; return *this; }
+  AttentionCase& no_lse() { lse = false; return *this; }
+  AttentionCase& without_kv_lengths() { kv_lengths = false; return *this; }
+  AttentionCase& sink_window_policy(int sinks, int window) {
+    policy = SPARSA_POLICY_SINK_WINDOW; sink_tokens = sinks; sink_window = window; return *this;
+  }
+  AttentionCase& block_sparse_policy(int bq, int bk, double density) {
+    policy = SPARSA_POLICY_BLOCK_SPARSE; block_q = bq; block_k = bk; mask_density = density; return *this;
+  }
+  AttentionCase& pv_skip_policy(int bq, int bk, double lambda) {
+    policy = SPARSA_POLICY_SPARGE; block_q = bq; block_k = bk; sparge_lambda = lambda; return *this;
+  }
+  AttentionCase& token_select_policy(int n_init, int top_k, int n_local) {
+    policy = SPARSA_POLICY_TOKEN_SELECT; select_n_init = n_init; select_top_k = top_k; select_n_local = n_local;
+    return *this;
+  }
+  AttentionCase& per_kv_head() { select_per_kv_head = true; return *this; }
+  AttentionCase& scale_scores() { select_scale_scores = true; return *this; }
+  AttentionCase& with_needles(int n) { needles = n; return *this; }
+  AttentionCase& expect_decisions_inside_bound() { decisions_inside_bound = true; return *this; }
+  AttentionCase& token_indices_policy(int h_idx, int slots) {
+    policy = SPARSA_POLICY_TOKEN_INDICES; index_heads = h_idx; index_slots = slots; return *this;
+  }
+  AttentionCase& index_blocks(int block_size) { index_block_size = block_size; return *this; }
+  AttentionCase& index_init_local(int n_init, int n_local) {
+    index_n_init = n_init; index_n_local = n_local; return *this;
+  }
+  AttentionCase& with_head_map() { head_map = true; return *this; }
+  AttentionCase& with_sorted_rows() { sorted_rows = true; return *this; }
+  AttentionCase& with_delta(int g, int tail) { delta = true; gamma = g; tail_min = tail; return *this; }
+  AttentionCase& dense_policy() { policy = SPARSA_POLICY_DENSE; return *this; }
+  AttentionCase& inputs(Pattern p) { pattern = p; return *this; }
+  AttentionCase& scaled_q(double s) { q_scale = s; return *this; }
+  AttentionCase& with_sink_blocks() { sink_blocks = true; return *this; }
+  AttentionCase& with_tolerance(Tolerance t) { tol = t; return *this; }
+  AttentionCase& stats_against_cpu(bool on) { stats_vs_cpu = on; return *this; }
+};
+inline void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
+
+// A row with the defaults of a prefill table (Hq = Hkv = 4, D 64, Sq = Skv = 64, non-causal, prefill tolerance) and
+// of a decode table (Hq 8, Hkv 2, D 128, Sq 1, Skv 1000, causal, decode tolerance).
+AttentionCase prefill_row(std::string name, int32_t dtype);
+AttentionCase decode_row(std::string name, int32_t dtype);
+// A Δ row: Hq = Hkv = 4, D 128, Sq = Skv = 256, causal, no LSE, SINK_WINDOW (4 sinks, window 48) as the base, γ 64,
+// tail_min 128, stats compared with the CPU backend, Δ tolerance.
+AttentionCase delta_row(std::string name, int32_t dtype);
+// A TOKEN_SELECT row: Hq 32, Hkv 8, D 128, Sq 1, Skv 3000, causal, n_init 16, top_k 128, n_local 32, select tolerance.
+AttentionCase select_row(std::string name, int32_t dtype);
+
+// Runs the row on ctx and checks it (see the top of this file). `seed` seeds its inputs.
+void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed);
+
+}  // namespace st

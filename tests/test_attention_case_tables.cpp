@@ -1,0 +1,254 @@
+// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §4's PV skip, §6 TOKEN_SELECT, §7 TOKEN_INDICES and §8
+// DELTA on every backend, as case tables (one row per case: shape, layout, policy, inputs pattern, tolerance;
+// case_table.h). The rows pick the kernel paths of the GPU backend: the tensor-core prefill kernels (mma.sync, and
+// wgmma on sm_90), the portable kernel (f32, head_dim 96/256), split-KV with its combine kernel, the tensor-core and
+// CUDA-core decode kernels (rows off 16-byte boundaries), TOKEN_SELECT's score kernels and vote, TOKEN_INDICES' key
+// sets and list walk, Δ's query-row map, the λ PV skip in the forward tiles; every row runs on the CPU backend too.
+// Each is checked against the float64 reference, and on a non-CPU backend against the CPU backend as well.
+#include "case_table.h"
+
+#include <string>
+#include <vector>
+
+namespace {
+
+using st::AttentionCase;
+using st::decode_row;
+using st::prefill_row;
+using st::Pattern;
+
+constexpr int32_t kF32 = SPARSA_DTYPE_F32, kF16 = SPARSA_DTYPE_F16, kBF16 = SPARSA_DTYPE_BF16;
+
+// Prefill and mixed shapes. Defaults: Hq = Hkv = 4, D 64, Sq = Skv = 64, non-causal, padded, dense.
+const std::vector<AttentionCase> kPrefillCases = {
+    prefill_row("dense_f16_d64_noncausal", kF16).lengths({300, 300}, {300, 300}),
+    prefill_row("dense_bf16_d128_causal_sq_lt_skv_gqa4", kBF16).heads(8, 2).dim(128).lengths({77}, {301}).causal(),
+    prefill_row("dense_f16_d128_causal_sq_gt_skv_empty_rows", kF16).dim(128).lengths({300}, {129}).causal(),
+    prefill_row("decode_f16_d64_gqa8", kF16).heads(8, 1).lengths({1, 1, 1}, {1000, 17, 333}).causal(),
+    prefill_row("sink_window_bf16_d128_causal", kBF16).dim(128).sink_window_policy(16, 100).lengths({333}, {333})
+        .causal(),
+    prefill_row("sink_window_f16_d64_noncausal", kF16).sink_window_policy(3, 70).lengths({200}, {260}),
+    prefill_row("block_sparse_f16_d128_causal_64x64", kF16).dim(128).block_sparse_policy(64, 64, 0.5)
+        .lengths({257, 257}, {257, 300}).causal(),
+    prefill_row("block_sparse_bf16_d64_odd_blocks_32x48", kBF16).block_sparse_policy(32, 48, 0.3)
+        .lengths({190}, {250}),
+    prefill_row("dense_f32_d64_causal_portable", kF32).lengths({150}, {150}).causal(),
+    prefill_row("dense_bf16_d256_portable", kBF16).heads(2, 1).dim(256).lengths({70}, {90}).causal(),
+    prefill_row("dense_f16_d96_portable", kF16).dim(96).lengths({40}, {65}),
+    prefill_row("varlen_packed_f16_d128_causal", kF16).dim(128).varlen().lengths({5, 130, 64, 1}, {5, 200, 64, 90})
+        .causal(),
+    prefill_row("paged_ps16_bf16_d128_gqa4_prefill", kBF16).heads(8, 2).dim(128).packed_q().paged(16)
+        .lengths({40, 7}, {100, 7}).causal(),
+    prefill_row("paged_ps1_f16_d64_decode", kF16).heads(4, 1).paged(1).lengths({1, 1}, {77, 200}).causal(),
+    // Few thread blocks, long keys: split-KV + combine.
+    prefill_row("decode_split_kv_bf16_d128_gqa4", kBF16).heads(8, 2).dim(128).lengths({1, 1, 1}, {5000, 3000, 77})
+        .causal(),
+    prefill_row("varlen_split_kv_f16_d64", kF16).varlen().lengths({3, 1}, {4000, 2500}).causal(),
+    // The tensor-core kernel with split-KV (9 rows: too many for decode).
+    prefill_row("short_prefill_split_kv_f16_d128", kF16).heads(2, 2).dim(128).lengths({9}, {5000}).causal(),
+    prefill_row("decode_f32_d128_sink_window_gqa2", kF32).heads(4, 2).dim(128).sink_window_policy(5, 300)
+        .lengths({2, 2}, {3000, 700}).causal(),
+    prefill_row("padded_seq_lens_f16_d64_no_lse", kF16).lengths({64, 64}, {30, 129}).no_lse(),
+};
+
+// Decode shapes (forward_decode.cu: tensor-core and CUDA-core decode kernels, split-KV and combine; token_indices.cu:
+// key sets and the list walk). Defaults: Hq 8, Hkv 2, D 128, Sq 1, Skv 1000, causal, padded, dense.
+const std::vector<AttentionCase> kDecodeCases = {
+    // Dense decode, tensor-core kernel.
+    decode_row("gqa1_f16_d64_padded_ragged_b3", kF16).dim(64).heads(4, 4).lengths({1, 1, 1}, {1, 77, 3001}),
+    decode_row("gqa4_bf16_d128_paged16_b2", kBF16).paged(16).lengths({1, 1}, {5000, 123}),
+    decode_row("gqa8_f16_d128_paged1", kF16).heads(8, 1).paged(1).lengths({1, 1}, {300, 1001}),
+    decode_row("gqa8_bf16_d256_long_many_splits", kBF16).dim(256).heads(16, 2).lengths({1}, {40000}),
+    decode_row("gqa4_f16_d128_long_needle", kF16).inputs(Pattern::kNeedles).lengths({1}, {70001}),
+    decode_row("gqa4_bf16_d64_sinks_packed_kv", kBF16).dim(64).inputs(Pattern::kSinks).packed_kv()
+        .lengths({1, 1, 1}, {2049, 15, 9000}),
+    // 16 rows: 4 query rows x 4 heads.
+    decode_row("gqa4_f16_d64_sq4_packed_q_causal_tail", kF16).dim(64).packed_q().lengths({4, 3, 1}, {4, 700, 2500}),
+    decode_row("gqa8_bf16_d128_sq2_noncausal", kBF16).heads(16, 2).lengths({2, 2}, {33, 1500}).causal(false),
+    decode_row("gqa1_f16_d128_sq9_short_prefill", kF16).heads(2, 2).lengths({9}, {5000}),
+    // Tiles outside the sinks and the window are never loaded.
+    decode_row("sink_window_bf16_d128_gqa4", kBF16).sink_window_policy(5, 300).lengths({2, 2}, {20000, 700}),
+    decode_row("block_sparse_f16_d64_gqa2", kF16).dim(64).heads(4, 2).block_sparse_policy(64, 64, 0.35)
+        .lengths({1, 1}, {3000, 190}),
+    // CUDA-core kernel (f32, rows off 16-byte boundaries).
+    decode_row("gqa4_f32_d128_paged16", kF32).paged(16).lengths({1, 1}, {2500, 17}),
+    decode_row("gqa4_f16_d64_odd_row_stride", kF16).dim(64).kv_rows_padded_by(4).lengths({1, 1}, {999, 4000}),
+    // TOKEN_INDICES: key sets + the list walk.
+    decode_row("indices_list_per_head_bf16_d128", kBF16).token_indices_policy(8, 900).lengths({1, 1}, {20000, 3000}),
+    // H_idx = Hkv: the heads of a group share a list.
+    decode_row("indices_list_per_group_f16_d64_blocks_init_local", kF16).dim(64).heads(16, 2)
+        .token_indices_policy(2, 300).index_blocks(16).index_init_local(4, 64).paged(16)
+        .lengths({1, 1, 1}, {50000, 31, 8000}),
+    // H_idx = 1: 5 rows x 4 heads = two row tiles.
+    decode_row("indices_list_per_sequence_bf16_d128_sq5", kBF16).token_indices_policy(1, 500).index_init_local(0, 16)
+        .lengths({5, 5}, {9000, 40}),
+    decode_row("indices_head_map_bf16_d256_paged16", kBF16).dim(256).token_indices_policy(3, 400).with_head_map()
+        .paged(16).lengths({1, 1}, {6000, 2000}),
+    decode_row("indices_prefill_f16_d128_gqa1", kF16).heads(2, 2).token_indices_policy(2, 60).index_init_local(2, 0)
+        .varlen().lengths({70, 33}, {300, 33}),
+    // Ascending rows: lists copied without the bitmap; sequence 1 has fewer ids than slots (-1 padding, bitmap).
+    decode_row("indices_sorted_rows_bf16_d128", kBF16).token_indices_policy(8, 2000).with_sorted_rows()
+        .lengths({1, 1}, {30000, 1500}),
+    // Ascending block ids, the last block partial.
+    decode_row("indices_sorted_blocks_f16_d64_gqa4", kF16).dim(64).token_indices_policy(2, 50).index_blocks(16)
+        .with_sorted_rows().paged(16).lengths({1, 1, 1}, {4001, 9000, 333}),
+    decode_row("indices_f32_d64_simt", kF32).dim(64).token_indices_policy(2, 200).lengths({1, 1}, {7000, 500}),
+};
+
+// §8 Δ over DENSE, SINK_WINDOW and BLOCK_SPARSE (gpu_delta.cu: the base policy, one kDeltaRows forward launch and the
+// correction; the tensor-core kernel for f16/bf16 D 64/128, the portable one for f32 and D 96). Defaults: Hq = Hkv
+// = 4, D 128, Sq = Skv = 256, causal, no LSE, SINK_WINDOW (4, 48) base, γ 64, tail_min 128, stats against the CPU.
+const std::vector<AttentionCase> kDeltaCases = {
+    st::delta_row("sink_window_bf16_d128_gqa4_defaults", kBF16).heads(8, 2).sink_window_policy(4, 200)
+        .lengths({1000}, {1000}),
+    st::delta_row("dense_base_f16_d64_gqa8_bottom_right", kF16).dim(64).heads(8, 1).dense_policy()
+        .lengths({777, 777}, {900, 900}).with_delta(16, 32).inputs(Pattern::kSinks),
+    st::delta_row("block_sparse_bf16_d128_odd_lengths", kBF16).block_sparse_policy(64, 64, 0.35)
+        .lengths({513}, {513}).with_delta(32, 40),
+    st::delta_row("varlen_f16_d128_sink_window_ragged", kF16).varlen()
+        .lengths({300, 5, 129, 64, 200}, {300, 5, 150, 64, 260}).with_delta(16, 32),
+    st::delta_row("paged_ps16_bf16_d128_gqa4", kBF16).heads(8, 2).packed_q().paged(16).lengths({333, 90}, {400, 90})
+        .with_delta(16, 32).inputs(Pattern::kSinks),
+    st::delta_row("portable_f32_d64_sink_window", kF32).dim(64).lengths({300}, {300}).with_delta(16, 32),
+    st::delta_row("portable_f16_d96_dense_gamma10_tail0", kF16).dim(96).heads(2, 1).dense_policy()
+        .lengths({250}, {250}).with_delta(10, 0),
+    st::delta_row("short_sequences_all_dense_base_skipped", kBF16).lengths({100, 100}, {100, 100}),
+    st::delta_row("sq_exceeds_skv_empty_rows", kF16).lengths({300}, {200}).with_delta(16, 32),
+};
+
+// Shapes of the Hopper wgmma prefill kernel (forward_wgmma.cu takes f16/bf16 with D 64/128 on sm_90): 128-row query
+// tiles split over two consumer warpgroups (tails inside either half), 128-key tiles through a 3-deep ring that wraps,
+// bottom-right causal with Sq < Skv and Sq > Skv, GQA 1/4/8, packed and paged (page sizes 1 and 16) K/V, block masks
+// whose cells cut tiles, sink/window, large scores (online-softmax rescaling across tiles), and Δ's dense pass through
+// the query-row map (kDeltaRows: anchor and tail rows read at their positions, written compact). Defaults as the
+// prefill table's.
+const std::vector<AttentionCase> kWgmmaCases = {
+    // One 128-row tile with a tail in the second consumer half, several key tiles.
+    prefill_row("dense_bf16_d128_noncausal_tail", kBF16).dim(128).heads(2, 2).lengths({100}, {700}),
+    // 9 key tiles: the 3-slot ring wraps three times.
+    prefill_row("dense_f16_d64_noncausal_many_tiles", kF16).heads(2, 2).lengths({257}, {1100}),
+    prefill_row("dense_bf16_d64_causal_square_gqa8", kBF16).heads(8, 1).lengths({389}, {389}).causal(),
+    // Bottom-right: row i sees keys <= i + 500.
+    prefill_row("dense_f16_d128_causal_sq_lt_skv_gqa4", kF16).dim(128).heads(8, 2).lengths({130}, {630}).causal(),
+    // The first 171 rows see nothing.
+    prefill_row("dense_bf16_d128_causal_sq_gt_skv_empty_rows", kBF16).dim(128).heads(2, 1).lengths({300}, {129})
+        .causal(),
+    // |q| ~ 6: the running max changes between tiles.
+    prefill_row("dense_bf16_d128_large_scores", kBF16).dim(128).heads(2, 2).lengths({200}, {600}).scaled_q(6),
+    prefill_row("dense_f16_d64_causal_large_scores_batch3", kF16).heads(4, 4).varlen()
+        .lengths({129, 200, 64}, {129, 450, 64}).causal().scaled_q(5),
+    prefill_row("varlen_packed_bf16_d128_causal_gqa4", kBF16).dim(128).heads(8, 2).varlen()
+        .lengths({5, 130, 257, 1, 64}, {5, 200, 257, 90, 400}).causal(),
+    prefill_row("varlen_packed_f16_d64_noncausal", kF16).varlen().lengths({33, 140, 9}, {300, 17, 129}),
+    prefill_row("paged_ps16_bf16_d128_gqa4_causal", kBF16).dim(128).heads(8, 2).packed_q().paged(16)
+        .lengths({140, 30}, {500, 30}).causal(),
+    prefill_row("paged_ps1_f16_d64_prefill", kF16).heads(4, 1).packed_q().paged(1).lengths({150, 40}, {333, 41})
+        .causal(),
+    prefill_row("padded_seq_lens_bf16_d64_no_lse", kBF16).lengths({200, 200}, {30, 333}).no_lse(),
+    prefill_row("block_sparse_bf16_d128_causal_128x128", kBF16).dim(128).heads(2, 2).block_sparse_policy(128, 128, 0.5)
+        .lengths({700}, {700}).causal(),
+    // Cells cut tiles: the element predicate inside tiles.
+    prefill_row("block_sparse_f16_d64_odd_cells_48x80", kF16).heads(2, 1).block_sparse_policy(48, 80, 0.3)
+        .lengths({301}, {517}),
+    prefill_row("sink_window_bf16_d128_causal_long", kBF16).dim(128).heads(2, 2).sink_window_policy(20, 150)
+        .lengths({900}, {900}).causal(),
+    prefill_row("sink_window_f16_d64_noncausal", kF16).sink_window_policy(3, 200).lengths({260}, {700}),
+    // 2 thread blocks, 40 key tiles.
+    prefill_row("short_prefill_f16_d128_long_keys", kF16).dim(128).heads(2, 2).lengths({9}, {5000}).causal(),
+    // Δ over SINK_WINDOW, odd Sq: cut = 1111 % 8 + 40 = 47, s_p = 1064, 133 anchors + 47 tail rows = 180 launch rows
+    // (two 128-row tiles; the second ends inside its first consumer half). Anchor tiles reach far past their launch
+    // index, so the causal horizon must come from the row's position.
+    prefill_row("delta_sink_window_bf16_d128_odd", kBF16).dim(128).heads(4, 2).sink_window_policy(16, 200)
+        .with_delta(8, 40).lengths({1111}, {1111}).causal().no_lse().with_tolerance(st::delta_tolerance(kBF16)),
+    // A tail longer than a consumer half; 170 anchors.
+    prefill_row("delta_sink_window_f16_d64_odd", kF16).heads(8, 1).sink_window_policy(16, 200).with_delta(5, 130)
+        .lengths({987}, {987}).causal().no_lse().with_tolerance(st::delta_tolerance(kF16)),
+    // Δ over DENSE, varlen with Sq < Skv (positions shift by Skv − Sq) and sequences too short for any sparse row
+    // (s_p = 0: every row dense, launch row a = position a).
+    prefill_row("delta_dense_varlen_bf16_d64", kBF16).heads(4, 4).varlen().with_delta(7, 33)
+        .lengths({517, 20, 901}, {700, 20, 901}).causal().no_lse().with_tolerance(st::delta_tolerance(kBF16)),
+    prefill_row("delta_dense_varlen_f16_d128_paged", kF16).dim(128).heads(8, 2).packed_q().paged(16)
+        .with_delta(64, 128).lengths({1500, 300}, {1600, 300}).causal().no_lse()
+        .with_tolerance(st::delta_tolerance(kF16)),
+};
+
+// §4 step 7, SPARGE's λ PV skip in the forward kernels, with theta 1 (every block computed, so only the λ test
+// decides) on inputs with wide margins (sink_blocks: the even query blocks' later key blocks skipped at λ = −10, the
+// odd ones kept): tensor-core tiles (block_q 64 and 128 × block_k 64, f16/bf16) and the portable kernel (f32, and
+// block sizes the tensor cores do not take), causal and not, Sq != Skv, GQA. Outputs within the Δ tolerance (4e-4 /
+// 8e-3 / 6e-2), PV_BLOCKS_SKIPPED equal to the reference's. Defaults: Hq 4, Hkv 1, D 128, causal, no LSE.
+AttentionCase pv_skip_row(std::string name, int32_t dtype) {
+  return prefill_row(std::move(name), dtype).heads(4, 1).dim(128).causal().no_lse().without_kv_lengths()
+      .with_sink_blocks().with_tolerance(st::delta_tolerance(dtype));
+}
+constexpr double kSkipLambda = -10;
+const std::vector<AttentionCase> kPvSkipCases = {
+    pv_skip_row("tensor_cores_bf16_bq128_bk64_causal_gqa4", kBF16).pv_skip_policy(128, 64, kSkipLambda)
+        .lengths({300}, {300}),
+    pv_skip_row("tensor_cores_f16_bq64_bk64_noncausal_sq_lt_skv", kF16).dim(64).heads(2, 2)
+        .pv_skip_policy(64, 64, kSkipLambda).causal(false).lengths({200}, {333}),
+    pv_skip_row("tensor_cores_bf16_bq128_bk64_causal_batch2_sq_lt_skv", kBF16).pv_skip_policy(128, 64, kSkipLambda)
+        .lengths({257, 257}, {400, 400}),
+    pv_skip_row("portable_f32_bq32_bk16_causal", kF32).dim(64).pv_skip_policy(32, 16, kSkipLambda)
+        .lengths({190}, {190}),
+    // Block sizes the tensor-core tiles do not take.
+    pv_skip_row("portable_bf16_bq48_bk40_noncausal", kBF16).dim(64).heads(4, 2).pv_skip_policy(48, 40, kSkipLambda)
+        .causal(false).lengths({230}, {250}),
+};
+
+// §6 TOKEN_SELECT without a cache (token_select_score.cu: the fp32 score kernel for fp16/bf16 keys, the float64
+// DMMA and FMA kernels for the rest, the vote, the device top-k): dense fallbacks, ragged and chunked batches, paged
+// and packed K/V, per-kv-head sets, scaled scores, k/v heads off alignment, needle keys that must be selected, tied
+// needles across the top-k boundary. On the CPU, selections equal the reference's where the top-k vote is not too
+// close to call; off the CPU, the §0 audit (case_table.cpp: decisions outside the scores' error bound agree with the
+// reference, the output is the reference's attention over the backend's own sets).
+// Defaults: Hq 32, Hkv 8, D 128, Sq 1, Skv 3000, n_init 16, top_k 128, n_local 32; outputs within t·(1 + |ref|).
+const std::vector<AttentionCase> kSelectCases = {
+    st::select_row("gqa32_8_bf16_decode", kBF16),
+    st::select_row("gqa32_8_f16_needles_ragged", kF16).lengths({1, 1}, {2000, 777}).with_needles(2),
+    // Sequence 1 falls back to dense (150 <= n_init + top_k + n_local).
+    st::select_row("f32_packed_q_and_kv_chunks_one_dense", kF32).dim(64).heads(8, 2).varlen()
+        .lengths({4, 1, 7}, {900, 150, 1300}).with_needles(1),
+    st::select_row("paged_per_kv_head_bf16", kBF16).packed_q().paged(16).per_kv_head().lengths({2, 1}, {1500, 2100})
+        .with_needles(1),
+    st::select_row("mha_d80_scale_scores_f16", kF16).dim(80).heads(4, 4).scale_scores().lengths({1}, {1111}),
+    st::select_row("gqa16_1_two_head_chunks", kBF16).heads(16, 1).lengths({1}, {2500}).with_needles(1),
+    st::select_row("unaligned_kv_rows_gqa4", kF16).dim(64).heads(8, 2).kv_heads_padded_by(3).lengths({1}, {1000}),
+    st::select_row("all_dense_chunk", kBF16).dim(64).heads(8, 2).packed_q().lengths({16, 5}, {150, 60}),
+    st::select_row("no_sinks_no_window", kBF16).heads(8, 2).token_select_policy(0, 64, 0).lengths({24}, {700}),
+    // The DMMA score kernel's edges: a head_dim that ends inside a round (80 = 2.5 rounds of 32), f32 rounds of 16
+    // dims with full 8-head chunks over a ragged packed batch, a group of 12 (chunks of 8 and 4 heads) on pages; the
+    // FMA kernel's cases next to it (head_dim above 128, a group of 2).
+    st::select_row("mma_gqa4_d80_f16_dim_tail", kF16).dim(80).heads(8, 2).lengths({1}, {1234}).with_needles(1),
+    st::select_row("mma_gqa8_f32_d64_ragged_batch", kF32).dim(64).heads(16, 2).varlen()
+        .lengths({1, 3, 1}, {3001, 517, 1290}).with_needles(1),
+    st::select_row("mma_gqa12_bf16_paged_chunks_8_and_4", kBF16).heads(24, 2).paged(16).lengths({1}, {2222})
+        .with_needles(2),
+    st::select_row("fma_gqa4_d256_bf16", kBF16).dim(256).heads(8, 2).lengths({1}, {1500}).with_needles(1),
+    st::select_row("fma_gqa2_bf16", kBF16).heads(8, 4).lengths({1}, {1700}).with_needles(1),
+    st::select_row("long_decode_40k_default_shape", kBF16).token_select_policy(128, 2048, 512).lengths({1}, {40000})
+        .with_needles(3),
+    // More identical needles than top_k: the k-th largest vote falls inside a run of tied candidates, so off the CPU
+    // the §0 audit sees decisions inside the fp32 bound next to decided ones.
+    st::select_row("tied_needles_across_the_boundary_bf16", kBF16).token_select_policy(16, 64, 32).lengths({1}, {4000})
+        .with_needles(150).expect_decisions_inside_bound(),
+    st::select_row("tied_needles_paged_ps1_f16_gqa4_d64", kF16).dim(64).heads(8, 2).packed_q().paged(1)
+        .token_select_policy(16, 100, 32).lengths({1, 1}, {3100, 2900}).with_needles(180)
+        .expect_decisions_inside_bound(),
+};
+
+SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
+SPARSA_BACKEND_TABLE(DecodeCases, AttentionCase, kDecodeCases);
+SPARSA_BACKEND_TABLE(DeltaCases, AttentionCase, kDeltaCases);
+SPARSA_BACKEND_TABLE(WgmmaCases, AttentionCase, kWgmmaCases);
+SPARSA_BACKEND_TABLE(PvSkipCases, AttentionCase, kPvSkipCases);
+SPARSA_BACKEND_TABLE(SelectCases, AttentionCase, kSelectCases);
+
+TEST_P(PrefillCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(DeltaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(WgmmaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(PvSkipCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(SelectCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+
+}  // namespace
