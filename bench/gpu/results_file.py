@@ -72,6 +72,9 @@ def rows_of(measured):
             out.append((f"token_select_miss_{_k(n)}", ms, "cudnn_dense_decode", r["cudnn_ms"], bar))
         elif kind == "select_hit":
             out.append((f"token_select_hit_{_k(n)}", ms, "cudnn_dense_decode", r["cudnn_ms"], 0.0))
+        elif kind == "select_miss_batch8":
+            out.append((f"token_select_miss_batch8_ragged_{_k(n)}", ms, "cudnn_dense_decode_per_sequence",
+                        r["cudnn_ms"], 3.0))
     return out
 
 
