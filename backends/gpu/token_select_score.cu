@@ -13,6 +13,29 @@ SPARSA_GPU_NAMESPACE_BEGIN
 namespace token_select {
 namespace {
 
+// The work of a score block: sequence b = blockIdx.z, query heads [head0, head0 + heads) (blockIdx.y = kv head ·
+// chunk of kHeads), candidate tiles blockIdx.x, blockIdx.x + gridDim.x, ... of `tiles`. Inactive: the sequence does
+// not select, hit the cache, or has no tile for this block.
+struct ScoreBlock {
+  int32_t b = 0, head0 = 0, heads = 0, tiles = 0;
+  SequenceInfo info;
+  bool active = false;
+};
+
+template <int kHeads>
+__device__ __forceinline__ ScoreBlock score_block(const SelectParams& sp) {
+  ScoreBlock block;
+  block.b = blockIdx.z;
+  block.info = sp.sequences[block.b];
+  const int32_t group = sp.p.group_size, chunks_per_group = (group + kHeads - 1) / kHeads;
+  const int32_t kv_head = blockIdx.y / chunks_per_group;
+  block.head0 = kv_head * group + (blockIdx.y % chunks_per_group) * kHeads;
+  block.heads = min(kHeads, (kv_head + 1) * group - block.head0);
+  block.tiles = (block.info.candidates + kScoreTile - 1) / kScoreTile;
+  block.active = block.info.mode == kSelects && sp.skip[block.b] == 0 && int32_t(blockIdx.x) < block.tiles;
+  return block;
+}
+
 // Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ...; a tile's 256 key rows come in
 // steps of 32 bytes per row (one DRAM sector each), copied with cp.async into a ring of kStages stages, so that
 // kStages - 1 steps (16 or 24 KB per block) are in flight while one is computed. The ring runs across tiles (the next
@@ -33,15 +56,10 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm) score_kernel
   __shared__ __align__(16) double qbar[kMaxHeadDim * kHeads];  // [d][head], rescaled
   __shared__ double scratch[kScoreThreads / kWarpLanes * kHeads], maxima[kHeads], sums[kHeads];
 
-  const int32_t b = blockIdx.z;
-  const SequenceInfo info = sp.sequences[b];
-  if (info.mode != kSelects || sp.skip[b] != 0) return;
-  const int32_t group = sp.p.group_size, chunks_per_group = (group + kHeads - 1) / kHeads;
-  const int32_t kv_head = blockIdx.y / chunks_per_group;
-  const int32_t head0 = kv_head * group + (blockIdx.y % chunks_per_group) * kHeads;
-  const int32_t heads = min(kHeads, (kv_head + 1) * group - head0);
-  const int32_t tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
-  if (int32_t(blockIdx.x) >= tiles) return;
+  const ScoreBlock block = score_block<kHeads>(sp);
+  if (!block.active) return;
+  const int32_t b = block.b, head0 = block.head0, heads = block.heads, tiles = block.tiles;
+  const SequenceInfo info = block.info;
   const SequenceView s = make_sequence_view(sp.p, b, head0);
   const int32_t dim = sp.p.head_dim;
   const int64_t row0 = int64_t(b) * sp.p.num_q_heads + head0;  // (b, head0) row of q̄ / scores / tile stats
@@ -280,15 +298,10 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
   __shared__ __align__(16) unsigned char ring[kMmaStages][kMmaStageBytes];
   __shared__ double warp_max[kMmaWarps][kMmaHeads], warp_sum[kMmaWarps][kMmaHeads];
 
-  const int32_t b = blockIdx.z;
-  const SequenceInfo info = sp.sequences[b];
-  if (info.mode != kSelects || sp.skip[b] != 0) return;
-  const int32_t group = sp.p.group_size, chunks_per_group = (group + kMmaHeads - 1) / kMmaHeads;
-  const int32_t kv_head = blockIdx.y / chunks_per_group;
-  const int32_t head0 = kv_head * group + (blockIdx.y % chunks_per_group) * kMmaHeads;
-  const int32_t heads = min(kMmaHeads, (kv_head + 1) * group - head0);
-  const int32_t tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
-  if (int32_t(blockIdx.x) >= tiles) return;
+  const ScoreBlock block = score_block<kMmaHeads>(sp);
+  if (!block.active) return;
+  const int32_t b = block.b, head0 = block.head0, heads = block.heads, tiles = block.tiles;
+  const SequenceInfo info = block.info;
   const SequenceView s = make_sequence_view(sp.p, b, head0);
   const int32_t dim = sp.p.head_dim;
   const int32_t rounds = (dim + kRoundDims - 1) / kRoundDims;
@@ -587,15 +600,10 @@ __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) s
   __shared__ float holder_max[kHeads][kHolders];
   __shared__ double holder_sum[kHeads][kHolders];
 
-  const int32_t b = blockIdx.z;
-  const SequenceInfo info = sp.sequences[b];
-  if (info.mode != kSelects || sp.skip[b] != 0) return;
-  const int32_t group = sp.p.group_size, chunks_per_group = (group + kHeads - 1) / kHeads;
-  const int32_t kv_head = blockIdx.y / chunks_per_group;
-  const int32_t head0 = kv_head * group + (blockIdx.y % chunks_per_group) * kHeads;
-  const int32_t heads = min(kHeads, (kv_head + 1) * group - head0);
-  const int32_t tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
-  if (int32_t(blockIdx.x) >= tiles) return;
+  const ScoreBlock block = score_block<kHeads>(sp);
+  if (!block.active) return;
+  const int32_t b = block.b, head0 = block.head0, heads = block.heads, tiles = block.tiles;
+  const SequenceInfo info = block.info;
   const SequenceView s = make_sequence_view(sp.p, b, head0);
   const int32_t dim = sp.p.head_dim;
   const int64_t row0 = int64_t(b) * sp.p.num_q_heads + head0;
