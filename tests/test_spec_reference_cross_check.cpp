@@ -118,7 +118,9 @@ TEST(SpecReference, AgreesWithSpecLiteralForms) {
       EXPECT_TRUE(st::outputs_close(dense, literal_dense, kSameFloat64));
       EXPECT_TRUE(st::lse_close(dense, literal_dense, kSameFloat64));
 
-      for (auto [sinks, window] : std::vector<std::pair<int, int>>{{0, 0}, {3, 0}, {0, 5}, {2, 7}, {50, 100}}) {
+      for (const auto& [sink_count, window_size] :
+           std::vector<std::pair<int, int>>{{0, 0}, {3, 0}, {0, 5}, {2, 7}, {50, 100}}) {
+        const int sinks = sink_count, window = window_size;  // plain locals: a lambda may not capture a binding (C++17)
         const ref::Output literal =
             attend_where(p, [&](int b, int, int i, int j) { return literal_sink_window(p, b, i, j, sinks, window); });
         EXPECT_TRUE(st::outputs_close(ref::attend(p, ref::sink_window(p, sinks, window)), literal, kSameFloat64))
