@@ -216,9 +216,12 @@ const std::vector<AttentionCase> kSelectCases = {
     st::select_row("unaligned_kv_rows_gqa4", kF16).dim(64).heads(8, 2).kv_heads_padded_by(3).lengths({1}, {1000}),
     st::select_row("all_dense_chunk", kBF16).dim(64).heads(8, 2).packed_q().lengths({16, 5}, {150, 60}),
     st::select_row("no_sinks_no_window", kBF16).heads(8, 2).token_select_policy(0, 64, 0).lengths({24}, {700}),
-    // The DMMA score kernel's edges: a head_dim that ends inside a round (80 = 2.5 rounds of 32), f32 rounds of 16
-    // dims with full 8-head chunks over a ragged packed batch, a group of 12 (chunks of 8 and 4 heads) on pages; the
-    // FMA kernel's cases next to it (head_dim above 128, a group of 2).
+    // Named for the float64 kernels' edges (DMMA: a head_dim that ends inside a round, 80 = 2.5 rounds of 32; f32
+    // rounds of 16 dims with full 8-head chunks over a ragged packed batch; a group of 12 in chunks of 8 and 4 heads
+    // on pages; FMA: head_dim above 128, a group of 2). fp16/bf16 keys in aligned rows score in fp32
+    // (score_f32_kernel), so of these rows only the f32 one reaches a float64 kernel (DMMA on sm_90, the FMA kernel
+    // on sm_80); the 16-bit rows cover score_f32_kernel's head_dim 80 and 256, its 8- and 4-head chunks and a group
+    // of 2.
     st::select_row("mma_gqa4_d80_f16_dim_tail", kF16).dim(80).heads(8, 2).lengths({1}, {1234}).with_needles(1),
     st::select_row("mma_gqa8_f32_d64_ragged_batch", kF32).dim(64).heads(16, 2).varlen()
         .lengths({1, 3, 1}, {3001, 517, 1290}).with_needles(1),

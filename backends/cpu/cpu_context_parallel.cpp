@@ -1,7 +1,8 @@
 // Context-parallel TOKEN_SELECT on the CPU (sparsa_cp_select_*, docs/context_parallel.md).
 //
 // Each step recomputes, on this shard's keys only, exactly the quantities run_token_select computes over the whole
-// cache (cpu_token_select.cpp, phase 3): q̄_h the same float64 mean, s[h, t] the same interleaved_dots_keys sums,
+// cache (cpu_token_select.cpp, phase 3): q̄_h the same float64 mean, s[h, t] the same plain channel-order sums
+// (interleaved_dots_keys here, select_scores.h's kernel there: both bit-identical to the sequential loop),
 // exp(s − m_h) with the same global m_h, Z_h the same FixedPointSum (order-independent), vote[t] the same sum over
 // the set's heads in ascending order, and the same ranking (ranks_before: larger vote, then smaller position). So
 // the index set the four steps produce is the single-device one, bit for bit. The steps allocate their working
@@ -83,7 +84,8 @@ std::vector<double> mean_queries(const AttentionProblem& pr, int32_t b, int64_t 
 }
 
 // s[h, t] for every query head and every candidate of the shard: [Hq][n_candidates], the same sums as
-// head_softmax_stats / score_candidates_all_heads (interleaved_dots_keys over a kv group's heads).
+// head_softmax_stats / score_candidates_all_heads compute with select_scores.h's kernel (here interleaved_dots_keys
+// over a kv group's heads: the same sequential channel-order sum, bit for bit).
 std::vector<double> shard_scores(const CpSelectCall& call, const Params& params, int32_t b, const ShardSequence& s) {
   const AttentionProblem& pr = call.problem;
   const int32_t d = pr.head_dim;

@@ -1,4 +1,5 @@
-// The CUDA (and, compiled by hipcc through backends/gpu/hip/, the HIP) implementation of sparsa::Backend.
+// The CUDA (and, compiled by hipcc from the same sources, cmake/sparsa_gpu.cmake, the HIP) implementation of
+// sparsa::Backend.
 //
 // Reads top to bottom: the device guard, the general limits every case must meet, the Backend class — whose
 // supports/plan/run all go through one dispatch per policy (dispatch_policy) — and the factories

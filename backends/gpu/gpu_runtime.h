@@ -9,13 +9,14 @@
 //     gfx940 (CDNA), 32 on RDNA.
 //   - Code laid out over 32-lane mma fragments is NVIDIA-only (compiled under SPARSA_GPU_HAS_MMA_SYNC or for sm_90a
 //     only, a stub or an FMA path elsewhere) and asserts kWarpLanes == 32: forward_mma.cu, forward_wgmma.cu,
-//     forward_sage.cu and the tensor-core decode kernel of forward_decode.cu (through mma_primitives.cuh), and the
-//     float64 MMA score kernels of token_select_score.cu and gpu_token_sparse.cu.
-//   - Every kernel compiled for HIP either reduces over kWarpLanes lanes (warp_shfl_xor, warp_ballot: sparge_predict.cu,
-//     token_indices.cu, the CUDA-core decode kernel, gpu_token_select.cu, the FMA score kernel of
-//     token_select_score.cu), or works in groups of 32 lanes that a 64-wide wavefront holds twice (VisibleTileWalk in
-//     forward_common.cuh, the FMA scoring of gpu_token_sparse.cu), or uses no warp primitive at all (forward_simt.cu,
-//     merge_states.cu, attention_stats.cu, device_topk.cu, kv_prefetch.cu, gpu_sparge.cu, gpu_delta.cu).
+//     forward_sage.cu, the tensor-core decode kernel of forward_decode.cu (through mma_primitives.cuh), the float64
+//     MMA score kernel of token_select_score.cu and the MMA paths of token_sparse_score.cu.
+//   - Every kernel compiled for HIP either reduces over kWarpLanes lanes (warp_shfl_xor, warp_ballot:
+//     sparge_predict.cu, token_indices.cu, the CUDA-core decode kernel, gpu_token_select.cu, the FMA score kernels
+//     (float64 and fp32) of token_select_score.cu), or works in groups of 32 lanes that a 64-wide wavefront holds
+//     twice (VisibleTileWalk in forward_common.cuh, the float64 FMA scoring of token_sparse_score.cu), or uses no
+//     warp primitive at all (forward_simt.cu, merge_states.cu, attention_stats.cu, device_topk.cu, kv_prefetch.cu,
+//     gpu_sparge.cu, gpu_delta.cu).
 //   - ballots are returned as 64-bit masks (lane_mask_t) so the same code holds on 64-wide wavefronts.
 #pragma once
 

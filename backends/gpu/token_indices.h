@@ -1,5 +1,5 @@
-// TOKEN_INDICES (§7) on the device: a key-set kernel builds, per (sequence, query head), the deduplicated union of
-// the head's index row (token ids or id blocks), [0, n_init) and [N - n_local, N) as an ascending key list (a shared
+// TOKEN_INDICES (§7) on the device: a key-set kernel builds, per sequence and key list (the query heads that read
+// one index row share a list: IndexSetParams::heads_per_list), the deduplicated union of the index row (token ids or id blocks), [0, n_init) and [N - n_local, N) as an ascending key list (a shared
 // memory bitmap, then a compaction), and an index-driven attention kernel reads K/V rows through that list (no
 // gathered copy), causal (bottom-right), split over keys with the shared combine kernel when the launch is small.
 //

@@ -528,7 +528,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 //     |vote - vote*| <= eps · vote*,   eps = 10E + 2^-16
 // (E over the run's heads; more than twice the derivation's 4.5E + 2^-17).
 // Every top-k decision whose oracle vote is farther than eps (relative) from the k-th largest agrees with the CPU;
-// tests/gpu/test_gpu_select.cpp audits exactly that, with candidates on both sides of eps.
+// tests/case_table.cpp (audit_selection, over the SelectCases rows of tests/test_attention_case_tables.cpp) audits
+// exactly that, with candidates on both sides of eps.
 constexpr int kF32ScoreThreads = 256;
 constexpr int kF32ScoreWarps = kF32ScoreThreads / kWarpLanes;
 constexpr int kF32DimsPerLane = kPieceBytes / 2;  // 16-bit elements in one 16-byte load

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fidelity model's GPU work in one device call (docs/fidelity.md). Repository root as cwd, $OUT writable.
+# The fidelity model's GPU work in one invocation on a GPU machine (docs/fidelity.md). Repository root as cwd, $OUT writable.
 #
 #   bash bench/fidelity/run_device.sh train [TRAIN_SECONDS]   # libsparsa build (background) + training
 #   bash bench/fidelity/run_device.sh sweep [SWEEP_SECONDS]   # build libsparsa if needed + the harness sweep

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Trains the fidelity model (model.py) on bench/fidelity/data/train.bin mixed with passkey and multi-key tasks.
 
-    python3 bench/fidelity/train.py --time-budget 360 --out bench/fidelity/checkpoint.npz   # the device run
+    python3 bench/fidelity/train.py --time-budget 360 --out bench/fidelity/checkpoint.npz   # the GPU run
     /usr/bin/python3 bench/fidelity/train.py --tiny --out /tmp/tiny.npz                       # CPU smoke run
 
 Seeded (torch, numpy, sample order). The learning-rate schedule (linear warm-up, cosine decay) runs on the fraction

@@ -1,4 +1,4 @@
-"""sparsa CUDA backend vs its peers, measured in one process on the device GPU (ratios, not absolute times, travel).
+"""sparsa CUDA backend vs its peers, measured in one process on one GPU (ratios, not absolute times, travel).
 
 Calls libsparsa through the Python binding's ctypes layer (bindings/python/sparsa/_library.py, the header's structs
 field by field) on torch tensors (zero copy: the tensors' device pointers and strides go straight

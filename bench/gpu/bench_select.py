@@ -1,8 +1,8 @@
 """TOKEN_SELECT decode on the CUDA backend vs dense cuDNN decode (a bench_gpu.py module: run(sp, record, quick)).
 
-The issue's shape: GQA 32/8, D = 128, bf16, B = 1, one query row, I = 128 sinks + top_k 2048 + 512 local tokens, at
-N = 128K and 1M keys. Timed in the same process against SDPA's cuDNN backend (enable_gqa) on the same K/V:
-  - miss: a decode step whose query is unrelated to the cached one (the cache misses: scoring all N keys in float64,
+The shape of the performance goal (issue 3): GQA 32/8, D = 128, bf16, B = 1, one query row, I = 128 sinks + top_k
+2048 + 512 local tokens, at N = 128K and 1M keys. Timed in the same process against SDPA's cuDNN backend (enable_gqa) on the same K/V:
+  - miss: a decode step whose query is unrelated to the cached one (the cache misses: scoring all N keys, bf16 in fp32,
     the head vote, the device top-k, the index attention); two captured CUDA graphs (each copies its own query into
     q, then runs) replayed alternately, and the same eagerly (host launch cost included);
   - hit: the same query again (cos = 1 >= theta): the selection is reused, only the index attention runs; a captured

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Everything the GPU work needs in ONE device call: build (sm_90a + sm_80), the GPU tests, compute-sanitizer
-# (memcheck on all GPU tests, racecheck on a small case), and the benchmark against the peers. Logs go under $OUT.
+# Everything the GPU checks need, in one invocation on a GPU machine: build (sm_90a + sm_80), the GPU tests,
+# compute-sanitizer (memcheck on all GPU tests, racecheck on a small case), and the benchmark against the peers.
+# Logs go under $OUT.
 #
 #   bash bench/gpu/run_device.sh [tests|python|bench|profile|all]   (default all = tests + python + bench)
 #
 # GoogleTest: uses the machine's if present, else builds the source carried in .peers/googletest (a copy of
-# /usr/src/googletest; the device image has none). FlexAttention/SDPA peers come from the image's torch.
+# /usr/src/googletest, for a GPU machine without one). FlexAttention/SDPA peers come from the image's torch.
 set -u -o pipefail
 STEPS=${1:-all}
 OUT=${OUT:-/tmp/sparsa-gpu-out}
@@ -15,7 +16,7 @@ BUILD=/tmp/sparsa-gpu-build
 JOBS=$(nproc)
 export PATH=/usr/local/cuda/bin:$PATH
 
-LOGS=/tmp/sparsa-gpu-logs  # logs not worth fetching (a device call returns at most 8 files from $OUT)
+LOGS=/tmp/sparsa-gpu-logs  # logs not worth keeping ($OUT holds only the few files worth reading)
 mkdir -p $LOGS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$LOGS/device.txt"
 
@@ -93,7 +94,7 @@ if [ "$STEPS" = all ] || [ "$STEPS" = python ]; then
   tail -25 "$LOGS/python.log"
 fi
 
-if [ "$STEPS" = profile ]; then  # not part of "all": ncu costs device time
+if [ "$STEPS" = profile ]; then  # not part of "all": ncu takes minutes
   echo "=== ncu (one dense prefill launch, one split-KV decode launch) ==="
   timeout 180 ncu --clock-control none -k regex:forward_mma --launch-count 2 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
