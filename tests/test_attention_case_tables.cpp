@@ -229,6 +229,8 @@ const std::vector<AttentionCase> kSelectCases = {
         .with_needles(2),
     st::select_row("fma_gqa4_d256_bf16", kBF16).dim(256).heads(8, 2).lengths({1}, {1500}).with_needles(1),
     st::select_row("fma_gqa2_bf16", kBF16).heads(8, 4).lengths({1}, {1700}).with_needles(1),
+    // fp32 keys with a group of 2: the float64 FMA score kernel on every GPU (DMMA needs groups of 4 or more).
+    st::select_row("fma_gqa2_f32_float64_scores", kF32).heads(8, 4).lengths({1}, {1700}).with_needles(1),
     st::select_row("long_decode_40k_default_shape", kBF16).token_select_policy(128, 2048, 512).lengths({1}, {40000})
         .with_needles(3),
     // More identical needles than top_k: the k-th largest vote falls inside a run of tied candidates, so off the CPU
