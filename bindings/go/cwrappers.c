@@ -5,15 +5,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+// A failure with a malloc'd copy of `message` (NULL when out of memory).
+static gs_result gs_fail(sparsa_status status, const char* message) {
+  gs_result result = {status, NULL};
+  size_t length = strlen(message);
+  result.message = (char*)malloc(length + 1);
+  if (result.message != NULL) memcpy(result.message, message, length + 1);
+  return result;
+}
+
 // Finishes a call: on failure, copies the thread-local message while still on the thread that failed.
 static gs_result gs_finish(sparsa_status status) {
+  if (status != SPARSA_STATUS_SUCCESS) return gs_fail(status, sparsa_last_error_message());
   gs_result result = {status, NULL};
-  if (status != SPARSA_STATUS_SUCCESS) {
-    const char* message = sparsa_last_error_message();
-    size_t length = strlen(message);
-    result.message = (char*)malloc(length + 1);
-    if (result.message != NULL) memcpy(result.message, message, length + 1);
-  }
   return result;
 }
 
@@ -118,16 +122,54 @@ gs_result gs_sparge_tune(sparsa_context* ctx, const gs_tensors* tensors, int32_t
                          const sparsa_policy* policy, const sparsa_sparge_tune_options* options, void* d0, void* d1,
                          void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9, void* d10,
                          void* d11, void* d12, void* d13, void* d14, void* d15, void* d16, void* d17) {
-  void* const go_data[GS_MAX_TENSORS] = {d0,  d1,  d2,  d3,  d4,  d5,  d6,  d7,  d8,
-                                         d9,  d10, d11, d12, d13, d14, d15, d16, d17};
+  void* const go_data[GS_TUNE_METRICS + 1] = {d0,  d1,  d2,  d3,  d4,  d5,  d6,  d7,  d8,
+                                              d9,  d10, d11, d12, d13, d14, d15, d16, d17};
   sparsa_tensor local[GS_MAX_TENSORS];
   const sparsa_tensor* views[GS_MAX_TENSORS];
-  gs_resolve(tensors, go_data, GS_MAX_TENSORS, local, views);
+  gs_resolve(tensors, go_data, GS_TUNE_METRICS + 1, local, views);
   sparsa_attention_args args;
   sparsa_policy local_policy;
   gs_build_attention(views, causal, softmax_scale, NULL, &args, policy, &local_policy);
   return gs_finish(sparsa_sparge_tune(ctx, &args, policy != NULL ? &local_policy : NULL, options,
                                       views[GS_TUNE_PARAMS], views[GS_TUNE_METRICS]));
+}
+
+gs_result gs_cp_select(int32_t step, sparsa_context* ctx, const gs_tensors* tensors, int32_t causal,
+                       float softmax_scale, sparsa_selection_cache* cache, const sparsa_policy* policy, void* d0,
+                       void* d1, void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9,
+                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15, void* kv_start,
+                       void* kv_total, void* in_a, void* in_b, void* out_a, void* out_b) {
+  // The tuner's slots stay NULL (absent): Go never fills them for these calls.
+  void* const go_data[GS_MAX_TENSORS] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15,
+                                         [GS_CP_KV_START] = kv_start, [GS_CP_KV_TOTAL] = kv_total,
+                                         [GS_CP_IN_A] = in_a, [GS_CP_IN_B] = in_b, [GS_CP_OUT_A] = out_a,
+                                         [GS_CP_OUT_B] = out_b};
+  sparsa_tensor local[GS_MAX_TENSORS];
+  const sparsa_tensor* views[GS_MAX_TENSORS];
+  gs_resolve(tensors, go_data, GS_MAX_TENSORS, local, views);
+  sparsa_attention_args args;
+  sparsa_policy local_policy;
+  gs_build_attention(views, causal, softmax_scale, cache, &args, policy, &local_policy);
+  const sparsa_policy* used_policy = policy != NULL ? &local_policy : NULL;
+  const sparsa_tensor* kv_start_view = views[GS_CP_KV_START];
+  const sparsa_tensor* kv_total_view = views[GS_CP_KV_TOTAL];
+  switch (step) {
+    case GS_CP_SELECT_MAX:
+      return gs_finish(sparsa_cp_select_max(ctx, &args, used_policy, kv_start_view, kv_total_view,
+                                            views[GS_CP_OUT_A]));
+    case GS_CP_SELECT_SUM:
+      return gs_finish(sparsa_cp_select_sum(ctx, &args, used_policy, kv_start_view, kv_total_view,
+                                            views[GS_CP_IN_A], views[GS_CP_OUT_A]));
+    case GS_CP_SELECT_TOPK:
+      return gs_finish(sparsa_cp_select_topk(ctx, &args, used_policy, kv_start_view, kv_total_view,
+                                             views[GS_CP_IN_A], views[GS_CP_IN_B], views[GS_CP_OUT_A],
+                                             views[GS_CP_OUT_B]));
+    case GS_CP_SELECT_INDICES:
+      return gs_finish(sparsa_cp_select_indices(ctx, &args, used_policy, kv_start_view, kv_total_view,
+                                                views[GS_CP_IN_A], views[GS_CP_IN_B], views[GS_CP_OUT_A]));
+    default:
+      return gs_fail(SPARSA_STATUS_INVALID_ARGUMENT, "step: expected a gs_cp_step (1..4)");
+  }
 }
 
 gs_result gs_merge_states(sparsa_context* ctx, const gs_tensors* tensors, void* o_a, void* lse_a, void* o_b,

@@ -16,7 +16,9 @@
 
 #include <stdint.h>
 
-// Slots of gs_tensors. Attention and the tuner use them all; the utilities use slots 0..n-1 in argument order.
+// Slots of gs_tensors. Attention uses the argument and policy slots (GS_Q..GS_POLICY_HEAD_MAP), the tuner those and
+// GS_TUNE_*, the context-parallel selection calls those and GS_CP_*; the utilities use slots 0..n-1 in argument
+// order.
 enum gs_slot {
   GS_Q = 0,
   GS_K,
@@ -36,6 +38,14 @@ enum gs_slot {
   GS_POLICY_HEAD_MAP,
   GS_TUNE_PARAMS,
   GS_TUNE_METRICS,
+  // sparsa_cp_select_*: the shard's range, then the step's inputs and outputs in the C argument order (step 1 uses
+  // GS_CP_OUT_A; step 2 GS_CP_IN_A, GS_CP_OUT_A; step 3 all four; step 4 GS_CP_IN_A, GS_CP_IN_B, GS_CP_OUT_A).
+  GS_CP_KV_START,
+  GS_CP_KV_TOTAL,
+  GS_CP_IN_A,
+  GS_CP_IN_B,
+  GS_CP_OUT_A,
+  GS_CP_OUT_B,
   GS_MAX_TENSORS
 };
 
@@ -76,6 +86,17 @@ gs_result gs_sparge_tune(sparsa_context* ctx, const gs_tensors* tensors, int32_t
                          const sparsa_policy* policy, const sparsa_sparge_tune_options* options, void* d0, void* d1,
                          void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9, void* d10,
                          void* d11, void* d12, void* d13, void* d14, void* d15, void* d16, void* d17);
+
+// Steps of the context-parallel TOKEN_SELECT protocol (docs/context_parallel.md).
+enum gs_cp_step { GS_CP_SELECT_MAX = 1, GS_CP_SELECT_SUM, GS_CP_SELECT_TOPK, GS_CP_SELECT_INDICES };
+
+// Calls the sparsa_cp_select_* function of `step` (a gs_cp_step; any other value is INVALID_ARGUMENT). d0..d15 as
+// for gs_attention, then the data of the GS_CP_* slots.
+gs_result gs_cp_select(int32_t step, sparsa_context* ctx, const gs_tensors* tensors, int32_t causal,
+                       float softmax_scale, sparsa_selection_cache* cache, const sparsa_policy* policy, void* d0,
+                       void* d1, void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9,
+                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15, void* kv_start,
+                       void* kv_total, void* in_a, void* in_b, void* out_a, void* out_b);
 
 gs_result gs_merge_states(sparsa_context* ctx, const gs_tensors* tensors, void* o_a, void* lse_a, void* o_b,
                           void* lse_b, void* out, void* out_lse);

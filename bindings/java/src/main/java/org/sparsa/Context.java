@@ -3,6 +3,7 @@ package org.sparsa;
 import java.lang.ref.Reference;
 import org.sparsa.jni.SWIGTYPE_p_sparsa_context;
 import org.sparsa.jni.SparsaNative;
+import org.sparsa.jni.SparsaNativeConstants;
 import org.sparsa.jni.sparsa_context_options;
 import org.sparsa.jni.sparsa_sparge_tune_options;
 
@@ -11,6 +12,9 @@ import org.sparsa.jni.sparsa_sparge_tune_options;
  * time; close it (try-with-resources) when done — {@link #close()} is idempotent. Close its selection caches first.
  */
 public final class Context implements AutoCloseable {
+  /** Fixed-point digits of one partial normaliser in {@link #cpSelectSum}'s output (SPARSA_CP_SUM_DIGITS). */
+  public static final int CP_SUM_DIGITS = SparsaNativeConstants.SPARSA_CP_SUM_DIGITS;
+
   private SWIGTYPE_p_sparsa_context handle;
 
   private Context(SWIGTYPE_p_sparsa_context handle) {
@@ -118,6 +122,77 @@ public final class Context implements AutoCloseable {
       Reference.reachabilityFence(policy);
       Reference.reachabilityFence(outParams);
       Reference.reachabilityFence(outMetrics);
+    }
+  }
+
+  // Context-parallel TOKEN_SELECT decode (docs/context_parallel.md): a sequence's keys are split by position over G
+  // shards, and four calls per shard, with the caller's collectives between them, make every shard's selection the
+  // single-context one. Each call takes the arguments of the shard's run (q: every query row, the same on every
+  // shard; k, v: the shard's keys, any KV layout; out is not written and may be left unset) and a TOKEN_SELECT
+  // policy; a selection cache is refused. kvStart, kvTotal: int32 [B] in host memory, the shard's first global key
+  // position and each sequence's full key count. On error nothing is written. The CPU backend implements them; the
+  // GPU backends throw UNSUPPORTED (run the calls on a CPU context over host copies of q and k).
+
+  /**
+   * Context-parallel step 1: outMax F64 [B, Hq] receives the largest selection score over the shard's candidates
+   * (-Infinity where it has none). Combine across shards with an element-wise max.
+   */
+  public void cpSelectMax(AttentionArgs args, Policy policy, Tensor kvStart, Tensor kvTotal, Tensor outMax) {
+    try {
+      SparsaNative.sparsa_cp_select_max(handle(), args.raw(), Policy.nativeOf(policy), Tensor.descriptorOf(kvStart),
+          Tensor.descriptorOf(kvTotal), Tensor.descriptorOf(outMax));
+    } finally {
+      Reference.reachabilityFence(new Object[] {args, policy, kvStart, kvTotal, outMax});
+    }
+  }
+
+  /**
+   * Context-parallel step 2: from globalMax F64 [B, Hq] (the max over shards), outSum I64 [B, Hq, CP_SUM_DIGITS]
+   * receives the shard's normaliser as fixed-point digits. Combine across shards with an element-wise long sum.
+   */
+  public void cpSelectSum(AttentionArgs args, Policy policy, Tensor kvStart, Tensor kvTotal, Tensor globalMax,
+      Tensor outSum) {
+    try {
+      SparsaNative.sparsa_cp_select_sum(handle(), args.raw(), Policy.nativeOf(policy), Tensor.descriptorOf(kvStart),
+          Tensor.descriptorOf(kvTotal), Tensor.descriptorOf(globalMax), Tensor.descriptorOf(outSum));
+    } finally {
+      Reference.reachabilityFence(new Object[] {args, policy, kvStart, kvTotal, globalMax, outSum});
+    }
+  }
+
+  /**
+   * Context-parallel step 3: from globalMax and globalSum I64 [B, Hq, CP_SUM_DIGITS] (the sum over shards), the
+   * shard's best candidates: outVotes F64 and outPositions int32 [B, nSets, topK] (global positions; -Infinity and
+   * -1 past the shard's candidates). nSets is 1, or Hkv with selectPerKvHead. All-gather both to
+   * [G, B, nSets, topK] (any shard order).
+   */
+  public void cpSelectTopk(AttentionArgs args, Policy policy, Tensor kvStart, Tensor kvTotal, Tensor globalMax,
+      Tensor globalSum, Tensor outVotes, Tensor outPositions) {
+    try {
+      SparsaNative.sparsa_cp_select_topk(handle(), args.raw(), Policy.nativeOf(policy), Tensor.descriptorOf(kvStart),
+          Tensor.descriptorOf(kvTotal), Tensor.descriptorOf(globalMax), Tensor.descriptorOf(globalSum),
+          Tensor.descriptorOf(outVotes), Tensor.descriptorOf(outPositions));
+    } finally {
+      Reference.reachabilityFence(
+          new Object[] {args, policy, kvStart, kvTotal, globalMax, globalSum, outVotes, outPositions});
+    }
+  }
+
+  /**
+   * Context-parallel step 4: from every shard's gathered votes F64 and positions int32 [G, B, nSets, topK],
+   * outIndices int32 [B, nSets, cap] receives the shard's part of the index set as local key ids (ascending,
+   * -1-padded; cap must hold min(L_b, n_init + top_k + n_local) ids). A TOKEN_INDICES run with these indices and an
+   * LSE output then gives the shard's partial state; merge the shards' states with {@link #mergeStates}.
+   */
+  public void cpSelectIndices(AttentionArgs args, Policy policy, Tensor kvStart, Tensor kvTotal, Tensor allVotes,
+      Tensor allPositions, Tensor outIndices) {
+    try {
+      SparsaNative.sparsa_cp_select_indices(handle(), args.raw(), Policy.nativeOf(policy),
+          Tensor.descriptorOf(kvStart), Tensor.descriptorOf(kvTotal), Tensor.descriptorOf(allVotes),
+          Tensor.descriptorOf(allPositions), Tensor.descriptorOf(outIndices));
+    } finally {
+      Reference.reachabilityFence(
+          new Object[] {args, policy, kvStart, kvTotal, allVotes, allPositions, outIndices});
     }
   }
 
