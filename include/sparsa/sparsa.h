@@ -63,7 +63,7 @@ extern "C" {
 #endif
 
 #define SPARSA_VERSION_MAJOR 0
-#define SPARSA_VERSION_MINOR 2
+#define SPARSA_VERSION_MINOR 3
 #define SPARSA_VERSION_PATCH 0
 /** Encoded as MAJOR * 10000 + MINOR * 100 + PATCH, the same encoding `sparsa_version()` returns. */
 #define SPARSA_VERSION (SPARSA_VERSION_MAJOR * 10000 + SPARSA_VERSION_MINOR * 100 + SPARSA_VERSION_PATCH)
