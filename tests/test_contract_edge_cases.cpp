@@ -404,6 +404,29 @@ TEST(ContractEdgeCases, DeltaWithEveryRowDenseStillWritesIntrospection) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// TOKEN_INDICES sizes its key-set scratch by the keys, not by the slot count (a fuzzer finding: a broadcast row of
+// 2^40 slots made plan ask for 16 TiB of ranges). The key set merges its ranges whenever they fill the room, so
+// 2^24 slots over 16 keys plan into scratch of a few KiB (one 16-byte range per slot would be 256 MiB a worker).
+
+TEST(ContractEdgeCases, TokenIndicesScratchDoesNotGrowWithTheSlotCount) {
+  constexpr int64_t kBroadcastSlots = int64_t(1) << 24;
+  constexpr uint64_t kScratchCeiling = uint64_t(1) << 20;
+  OwnedContext c;
+  SmallRun r(16, 16);
+  sparsa_attention_args& args = r.describe();
+  sparsa_policy p = st::make_policy(SPARSA_POLICY_TOKEN_INDICES);
+  int32_t unused_slot = -1;
+  sparsa_tensor tidx = st::host_tensor(&unused_slot, SPARSA_DTYPE_I32, {1, 1, kBroadcastSlots});
+  tidx.strides[0] = tidx.strides[1] = tidx.strides[2] = 0;  // every slot reads the same -1
+  p.indices = &tidx;
+  ASSERT_EQ(sparsa_attention_plan(c.ctx, &args, &p), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+  uint64_t bytes = 0;
+  ASSERT_EQ(sparsa_context_scratch_bytes(c.ctx, &bytes), SPARSA_STATUS_SUCCESS);
+  EXPECT_LT(bytes, kScratchCeiling);
+  ASSERT_EQ(sparsa_attention_run(c.ctx, &args, &p), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // NaN / Inf: a query's output depends only on the keys it may see (docs/algorithms.md, "NaN and Inf").
 
 enum class Tensor { kQ, kK, kV };

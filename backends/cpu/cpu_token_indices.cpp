@@ -34,6 +34,15 @@ struct IdRange {
 };
 constexpr int64_t kAlwaysIncludedRanges = 2;  // [0, n_init) and [N − n_local, N)
 
+// Ranges one key set over at most max_keys keys keeps at once: one per slot while there are fewer slots than
+// distinct blocks of ids (ceil(max_keys / block_size)), else one per distinct block — build_key_set merges its
+// ranges whenever they fill this room, so a huge or repetitive slot count needs no more scratch — plus the
+// always-included ranges and one free entry.
+int64_t range_capacity(int64_t slots, int64_t max_keys, int64_t block_size) {
+  const int64_t blocks = (max_keys + block_size - 1) / std::max<int64_t>(block_size, 1);
+  return std::min(slots, blocks) + kAlwaysIncludedRanges + 1;
+}
+
 // Row of `indices` query head h reads: head_map[h], or h / (Hq / H_idx) without a map.
 int32_t index_row_of(const AttentionProblem& problem, const PolicyParams& policy, const IndexParams& params,
                      int32_t h) {
@@ -71,19 +80,34 @@ void check_contents(const AttentionProblem& problem, const PolicyParams& policy,
 
 // Key set of (b, h) over a sequence of n_keys keys: the union of [0, n_init), every listed token or block
 // [id·bs, min((id+1)·bs, N)) and [N − n_local, N), ascending and deduplicated, written to keys (room for N ids);
-// returns its size. `ranges` is scratch for slots + kAlwaysIncludedRanges ranges.
+// returns its size. `ranges` is scratch for `capacity` ranges (range_capacity over at least n_keys keys).
 int64_t build_key_set(const AttentionProblem& problem, const PolicyParams& policy, const IndexParams& params,
-                      int32_t b, int32_t h, int64_t n_keys, IdRange* ranges, int64_t* keys) {
+                      int32_t b, int32_t h, int64_t n_keys, IdRange* ranges, int64_t capacity, int64_t* keys) {
+  const auto by_begin = [](const IdRange& x, const IdRange& y) { return x.begin < y.begin; };
   int64_t n_ranges = 0;
+  // Sorts and merges overlapping or touching ranges in place: at most one range per distinct block remains.
+  const auto merge_ranges = [&] {
+    std::sort(ranges, ranges + n_ranges, by_begin);
+    int64_t merged = 0;
+    for (int64_t r = 0; r < n_ranges; ++r) {
+      if (merged > 0 && ranges[r].begin <= ranges[merged - 1].end) {
+        ranges[merged - 1].end = std::max(ranges[merged - 1].end, ranges[r].end);
+      } else {
+        ranges[merged++] = ranges[r];
+      }
+    }
+    n_ranges = merged;
+  };
   if (params.n_init > 0) ranges[n_ranges++] = {0, std::min(params.n_init, n_keys)};
   if (params.n_local > 0) ranges[n_ranges++] = {std::max<int64_t>(0, n_keys - params.n_local), n_keys};
   const int32_t row = index_row_of(problem, policy, params, h);
   for (int64_t slot = 0; slot < params.slots; ++slot) {
     const int32_t id = index_at(policy, b, row, slot);
     if (id == kUnusedSlot) continue;
+    if (n_ranges == capacity) merge_ranges();
     ranges[n_ranges++] = {id * params.block_size, std::min((id + 1) * params.block_size, n_keys)};
   }
-  std::sort(ranges, ranges + n_ranges, [](const IdRange& x, const IdRange& y) { return x.begin < y.begin; });
+  std::sort(ranges, ranges + n_ranges, by_begin);
   int64_t n = 0;
   int64_t covered_end = 0;  // every id below it is already in `keys`
   for (int64_t r = 0; r < n_ranges; ++r) {
@@ -109,8 +133,10 @@ struct DecodeKeyLists {
 struct ItemArrays {
   ScratchLayout layout;
   size_t ranges_at, keys_at, rows_at, out_at, lse_at;
-  ItemArrays(const AttentionProblem& problem, int64_t slots, int64_t seq_q, int64_t seq_k) {
-    ranges_at = layout.add<IdRange>(size_t(slots + kAlwaysIncludedRanges));
+  int64_t range_room;
+  ItemArrays(const AttentionProblem& problem, int64_t range_room_, int64_t seq_q, int64_t seq_k)
+      : range_room(range_room_) {
+    ranges_at = layout.add<IdRange>(size_t(range_room));
     keys_at = layout.add<int64_t>(size_t(seq_k));
     rows_at = layout.add<int64_t>(size_t(seq_q));
     out_at = layout.add<float>(out_rows_count(problem));
@@ -122,7 +148,10 @@ struct ItemArrays {
 
 void plan_token_indices(const AttentionProblem& problem, const PolicyParams& policy, const ExecContext& exec) {
   const size_t item_floats =
-      ItemArrays(problem, policy.indices.present ? policy.indices.extent(2) : 0, problem.max_seq_q, problem.max_seq_k)
+      ItemArrays(problem,
+                 range_capacity(policy.indices.present ? policy.indices.extent(2) : 0, problem.max_seq_k,
+                                policy.p.index_block_size),
+                 problem.max_seq_q, problem.max_seq_k)
           .layout.floats();
   for (int w = 0; w < worker_count(exec); ++w) policy_scratch(exec, w).reserve(item_floats);
   if (!decode_lists_apply(problem)) return;
@@ -173,11 +202,12 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
       const int32_t b = int32_t(item / n_lists);
       const int32_t h_first = int32_t(item % n_lists) * heads_per_list;
       ScratchLayout layout;
-      const size_t ranges_at = layout.add<IdRange>(size_t(params.slots + kAlwaysIncludedRanges));
+      const int64_t room = range_capacity(params.slots, problem.max_seq_k, params.block_size);
+      const size_t ranges_at = layout.add<IdRange>(size_t(room));
       layout.bind(policy_scratch(exec, worker));
       int64_t* list = keys + item * problem.max_seq_k;
       sizes[item] = build_key_set(problem, policy, params, b, h_first, problem.seq_len_k(b),
-                                  layout.get<IdRange>(ranges_at, size_t(params.slots + kAlwaysIncludedRanges)), list);
+                                  layout.get<IdRange>(ranges_at, size_t(room)), room, list);
       if (problem.selected_indices.present)
         for (int32_t l = 0; l < heads_per_list; ++l)
           write_selected_set(problem.selected_indices, b, h_first + l, list, sizes[item]);
@@ -200,7 +230,7 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
     const int32_t h_first = int32_t(item % head_items) * heads_per_item;
     const int64_t seq_q = problem.seq_len_q(b);
     const int64_t seq_k = problem.seq_len_k(b);
-    ItemArrays arrays(problem, params.slots, seq_q, seq_k);
+    ItemArrays arrays(problem, range_capacity(params.slots, problem.max_seq_k, params.block_size), seq_q, seq_k);
     ScratchLayout& layout = arrays.layout;
     layout.bind(policy_scratch(exec, worker));
     int64_t* keys = layout.get<int64_t>(arrays.keys_at, size_t(seq_k));
@@ -209,7 +239,7 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
     float* lse_rows = layout.get<float>(arrays.lse_at, lse_rows_count());
     const int64_t n_keys = build_key_set(
         problem, policy, params, b, h_first, seq_k,
-        layout.get<IdRange>(arrays.ranges_at, size_t(params.slots + kAlwaysIncludedRanges)), keys);
+        layout.get<IdRange>(arrays.ranges_at, size_t(arrays.range_room)), arrays.range_room, keys);
     if (problem.selected_indices.present)
       for (int32_t l = 0; l < heads_per_item; ++l)
         write_selected_set(problem.selected_indices, b, h_first + l, keys, n_keys);
