@@ -211,12 +211,13 @@ __global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams
           }
 #pragma unroll
           for (int i = 0; i < kLogVoteLoads; ++i) {
-            if (j0 + i >= n) break;
-            if (x[i] > running_max) {
-              running_sum = running_sum * expf(running_max - x[i]) + 1.0f;
-              running_max = x[i];
-            } else {
-              running_sum += expf(x[i] - running_max);
+            if (j0 + i < n) {  // a condition, not a break: the loop stays unrollable
+              if (x[i] > running_max) {
+                running_sum = running_sum * expf(running_max - x[i]) + 1.0f;
+                running_max = x[i];
+              } else {
+                running_sum += expf(x[i] - running_max);
+              }
             }
           }
         }
