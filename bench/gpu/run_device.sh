@@ -3,7 +3,8 @@
 # compute-sanitizer (memcheck on all GPU tests, racecheck on a small case), and the benchmark against the peers.
 # Logs go under $OUT.
 #
-#   bash bench/gpu/run_device.sh [tests|python|bench|profile|all]   (default all = tests + python + bench)
+#   bash bench/gpu/run_device.sh [build|tests|python|bench|profile|cp|all]   (default all = tests + python + bench;
+#   cp = the context-parallel tests, the torchrun example and bench_context_parallel.py, on every GPU present)
 #
 # GoogleTest: uses the machine's if present, else builds the source carried in .peers/googletest (a copy of
 # /usr/src/googletest, for a GPU machine without one). FlexAttention/SDPA peers come from the image's torch.
@@ -92,6 +93,34 @@ if [ "$STEPS" = all ] || [ "$STEPS" = python ]; then
       "$ROOT/bindings/python/tests" > "$LOGS/python.log" 2>&1; echo "pytest exit $?" >> "$LOGS/python.log" )
   cp "$LOGS/python.log" "$OUT/python.log"
   tail -25 "$LOGS/python.log"
+fi
+
+if [ "$STEPS" = cp ]; then  # context parallelism (docs/context_parallel.md): needs >= 2 GPUs for the NCCL parts
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
+  GPUS=$(nvidia-smi -L | wc -l)
+  echo "=== context-parallel and TOKEN_SELECT tests, CUDA instances ($GPUS GPUs) ==="
+  timeout 200 $SHARED --gtest_filter='*ContextParallel*/CUDA:*TokenSelect*/CUDA:Backends/SelectCases.*_CUDA' \
+    > "$OUT/cp_shared_cuda.log" 2>&1; echo "exit $?"
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/cp_shared_cuda.log" | head -20
+  grep -A8 "Failure" "$OUT/cp_shared_cuda.log" | head -40
+  timeout 120 $TESTS --gtest_filter='*TokenSelect*' > "$OUT/cp_gpu_tests.log" 2>&1; echo "GPU TOKEN_SELECT tests exit $?"
+  grep -E '^\[  (PASSED|FAILED) ' "$OUT/cp_gpu_tests.log"
+  PYPATH="$ROOT/bindings/python"
+  python3 -c "import pytest" 2>/dev/null || PYPATH="$PYPATH:$ROOT/.peers/pylib"
+  echo "=== sparsa.distributed tests (threads on the CPU backend, the example on two processes) ==="
+  ( cd /tmp && SPARSA_LIBRARY="$LIB" PYTHONPATH="$PYPATH" timeout 200 python3 -m pytest -q -p no:cacheprovider \
+      "$ROOT/bindings/python/tests/test_distributed.py" 2>&1 | tail -4 )
+  if [ "$GPUS" -ge 2 ]; then
+    echo "=== the torchrun example on $GPUS GPUs (NCCL), --check against one context ==="
+    ( cd /tmp && SPARSA_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings/python" timeout 200 torchrun --nproc-per-node "$GPUS" \
+        "$ROOT/bindings/python/examples/context_parallel_torchrun.py" --check > "$OUT/cp_example.log" 2>&1;
+      echo "torchrun exit $?" >> "$OUT/cp_example.log" )
+    grep -v -E "^\s*$|Warning|warn\(" "$OUT/cp_example.log" | tail -8
+    echo "=== context-parallel benchmark ($GPUS GPUs vs one) ==="
+    PYTHONUNBUFFERED=1 timeout ${CP_BENCH_S:-300} python3 "$ROOT/bench/gpu/bench_context_parallel.py" "$LIB" \
+      --out "$OUT" ${CP_BENCH_ARGS:-} > "$OUT/cp_bench.log" 2>&1; echo "bench exit $?"
+    grep -v -E "Warning|warn\(" "$OUT/cp_bench.log" | tail -20
+  fi
 fi
 
 if [ "$STEPS" = profile ]; then  # not part of "all": ncu takes minutes

@@ -196,19 +196,72 @@ def token_select_indices(ctx, group, q, k, v, policy, kv_start, kv_total, *, seq
     return ops.cp_select_indices(ctx, q, k, v, policy, kv_start, kv_total, all_votes, all_positions, **common)
 
 
+def _same_for_every_sequence(kv_start, kv_total, lengths):
+    return len(kv_start) > 0 and all(len(set(x.tolist())) == 1 for x in (kv_start, kv_total, lengths))
+
+
+def _visible_head_and_tail(start, length, total, head, tail):
+    """For a shard holding global positions [start, start + length) of a sequence of `total` keys: how many of its
+    first keys lie in the global head [0, head) and how many of its last keys in the global tail
+    [total - tail, total). Both pieces start (head) or end (tail) at the shard's own ends, so a run on the shard
+    expresses them as its own n_sink / window (n_init / n_local) for the decode row, local position length - 1."""
+    local_head = max(0, min(head - start, length))
+    local_tail = max(0, min(start + length - (total - tail), length))
+    return local_head, local_tail
+
+
+def _shard_policy_same_cut(q, policy, start, length, total):
+    """The shard's own policy when every sequence has the same cut (no index lists on the host), or None."""
+    if isinstance(policy, SinkWindow):
+        sinks, window = _visible_head_and_tail(start, length, total, policy.sink_tokens, policy.window)
+        return SinkWindow(sinks, window)
+    if isinstance(policy, TokenIndices) and policy.block_size == 1:
+        n_init, n_local = _visible_head_and_tail(start, length, total, policy.n_init, policy.n_local)
+        indices = policy.indices
+        if type(indices).__module__.split(".")[0] == "torch":
+            import torch
+            inside = (indices >= start) & (indices < start + length)
+            local = torch.where(inside, indices - start, torch.full_like(indices, -1)).to(torch.int32)
+        else:
+            indices = numpy.asarray(indices)
+            inside = (indices >= start) & (indices < start + length)
+            local = numpy.where(inside, indices - start, -1).astype(numpy.int32)
+        return TokenIndices(_like_tensor(q, local), head_map=policy.head_map, n_init=n_init, n_local=n_local)
+    return None
+
+
+def _like_tensor(template, x):
+    """x (numpy array or tensor) as the kind and device of `template`."""
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.to(template.device).contiguous() if hasattr(template, "device") else x.cpu().numpy()
+    return _like(template, x)
+
+
 def _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, softmax_scale):
-    """The TOKEN_INDICES policy that makes this rank attend to its part of the policy's index set (decode: the
-    query row is the last position, kv_total[b] - 1)."""
+    """The policy that makes this rank attend to its part of the policy's key set (decode: the query row is the
+    last position, kv_total[b] - 1): the policy itself for DENSE; SINK_WINDOW and TOKEN_INDICES with their sink /
+    window / n_init / n_local cut to the shard and indices made local when every sequence has the same cut; else a
+    TOKEN_INDICES policy with host-built lists."""
     kv_start, kv_total = _host_int32(kv_start, "kv_start"), _host_int32(kv_total, "kv_total")
     lengths = _shard_lengths(k, seq_lens_k, len(kv_start))
     batch = len(kv_start)
     cap = int(lengths.max(initial=0))
+    if getattr(policy, "delta", None) is not None:
+        # §8 makes every row of a query shorter than tail_min + gamma dense (s_p <= 0): a decode row always.
+        if q.shape[1] >= policy.delta.tail_min + policy.delta.gamma:
+            raise NotImplementedError("cp_decode: Δ with this many query rows (the sparse part of §8) is not "
+                                      "supported; decode rows are dense under Δ")
+        policy = Dense()
+    if isinstance(policy, Dense):
+        return policy  # a decode row sees every key of its shard
+    if _same_for_every_sequence(kv_start, kv_total, lengths):
+        same_cut = _shard_policy_same_cut(q, policy, int(kv_start[0]), int(lengths[0]), int(kv_total[0]))
+        if same_cut is not None:
+            return same_cut
     if isinstance(policy, TokenSelect):
         return TokenIndices(token_select_indices(ctx, group, q, k, v, policy, kv_start, kv_total,
                                                  seq_lens_k=seq_lens_k, softmax_scale=softmax_scale))
-    if isinstance(policy, Dense):
-        rows = [[range(int(kv_start[b]), int(kv_start[b] + lengths[b]))] for b in range(batch)]
-    elif isinstance(policy, SinkWindow):
+    if isinstance(policy, SinkWindow):
         rows = []
         for b in range(batch):
             n = int(kv_total[b])

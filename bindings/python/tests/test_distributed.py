@@ -115,6 +115,41 @@ def test_known_index_set_decode_equals_one_context(kind, size):
         assert _relative(lse, want.lse) <= RTOL
 
 
+def _even_split(length, batch, size):
+    """Per rank, (start, length) of every sequence when all sequences have the same length and the same cuts."""
+    cuts = np.linspace(0, length, size + 1).astype(np.int32)
+    return [(np.full(batch, cuts[r], np.int32), np.full(batch, cuts[r + 1] - cuts[r], np.int32)) for r in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("kind", ["sink_window", "token_indices", "dense_delta", "sink_window_delta"])
+def test_same_cut_decode_equals_one_context(kind, size):
+    """Every sequence cut at the same places: the shards run the policy itself (sink / window / n_init / n_local cut
+    to the shard, indices made local), no host lists. With 4 ranks two shards see no key of SINK_WINDOW (0, -inf
+    states in the merge). Δ makes a decode row dense (§8: s_p <= 0)."""
+    rng = np.random.default_rng(7 + size)
+    batch, length = 2, 300
+    q, k, v = _problem(rng, batch, 8, 2, 32, [length] * batch)
+    if kind == "sink_window":
+        policy = sparsa.SinkWindow(sink_tokens=8, window=64)
+    elif kind == "token_indices":
+        indices = rng.integers(-1, length, (batch, 2, 60)).astype(np.int32)
+        policy = sparsa.TokenIndices(indices, n_init=4, n_local=90)
+    elif kind == "dense_delta":
+        policy = sparsa.Dense(delta=sparsa.Delta())
+    else:
+        policy = sparsa.SinkWindow(sink_tokens=8, window=64, delta=sparsa.Delta())
+    with sparsa.Context() as ctx:
+        if policy.delta is None:
+            want_out, want_lse = sparsa.attention(ctx, q, k, v, policy=policy, lse=True)[:2]
+        else:  # the library gives no LSE for rows Δ may correct; a dense row's LSE is the dense run's
+            want_out = sparsa.attention(ctx, q, k, v, policy=policy, causal=True)
+            want_lse = sparsa.attention(ctx, q, k, v, lse=True).lse
+    for out, lse, _ in _run_ranks(size, q, k, v, [length] * batch, _even_split(length, batch, size), policy):
+        assert _relative(out, want_out) <= RTOL
+        assert _relative(lse, want_lse) <= RTOL
+
+
 PREFILL_KINDS = ["dense", "sink_window", "block_sparse", "sink_window_delta", "block_sparse_delta"]
 
 
