@@ -14,10 +14,12 @@ the same processes and on the same cards:
   BLOCK_SPARSE (128 x 128 blocks, 20 % of the causal blocks kept) through sparsa.distributed.prefill (K/V
   all-gathered), against one sparsa run over the whole prompt on rank 0's GPU.
 
-Each figure is the median wall time of a step over the repetitions (the slowest rank's), the host work of the Python
-path included; the one-GPU figure is taken the same way. Strong-scaling efficiency = t_1 / (G * t_G). Bytes: what
-each rank sends per step, and what the policy needs a rank to receive at the least (the remote keys it attends to,
-or the remote partial states). Every figure is checked: rank 0 compares its result with the one-GPU run's.
+Each figure is the slowest rank's, the host work of the Python path included, taken two ways: "steady" = steps
+enqueued back to back, per step (a serving loop's rate: host work counts where it exceeds the GPU's), and
+"latency" = the median of single steps each waited for. The one-GPU figures are taken the same way. Strong-scaling
+efficiency = t_1 / (G * t_G) on the steady figures. Bytes: what each rank sends per step, and what the policy needs
+a rank to receive at the least (the remote keys it attends to, or the remote partial states). Every figure is
+checked: rank 0 compares its result with the one-GPU run's.
 
 Writes DIR/context_parallel_<card>_x<G>.json (default bench/results), rows in the form of results_file.py with
 the one-GPU sparsa run as the peer.
@@ -45,6 +47,7 @@ def parse():
     p.add_argument("--prefill-n", type=int, default=1 << 18)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--prefill-reps", type=int, default=3)
+    p.add_argument("--profile-host", action="store_true", help="cProfile the SINK_WINDOW decode steps")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--commit", default=os.environ.get("SPARSA_COMMIT", "unknown"))
     return p.parse_args()
@@ -67,10 +70,18 @@ def launch(options):
 
 
 class Timer:
-    """Median wall time of a step over repetitions, the slowest rank's (every rank calls it the same way)."""
+    """Time of a step, the slowest rank's (every rank calls it the same way): `latency` = median wall time of one
+    step waited for on its own; `steady` = wall time of `reps` steps enqueued back to back, per step (the host
+    runs ahead as a serving loop's does, so host work counts only where it exceeds the GPU's)."""
 
     def __init__(self, dist, torch, device):
         self.dist, self.torch, self.device = dist, torch, device
+
+    def _sync(self, collective):
+        self.torch.cuda.synchronize()
+        if collective:
+            self.dist.barrier()
+            self.torch.cuda.synchronize()
 
     def __call__(self, step, reps, warmup=2, collective=True):
         torch = self.torch
@@ -78,18 +89,26 @@ class Timer:
             step()
         times = []
         for _ in range(reps):
-            torch.cuda.synchronize()
-            if collective:
-                self.dist.barrier()
-                torch.cuda.synchronize()
+            self._sync(collective)
             t0 = time.perf_counter()
             step()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        ms = torch.tensor([statistics.median(times) * 1e3], dtype=torch.float64, device=self.device)
+        self._sync(collective)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        steady = (time.perf_counter() - t0) / reps
+        ms = torch.tensor([statistics.median(times) * 1e3, steady * 1e3], dtype=torch.float64, device=self.device)
         if collective:
             self.dist.all_reduce(ms, op=self.dist.ReduceOp.MAX)
-        return float(ms.item())
+        return Timing(float(ms[0].item()), float(ms[1].item()))
+
+
+class Timing:
+    def __init__(self, latency, steady):
+        self.latency, self.steady = latency, steady
 
 
 def relative(got, want):
@@ -132,20 +151,45 @@ def decode_rows(options, ctx, group, timer, torch, sparsa, cp, device):
 
         cp_ms = timer(step, reps)
         out, _ = step()
+        if options.profile_host and name == "sink_window":
+            profile_host(rank, "one GPU", lambda: sparsa.attention(ctx, q, k, v, policy=policy), rank == 0)
+            profile_host(rank, f"{size} GPUs", step, True)
         sent = state_bytes
         if name == "token_select":
             sent += 8 * HQ + 48 * HQ + 12 * 1 * 2048  # max, fixed-point sums, local top-k votes and positions
-        row = dict(workload=f"{name}_decode_{n // 1024}k_cp", g=size, sparsa_ms=cp_ms, bytes_sent_per_rank=sent,
+        row = dict(workload=f"{name}_decode_{n // 1024}k_cp", g=size, cp=cp_ms, bytes_sent_per_rank=sent,
                    bytes_needed_per_rank=state_bytes * (size - 1), selection="host" if name == "token_select" else
                    "device")
         if rank == 0:
-            row.update(single_ms=single_ms, check_relative=relative(out, want))
+            row.update(single=single_ms, check_relative=relative(out, want))
+            report("decode", name, n, size, row)
         rows.append(row)
-        if rank == 0:
-            print(f"decode {name:14s} N={n}: one GPU {single_ms:8.3f} ms, {size} GPUs {cp_ms:8.3f} ms, "
-                  f"efficiency {single_ms / (size * cp_ms):.2f}, check {row['check_relative']:.2e}", flush=True)
     del k, v, k_shard, v_shard
     return rows
+
+
+def report(what, name, n, size, row):
+    one, many = row["single"], row["cp"]
+    print(f"{what} {name:14s} N={n}: steady one GPU {one.steady:9.3f} ms, {size} GPUs {many.steady:9.3f} ms, "
+          f"efficiency {one.steady / (size * many.steady):.2f} | latency {one.latency:9.3f} / {many.latency:9.3f} ms"
+          f" | sent {row['bytes_sent_per_rank'] / 2**20:.3g} MiB, needed {row['bytes_needed_per_rank'] / 2**20:.3g} "
+          f"MiB | check {row['check_relative']:.2e}", flush=True)
+
+
+def profile_host(rank, label, step, run, steps=30):
+    """Where the host time of a step goes (cProfile, rank 0 prints); every rank must call it for collective steps."""
+    import cProfile
+    import pstats
+    if not run:
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    if rank == 0:
+        print(f"--- host profile, {label}, {steps} steps ---", flush=True)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 
 def group_barrier(torch, timer):
@@ -202,14 +246,12 @@ def prefill_rows(options, ctx, group, timer, torch, sparsa, cp, device):
 
         cp_ms = timer(step, options.prefill_reps, warmup=1)
         out = step()
-        row = dict(workload=f"{name}_prefill_causal_{n // 1024}k_cp", g=size, sparsa_ms=cp_ms,
+        row = dict(workload=f"{name}_prefill_causal_{n // 1024}k_cp", g=size, cp=cp_ms,
                    bytes_sent_per_rank=(n // size) * row_bytes, bytes_needed_per_rank=needed_bytes)
         if rank == 0:
             expected = torch.cat([want[:, a:e] for a, e in ranges], dim=1)
-            row.update(single_ms=single_ms, check_relative=relative(out, expected))
-            print(f"prefill {name:13s} N={n}: one GPU {single_ms:9.2f} ms, {size} GPUs {cp_ms:9.2f} ms, "
-                  f"efficiency {single_ms / (size * cp_ms):.2f}, sent {row['bytes_sent_per_rank'] / 2**20:.0f} MiB, "
-                  f"needed {needed_bytes / 2**20:.0f} MiB, check {row['check_relative']:.2e}", flush=True)
+            row.update(single=single_ms, check_relative=relative(out, expected))
+            report("prefill", name, n, size, row)
         rows.append(row)
     return rows
 
@@ -235,10 +277,12 @@ def worker(options):
         card = torch.cuda.get_device_name(device)
         results = []
         for r in rows:
-            speedup = r["single_ms"] / r["sparsa_ms"]
+            speedup = r["single"].steady / r["cp"].steady
             decode_1m = r["workload"].startswith("dense_decode_1024k")
-            results.append(dict(workload=r["workload"], sparsa_ms=round(r["sparsa_ms"], 5), peer="sparsa_one_gpu",
-                                peer_ms=round(r["single_ms"], 5), speedup=round(speedup, 4),
+            results.append(dict(workload=r["workload"], sparsa_ms=round(r["cp"].steady, 5), peer="sparsa_one_gpu",
+                                peer_ms=round(r["single"].steady, 5), speedup=round(speedup, 4),
+                                sparsa_latency_ms=round(r["cp"].latency, 5),
+                                peer_latency_ms=round(r["single"].latency, 5),
                                 bar=DECODE_BAR * r["g"] if decode_1m and r["g"] == 2 else 0.0, gpus=r["g"],
                                 efficiency=round(speedup / r["g"], 4), bytes_sent_per_rank=r["bytes_sent_per_rank"],
                                 bytes_needed_per_rank=r["bytes_needed_per_rank"],

@@ -65,9 +65,13 @@ class TorchGroup:
     def all_gather(self, x):
         import torch
         y = self._on_device(x.contiguous())
-        parts = [torch.empty_like(y) for _ in range(self.size)]
-        self._dist.all_gather(parts, y, group=self._group)
-        return torch.stack(parts).to(x.device)
+        if self._device is None:  # gloo (older releases have no all_gather_into_tensor for it)
+            parts = [torch.empty_like(y) for _ in range(self.size)]
+            self._dist.all_gather(parts, y, group=self._group)
+            return torch.stack(parts)
+        gathered = torch.empty((self.size, *y.shape), dtype=y.dtype, device=y.device)
+        self._dist.all_gather_into_tensor(gathered, y, group=self._group)  # one NCCL call into one buffer
+        return gathered.to(x.device)
 
 
 class ThreadGroup:

@@ -79,6 +79,8 @@ def attention(ctx, q, k, v, out=None, *, policy=None, causal=False, softmax_scal
     q_view = views(q, "q")
     if out is None:
         out = empty_like(q, q_view.shape, q_view.dtype, "out")
+    lse = None if lse is False else lse  # False, like None: no LSE output
+    stats = None if stats is False else stats
     if lse is True:
         lse_shape = _lse_shape(q_view.shape)
         lse = empty_like(q, lse_shape, L.DTYPE_F32, "lse") if lse_shape else None
