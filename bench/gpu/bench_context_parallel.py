@@ -151,6 +151,8 @@ def decode_rows(options, ctx, group, timer, torch, sparsa, cp, device):
 
         cp_ms = timer(step, reps)
         out, _ = step()
+        if options.profile_host and name == "token_indices":
+            profile_device(torch, rank, f"{size} GPUs, {name}", step)
         if options.profile_host and name == "sink_window":
             profile_host(rank, "one GPU", lambda: sparsa.attention(ctx, q, k, v, policy=policy), rank == 0)
             profile_host(rank, f"{size} GPUs", step, True)
@@ -190,6 +192,19 @@ def profile_host(rank, label, step, run, steps=30):
     if rank == 0:
         print(f"--- host profile, {label}, {steps} steps ---", flush=True)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+
+
+def profile_device(torch, rank, label, step, steps=10):
+    """The CUDA runtime calls and kernels of a few steps (torch.profiler); every rank runs them, rank 0 prints."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"--- torch.profiler, {label}, {steps} steps ---", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8), flush=True)
 
 
 def group_barrier(torch, timer):

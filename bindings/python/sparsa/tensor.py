@@ -6,6 +6,7 @@ producer's deleter when we drop it (nothing leaks, nothing is freed twice). The 
 array alive) is held by the Tensor view for as long as the view lives.
 """
 import ctypes
+import sys
 
 from . import _library as L
 from .errors import DtypeError, ShapeError, DeviceMismatchError, InvalidArgumentError
@@ -174,6 +175,62 @@ def dlpack_stream(device_type, stream):
     return None if stream is None else int(stream)
 
 
+_torch_dtypes = None  # torch dtype -> sparsa dtype, built on first use (torch is optional)
+
+
+def _torch_dtype_map(torch):
+    global _torch_dtypes  # a constant table filled once; never modified afterwards
+    if _torch_dtypes is None:
+        _torch_dtypes = {torch.float32: L.DTYPE_F32, torch.float16: L.DTYPE_F16, torch.bfloat16: L.DTYPE_BF16,
+                         torch.float64: L.DTYPE_F64, torch.int32: L.DTYPE_I32, torch.int64: L.DTYPE_I64,
+                         torch.uint8: L.DTYPE_U8, torch.int8: L.DTYPE_I8, torch.bool: L.DTYPE_U8}
+    return _torch_dtypes
+
+
+def _from_torch(obj, name, stream, reinterpret_as):
+    """A torch tensor described from its own attributes: the memory, shape, element strides and device that its
+    DLPack capsule would give, without the capsule (a decode step passes half a dozen tensors, and the export costs
+    tens of microseconds each). Only where DLPack would not order streams either: a CPU tensor, or a CUDA tensor
+    whose device's current torch stream is the consumer's stream. Returns None otherwise, and for what DLPack
+    itself refuses or converts (conjugated or negated views, non-strided layouts, other devices), so that the
+    caller exports through DLPack."""
+    torch = sys.modules.get("torch")
+    tensor_type = getattr(torch, "Tensor", None)  # (a stand-in module named torch may have none)
+    if not isinstance(tensor_type, type) or not isinstance(obj, tensor_type) or obj.layout != torch.strided:
+        return None
+    if obj.is_conj() or obj.is_neg():
+        return None
+    device = obj.device
+    if device.type == "cpu":
+        device_type, device_id = L.DEVICE_CPU, 0
+    elif device.type == "cuda" and not getattr(torch.version, "hip", None):
+        consumer = _RAW_DEFAULT_STREAM if stream is None or int(stream) == _CUDA_LEGACY_DEFAULT_STREAM else int(stream)
+        if torch.cuda.current_stream(device).cuda_stream != consumer:
+            return None  # DLPack makes the consumer's stream wait for torch's
+        device_type, device_id = L.DEVICE_CUDA, device.index
+    else:
+        return None
+    dtype = _torch_dtype_map(torch).get(obj.dtype)
+    if reinterpret_as is not None:
+        if L.lib.sparsa_dtype_size(reinterpret_as) != obj.element_size():
+            raise DtypeError(f"{name}: cannot view {8 * obj.element_size()}-bit elements as "
+                             f"{DTYPE_NAMES.get(reinterpret_as, reinterpret_as)}")
+        dtype = reinterpret_as
+    if dtype is None:
+        return None  # DLPack's path gives the error message
+    if obj.dim() > L.MAX_DIMS:
+        raise ShapeError(f"{name}: rank {obj.dim()}, but sparsa tensors have at most {L.MAX_DIMS} dims")
+    c = L.CTensor()
+    c.struct_size = ctypes.sizeof(L.CTensor)
+    c.dtype, c.device_type, c.device_id = dtype, device_type, device_id
+    shape, strides = (tuple(obj.shape), obj.stride()) if obj.dim() else ((1,), (1,))
+    c.ndim = len(shape)
+    for i, (extent, stride) in enumerate(zip(shape, strides)):
+        c.shape[i], c.strides[i] = extent, stride
+    c.data = obj.data_ptr() or None
+    return Tensor(c, obj)
+
+
 def as_tensor(obj, name, stream=None, writable=False):
     """A sparsa Tensor over `obj`'s memory (no copy). `name` is used in error messages; `stream` is the raw handle
     of the stream the consumer enqueues on (None or 0 = the default stream), translated to DLPack's code for
@@ -189,6 +246,9 @@ def as_tensor(obj, name, stream=None, writable=False):
     if not hasattr(obj, "__dlpack__") or not hasattr(obj, "__dlpack_device__"):
         raise DtypeError(f"{name}: expected a DLPack tensor (numpy array, torch tensor, ...), "
                          f"got {type(obj).__name__}")
+    fast = _from_torch(obj, name, stream, reinterpret_as)
+    if fast is not None:
+        return fast
     readonly_numpy = _is_numpy_array(obj) and not obj.flags.writeable
     if readonly_numpy:
         if writable:
