@@ -10,31 +10,45 @@ SPARSA_GPU_NAMESPACE_BEGIN
 namespace {
 
 constexpr int kThreads = 128;
+constexpr int kThreadsPerRow = 32;  // a fixed group, not the hardware warp: the launch is the same on every vendor
+constexpr int kRowsPerBlock = kThreads / kThreadsPerRow;
 
 __device__ __forceinline__ int64_t o_offset(const TensorStrides& st, int64_t b, int64_t s, int64_t h) {
   return b * st.b + s * st.s + h * st.h;
 }
 
+// kThreadsPerRow threads per (b, s, h) row, across the head dimension (coalesced; a decode merge has few rows and
+// the row's elements are the parallelism). Every thread reads both LSEs before the block barrier and the row's
+// first thread writes out_lse after it, so out / out_lse may alias o_a / lse_a (in place): only this group reads
+// this row.
 __global__ void __launch_bounds__(kThreads) merge_states_kernel(const MergeParams p) {
-  const int64_t row = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int32_t lane = int32_t(threadIdx.x) % kThreadsPerRow;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
   const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
-  if (row >= rows) return;
-  const int64_t h = row % p.heads;
-  const int64_t s = (row / p.heads) % p.seq;
-  const int64_t b = row / (int64_t(p.heads) * p.seq);
-  const float lse_a = p.lse_a[o_offset(p.lse_a_strides, b, s, h)];
-  const float lse_b = p.lse_b[o_offset(p.lse_b_strides, b, s, h)];
+  const bool active = row < rows;
+  const int64_t h = active ? row % p.heads : 0;
+  const int64_t s = active ? (row / p.heads) % p.seq : 0;
+  const int64_t b = active ? row / (int64_t(p.heads) * p.seq) : 0;
+  const float lse_a = active ? p.lse_a[o_offset(p.lse_a_strides, b, s, h)] : -INFINITY;
+  const float lse_b = active ? p.lse_b[o_offset(p.lse_b_strides, b, s, h)] : -INFINITY;
   const float m = fmaxf(lse_a, lse_b);
   const bool empty = m == -INFINITY;
   const float w_a = empty ? 0.f : expf(lse_a - m);
   const float w_b = empty ? 0.f : expf(lse_b - m);
   const float inverse = empty ? 0.f : 1.f / (w_a + w_b);
-  for (int32_t d = 0; d < p.head_dim; ++d) {
-    const float a = w_a > 0.f ? load_value(p.o_a, o_offset(p.o_a_strides, b, s, h) + d, p.element_type) : 0.f;
-    const float c = w_b > 0.f ? load_value(p.o_b, o_offset(p.o_b_strides, b, s, h) + d, p.element_type) : 0.f;
-    store_value(p.out, o_offset(p.out_strides, b, s, h) + d, p.element_type, (w_a * a + w_b * c) * inverse);
+  if (active) {
+    const int64_t a_at = o_offset(p.o_a_strides, b, s, h), b_at = o_offset(p.o_b_strides, b, s, h);
+    const int64_t out_at = o_offset(p.out_strides, b, s, h);
+    for (int32_t d = lane; d < p.head_dim; d += kThreadsPerRow) {
+      const float a = w_a > 0.f ? load_value(p.o_a, a_at + d, p.element_type) : 0.f;
+      const float c = w_b > 0.f ? load_value(p.o_b, b_at + d, p.element_type) : 0.f;
+      store_value(p.out, out_at + d, p.element_type, (w_a * a + w_b * c) * inverse);
+    }
   }
-  if (p.out_lse != nullptr) p.out_lse[o_offset(p.out_lse_strides, b, s, h)] = empty ? -INFINITY : m + logf(w_a + w_b);
+  __syncthreads();  // every thread of the row has read lse_a / lse_b
+  if (active && lane == 0 && p.out_lse != nullptr) {
+    p.out_lse[o_offset(p.out_lse_strides, b, s, h)] = empty ? -INFINITY : m + logf(w_a + w_b);
+  }
 }
 
 }  // namespace
@@ -42,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) merge_states_kernel(const MergeParam
 cudaError_t merge_states_launch(const MergeParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
   if (rows == 0) return cudaSuccess;
-  merge_states_kernel<<<unsigned((rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+  merge_states_kernel<<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

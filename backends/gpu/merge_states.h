@@ -20,7 +20,7 @@ struct MergeParams {
   TensorStrides lse_a_strides, lse_b_strides, out_lse_strides;  // b, s, h
 };
 
-// One thread per (b, s, h) row: it reads both rows and both LSEs before writing, so out may alias o_a (in place).
+// 32 threads per (b, s, h) row: they read both rows and both LSEs before writing, so out may alias o_a (in place).
 cudaError_t merge_states_launch(const MergeParams& p, cudaStream_t stream);
 
 SPARSA_GPU_NAMESPACE_END

@@ -99,8 +99,13 @@ if [ "$STEPS" = cp ]; then  # context parallelism (docs/context_parallel.md): ne
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
   GPUS=$(nvidia-smi -L | wc -l)
   echo "=== context-parallel and TOKEN_SELECT tests, CUDA instances ($GPUS GPUs) ==="
-  timeout 200 $SHARED --gtest_filter='*ContextParallel*/CUDA:*TokenSelect*/CUDA:Backends/SelectCases.*_CUDA' \
+  timeout 200 $SHARED --gtest_filter='*ContextParallel*/CUDA:*Merge*/CUDA:*TokenSelect*/CUDA:Backends/SelectCases.*_CUDA' \
     > "$OUT/cp_shared_cuda.log" 2>&1; echo "exit $?"
+  for tool in memcheck racecheck; do
+    timeout 100 compute-sanitizer --tool $tool --error-exitcode 3 $SHARED --gtest_filter='*ContextParallel*/CUDA:*Merge*/CUDA' \
+      > "$LOGS/cp_$tool.log" 2>&1
+    echo "$tool exit $? ; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/cp_$tool.log" | tail -1)"
+  done
   grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/cp_shared_cuda.log" | head -20
   grep -A8 "Failure" "$OUT/cp_shared_cuda.log" | head -40
   timeout 120 $TESTS --gtest_filter='*TokenSelect*' > "$OUT/cp_gpu_tests.log" 2>&1; echo "GPU TOKEN_SELECT tests exit $?"

@@ -18,11 +18,12 @@ class _Views:
         self.stream = stream
         self.keep = []
         self.named = []
+        self._current_streams = {}  # torch's current stream per device, looked up once per call
 
     def __call__(self, obj, name, writable=False):
         if obj is None:
             return None
-        tensor = as_tensor(obj, name, self.stream, writable)
+        tensor = as_tensor(obj, name, self.stream, writable, self._current_streams)
         self.keep.append(tensor)
         self.named.append((name, tensor))
         return tensor

@@ -187,11 +187,12 @@ def _torch_dtype_map(torch):
     return _torch_dtypes
 
 
-def _from_torch(obj, name, stream, reinterpret_as):
+def _from_torch(obj, name, stream, reinterpret_as, current_streams):
     """A torch tensor described from its own attributes: the memory, shape, element strides and device that its
     DLPack capsule would give, without the capsule (a decode step passes half a dozen tensors, and the export costs
     tens of microseconds each). Only where DLPack would not order streams either: a CPU tensor, or a CUDA tensor
-    whose device's current torch stream is the consumer's stream. Returns None otherwise, and for what DLPack
+    whose device's current torch stream is the consumer's stream (`current_streams`, a dict the caller keeps for
+    the tensors of one call, remembers that stream per device). Returns None otherwise, and for what DLPack
     itself refuses or converts (conjugated or negated views, non-strided layouts, other devices), so that the
     caller exports through DLPack."""
     torch = sys.modules.get("torch")
@@ -205,7 +206,12 @@ def _from_torch(obj, name, stream, reinterpret_as):
         device_type, device_id = L.DEVICE_CPU, 0
     elif device.type == "cuda" and not getattr(torch.version, "hip", None):
         consumer = _RAW_DEFAULT_STREAM if stream is None or int(stream) == _CUDA_LEGACY_DEFAULT_STREAM else int(stream)
-        if torch.cuda.current_stream(device).cuda_stream != consumer:
+        current = current_streams.get(device.index) if current_streams is not None else None
+        if current is None:
+            current = torch.cuda.current_stream(device).cuda_stream
+            if current_streams is not None:
+                current_streams[device.index] = current
+        if current != consumer:
             return None  # DLPack makes the consumer's stream wait for torch's
         device_type, device_id = L.DEVICE_CUDA, device.index
     else:
@@ -231,11 +237,12 @@ def _from_torch(obj, name, stream, reinterpret_as):
     return Tensor(c, obj)
 
 
-def as_tensor(obj, name, stream=None, writable=False):
+def as_tensor(obj, name, stream=None, writable=False, current_streams=None):
     """A sparsa Tensor over `obj`'s memory (no copy). `name` is used in error messages; `stream` is the raw handle
     of the stream the consumer enqueues on (None or 0 = the default stream), translated to DLPack's code for
     __dlpack__ of GPU tensors by dlpack_stream; `writable` marks an output
-    (a read-only numpy array is then refused)."""
+    (a read-only numpy array is then refused); `current_streams` (optional, a dict) lets the tensors of one call
+    look up torch's current stream once per device."""
     if isinstance(obj, Tensor):
         return obj
     reinterpret_as = None
@@ -246,7 +253,7 @@ def as_tensor(obj, name, stream=None, writable=False):
     if not hasattr(obj, "__dlpack__") or not hasattr(obj, "__dlpack_device__"):
         raise DtypeError(f"{name}: expected a DLPack tensor (numpy array, torch tensor, ...), "
                          f"got {type(obj).__name__}")
-    fast = _from_torch(obj, name, stream, reinterpret_as)
+    fast = _from_torch(obj, name, stream, reinterpret_as, current_streams)
     if fast is not None:
         return fast
     readonly_numpy = _is_numpy_array(obj) and not obj.flags.writeable
