@@ -284,58 +284,66 @@ TEST(GpuTokenIndices, OutOfRangeDeviceIdsAreIgnoredLikeUnusedSlots) {
   for (size_t e = 0; e < decoded.size(); ++e) ASSERT_FALSE(std::isnan(decoded[e])) << "output element " << e;
 }
 
-// §0 merge on the device against the host formula.
+// §0 merge on the device against the host formula, in place into o_a, with the LSE written to its own buffer or
+// in place into lse_a; head dims below, at and past one 32-thread row group.
 TEST(GpuMergeStates, MatchesFormula) {
   SKIP_WITHOUT_GPU();
-  const int64_t B = 2, S = 5, H = 3, D = 16;
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<float> oa(B * S * H * D), ob(oa.size()), la(B * H * S), lb(la.size());
-  for (auto& x : oa) x = normal(rng);
-  for (auto& x : ob) x = normal(rng);
-  for (auto& x : la) x = normal(rng);
-  for (auto& x : lb) x = normal(rng);
-  la[0] = lb[0] = kNegInf;  // (b0, h0, s0): both empty
-  la[1] = kNegInf;          // (b0, h0, s1): only b
-  sparsa_context_options options;
-  sparsa_context_options_init(&options, sizeof options);
-  options.device_type = SPARSA_DEVICE_CUDA;
-  ScopedContext context(options);
-  SPARSA_OK(context.status());
-  sparsa_context* const ctx = context.get();
-  DeviceBuffer doa(oa.size() * 4), dob(ob.size() * 4), dla(la.size() * 4), dlb(lb.size() * 4), dlo(la.size() * 4);
-  doa.upload(oa.data(), oa.size() * 4);
-  dob.upload(ob.data(), ob.size() * 4);
-  dla.upload(la.data(), la.size() * 4);
-  dlb.upload(lb.data(), lb.size() * 4);
-  dlo.poison();
-  sparsa_tensor toa = make_tensor(doa.data(), SPARSA_DTYPE_F32, {B, S, H, D}, SPARSA_DEVICE_CUDA);
-  sparsa_tensor tob = make_tensor(dob.data(), SPARSA_DTYPE_F32, {B, S, H, D}, SPARSA_DEVICE_CUDA);
-  sparsa_tensor tla = make_tensor(dla.data(), SPARSA_DTYPE_F32, {B, H, S}, SPARSA_DEVICE_CUDA);
-  sparsa_tensor tlb = make_tensor(dlb.data(), SPARSA_DTYPE_F32, {B, H, S}, SPARSA_DEVICE_CUDA);
-  sparsa_tensor tlo = make_tensor(dlo.data(), SPARSA_DTYPE_F32, {B, H, S}, SPARSA_DEVICE_CUDA);
-  SPARSA_OK(sparsa_merge_states(ctx, &toa, &tla, &tob, &tlb, &toa, &tlo));  // in place into o_a
-  CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<float> out = doa.download<float>(oa.size());
-  const std::vector<float> lse = dlo.download<float>(la.size());
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t s = 0; s < S; ++s)
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t li = (b * H + h) * S + s;
-        const double m = std::max(la[li], lb[li]);
-        const bool empty = std::isinf(m) && m < 0;
-        const double wa = empty ? 0 : std::exp(la[li] - m), wb = empty ? 0 : std::exp(lb[li] - m);
-        if (empty) {
-          EXPECT_TRUE(std::isinf(lse[li]) && lse[li] < 0);
-        } else {
-          EXPECT_NEAR(lse[li], m + std::log(wa + wb), 1e-5);
+  struct Case {
+    int64_t head_dim;
+    bool lse_in_place;
+  };
+  for (const Case c : {Case{16, false}, Case{32, true}, Case{80, true}, Case{128, false}}) {
+    SCOPED_TRACE("head_dim " + std::to_string(c.head_dim) + (c.lse_in_place ? ", lse in place" : ""));
+    const int64_t B = 2, S = 5, H = 3, D = c.head_dim;
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    std::vector<float> oa(B * S * H * D), ob(oa.size()), la(B * H * S), lb(la.size());
+    for (auto& x : oa) x = normal(rng);
+    for (auto& x : ob) x = normal(rng);
+    for (auto& x : la) x = normal(rng);
+    for (auto& x : lb) x = normal(rng);
+    la[0] = lb[0] = kNegInf;  // (b0, h0, s0): both empty
+    la[1] = kNegInf;          // (b0, h0, s1): only b
+    sparsa_context_options options;
+    sparsa_context_options_init(&options, sizeof options);
+    options.device_type = SPARSA_DEVICE_CUDA;
+    ScopedContext context(options);
+    SPARSA_OK(context.status());
+    sparsa_context* const ctx = context.get();
+    DeviceBuffer doa(oa.size() * 4), dob(ob.size() * 4), dla(la.size() * 4), dlb(lb.size() * 4), dlo(la.size() * 4);
+    doa.upload(oa.data(), oa.size() * 4);
+    dob.upload(ob.data(), ob.size() * 4);
+    dla.upload(la.data(), la.size() * 4);
+    dlb.upload(lb.data(), lb.size() * 4);
+    dlo.poison();
+    sparsa_tensor toa = make_tensor(doa.data(), SPARSA_DTYPE_F32, {B, S, H, D}, SPARSA_DEVICE_CUDA);
+    sparsa_tensor tob = make_tensor(dob.data(), SPARSA_DTYPE_F32, {B, S, H, D}, SPARSA_DEVICE_CUDA);
+    sparsa_tensor tla = make_tensor(dla.data(), SPARSA_DTYPE_F32, {B, H, S}, SPARSA_DEVICE_CUDA);
+    sparsa_tensor tlb = make_tensor(dlb.data(), SPARSA_DTYPE_F32, {B, H, S}, SPARSA_DEVICE_CUDA);
+    sparsa_tensor tlo = make_tensor(dlo.data(), SPARSA_DTYPE_F32, {B, H, S}, SPARSA_DEVICE_CUDA);
+    SPARSA_OK(sparsa_merge_states(ctx, &toa, &tla, &tob, &tlb, &toa, c.lse_in_place ? &tla : &tlo));
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> out = doa.download<float>(oa.size());
+    const std::vector<float> lse = (c.lse_in_place ? dla : dlo).download<float>(la.size());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t li = (b * H + h) * S + s;
+          const double m = std::max(la[li], lb[li]);
+          const bool empty = std::isinf(m) && m < 0;
+          const double wa = empty ? 0 : std::exp(la[li] - m), wb = empty ? 0 : std::exp(lb[li] - m);
+          if (empty) {
+            EXPECT_TRUE(std::isinf(lse[li]) && lse[li] < 0);
+          } else {
+            EXPECT_NEAR(lse[li], m + std::log(wa + wb), 1e-5);
+          }
+          for (int64_t d = 0; d < D; ++d) {
+            const int64_t oi = ((b * S + s) * H + h) * D + d;
+            const double want = empty ? 0.0 : (wa * oa[oi] + wb * ob[oi]) / (wa + wb);
+            EXPECT_NEAR(out[oi], want, 1e-5) << "b" << b << " s" << s << " h" << h << " d" << d;
+          }
         }
-        for (int64_t d = 0; d < D; ++d) {
-          const int64_t oi = ((b * S + s) * H + h) * D + d;
-          const double want = empty ? 0.0 : (wa * oa[oi] + wb * ob[oi]) / (wa + wb);
-          EXPECT_NEAR(out[oi], want, 1e-5) << "b" << b << " s" << s << " h" << h << " d" << d;
-        }
-      }
+  }
 }
 
 }  // namespace
