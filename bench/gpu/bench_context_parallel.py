@@ -11,8 +11,9 @@ the same processes and on the same cards:
   sparsa.distributed.cp_decode (the run on the shard, the all-gather of the partial states, the merge), against one
   sparsa run over the whole cache on rank 0's GPU;
 - causal prefill, bf16, H = 32 (GQA 32/8), D = 128, N tokens split zig-zag: DENSE, SINK_WINDOW 128 + 2048 and
-  BLOCK_SPARSE (128 x 128 blocks, 20 % of the causal blocks kept) through sparsa.distributed.prefill (K/V
-  all-gathered), against one sparsa run over the whole prompt on rank 0's GPU.
+  BLOCK_SPARSE (128 x 128 blocks, 20 % of the causal blocks kept) through sparsa.distributed.prefill (DENSE K/V
+  all-gathered, the others sent where read: prefill_exchange_plan), against one sparsa run over the whole prompt on
+  rank 0's GPU.
 
 Each figure is the slowest rank's, the host work of the Python path included, taken two ways: "steady" = steps
 enqueued back to back, per step (a serving loop's rate: host work counts where it exceeds the GPU's), and
@@ -261,8 +262,10 @@ def prefill_rows(options, ctx, group, timer, torch, sparsa, cp, device):
 
         cp_ms = timer(step, options.prefill_reps, warmup=1)
         out = step()
+        plan = cp.prefill_exchange_plan(n, size, policy)  # None: K/V all-gathered
+        sent_rows = (n // size) * (size - 1) if plan is None else sum(len(p) for p in plan[rank])
         row = dict(workload=f"{name}_prefill_causal_{n // 1024}k_cp", g=size, cp=cp_ms,
-                   bytes_sent_per_rank=(n // size) * row_bytes, bytes_needed_per_rank=needed_bytes)
+                   bytes_sent_per_rank=sent_rows * row_bytes, bytes_needed_per_rank=needed_bytes)
         if rank == 0:
             expected = torch.cat([want[:, a:e] for a, e in ranges], dim=1)
             row.update(single=single_ms, check_relative=relative(out, expected))

@@ -57,12 +57,14 @@ def main():
         out, lse = cp.cp_decode(ctx, group, local_q, local_k, local_v, policy, kv_start=kv_start,
                                 kv_total=kv_total)
 
-        # ---- Prefill: zig-zag chunks of one prompt, causal DENSE. --------------------------------------------
+        # ---- Prefill: zig-zag chunks of one prompt, causal; DENSE all-gathers K/V, SINK_WINDOW sends each rank
+        # only the keys its rows read (sparsa.distributed.prefill_exchange_plan). ------------------------------
         total = 256 * 2 * size
         prompt = [torch.randn(batch, total, h, d, generator=generator) for h in (hq, hkv, hkv)]
         ranges = cp.zigzag_ranges(total, size, rank)
         mine = [torch.cat([x[:, a:e] for a, e in ranges], dim=1).contiguous().to(device) for x in prompt]
-        prefill_out = cp.prefill(ctx, group, *mine, sparsa.Dense(), total=total)
+        prefill_policies = [sparsa.Dense(), sparsa.SinkWindow(sink_tokens=16, window=100)]
+        prefill_outs = [cp.prefill(ctx, group, *mine, policy_p, total=total) for policy_p in prefill_policies]
 
         if options.check:
             errors = []
@@ -78,10 +80,12 @@ def main():
                         errors.append(f"rank {rank}: sequence {b} index set differs from one device's")
                 if relative(out.cpu(), want.out) > RTOL or relative(lse.cpu(), want.lse) > RTOL:
                     errors.append(f"rank {rank}: decode output differs: {relative(out.cpu(), want.out):.3g}")
-                whole = sparsa.attention(host, *prompt, causal=True)
-                expected = torch.cat([whole[:, a:e] for a, e in ranges], dim=1)
-                if relative(prefill_out.cpu(), expected) > RTOL:
-                    errors.append(f"rank {rank}: prefill output differs: {relative(prefill_out.cpu(), expected):.3g}")
+                for policy_p, prefill_out in zip(prefill_policies, prefill_outs):
+                    whole = sparsa.attention(host, *prompt, policy=policy_p, causal=True)
+                    expected = torch.cat([whole[:, a:e] for a, e in ranges], dim=1)
+                    if relative(prefill_out.cpu(), expected) > RTOL:
+                        errors.append(f"rank {rank}: {type(policy_p).__name__} prefill output differs: "
+                                      f"{relative(prefill_out.cpu(), expected):.3g}")
             flag = torch.tensor([len(errors)], dtype=torch.int64, device=device)
             dist.all_reduce(flag)
             for line in errors:

@@ -73,6 +73,22 @@ class TorchGroup:
         self._dist.all_gather_into_tensor(gathered, y, group=self._group)  # one NCCL call into one buffer
         return gathered.to(x.device)
 
+    def all_to_all(self, parts, receive_counts):
+        """parts[r] [n_r, ...] goes to rank r; returns what each rank sent here, [receive_counts[r], ...] each."""
+        import torch
+        row_shape = parts[0].shape[1:]
+        row_elements = int(numpy.prod(row_shape, dtype=numpy.int64))
+        send = self._on_device(torch.cat([p.reshape(p.shape[0], row_elements) for p in parts]).contiguous())
+        received = torch.empty((sum(receive_counts), send.shape[1]), dtype=send.dtype, device=send.device)
+        self._dist.all_to_all_single(received, send, output_split_sizes=list(receive_counts),
+                                     input_split_sizes=[int(p.shape[0]) for p in parts], group=self._group)
+        received = received.to(parts[0].device)
+        out, at = [], 0
+        for count in receive_counts:
+            out.append(received[at:at + count].reshape(count, *row_shape))
+            at += count
+        return out
+
 
 class ThreadGroup:
     """`size` simulated ranks in one process: run each rank's code on its own thread with `member(rank)` as its
@@ -132,6 +148,19 @@ class _ThreadMember:
 
     def all_gather(self, x):
         return numpy.stack(self._exchange(x))
+
+    def all_to_all(self, parts, receive_counts):
+        received = [sent[self.rank] for sent in self._exchange_objects([numpy.array(p, copy=True) for p in parts])]
+        assert [len(r) for r in received] == list(receive_counts), "all_to_all: counts differ from what was sent"
+        return received
+
+    def _exchange_objects(self, value):
+        shared = self._shared
+        shared._slots[self.rank] = value
+        shared._barrier.wait()
+        parts = list(shared._slots)
+        shared._barrier.wait()
+        return parts
 
 
 # ---- Internals -----------------------------------------------------------------------------------------------------
@@ -362,11 +391,99 @@ def _delta_chunk(ctx, q_chunk, k, v, base, delta, start, end, total, softmax_sca
     return out
 
 
+def _needed_keys(policy, start, end, total):
+    """Boolean [total]: the global key positions that causal query rows [start, end) read under `policy` (SINK_WINDOW
+    or BLOCK_SPARSE, no Δ): sinks and the window reaching back from `start`; or the key blocks the rows' mask rows
+    keep (any batch entry or head)."""
+    needed = numpy.zeros(total, dtype=bool)
+    if isinstance(policy, SinkWindow):
+        needed[:min(policy.sink_tokens, end)] = True
+        needed[max(0, start - policy.window + 1):end] = True
+        return needed
+    mask = policy.mask[:, :, start // policy.block_q:-(-end // policy.block_q), :-(-end // policy.block_k)]
+    columns = mask.amax(dim=(0, 1, 2)) if hasattr(mask, "amax") else numpy.max(mask, axis=(0, 1, 2))
+    columns = numpy.asarray(columns.cpu() if hasattr(columns, "cpu") else columns).astype(bool)
+    needed[:end] = numpy.repeat(columns, policy.block_k)[:end]
+    return needed
+
+
+def prefill_exchange_plan(total, size, policy=None):
+    """What each rank sends each other rank in prefill(): plan[src][dst] = the global positions (ascending int64) of
+    src's tokens that dst's query rows read under `policy`, or None when every rank receives all other ranks'
+    tokens (DENSE, Δ, SPARGE and the others: an all-gather). Deterministic from the arguments, so every rank computes
+    the same plan without exchanging it."""
+    if getattr(policy, "delta", None) is not None or not isinstance(policy, (SinkWindow, BlockSparse)):
+        return None
+    owned = []
+    needs = []
+    for r in range(size):
+        mine = numpy.zeros(total, dtype=bool)
+        need = numpy.zeros(total, dtype=bool)
+        for start, end in zigzag_ranges(total, size, r):
+            mine[start:end] = True
+            need |= _needed_keys(policy, start, end, total)
+        owned.append(mine)
+        needs.append(need & ~mine)
+    return [[numpy.flatnonzero(owned[src] & needs[dst]) if src != dst else numpy.zeros(0, numpy.int64)
+             for dst in range(size)] for src in range(size)]
+
+
+def _local_rows(ranges, chunk, positions):
+    """Global positions held by a rank (its zig-zag ranges, `chunk` tokens each) → indices into its [2·chunk] rows."""
+    local = numpy.empty(len(positions), dtype=numpy.int64)
+    for i, (start, end) in enumerate(ranges):
+        inside = (positions >= start) & (positions < end)
+        local[inside] = positions[inside] - start + i * chunk
+    return local
+
+
+def _take_rows(x, rows):
+    if type(x).__module__.split(".")[0] == "torch":
+        import torch
+        return x[:, torch.as_tensor(rows, device=x.device)].transpose(0, 1).contiguous()
+    return numpy.ascontiguousarray(numpy.swapaxes(x[:, rows], 0, 1))
+
+
+def _zeros_rows(x, total):
+    if type(x).__module__.split(".")[0] == "torch":
+        import torch
+        return torch.zeros((x.shape[0], total, *x.shape[2:]), dtype=x.dtype, device=x.device)
+    return numpy.zeros((x.shape[0], total, *x.shape[2:]), dtype=x.dtype)
+
+
+def _put_rows(full, positions, rows):
+    """full[:, positions] = rows ([n, B, ...], as _take_rows gives them)."""
+    if type(full).__module__.split(".")[0] == "torch":
+        import torch
+        full[:, torch.as_tensor(positions, device=full.device)] = rows.transpose(0, 1)
+    else:
+        full[:, positions] = numpy.swapaxes(rows, 0, 1)
+
+
+def _exchange_needed(group, x, plan, total):
+    """[B, total, ...] with this rank's own tokens and the other ranks' tokens it reads (plan), zeros elsewhere
+    (positions the policy never reads)."""
+    size, rank = group.size, group.rank
+    ranges = zigzag_ranges(total, size, rank)
+    chunk = ranges[0][1] - ranges[0][0]
+    full = _zeros_rows(x, total)
+    for i, (start, end) in enumerate(ranges):
+        full[:, start:end] = x[:, i * chunk:(i + 1) * chunk]
+    parts = [_take_rows(x, _local_rows(ranges, chunk, plan[rank][dst])) for dst in range(size)]
+    received = group.all_to_all(parts, [len(plan[src][rank]) for src in range(size)])
+    for src in range(size):
+        if len(plan[src][rank]):
+            _put_rows(full, plan[src][rank], received[src])
+    return full
+
+
 def prefill(ctx, group, q, k, v, policy=None, *, total, softmax_scale=0.0):
     """Causal prefill of one batch of sequences of `total` tokens split zig-zag: q/k/v [B, 2·c, H, D] hold this
-    rank's two chunks (zigzag_ranges) one after the other. K/V are all-gathered; each chunk's rows attend over the
-    key prefix up to their own last position (bottom-right causal alignment makes that the global causal mask), so
-    a rank computes only the pairs the policy keeps. Supported: DENSE, SINK_WINDOW, BLOCK_SPARSE (the global mask
+    rank's two chunks (zigzag_ranges) one after the other. Each rank receives the other ranks' K/V rows its query
+    rows read: for SINK_WINDOW and BLOCK_SPARSE (without Δ) only those (prefill_exchange_plan, through the group's
+    all_to_all where it has one), otherwise all of them (all-gather). Each chunk's rows attend over the key prefix up
+    to their own last position (bottom-right causal alignment makes that the global causal mask), so a rank
+    computes only the pairs the policy keeps. Supported: DENSE, SINK_WINDOW, BLOCK_SPARSE (the global mask
     [B, Hq, ceil(total/bq), ceil(total/bk)]; chunks multiples of block_q), and Δ on SINK_WINDOW or BLOCK_SPARSE
     (chunks multiples of gamma). Not SPARGE: its prediction centres K by the mean over the whole sequence and its
     top-k variant counts the call's key blocks, so a run over a key prefix predicts a different mask
@@ -377,16 +494,20 @@ def prefill(ctx, group, q, k, v, policy=None, *, total, softmax_scale=0.0):
                                   "with or without Δ, are)")
     ranges = [zigzag_ranges(total, group.size, r) for r in range(group.size)]
     chunk = ranges[0][0][1] - ranges[0][0][0]
-    gathered_k, gathered_v = group.all_gather(k), group.all_gather(v)
-    pieces_k, pieces_v, starts = [], [], []
-    for r in range(group.size):
-        for i, (start, _) in enumerate(ranges[r]):
-            starts.append(start)
-            pieces_k.append(gathered_k[r][:, i * chunk:(i + 1) * chunk])
-            pieces_v.append(gathered_v[r][:, i * chunk:(i + 1) * chunk])
-    order = sorted(range(len(starts)), key=lambda j: starts[j])
-    full_k = _concat([pieces_k[j] for j in order], 1)
-    full_v = _concat([pieces_v[j] for j in order], 1)
+    plan = prefill_exchange_plan(total, group.size, policy) if hasattr(group, "all_to_all") else None
+    if plan is not None:
+        full_k, full_v = _exchange_needed(group, k, plan, total), _exchange_needed(group, v, plan, total)
+    else:
+        gathered_k, gathered_v = group.all_gather(k), group.all_gather(v)
+        pieces_k, pieces_v, starts = [], [], []
+        for r in range(group.size):
+            for i, (start, _) in enumerate(ranges[r]):
+                starts.append(start)
+                pieces_k.append(gathered_k[r][:, i * chunk:(i + 1) * chunk])
+                pieces_v.append(gathered_v[r][:, i * chunk:(i + 1) * chunk])
+        order = sorted(range(len(starts)), key=lambda j: starts[j])
+        full_k = _concat([pieces_k[j] for j in order], 1)
+        full_v = _concat([pieces_v[j] for j in order], 1)
     base = copy.copy(policy)
     base.delta = None
     outs = []
@@ -407,4 +528,4 @@ def _contiguous(x):
 
 
 __all__ = ["TorchGroup", "ThreadGroup", "token_select_indices", "cp_decode", "merge_gathered", "zigzag_ranges",
-           "prefill"]
+           "prefill", "prefill_exchange_plan"]

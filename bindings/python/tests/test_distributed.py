@@ -188,6 +188,53 @@ def test_zigzag_prefill_equals_one_context(kind, size):
         assert _relative(out, expected) <= RTOL
 
 
+def _rows_read(policy, rows, keys):
+    """Brute force from §2 / §3 (causal, bottom-right = global positions here): key positions any of `rows` reads."""
+    read = set()
+    for i in rows:
+        for j in range(min(i + 1, keys)):
+            if isinstance(policy, sparsa.SinkWindow):
+                visible = j < policy.sink_tokens or i - j < policy.window
+            else:
+                visible = bool(policy.mask[:, :, i // policy.block_q, j // policy.block_k].any())
+            if visible:
+                read.add(j)
+    return read
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("kind", ["sink_window", "block_sparse"])
+def test_prefill_sends_only_what_the_policy_reads(kind, size):
+    """SINK_WINDOW: exactly the remote keys some query row of the rank reads. BLOCK_SPARSE: those, plus the rest of
+    their key blocks (the unit the mask keeps), nothing from a block no row of the rank keeps. DENSE and Δ: None
+    (all-gather)."""
+    rng = np.random.default_rng(3)
+    total = 256
+    policy = _prefill_policy(kind, rng, 1, 2, total)
+    if kind == "block_sparse":
+        policy.mask[:, :, :, 3] = 0  # a key block nobody keeps
+    plan = cp.prefill_exchange_plan(total, size, policy)
+    for dst in range(size):
+        ranges = cp.zigzag_ranges(total, size, dst)
+        own = {j for a, e in ranges for j in range(a, e)}
+        read = set().union(*(_rows_read(policy, range(a, e), e) for a, e in ranges)) - own
+        received = set()
+        for src in range(size):
+            sent = plan[src][dst].tolist()
+            assert sent == sorted(sent) and all(j in {t for a, e in cp.zigzag_ranges(total, size, src)
+                                                      for t in range(a, e)} for j in sent)
+            received |= set(sent)
+        if kind == "sink_window":
+            assert received == read
+        else:
+            assert read <= received
+            assert all(j // policy.block_k in {t // policy.block_k for t in read} for j in received)
+            assert not any(3 * policy.block_k <= j < 4 * policy.block_k for j in received)
+        assert sum(len(plan[src][dst]) for src in range(size)) < total - len(own)  # less than an all-gather
+    assert cp.prefill_exchange_plan(total, size, sparsa.Dense()) is None
+    assert cp.prefill_exchange_plan(total, size, sparsa.SinkWindow(delta=sparsa.Delta(gamma=32))) is None
+
+
 def test_prefill_refuses_what_it_cannot_reproduce():
     group = cp.ThreadGroup(1).member(0)
     x = np.zeros((1, 64, 1, 16), np.float32)
