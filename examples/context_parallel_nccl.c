@@ -1,7 +1,7 @@
 /*
  * One TOKEN_SELECT decode step over a KV cache sharded by position, for an engine that holds its own NCCL
- * communicator (docs/context_parallel.md). Not built by CMake: it needs NCCL and several GPUs. Checked to compile
- * with `gcc -std=c99 -Wall -Wextra -Werror -c examples/context_parallel_nccl.c -Iinclude -I/usr/local/cuda/include`.
+ * communicator (docs/context_parallel.md). CMake compiles it (an object library, bench/CMakeLists.txt) wherever the
+ * CUDA backend is built and NCCL is found; running it needs an engine around it and several GPUs.
  *
  * Rank r of G holds keys [kv_start[b], kv_start[b] + L_b) of every sequence b (full length kv_total[b]) on its GPU.
  * The selection steps (sparsa_cp_select_*) run on a CPU context over host copies of q and of the rank's keys: the

@@ -125,6 +125,21 @@ if [ "$STEPS" = cp ]; then  # context parallelism (docs/context_parallel.md): ne
     PYTHONUNBUFFERED=1 timeout ${CP_BENCH_S:-300} python3 "$ROOT/bench/gpu/bench_context_parallel.py" "$LIB" \
       --out "$OUT" ${CP_BENCH_ARGS:-} > "$OUT/cp_bench.log" 2>&1; echo "bench exit $?"
     grep -v -E "Warning|warn\(" "$OUT/cp_bench.log" | tail -20
+    echo "=== context-parallel decode through the C API and NCCL (bench_cp_decode.cpp) ==="
+    NCCL_HOME=""  # the CUDA toolkit's NCCL, else the one torch's wheels bring
+    for d in /usr/local/cuda $(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null); do
+      [ -f "$d/include/nccl.h" ] && { NCCL_HOME=$d; break; }
+    done
+    NCCL_LIB=$(ls "$NCCL_HOME"/lib*/libnccl.so* 2>/dev/null | head -1)
+    if [ -z "$NCCL_HOME" ] || [ -z "$NCCL_LIB" ]; then
+      echo "no NCCL header and library found: not built"
+    elif g++ -O2 -std=c++17 "$ROOT/bench/gpu/bench_cp_decode.cpp" -I"$ROOT/include" -I/usr/local/cuda/include \
+        -I"$NCCL_HOME/include" -L"$BUILD" -lsparsa -Wl,-rpath,"$BUILD" "$NCCL_LIB" -Wl,-rpath,"$(dirname "$NCCL_LIB")" \
+        -L/usr/local/cuda/lib64 -lcudart -lpthread -o /tmp/bench_cp_decode > "$LOGS/bench_cp_decode_build.log" 2>&1; then
+      timeout 200 /tmp/bench_cp_decode --json "$OUT/cp_decode_c_api.json" 2>&1 | tee "$OUT/cp_decode_c_api.log"
+    else
+      echo "bench_cp_decode build failed:"; head -20 "$LOGS/bench_cp_decode_build.log"
+    fi
   fi
 fi
 
