@@ -190,16 +190,18 @@ def _shard_lengths(k, seq_lens_k, batch):
     return numpy.full(batch, k.shape[1], dtype=numpy.int32)
 
 
-def _local_index_lists(rows, cap, kv_start, lengths):
-    """int32 [B, H_idx, cap] from rows[b][r] = global positions (ascending): those on this shard, as local ids,
-    -1-padded."""
-    batch, h_idx = len(rows), len(rows[0])
-    out = numpy.full((batch, h_idx, max(cap, 1)), -1, dtype=numpy.int32)
-    for b in range(batch):
-        for r in range(h_idx):
-            positions = numpy.asarray(rows[b][r], dtype=numpy.int64)
-            local = positions[(positions >= kv_start[b]) & (positions < kv_start[b] + lengths[b])] - kv_start[b]
-            out[b, r, :len(local)] = local
+def _local_index_lists(rows, kv_start, lengths):
+    """int32 [B, H_idx, width] from rows[b][r] = global positions (int64 numpy, ascending, unique): those on this
+    shard, as local ids, -1-padded; width = the longest such row (at least 1), so the run walks no empty slots."""
+    local = []
+    for b, sequence_rows in enumerate(rows):
+        low, high = int(kv_start[b]), int(kv_start[b]) + int(lengths[b])
+        local.append([row[(row >= low) & (row < high)] - low for row in sequence_rows])
+    width = max([1] + [len(row) for sequence_rows in local for row in sequence_rows])
+    out = numpy.full((len(local), len(local[0]), width), -1, dtype=numpy.int32)
+    for b, sequence_rows in enumerate(local):
+        for r, row in enumerate(sequence_rows):
+            out[b, r, :len(row)] = row
     return out
 
 
@@ -278,7 +280,6 @@ def _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, s
     kv_start, kv_total = _host_int32(kv_start, "kv_start"), _host_int32(kv_total, "kv_total")
     lengths = _shard_lengths(k, seq_lens_k, len(kv_start))
     batch = len(kv_start)
-    cap = int(lengths.max(initial=0))
     if getattr(policy, "delta", None) is not None:
         # §8 makes every row of a query shorter than tail_min + gamma dense (s_p <= 0): a decode row always.
         if q.shape[1] >= policy.delta.tail_min + policy.delta.gamma:
@@ -298,23 +299,20 @@ def _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, s
         rows = []
         for b in range(batch):
             n = int(kv_total[b])
-            sinks = range(min(policy.sink_tokens, n))
-            window = range(max(policy.sink_tokens, n - policy.window), n)
-            rows.append([list(sinks) + list(window)])
-    elif isinstance(policy, TokenIndices) and policy.block_size == 1:
+            rows.append([numpy.concatenate([numpy.arange(min(policy.sink_tokens, n)),
+                                            numpy.arange(max(policy.sink_tokens, n - policy.window), n)])])
+        return TokenIndices(_like(q, _local_index_lists(rows, kv_start, lengths)))
+    if isinstance(policy, TokenIndices) and policy.block_size == 1:
         indices = numpy.asarray(policy.indices.cpu() if hasattr(policy.indices, "cpu") else policy.indices)
         rows = []
         for b in range(batch):
             n = int(kv_total[b])
-            always = set(range(min(policy.n_init, n))) | set(range(max(0, n - policy.n_local), n))
-            rows.append([sorted(always | {int(t) for t in indices[b, r] if t >= 0})
-                         for r in range(indices.shape[1])])
-        head_map = policy.head_map
-        return TokenIndices(_like(q, _local_index_lists(rows, cap, kv_start, lengths)), head_map=head_map)
-    else:
-        raise NotImplementedError(f"cp_decode: {type(policy).__name__} is not supported (DENSE, SINK_WINDOW, "
-                                  "TOKEN_INDICES with block_size 1 and TOKEN_SELECT are)")
-    return TokenIndices(_like(q, _local_index_lists(rows, cap, kv_start, lengths)))
+            always = numpy.concatenate([numpy.arange(min(policy.n_init, n)),
+                                        numpy.arange(max(0, n - policy.n_local), n)])
+            rows.append([numpy.union1d(always, row[row >= 0].astype(numpy.int64)) for row in indices[b]])
+        return TokenIndices(_like(q, _local_index_lists(rows, kv_start, lengths)), head_map=policy.head_map)
+    raise NotImplementedError(f"cp_decode: {type(policy).__name__} is not supported (DENSE, SINK_WINDOW, "
+                              "TOKEN_INDICES with block_size 1 and TOKEN_SELECT are)")
 
 
 def merge_gathered(ctx, outs, lses):
@@ -429,7 +427,7 @@ def prefill_exchange_plan(total, size, policy=None):
 
 
 def _local_rows(ranges, chunk, positions):
-    """Global positions held by a rank (its zig-zag ranges, `chunk` tokens each) → indices into its [2·chunk] rows."""
+    """Global positions a rank holds (its zig-zag ranges, `chunk` tokens each) → indices into its [2·chunk] rows."""
     local = numpy.empty(len(positions), dtype=numpy.int64)
     for i, (start, end) in enumerate(ranges):
         inside = (positions >= start) & (positions < end)
