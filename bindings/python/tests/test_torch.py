@@ -21,6 +21,52 @@ def test_torch_cpu_tensors_are_viewed_without_copy():
     assert view.shape == (1, 14, 4, 8) and view.dtype == sparsa.F32
 
 
+def _descriptor(view):
+    """What a descriptor means: a stride of a dimension of extent 0 or 1 is never used (exporters differ there)."""
+    c = view.c
+    strides = tuple(c.strides[i] if c.shape[i] > 1 else None for i in range(c.ndim))
+    return (c.dtype, c.device_type, c.device_id, c.ndim, tuple(c.shape[:c.ndim]), strides, c.data or 0)
+
+
+def _through_dlpack(x, name):
+    """The DLPack path's view of x (what the attribute path must reproduce)."""
+    from sparsa import tensor as sparsa_tensor
+    return sparsa_tensor._from_capsule(x.__dlpack__(), name, x)
+
+
+def test_torch_tensors_are_described_as_their_dlpack_capsule_describes_them():
+    """Torch tensors are described from their attributes where no stream ordering is needed; the descriptor must be
+    the DLPack capsule's for every layout, dtype and offset, and conjugated views (which DLPack refuses) must still
+    take the DLPack path and fail there."""
+    base = torch.arange(2 * 6 * 4 * 8, dtype=torch.float32).reshape(2, 6, 4, 8)
+    cases = {
+        "contiguous": base,
+        "offset slice": base[:, 2:],
+        "transposed": base.transpose(1, 2),
+        "strided": base[:, ::2, :, 1::3],
+        "scalar": torch.tensor(3.0),
+        "bfloat16": base.to(torch.bfloat16),
+        "float16": base.to(torch.float16)[1],
+        "int32": base.to(torch.int32),
+        "int64": base.to(torch.int64),
+        "uint8": base.to(torch.uint8),
+        "int8": base.to(torch.int8),
+        "bool": base > 10,
+        "requires grad": base.clone().requires_grad_(True),
+        "empty": base[:, :0],
+    }
+    for name, x in cases.items():
+        fast = sparsa.as_tensor(x, name)
+        if x.requires_grad:
+            x = x.detach()
+        if x.dtype == torch.bool:  # as uint8 (older torch exports no bool through DLPack; newer ones as kDLBool)
+            x = x.view(torch.uint8)
+        assert _descriptor(fast) == _descriptor(_through_dlpack(x, name)), name
+    conjugated = torch.ones(2, dtype=torch.complex64).conj()
+    with pytest.raises(sparsa.DtypeError):
+        sparsa.as_tensor(conjugated, "conjugated")
+
+
 def _causal_attention(q, k, v):
     """torch's SDPA (torch >= 2.0), or the same softmax written out (Debian's torch 1.13 has no SDPA)."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
