@@ -3,7 +3,8 @@
 The capsule from `obj.__dlpack__()` is named "dltensor" and points at a DLManagedTensor. We read the DLTensor in it
 and describe the same memory to sparsa; we never rename the capsule, so the capsule's own destructor calls the
 producer's deleter when we drop it (nothing leaks, nothing is freed twice). The capsule (which keeps the producer's
-array alive) is held by the Tensor view for as long as the view lives.
+array alive) is held by the Tensor view for as long as the view lives. Torch tensors that need no stream ordering
+are described from their own attributes instead (_from_torch), which is the same view at less host cost.
 """
 import ctypes
 import sys
