@@ -1,12 +1,13 @@
 // Context-parallel TOKEN_SELECT on the CPU (sparsa_cp_select_*, docs/context_parallel.md).
 //
 // Each step recomputes, on this shard's keys only, exactly the quantities run_token_select computes over the whole
-// cache (cpu_token_select.cpp, phase 3): q̄_h the same float64 mean, s[h, t] the same plain channel-order sums
-// (interleaved_dots_keys here, select_scores.h's kernel there: both bit-identical to the sequential loop),
-// exp(s − m_h) with the same global m_h, Z_h the same FixedPointSum (order-independent), vote[t] the same sum over
-// the set's heads in ascending order, and the same ranking (ranks_before: larger vote, then smaller position). So
-// the index set the four steps produce is the single-device one, bit for bit. The steps allocate their working
-// arrays per call (decode-sized: B · Hq · |C ∩ shard| float64 scores).
+// cache (cpu_token_select.cpp, phase 3): q̄_h the same float64 mean, s[h, t] the same plain channel-order sums (the
+// same select_scores.h kernel, bit-identical to the sequential loop), exp(s − m_h) with the same global m_h, Z_h the
+// same FixedPointSum (order-independent), vote[t] the same sum over the set's heads in ascending order, and the same
+// ranking (ranks_before: larger vote, then smaller position). So the index set the four steps produce is the
+// single-device one, bit for bit. Work within a sequence runs in parallel (candidate chunks for the scores and
+// votes, heads for the sums: every result is independent of the split); the steps allocate their working arrays
+// per call (decode-sized: B · Hq · |C ∩ shard| float64 scores).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,7 +20,9 @@
 #include "cpu_engine.h"
 #include "cpu_select_util.h"
 #include "cpu_utilities.h"
+#include "cpu_convert.h"
 #include "fixed_point_sum.h"
+#include "select_scores.h"
 
 namespace sparsa::cpu {
 namespace {
@@ -83,37 +86,52 @@ std::vector<double> mean_queries(const AttentionProblem& pr, int32_t b, int64_t 
   return qbar;
 }
 
-// s[h, t] for every query head and every candidate of the shard: [Hq][n_candidates], the same sums as
-// head_softmax_stats / score_candidates_all_heads compute with select_scores.h's kernel (here interleaved_dots_keys
-// over a kv group's heads: the same sequential channel-order sum, bit for bit).
-std::vector<double> shard_scores(const CpSelectCall& call, const Params& params, int32_t b, const ShardSequence& s) {
+// Candidates one work item scores or votes on (a multiple of the kernel's tile).
+constexpr int64_t kChunkCandidates = 64 * kScoreTileKeys;
+
+// s[h, t] for every query head and every candidate of the shard, laid out [Hkv][n][group] as the score kernel writes
+// them (score_of reads one), computed by select_scores.h's kernel exactly as score_candidates_all_heads does, chunks
+// of candidates in parallel.
+struct ShardScores {
+  std::vector<double> values;
+  int64_t n = 0;
+  int32_t group = 1;
+  double score_of(int32_t h, int64_t c) const {
+    return values[(size_t(h / group) * size_t(n) + size_t(c)) * size_t(group) + size_t(h % group)];
+  }
+};
+
+ShardScores shard_scores(const CpSelectCall& call, const Params& params, int32_t b, const ShardSequence& s,
+                         const ExecContext& exec) {
   const AttentionProblem& pr = call.problem;
   const int32_t d = pr.head_dim;
-  const int32_t group = pr.num_q_heads / pr.num_kv_heads;
-  const int64_t n = s.n_candidates();
+  ShardScores scores;
+  scores.group = pr.num_q_heads / pr.num_kv_heads;
+  scores.n = s.n_candidates();
+  scores.values.resize(size_t(pr.num_q_heads) * size_t(scores.n));
+  if (scores.n == 0) return scores;
   const std::vector<double> concat_qbar = mean_queries(pr, b, s.seq_q);
-  std::vector<double> scores(size_t(pr.num_q_heads) * size_t(n));
-  std::vector<double> qbars(interleaved_size(group, d));
-  std::vector<double> dots(size_t(kDotKeys) * size_t(group));
-  std::vector<float> key_rows(size_t(kDotKeys) * size_t(d));
-  const float* rows[kDotKeys];
-  for (int key = 0; key < kDotKeys; ++key) rows[key] = key_rows.data() + int64_t(key) * d;
-  for (int32_t hk = 0; hk < pr.num_kv_heads; ++hk) {
-    std::fill(qbars.begin(), qbars.end(), 0.0);
-    for (int32_t l = 0; l < group; ++l)
-      interleave_vector(qbars.data(), l, concat_qbar.data() + int64_t(hk * group + l) * d, d);
-    for (int64_t c0 = 0; c0 < n; c0 += kDotKeys) {
-      const int n_keys = int(std::min<int64_t>(kDotKeys, n - c0));
+  const SelectScoreKernel& kernel = select_score_kernel();
+  const unsigned char* k_base = static_cast<const unsigned char*>(pr.k.t.data);
+  const int64_t eb = element_bytes(pr.dtype);
+  const int64_t chunks = (scores.n + kChunkCandidates - 1) / kChunkCandidates;
+  parallel_items(exec, chunks * pr.num_kv_heads, [&](int64_t item, int) {
+    const int32_t hk = int32_t(item % pr.num_kv_heads);
+    const int64_t first = (item / pr.num_kv_heads) * kChunkCandidates;
+    const int64_t last = std::min(scores.n, first + kChunkCandidates);
+    std::vector<float> transposed(score_tile_scratch_floats(d));
+    const void* rows[kScoreTileKeys];
+    double* out = scores.values.data() + size_t(hk) * size_t(scores.n) * size_t(scores.group);
+    for (int64_t c0 = first; c0 < last; c0 += kScoreTileKeys) {
+      const int n_keys = int(std::min<int64_t>(kScoreTileKeys, last - c0));
       for (int key = 0; key < n_keys; ++key) {
         const int64_t local = s.candidate_begin + c0 + key - s.start;
-        load_row_f32(pr.dtype, pr.k.t.data, pr.kv_offset(pr.k, b, local, hk), d, key_rows.data() + key * d);
+        rows[key] = k_base + pr.kv_offset(pr.k, b, local, hk) * eb;
       }
-      interleaved_dots_keys(qbars.data(), group, rows, n_keys, d, params.score_scale, dots.data(), group);
-      for (int key = 0; key < n_keys; ++key)
-        for (int32_t l = 0; l < group; ++l)
-          scores[size_t(hk * group + l) * size_t(n) + size_t(c0 + key)] = dots[size_t(key * group + l)];
+      kernel.score_tile(concat_qbar.data() + int64_t(hk) * scores.group * d, scores.group, rows, pr.dtype, n_keys,
+                        d, params.score_scale, transposed.data(), out + c0 * scores.group, scores.group);
     }
-  }
+  });
   return scores;
 }
 
@@ -123,38 +141,35 @@ double read_f64(const TensorArg& a, int64_t i0, int64_t i1) {
 
 void step_max(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
   const AttentionProblem& pr = call.problem;
-  parallel_items(exec, pr.batch, [&](int64_t item, int) {
-    const int32_t b = int32_t(item);
+  double* out = call.out.ptr<double>();
+  for (int32_t b = 0; b < pr.batch; ++b) {
     const ShardSequence s = shard_sequence(call, params, b);
-    double* out = call.out.ptr<double>();
-    const int64_t n = s.selects() ? s.n_candidates() : 0;
-    const std::vector<double> scores = n > 0 ? shard_scores(call, params, b, s) : std::vector<double>();
+    const ShardScores scores = s.selects() ? shard_scores(call, params, b, s, exec) : ShardScores();
     for (int32_t h = 0; h < pr.num_q_heads; ++h) {
       double max_score = -INFINITY;  // std::max skips NaN scores, as head_softmax_stats does
-      for (int64_t c = 0; c < n; ++c) max_score = std::max(max_score, scores[size_t(h) * size_t(n) + size_t(c)]);
+      for (int64_t c = 0; c < scores.n; ++c) max_score = std::max(max_score, scores.score_of(h, c));
       out[b * call.out.stride(0) + h * call.out.stride(1)] = max_score;
     }
-  });
+  }
 }
 
 void step_sum(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
   const AttentionProblem& pr = call.problem;
-  parallel_items(exec, pr.batch, [&](int64_t item, int) {
-    const int32_t b = int32_t(item);
+  int64_t* out = call.out.ptr<int64_t>();
+  for (int32_t b = 0; b < pr.batch; ++b) {
     const ShardSequence s = shard_sequence(call, params, b);
-    const int64_t n = s.selects() ? s.n_candidates() : 0;
-    const std::vector<double> scores = n > 0 ? shard_scores(call, params, b, s) : std::vector<double>();
-    int64_t* out = call.out.ptr<int64_t>();
-    for (int32_t h = 0; h < pr.num_q_heads; ++h) {
+    const ShardScores scores = s.selects() ? shard_scores(call, params, b, s, exec) : ShardScores();
+    parallel_items(exec, pr.num_q_heads, [&](int64_t item, int) {
+      const int32_t h = int32_t(item);
       const double max_score = read_f64(call.global_max, b, h);
       FixedPointSum sum;
-      for (int64_t c = 0; c < n; ++c) sum.add(std::exp(scores[size_t(h) * size_t(n) + size_t(c)] - max_score));
+      for (int64_t c = 0; c < scores.n; ++c) sum.add(std::exp(scores.score_of(h, c) - max_score));
       int64_t digits[FixedPointSum::kDigits];
       sum.to_digits(digits);
       for (int i = 0; i < FixedPointSum::kDigits; ++i)
         out[b * call.out.stride(0) + h * call.out.stride(1) + i * call.out.stride(2)] = digits[i];
-    }
-  });
+    });
+  }
 }
 
 // Z_h of every (b, h) from the combined digits; throws INVALID_ARGUMENT for a negative digit (not a sum of step-2
@@ -182,28 +197,29 @@ std::vector<double> normalisers(const CpSelectCall& call) {
 void step_topk(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
   const AttentionProblem& pr = call.problem;
   const std::vector<double> z = normalisers(call);
-  parallel_items(exec, pr.batch, [&](int64_t item, int) {
-    const int32_t b = int32_t(item);
+  double* out_votes = call.out.ptr<double>();
+  int32_t* out_positions = call.out_positions.ptr<int32_t>();
+  for (int32_t b = 0; b < pr.batch; ++b) {
     const ShardSequence s = shard_sequence(call, params, b);
-    const int64_t n = s.selects() ? s.n_candidates() : 0;
-    const std::vector<double> scores = n > 0 ? shard_scores(call, params, b, s) : std::vector<double>();
+    const ShardScores scores = s.selects() ? shard_scores(call, params, b, s, exec) : ShardScores();
+    const int64_t n = scores.n;
     std::vector<double> votes(static_cast<size_t>(n));
     std::vector<int64_t> order(static_cast<size_t>(n)), ids(static_cast<size_t>(n));
     for (int32_t set = 0; set < params.n_sets; ++set) {
       const int32_t first_head = set * params.heads_per_set;
-      for (int64_t c = 0; c < n; ++c) {
-        double vote = 0.0;
-        for (int32_t l = 0; l < params.heads_per_set; ++l) {
-          const int32_t h = first_head + l;
-          const double e = std::exp(scores[size_t(h) * size_t(n) + size_t(c)] - read_f64(call.global_max, b, h));
-          vote += e / z[size_t(b) * size_t(pr.num_q_heads) + size_t(h)];
+      parallel_items(exec, (n + kChunkCandidates - 1) / kChunkCandidates, [&](int64_t item, int) {
+        for (int64_t c = item * kChunkCandidates; c < std::min(n, (item + 1) * kChunkCandidates); ++c) {
+          double vote = 0.0;
+          for (int32_t l = 0; l < params.heads_per_set; ++l) {
+            const int32_t h = first_head + l;
+            const double e = std::exp(scores.score_of(h, c) - read_f64(call.global_max, b, h));
+            vote += e / z[size_t(b) * size_t(pr.num_q_heads) + size_t(h)];
+          }
+          votes[size_t(c)] = vote;
         }
-        votes[size_t(c)] = vote;
-      }
+      });
       const int64_t k = std::min(params.top_k, n);
       top_k_ids_ascending(votes.data(), n, k, order.data(), ids.data());
-      double* out_votes = call.out.ptr<double>();
-      int32_t* out_positions = call.out_positions.ptr<int32_t>();
       const int64_t votes_row = b * call.out.stride(0) + set * call.out.stride(1);
       const int64_t positions_row = b * call.out_positions.stride(0) + set * call.out_positions.stride(1);
       for (int64_t i = 0; i < params.top_k; ++i) {
@@ -212,7 +228,7 @@ void step_topk(const CpSelectCall& call, const Params& params, const ExecContext
             i < k ? int32_t(s.candidate_begin + ids[size_t(i)]) : -1;
       }
     }
-  });
+  }
 }
 
 // The largest index set a sequence can have on this shard (the cap out_indices must hold).
