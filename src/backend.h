@@ -72,7 +72,8 @@ class Backend {
   // fills `reason` (the API turns it into SPARSA_STATUS_UNSUPPORTED). (ggml fattn.cu / oneDNN style.)
   virtual bool supports(const AttentionProblem& problem, const PolicyParams& policy, std::string* reason) const = 0;
 
-  // Grows scratch for this problem; computes nothing.
+  // Grows scratch for this problem; computes nothing. Called only after validation and supports() == true (the
+  // API asks supports() once per call; plan and run need not ask again).
   virtual void plan(const AttentionProblem& problem, const PolicyParams& policy) = 0;
 
   // Computes every requested output of the run. Called only after validation and supports() == true.

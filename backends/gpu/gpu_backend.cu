@@ -217,15 +217,14 @@ class GpuBackend final : public Backend {
     return base_supports(problem, policy, reason);
   }
 
+  // plan() and run() come after the API's supports() check (backend.h): it is asked once per call, not again here.
   void plan(const AttentionProblem& problem, const PolicyParams& policy) override {
-    require_supported(problem, policy);
     ScratchCarver sizing = ScratchCarver::measuring();
     dispatch_policy(problem, policy, sizing);
     grow_scratch(sizing.bytes());
   }
 
   void run(const AttentionProblem& problem, const PolicyParams& policy) override {
-    require_supported(problem, policy);
     DeviceGuard guard(device_.device);
     ScratchCarver sizing = ScratchCarver::measuring();
     dispatch_policy(problem, policy, sizing);
@@ -285,11 +284,6 @@ class GpuBackend final : public Backend {
   }
 
  private:
-  void require_supported(const AttentionProblem& problem, const PolicyParams& policy) const {
-    std::string reason;
-    if (!supports(problem, policy, &reason)) fail(SPARSA_STATUS_UNSUPPORTED, reason);
-  }
-
   // The policy itself, ignoring the Δ flag.
   bool base_supports(const AttentionProblem& problem, const PolicyParams& policy, std::string* reason) const {
     if (!policy_runs_on(policy.p.kind, device_type())) {  // src/policy_table.h
