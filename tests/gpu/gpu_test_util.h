@@ -133,6 +133,15 @@ class DeviceBuffer {
 
 // ---- owners: a failed ASSERT returns from the test body early, and every owner below frees on the way out ----
 
+// Options for a context on `device_type` (SPARSA_DEVICE_*) that enqueues on `stream` (null: the default stream).
+inline sparsa_context_options context_options(int32_t device_type, void* stream = nullptr) {
+  sparsa_context_options options;
+  sparsa_context_options_init(&options, sizeof options);
+  options.device_type = device_type;
+  options.stream = stream;
+  return options;
+}
+
 // A sparsa context; status() says whether creation worked (get() is null otherwise).
 class ScopedContext {
  public:

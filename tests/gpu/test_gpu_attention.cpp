@@ -45,11 +45,7 @@ TEST(GpuAttentionGraph, CaptureAndReplay) {
   ScopedStream owned_stream;
   CUDA_OK(cudaStreamCreate(owned_stream.out()));
   const cudaStream_t stream = owned_stream.get();
-  sparsa_context_options options;
-  sparsa_context_options_init(&options, sizeof options);
-  options.device_type = SPARSA_DEVICE_CUDA;
-  options.stream = stream;
-  ScopedContext context(options);
+  ScopedContext context(context_options(SPARSA_DEVICE_CUDA, stream));
   SPARSA_OK(context.status());
   sparsa_context* const ctx = context.get();
   DeviceBuffer q(ph.q.size()), k(ph.k.size()), v(ph.v.size()), out(ph.q.size());
@@ -89,10 +85,7 @@ TEST(GpuAttentionGraph, CaptureAndReplay) {
 TEST(GpuAttentionSupport, CaseBeyondTheLimitsIsUnsupportedWithAReason) {
   SKIP_WITHOUT_GPU();
   constexpr int64_t kTooLargeHeadDim = 320;
-  sparsa_context_options options;
-  sparsa_context_options_init(&options, sizeof options);
-  options.device_type = SPARSA_DEVICE_CUDA;
-  ScopedContext context(options);
+  ScopedContext context(context_options(SPARSA_DEVICE_CUDA));
   SPARSA_OK(context.status());
   sparsa_context* const ctx = context.get();
   const int64_t shape[4] = {1, 1, 2, kTooLargeHeadDim};
@@ -147,10 +140,7 @@ TEST(GpuTokenIndices, SplitKvMatchesCpuBackend) {
     struct Result { std::vector<uint8_t> out; std::vector<float> lse; std::vector<int64_t> stats;
                     std::vector<int32_t> selected; };
     auto run = [&](int32_t device, Result* res) {
-      sparsa_context_options options;
-      sparsa_context_options_init(&options, sizeof options);
-      options.device_type = device;
-      ScopedContext context(options);
+      ScopedContext context(context_options(device));
       SPARSA_OK(context.status());
       sparsa_context* const ctx = context.get();
       const bool gpu = device == SPARSA_DEVICE_CUDA;
@@ -243,10 +233,7 @@ TEST(GpuTokenIndices, OutOfRangeDeviceIdsAreIgnoredLikeUnusedSlots) {
   const std::vector<uint8_t> qb = encode_rounded(q, SPARSA_DTYPE_BF16), kb = encode_rounded(kv, SPARSA_DTYPE_BF16),
                              vb = encode_rounded(v, SPARSA_DTYPE_BF16);
   auto run = [&](const std::vector<int32_t>& ids, std::vector<uint8_t>* out, std::vector<int32_t>* selected) {
-    sparsa_context_options options;
-    sparsa_context_options_init(&options, sizeof options);
-    options.device_type = SPARSA_DEVICE_CUDA;
-    ScopedContext context(options);
+    ScopedContext context(context_options(SPARSA_DEVICE_CUDA));
     SPARSA_OK(context.status());
     sparsa_context* const ctx = context.get();
     DeviceBuffer dq(qb.size()), dk(kb.size()), dv(vb.size()), dout(qb.size()), dsel(size_t(B) * Hq * Skv * 4),
@@ -304,10 +291,7 @@ TEST(GpuMergeStates, MatchesFormula) {
     for (auto& x : lb) x = normal(rng);
     la[0] = lb[0] = kNegInf;  // (b0, h0, s0): both empty
     la[1] = kNegInf;          // (b0, h0, s1): only b
-    sparsa_context_options options;
-    sparsa_context_options_init(&options, sizeof options);
-    options.device_type = SPARSA_DEVICE_CUDA;
-    ScopedContext context(options);
+    ScopedContext context(context_options(SPARSA_DEVICE_CUDA));
     SPARSA_OK(context.status());
     sparsa_context* const ctx = context.get();
     DeviceBuffer doa(oa.size() * 4), dob(ob.size() * 4), dla(la.size() * 4), dlb(lb.size() * 4), dlo(la.size() * 4);
