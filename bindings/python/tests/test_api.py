@@ -283,6 +283,8 @@ def test_lse_and_stats_outputs(ctx):
     result = sparsa.attention(ctx, q, k, v, causal=True, lse=True, stats=True)
     assert result.lse.shape == (1, 4, 16) and result.stats.shape == (sparsa.STAT_COUNT,)
     assert result.stats[sparsa.STAT_PAIRS_COMPUTED] == result.stats[sparsa.STAT_PAIRS_DENSE]
+    plain = sparsa.attention(ctx, q, k, v, causal=True, lse=False, stats=False)  # False asks for none, like None
+    assert isinstance(plain, numpy.ndarray) and numpy.array_equal(plain, result.out)
 
 
 # ---- README -----------------------------------------------------------------------------------------------------
