@@ -63,8 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--task-mix", default="0.5,0.25,0.25", help="text,passkey,multikey probabilities")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (off by default: its compile time, twice with the 8K phase, costs "
-                        "about what it saves in a 6-minute run)")
+                   help="torch.compile the model (off by default: its compile time, once per context of the "
+                        "schedule (five with the curriculum), cost about what it saved in a 6-minute run without one)")
     p.add_argument("--tiny", action="store_true", help="tiny model, short context, a few steps on the CPU")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--heldout", default=os.path.join(HERE, "data", "heldout.bin"))
