@@ -15,6 +15,7 @@ import numpy as np
 PASSKEY_DIGITS = 5
 MULTIKEY_DIGITS = 4
 MULTIKEY_PAIRS = 8
+MULTIKEY_NEEDLE_BYTES = len(b"[key ABCD is 0123] ")
 KEY_LETTERS = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8)
 
 
@@ -53,8 +54,16 @@ def passkey_sample(rng, text, length, depth=None):
     return sample, mask
 
 
-def multikey_sample(rng, text, length, depth=None, pairs=MULTIKEY_PAIRS):
-    """(bytes, answer_mask): `pairs` key/value needles, the asked one at `depth` (random when None)."""
+def multikey_pairs(length):
+    """MULTIKEY_PAIRS, fewer where the needles would fill more than half of a short sample (a training curriculum's
+    first contexts): 8 pairs from 336 bytes on."""
+    return max(1, min(MULTIKEY_PAIRS, length // (2 * MULTIKEY_NEEDLE_BYTES)))
+
+
+def multikey_sample(rng, text, length, depth=None, pairs=None):
+    """(bytes, answer_mask): `pairs` key/value needles (multikey_pairs(length) when None), the asked one at `depth`
+    (random when None)."""
+    pairs = multikey_pairs(length) if pairs is None else pairs
     keys = set()
     while len(keys) < pairs:
         keys.add(bytes(rng.choice(KEY_LETTERS, size=4)))
