@@ -1,8 +1,8 @@
 // Context-parallel TOKEN_SELECT on the CPU (sparsa_cp_select_*, docs/context_parallel.md).
 //
 // Each step recomputes, on this shard's keys only, exactly the quantities run_token_select computes over the whole
-// cache (cpu_token_select.cpp, phase 3): q̄_h the same float64 mean, s[h, t] the same plain channel-order sums (the
-// same select_scores.h kernel, bit-identical to the sequential loop), exp(s − m_h) with the same global m_h, Z_h the
+// cache (cpu_token_select.cpp, phase 3): q̄_h the same float64 mean, s[h, t] the same plain channel-order sums (its
+// score_keys_all_kv_heads, bit-identical to the sequential loop), exp(s − m_h) with the same global m_h, Z_h the
 // same FixedPointSum (order-independent), vote[t] the same sum over the set's heads in ascending order, and the same
 // ranking (ranks_before: larger vote, then smaller position). So the index set the four steps produce is the
 // single-device one, bit for bit. Work within a sequence runs in parallel (candidate chunks for the scores and
@@ -19,8 +19,8 @@
 #include "attention_loop.h"
 #include "cpu_engine.h"
 #include "cpu_select_util.h"
+#include "cpu_token_select.h"
 #include "cpu_utilities.h"
-#include "cpu_convert.h"
 #include "fixed_point_sum.h"
 #include "select_scores.h"
 
@@ -89,9 +89,8 @@ std::vector<double> mean_queries(const AttentionProblem& pr, int32_t b, int64_t 
 // Candidates one work item scores or votes on (a multiple of the kernel's tile).
 constexpr int64_t kChunkCandidates = 64 * kScoreTileKeys;
 
-// s[h, t] for every query head and every candidate of the shard, laid out [Hkv][n][group] as the score kernel writes
-// them (score_of reads one), computed by select_scores.h's kernel exactly as score_candidates_all_heads does, chunks
-// of candidates in parallel.
+// s[h, t] for every query head and every candidate of the shard, laid out [Hkv][n][group] as the single run keeps
+// them (score_of reads one), computed by the same score_keys_all_kv_heads, chunks of candidates in parallel.
 struct ShardScores {
   std::vector<double> values;
   int64_t n = 0;
@@ -104,33 +103,20 @@ struct ShardScores {
 ShardScores shard_scores(const CpSelectCall& call, const Params& params, int32_t b, const ShardSequence& s,
                          const ExecContext& exec) {
   const AttentionProblem& pr = call.problem;
-  const int32_t d = pr.head_dim;
   ShardScores scores;
   scores.group = pr.num_q_heads / pr.num_kv_heads;
   scores.n = s.n_candidates();
   scores.values.resize(size_t(pr.num_q_heads) * size_t(scores.n));
   if (scores.n == 0) return scores;
   const std::vector<double> concat_qbar = mean_queries(pr, b, s.seq_q);
-  const SelectScoreKernel& kernel = select_score_kernel();
-  const unsigned char* k_base = static_cast<const unsigned char*>(pr.k.t.data);
-  const int64_t eb = element_bytes(pr.dtype);
-  const int64_t chunks = (scores.n + kChunkCandidates - 1) / kChunkCandidates;
-  parallel_items(exec, chunks * pr.num_kv_heads, [&](int64_t item, int) {
-    const int32_t hk = int32_t(item % pr.num_kv_heads);
-    const int64_t first = (item / pr.num_kv_heads) * kChunkCandidates;
+  const int64_t out_stride = scores.n * scores.group;
+  parallel_items(exec, (scores.n + kChunkCandidates - 1) / kChunkCandidates, [&](int64_t item, int) {
+    const int64_t first = item * kChunkCandidates;
     const int64_t last = std::min(scores.n, first + kChunkCandidates);
-    std::vector<float> transposed(score_tile_scratch_floats(d));
-    const void* rows[kScoreTileKeys];
-    double* out = scores.values.data() + size_t(hk) * size_t(scores.n) * size_t(scores.group);
-    for (int64_t c0 = first; c0 < last; c0 += kScoreTileKeys) {
-      const int n_keys = int(std::min<int64_t>(kScoreTileKeys, last - c0));
-      for (int key = 0; key < n_keys; ++key) {
-        const int64_t local = s.candidate_begin + c0 + key - s.start;
-        rows[key] = k_base + pr.kv_offset(pr.k, b, local, hk) * eb;
-      }
-      kernel.score_tile(concat_qbar.data() + int64_t(hk) * scores.group * d, scores.group, rows, pr.dtype, n_keys,
-                        d, params.score_scale, transposed.data(), out + c0 * scores.group, scores.group);
-    }
+    std::vector<float> transposed(score_tile_scratch_floats(pr.head_dim));
+    score_keys_all_kv_heads(pr, b, s.candidate_begin - s.start + first, last - first, concat_qbar.data(),
+                            params.score_scale, transposed.data(), scores.values.data() + first * scores.group,
+                            out_stride);
   });
   return scores;
 }

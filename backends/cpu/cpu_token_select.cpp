@@ -241,44 +241,19 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   }
 }
 
-// 3a's scores when they are kept, for candidates [first, last) of sequence b and every kv head: a tile of keys for
-// all kv heads before the next tile (in the [B, S, Hkv, D] layout one key's rows are adjacent, so K is read front to
-// back once), the next tile's rows prefetched while this one is scored. Each score is the same sequential float64
-// sum as head_softmax_stats computes (select_scores.h: bit-identical on every kernel). kept: [Hkv][|C|, g] of b.
+// 3a's scores when they are kept, for candidates [first, last) of sequence b and every kv head (score_keys_all_kv_heads).
+// kept: [Hkv][|C|, g] of b.
 void score_candidates_all_heads(const VoteInputs& in, const SequencePlan& plan, int32_t b, int64_t first,
                                 int64_t last, const double* concat_qbar, ThreadScratch& scratch, double* kept,
                                 int64_t kept_stride) {
-  const AttentionProblem& problem = in.problem;
-  const int32_t d = problem.head_dim;
-  const int32_t n_kv_heads = problem.num_kv_heads;
-  const int32_t group = problem.num_q_heads / n_kv_heads;
+  const int32_t d = in.problem.head_dim;
+  const int32_t group = in.problem.num_q_heads / in.problem.num_kv_heads;
   ScratchLayout layout;
   const size_t transposed_at = layout.add<float>(score_tile_scratch_floats(d));
   layout.bind(scratch);
   float* transposed = layout.get<float>(transposed_at, score_tile_scratch_floats(d));
-  const SelectScoreKernel& kernel = select_score_kernel();
-  const unsigned char* k_base = static_cast<const unsigned char*>(problem.k.t.data);
-  const int64_t eb = element_bytes(problem.dtype);
-  const int64_t row_bytes = int64_t(d) * eb;
-  const auto k_row = [&](int64_t c, int32_t hk) {
-    return k_base + problem.kv_offset(problem.k, b, plan.candidate_begin + c, hk) * eb;
-  };
-  const int64_t head_bytes = n_kv_heads > 1 ? k_row(first, 1) - k_row(first, 0) : 0;  // kv head stride of a token
-  const void* rows[kScoreTileKeys];
-  for (int64_t c0 = first; c0 < last; c0 += kScoreTileKeys) {
-    const int n_keys = int(std::min<int64_t>(kScoreTileKeys, last - c0));
-    const int64_t next_end = std::min<int64_t>(last, c0 + 2 * kScoreTileKeys);
-    for (int64_t c = c0 + kScoreTileKeys; c < next_end; ++c) {
-      const unsigned char* row = k_row(c, 0);
-      for (int32_t hk = 0; hk < n_kv_heads; ++hk, row += head_bytes)
-        for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) __builtin_prefetch(row + byte);
-    }
-    for (int32_t hk = 0; hk < n_kv_heads; ++hk) {
-      for (int key = 0; key < n_keys; ++key) rows[key] = k_row(c0 + key, hk);
-      kernel.score_tile(concat_qbar + int64_t(hk) * group * d, group, rows, problem.dtype, n_keys, d, in.score_scale,
-                        transposed, kept + hk * kept_stride + c0 * group, group);
-    }
-  }
+  score_keys_all_kv_heads(in.problem, b, plan.candidate_begin + first, last - first, concat_qbar, in.score_scale,
+                          transposed, kept + first * group, kept_stride);
 }
 
 // 3b for candidates [first, last) (offsets into C) of (b, set): votes[c] for each.
@@ -493,6 +468,38 @@ CpuSelectionCache* active_cache(const AttentionProblem& problem, const SelectPar
 }
 
 }  // namespace
+
+void score_keys_all_kv_heads(const AttentionProblem& problem, int32_t b, int64_t first_key, int64_t n_keys,
+                             const double* concat_qbar, double score_scale, float* transposed, double* out,
+                             int64_t out_stride) {
+  const int32_t d = problem.head_dim;
+  const int32_t n_kv_heads = problem.num_kv_heads;
+  const int32_t group = problem.num_q_heads / n_kv_heads;
+  const SelectScoreKernel& kernel = select_score_kernel();
+  const unsigned char* k_base = static_cast<const unsigned char*>(problem.k.t.data);
+  const int64_t eb = element_bytes(problem.dtype);
+  const int64_t row_bytes = int64_t(d) * eb;
+  const auto k_row = [&](int64_t j, int32_t hk) {
+    return k_base + problem.kv_offset(problem.k, b, first_key + j, hk) * eb;
+  };
+  const int64_t head_bytes = n_kv_heads > 1 ? k_row(0, 1) - k_row(0, 0) : 0;  // kv head stride of a token
+  const void* rows[kScoreTileKeys];
+  for (int64_t j0 = 0; j0 < n_keys; j0 += kScoreTileKeys) {
+    const int n_tile = int(std::min<int64_t>(kScoreTileKeys, n_keys - j0));
+    const int64_t next_end = std::min<int64_t>(n_keys, j0 + 2 * kScoreTileKeys);
+    for (int64_t j = j0 + kScoreTileKeys; j < next_end; ++j) {
+      const unsigned char* row = k_row(j, 0);
+      for (int32_t hk = 0; hk < n_kv_heads; ++hk, row += head_bytes)
+        for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) __builtin_prefetch(row + byte);
+    }
+    for (int32_t hk = 0; hk < n_kv_heads; ++hk) {
+      for (int key = 0; key < n_tile; ++key) rows[key] = k_row(j0 + key, hk);
+      kernel.score_tile(concat_qbar + int64_t(hk) * group * d, group, rows, problem.dtype, n_tile, d, score_scale,
+                        transposed, out + hk * out_stride + j0 * group, group);
+    }
+  }
+}
+
 
 std::unique_ptr<SelectionCacheState> make_cpu_selection_cache(const SelectionCacheDims& dims) {
   return std::make_unique<CpuSelectionCache>(dims);
