@@ -72,27 +72,44 @@ func (c *Context) Plan(args *AttentionArgs, policy *Policy) error {
 	return c.attention(true, args, policy)
 }
 
-func (c *Context) attention(plan bool, args *AttentionArgs, policy *Policy) error {
+// runInputs is what an attention run and a context-parallel step hand to C: the context, the selection cache (nil
+// when absent; a present one is handed on, so the library says what it accepts), and args' tensors and the
+// policy's in their slots.
+type runInputs struct {
+	ctx    *C.sparsa_context
+	cache  *C.sparsa_selection_cache
+	slots  tensorSlots
+	policy *C.sparsa_policy
+}
+
+func (c *Context) runInputs(args *AttentionArgs, policy *Policy) (*runInputs, error) {
 	ctx, err := c.handle()
+	if err != nil {
+		return nil, err
+	}
+	if args == nil {
+		return nil, errorf(StatusNullPointer, "args: expected attention arguments, got nil")
+	}
+	in := &runInputs{ctx: ctx}
+	if args.SelectionCache != nil {
+		if in.cache, err = args.SelectionCache.handle(); err != nil {
+			return nil, err
+		}
+	}
+	args.fill(&in.slots)
+	in.policy = policy.cPointer(&in.slots)
+	return in, nil
+}
+
+func (c *Context) attention(plan bool, args *AttentionArgs, policy *Policy) error {
+	in, err := c.runInputs(args, policy)
 	if err != nil {
 		return err
 	}
-	if args == nil {
-		return errorf(StatusNullPointer, "args: expected attention arguments, got nil")
-	}
-	var cache *C.sparsa_selection_cache
-	if args.SelectionCache != nil {
-		if cache, err = args.SelectionCache.handle(); err != nil {
-			return err
-		}
-	}
-	var slots tensorSlots
-	args.fill(&slots)
-	policyPtr := policy.cPointer(&slots)
-	d := &slots.goData
-	result := C.gs_attention(cBool(plan), ctx, &slots.c, cBool(args.Causal), C.float(args.SoftmaxScale), cache,
-		policyPtr, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14],
-		d[15])
+	d := &in.slots.goData
+	result := C.gs_attention(cBool(plan), in.ctx, &in.slots.c, cBool(args.Causal), C.float(args.SoftmaxScale),
+		in.cache, in.policy, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13],
+		d[14], d[15])
 	runtime.KeepAlive(c)
 	runtime.KeepAlive(args)
 	return check(result)

@@ -55,23 +55,11 @@ func (c *Context) CPSelectIndices(args *AttentionArgs, policy *Policy, kvStart, 
 
 func (c *Context) cpSelect(step C.int32_t, args *AttentionArgs, policy *Policy, kvStart, kvTotal, inA, inB,
 	outA, outB *Tensor) error {
-	ctx, err := c.handle()
+	in, err := c.runInputs(args, policy) // a selection cache is handed on for the library to refuse
 	if err != nil {
 		return err
 	}
-	if args == nil {
-		return errorf(StatusNullPointer, "args: expected attention arguments, got nil")
-	}
-	// Handed on so that the library refuses it (each shard would keep a different part of the selection).
-	var cache *C.sparsa_selection_cache
-	if args.SelectionCache != nil {
-		if cache, err = args.SelectionCache.handle(); err != nil {
-			return err
-		}
-	}
-	var slots tensorSlots
-	args.fill(&slots)
-	policyPtr := policy.cPointer(&slots)
+	slots := &in.slots
 	slots.set(C.GS_CP_KV_START, kvStart)
 	slots.set(C.GS_CP_KV_TOTAL, kvTotal)
 	slots.set(C.GS_CP_IN_A, inA)
@@ -79,9 +67,9 @@ func (c *Context) cpSelect(step C.int32_t, args *AttentionArgs, policy *Policy, 
 	slots.set(C.GS_CP_OUT_A, outA)
 	slots.set(C.GS_CP_OUT_B, outB)
 	d := &slots.goData
-	result := C.gs_cp_select(step, ctx, &slots.c, cBool(args.Causal), C.float(args.SoftmaxScale), cache, policyPtr,
-		d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14], d[15],
-		d[C.GS_CP_KV_START], d[C.GS_CP_KV_TOTAL], d[C.GS_CP_IN_A], d[C.GS_CP_IN_B], d[C.GS_CP_OUT_A],
+	result := C.gs_cp_select(step, in.ctx, &slots.c, cBool(args.Causal), C.float(args.SoftmaxScale), in.cache,
+		in.policy, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14],
+		d[15], d[C.GS_CP_KV_START], d[C.GS_CP_KV_TOTAL], d[C.GS_CP_IN_A], d[C.GS_CP_IN_B], d[C.GS_CP_OUT_A],
 		d[C.GS_CP_OUT_B])
 	runtime.KeepAlive(c)
 	runtime.KeepAlive(args)
