@@ -99,6 +99,21 @@ class Tensor:
         return ctypes.pointer(self.c)
 
 
+def _described(dtype, device_type, device_id, shape, strides, data, keepalive):
+    """A Tensor whose C descriptor says: `dtype` elements on (device_type, device_id) at address `data` (0 or None:
+    no address), extents `shape` and element strides `strides`; a rank-0 shape is described as one element."""
+    if len(shape) == 0:
+        shape, strides = (1,), (1,)
+    c = L.CTensor()
+    c.struct_size = ctypes.sizeof(L.CTensor)
+    c.dtype, c.device_type, c.device_id = dtype, device_type, device_id
+    c.ndim = len(shape)
+    for i, (extent, stride) in enumerate(zip(shape, strides)):
+        c.shape[i], c.strides[i] = extent, stride
+    c.data = data or None
+    return Tensor(c, keepalive)
+
+
 def _from_capsule(capsule, name, owner, reinterpret_as=None):
     if not _capsule_is_valid(capsule, _CAPSULE_NAME):
         raise DtypeError(f"{name}: __dlpack__() did not return an unused 'dltensor' capsule")
@@ -115,10 +130,6 @@ def _from_capsule(capsule, name, owner, reinterpret_as=None):
                          "has no sparsa dtype (expected float32/16, bfloat16, float64, int32/64, uint8, int8)")
     if not 0 <= dl.ndim <= L.MAX_DIMS:
         raise ShapeError(f"{name}: rank {dl.ndim}, but sparsa tensors have at most {L.MAX_DIMS} dims")
-    c = L.CTensor()
-    c.struct_size = ctypes.sizeof(L.CTensor)
-    c.dtype = reinterpret_as if reinterpret_as is not None else _FROM_DLPACK_DTYPE[key]
-    c.device_type, c.device_id = dl.device.device_type, dl.device.device_id
     shape = [dl.shape[i] for i in range(dl.ndim)]
     if dl.strides:
         strides = [dl.strides[i] for i in range(dl.ndim)]
@@ -126,13 +137,9 @@ def _from_capsule(capsule, name, owner, reinterpret_as=None):
         strides, running = [0] * dl.ndim, 1
         for i in reversed(range(dl.ndim)):
             strides[i], running = running, running * shape[i]
-    if dl.ndim == 0:  # a scalar: describe it as one element
-        shape, strides = [1], [1]
-    c.ndim = len(shape)
-    for i, (extent, stride) in enumerate(zip(shape, strides)):
-        c.shape[i], c.strides[i] = extent, stride
-    c.data = (dl.data or 0) + dl.byte_offset if (dl.data or dl.byte_offset) else None
-    return Tensor(c, (capsule, owner))
+    dtype = reinterpret_as if reinterpret_as is not None else _FROM_DLPACK_DTYPE[key]
+    data = (dl.data or 0) + dl.byte_offset if (dl.data or dl.byte_offset) else None
+    return _described(dtype, dl.device.device_type, dl.device.device_id, shape, strides, data, (capsule, owner))
 
 
 # numpy (kind, itemsize) → sparsa dtype, for read-only arrays that numpy refuses to export through DLPack.
@@ -155,16 +162,8 @@ def _from_readonly_numpy(array, name, reinterpret_as):
         raise DtypeError(f"{name}: numpy dtype {array.dtype} has no sparsa dtype")
     if array.ndim > L.MAX_DIMS or any(s % array.dtype.itemsize for s in array.strides):
         raise ShapeError(f"{name}: rank {array.ndim} or byte strides {array.strides} not expressible in elements")
-    c = L.CTensor()
-    c.struct_size = ctypes.sizeof(L.CTensor)
-    c.dtype, c.device_type, c.device_id = dtype, L.DEVICE_CPU, 0
-    shape = array.shape or (1,)
-    strides = [s // array.dtype.itemsize for s in array.strides] or [1]
-    c.ndim = len(shape)
-    for i, (extent, stride) in enumerate(zip(shape, strides)):
-        c.shape[i], c.strides[i] = extent, stride
-    c.data = array.__array_interface__["data"][0] or None
-    return Tensor(c, array)
+    strides = [s // array.dtype.itemsize for s in array.strides]
+    return _described(dtype, L.DEVICE_CPU, 0, array.shape, strides, array.__array_interface__["data"][0], array)
 
 
 def dlpack_stream(device_type, stream):
@@ -227,15 +226,7 @@ def _from_torch(obj, name, stream, reinterpret_as, current_streams):
         return None  # DLPack's path gives the error message
     if obj.dim() > L.MAX_DIMS:
         raise ShapeError(f"{name}: rank {obj.dim()}, but sparsa tensors have at most {L.MAX_DIMS} dims")
-    c = L.CTensor()
-    c.struct_size = ctypes.sizeof(L.CTensor)
-    c.dtype, c.device_type, c.device_id = dtype, device_type, device_id
-    shape, strides = (tuple(obj.shape), obj.stride()) if obj.dim() else ((1,), (1,))
-    c.ndim = len(shape)
-    for i, (extent, stride) in enumerate(zip(shape, strides)):
-        c.shape[i], c.strides[i] = extent, stride
-    c.data = obj.data_ptr() or None
-    return Tensor(c, obj)
+    return _described(dtype, device_type, device_id, tuple(obj.shape), obj.stride(), obj.data_ptr(), obj)
 
 
 def as_tensor(obj, name, stream=None, writable=False, current_streams=None):
