@@ -131,12 +131,7 @@ class _ThreadMember:
         self.size = shared.size
 
     def _exchange(self, x):
-        shared = self._shared
-        shared._slots[self.rank] = numpy.array(x, copy=True)
-        shared._barrier.wait()
-        parts = list(shared._slots)
-        shared._barrier.wait()  # nobody overwrites a slot before every rank has read them all
-        return parts
+        return self._exchange_objects(numpy.array(x, copy=True))
 
     def all_reduce_max(self, x):
         x[...] = numpy.maximum.reduce(self._exchange(x))
@@ -155,18 +150,24 @@ class _ThreadMember:
         return received
 
     def _exchange_objects(self, value):
+        """Every rank's `value`, in rank order."""
         shared = self._shared
         shared._slots[self.rank] = value
         shared._barrier.wait()
         parts = list(shared._slots)
-        shared._barrier.wait()
+        shared._barrier.wait()  # nobody overwrites a slot before every rank has read them all
         return parts
 
 
 # ---- Internals -----------------------------------------------------------------------------------------------------
 
 def _like(template, array):
-    """`array` (numpy) as the same kind and device as `template` (numpy array or torch tensor)."""
+    """`array` (numpy array or torch tensor) as the same kind and device as `template` (numpy array or torch
+    tensor), contiguous."""
+    if type(array).__module__.split(".")[0] == "torch":
+        if hasattr(template, "device"):
+            return array.to(template.device).contiguous()
+        return numpy.ascontiguousarray(array.cpu().numpy())
     if type(template).__module__.split(".")[0] == "torch":
         import torch
         return torch.from_numpy(numpy.ascontiguousarray(array)).to(template.device)
@@ -261,15 +262,8 @@ def _shard_policy_same_cut(q, policy, start, length, total):
             indices = numpy.asarray(indices)
             inside = (indices >= start) & (indices < start + length)
             local = numpy.where(inside, indices - start, -1).astype(numpy.int32)
-        return TokenIndices(_like_tensor(q, local), head_map=policy.head_map, n_init=n_init, n_local=n_local)
+        return TokenIndices(_like(q, local), head_map=policy.head_map, n_init=n_init, n_local=n_local)
     return None
-
-
-def _like_tensor(template, x):
-    """x (numpy array or tensor) as the kind and device of `template`."""
-    if type(x).__module__.split(".")[0] == "torch":
-        return x.to(template.device).contiguous() if hasattr(template, "device") else x.cpu().numpy()
-    return _like(template, x)
 
 
 def _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, softmax_scale):
