@@ -78,7 +78,8 @@ class Timer:
     def __init__(self, dist, torch, device):
         self.dist, self.torch, self.device = dist, torch, device
 
-    def _sync(self, collective):
+    def sync(self, collective=True):
+        """Waits for this GPU's work and, when collective, for every rank to get here."""
         self.torch.cuda.synchronize()
         if collective:
             self.dist.barrier()
@@ -90,12 +91,12 @@ class Timer:
             step()
         times = []
         for _ in range(reps):
-            self._sync(collective)
+            self.sync(collective)
             t0 = time.perf_counter()
             step()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        self._sync(collective)
+        self.sync(collective)
         t0 = time.perf_counter()
         for _ in range(reps):
             step()
@@ -145,7 +146,7 @@ def decode_rows(options, ctx, group, timer, torch, sparsa, cp, device):
         if rank == 0:
             want = sparsa.attention(ctx, q, k, v, policy=policy)
             single_ms = timer(lambda: sparsa.attention(ctx, q, k, v, policy=policy), reps, collective=False)
-        group_barrier(torch, timer)
+        timer.sync()
 
         def step():
             return cp.cp_decode(ctx, group, q, k_shard, v_shard, policy, kv_start=kv_start, kv_total=kv_total)
@@ -208,11 +209,6 @@ def profile_device(torch, rank, label, step, steps=10):
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8), flush=True)
 
 
-def group_barrier(torch, timer):
-    torch.cuda.synchronize()
-    timer.dist.barrier()
-
-
 def causal_block_mask(torch, n, block, density, gen, device):
     blocks = n // block
     keep = torch.rand(1, HQ, blocks, blocks, generator=gen, device=device) < density
@@ -255,7 +251,7 @@ def prefill_rows(options, ctx, group, timer, torch, sparsa, cp, device):
             want = sparsa.attention(ctx, q, k, v, policy=policy, causal=True)
             single_ms = timer(lambda: sparsa.attention(ctx, q, k, v, policy=policy, causal=True),
                               options.prefill_reps, warmup=1, collective=False)
-        group_barrier(torch, timer)
+        timer.sync()
 
         def step():
             return cp.prefill(ctx, group, *mine, policy, total=n)
