@@ -275,8 +275,7 @@ def _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, s
     lengths = _shard_lengths(k, seq_lens_k, len(kv_start))
     batch = len(kv_start)
     if getattr(policy, "delta", None) is not None:
-        # §8 makes every row of a query shorter than tail_min + gamma dense (s_p <= 0): a decode row always.
-        if q.shape[1] >= policy.delta.tail_min + policy.delta.gamma:
+        if _delta_split(q.shape[1], policy.delta) > 0:  # §8: with s_p <= 0 every row is dense (a decode row)
             raise NotImplementedError("cp_decode: Δ with this many query rows (the sparse part of §8) is not "
                                       "supported; decode rows are dense under Δ")
         policy = Dense()
@@ -360,6 +359,11 @@ def _chunk_policy(policy, start, end, chunk):
     return policy
 
 
+def _delta_split(rows, delta):
+    """§8's s_p for a query of `rows` rows: rows from s_p on are dense (s_p <= 0: all of them)."""
+    return rows - (rows % delta.gamma + max(delta.tail_min, delta.gamma))
+
+
 def _delta_chunk(ctx, q_chunk, k, v, base, delta, start, end, total, softmax_scale):
     """§8 for query rows [start, end) of a prompt of `total` rows: rows >= s_p dense; rows i < s_p get
     O_sparse[i] + (O_dense[r] - O_sparse[r]) with r = floor(i / gamma) * gamma, which lies in the chunk because
@@ -367,7 +371,7 @@ def _delta_chunk(ctx, q_chunk, k, v, base, delta, start, end, total, softmax_sca
     gamma = delta.gamma
     if start % gamma != 0 or (end - start) % gamma != 0:
         raise ValueError(f"prefill: Δ needs chunks that are multiples of gamma {gamma}")
-    split = total - (total % gamma + max(delta.tail_min, gamma))  # s_p
+    split = _delta_split(total, delta)
     out = ops.attention(ctx, q_chunk, k[:, :end], v[:, :end], policy=base, causal=True, softmax_scale=softmax_scale)
     dense_from = max(start, split)
     if dense_from < end:  # the dense tail
