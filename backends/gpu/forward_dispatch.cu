@@ -32,6 +32,12 @@ constexpr int32_t kDecodeKeysPerTile = 256;  // a decode split walks at least th
 constexpr int32_t kDecodeBlocksPerSmTarget = 4;
 constexpr int32_t kDecodeMaxSplits = 128;
 constexpr int32_t kIndexBlocksPerSmTarget = 16;  // index-driven attention: blocks of 1-4 warps, latency-bound
+// Key lists on the decode kernel (a TOKEN_SELECT set of 2,688 keys, a TOKEN_INDICES list): a split of a list walks
+// at least one 16-key tile per warp of the block. A short list's time is the latency of each warp's chain of tiles,
+// not bandwidth: 256-key splits gave a 2,688-key set 11 splits of 8 tiles a warp (18.3 µs on an H100), 32-key splits
+// 84 of one (13.0 µs; the combine then takes 5.4 µs instead of 3.5). Long lists keep their split count (the grid
+// target below decides it): 128 splits of a TOKEN_INDICES list per kv head took 0.060 ms against 0.052 ms for 66.
+constexpr int32_t kDecodeListKeysPerSplit = 32;
 
 // Splits `blocks` thread blocks' `key_tiles` tiles until about blocks_per_sm blocks per multiprocessor.
 ForwardLaunch split_launch(ForwardKernel kernel, const GpuDevice& device, int64_t blocks, int64_t key_tiles,
@@ -244,14 +250,16 @@ ForwardLaunch plan_forward(const GpuDevice& device, const ForwardParams& p, int6
   return unsplit_launch(ForwardKernel::kPortable, max_seq_q);
 }
 
-ForwardLaunch plan_index_attention(const GpuDevice& device, int64_t batch, int64_t num_q_heads, int64_t head_dim,
-                                   int64_t max_seq_q, int64_t max_list_keys, int64_t flat_rows) {
-  // One warp per query row and no reuse across rows: latency-bound, so aim for many resident warps per SM.
+ForwardLaunch plan_index_attention(const GpuDevice& device, const ForwardParams& p, int64_t max_seq_q,
+                                   int64_t max_list_keys, int64_t flat_rows) {
+  // Blocks counted as index_attention_kernel's (one warp per query row of a head; latency-bound, so many resident
+  // warps per SM); the decode kernel, which serves several heads of a list per block, splits as finely.
   const int64_t rows_per_block = index_rows_per_block(max_seq_q);
-  const int64_t blocks = (max_seq_q + rows_per_block - 1) / rows_per_block * num_q_heads * batch;
-  return split_launch(ForwardKernel::kTokenIndices, device, blocks,
-                      (max_list_keys + kDecodeKeysPerTile - 1) / kDecodeKeysPerTile, 1, kIndexBlocksPerSmTarget,
-                      kDecodeMaxSplits, max_seq_q, flat_rows, num_q_heads, head_dim);
+  const int64_t blocks = (max_seq_q + rows_per_block - 1) / rows_per_block * p.num_q_heads * p.batch;
+  const int64_t keys_per_split = forward_decode_lists_supports(p) ? kDecodeListKeysPerSplit : kDecodeKeysPerTile;
+  const int64_t key_tiles = (max_list_keys + keys_per_split - 1) / keys_per_split;
+  return split_launch(ForwardKernel::kTokenIndices, device, blocks, key_tiles, 1, kIndexBlocksPerSmTarget,
+                      kDecodeMaxSplits, max_seq_q, flat_rows, p.num_q_heads, p.head_dim);
 }
 
 void carve_forward(ScratchCarver& carver, const ForwardLaunch& launch, ForwardParams& p) {

@@ -158,8 +158,8 @@ IndexSetParams index_set_params(const AttentionProblem& problem, const PolicyPar
 void token_indices_run(const GpuDevice& device, const AttentionProblem& problem, const PolicyParams& policy,
                        ScratchCarver& carver) {
   ForwardParams p = make_forward_params(problem, policy);
-  const ForwardLaunch launch = plan_index_attention(device, problem.batch, problem.num_q_heads, problem.head_dim,
-                                                    problem.max_seq_q, problem.max_seq_k, flat_rows_of(problem));
+  const ForwardLaunch launch =
+      plan_index_attention(device, p, problem.max_seq_q, problem.max_seq_k, flat_rows_of(problem));
   carve_forward(carver, launch, p);
   IndexSetParams ix = index_set_params(problem, policy);
   const uint64_t lists = uint64_t(problem.batch) * problem.num_q_heads;

@@ -99,8 +99,8 @@ ForwardLaunch plan_forward(const GpuDevice& device, const ForwardParams& p, int6
                            int64_t flat_rows, bool tensors_aligned16, std::string* reason);
 // The split-KV share of an index-driven attention launch (token_indices.h: TOKEN_INDICES, TOKEN_SELECT) whose
 // key lists hold at most `max_list_keys` keys.
-ForwardLaunch plan_index_attention(const GpuDevice& device, int64_t batch, int64_t num_q_heads, int64_t head_dim,
-                                   int64_t max_seq_q, int64_t max_list_keys, int64_t flat_rows);
+ForwardLaunch plan_index_attention(const GpuDevice& device, const ForwardParams& p, int64_t max_seq_q,
+                                   int64_t max_list_keys, int64_t flat_rows);
 // Carves the launch's split-KV partial states and points `p` at them (sets p.num_splits / flat_rows).
 void carve_forward(ScratchCarver& carver, const ForwardLaunch& launch, ForwardParams& p);
 // Enqueues the launch (and the split combine); failures throw through check().

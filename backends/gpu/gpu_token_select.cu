@@ -382,8 +382,7 @@ ForwardLaunch plan_attention(const GpuDevice& device, const AttentionProblem& pr
     return plan_forward(device, p, problem.max_seq_q, problem.max_seq_k, flat_rows_of(problem),
                         all_rows_aligned_16(problem), reason);
   }
-  return plan_index_attention(device, problem.batch, problem.num_q_heads, problem.head_dim, problem.max_seq_q,
-                              shape.list_capacity, flat_rows_of(problem));
+  return plan_index_attention(device, p, problem.max_seq_q, shape.list_capacity, flat_rows_of(problem));
 }
 
 }  // namespace

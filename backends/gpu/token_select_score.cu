@@ -533,10 +533,15 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 constexpr int kF32ScoreThreads = 256;
 constexpr int kF32ScoreWarps = kF32ScoreThreads / kWarpLanes;
 constexpr int kF32DimsPerLane = kPieceBytes / 2;  // 16-bit elements in one 16-byte load
-constexpr int kF32Unroll = 4;                     // key rows a lane has in flight
+// Key rows a lane has in flight. With a 4-head chunk, 8 rows at 2 blocks per SM keep 64 KB of K in flight per SM
+// (4 rows at 3 blocks kept 48 KB); an 8-head chunk's q̄ fills the registers that 8 rows would need.
+constexpr int kF32SmallChunkUnroll = 8;
+constexpr int kF32LargeChunkUnroll = 4;
+template <int kHeads>
+constexpr int kF32Unroll = kHeads <= 4 ? kF32SmallChunkUnroll : kF32LargeChunkUnroll;
 constexpr int kF32MaxHeads = 8;
 // Blocks per SM the register budget allows (a 4-head chunk fits 80 registers a thread, an 8-head one needs 128).
-constexpr int f32_blocks_per_sm(int heads) { return heads <= 4 ? 3 : 2; }
+constexpr int f32_blocks_per_sm(int heads) { return heads <= 4 && kF32SmallChunkUnroll <= 4 ? 3 : 2; }
 // Query heads one block scores against each key row: the group, in chunks of 4 or 8.
 constexpr int32_t f32_head_chunk(int32_t group) { return group > 4 ? kF32MaxHeads : 4; }
 constexpr int kF32MaxLanesPerKey = 32;  // lanes of one key row: head_dim <= 8 · 32 = 256
@@ -593,7 +598,8 @@ template <ElementType kType, int kLanesPerKey, int kHeads>
 __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) score_f32_kernel(const SelectParams sp) {
   static_assert(kHeads <= kLanesPerKey, "every head ends in at least one lane of a key");
   constexpr int kKeysPerWarp = kWarpLanes / kLanesPerKey;
-  constexpr int kKeysPerStep = kF32ScoreWarps * kKeysPerWarp * kF32Unroll;
+  constexpr int kUnroll = kF32Unroll<kHeads>;
+  constexpr int kKeysPerStep = kF32ScoreWarps * kKeysPerWarp * kUnroll;
   constexpr int kStepsPerTile = kScoreTile / kKeysPerStep;
   constexpr int kLanesPerHead = kLanesPerKey / kHeads;  // lanes that end with the same head's total
   constexpr int kHolders = kF32ScoreWarps * kKeysPerWarp;  // lanes per block that keep statistics of one head
@@ -630,11 +636,11 @@ __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) s
   // Candidate of key u of step `it` for this lane.
   auto candidate = [&](int32_t it, int u) {
     const int32_t tile = int32_t(blockIdx.x) + (it / kStepsPerTile) * int32_t(gridDim.x);
-    return tile * kScoreTile + (it % kStepsPerTile) * kKeysPerStep + (warp * kF32Unroll + u) * kKeysPerWarp + key_in_warp;
+    return tile * kScoreTile + (it % kStepsPerTile) * kKeysPerStep + (warp * kUnroll + u) * kKeysPerWarp + key_in_warp;
   };
-  auto load_step = [&](int32_t it, uint4 (&pieces)[kF32Unroll]) {
+  auto load_step = [&](int32_t it, uint4 (&pieces)[kUnroll]) {
 #pragma unroll
-    for (int u = 0; u < kF32Unroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int32_t c = candidate(it, u);
       pieces[u] = make_uint4(0, 0, 0, 0);
       if (c < info.candidates && lane_has_dims) {
@@ -648,12 +654,12 @@ __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) s
   float run_max = -INFINITY;
   double run_sum = 0.0;  // float64: a lane adds up to thousands of terms, which fp32 would round off by ~n·2^-24
   int head = 0;
-  uint4 current[kF32Unroll], next[kF32Unroll];
+  uint4 current[kUnroll], next[kUnroll];
   load_step(0, current);
   for (int32_t it = 0; it < steps; ++it) {
     if (it + 1 < steps) load_step(it + 1, next);
 #pragma unroll
-    for (int u = 0; u < kF32Unroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       float k[kF32DimsPerLane];
       unpack_piece<kType>(current[u], k);
       float dot[kHeads];
@@ -678,7 +684,7 @@ __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) s
       }
     }
 #pragma unroll
-    for (int u = 0; u < kF32Unroll; ++u) current[u] = next[u];
+    for (int u = 0; u < kUnroll; ++u) current[u] = next[u];
   }
 
   // The block's partial per head: the holders' (max, sum) pairs combined in a fixed order.

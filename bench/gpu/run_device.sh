@@ -144,12 +144,16 @@ if [ "$STEPS" = cp ]; then  # context parallelism (docs/context_parallel.md): ne
 fi
 
 if [ "$STEPS" = profile ]; then  # not part of "all": ncu takes minutes
-  echo "=== ncu (one dense prefill launch, one split-KV decode launch) ==="
-  timeout 180 ncu --clock-control none -k regex:forward_mma --launch-count 2 \
-    --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis python3 "$ROOT/bench/gpu/bench_gpu.py" "$LIB" --profile > "$OUT/ncu.log" 2>&1
+  echo "=== decode paths kernel by kernel (torch.profiler) ==="
+  (cd "$ROOT/bench/gpu" && timeout 200 python3 profile_decode.py "$LIB") > "$OUT/profile_decode.log" 2>&1
+  echo "exit $?"; cat "$OUT/profile_decode.log" | grep -v Warning | head -120
+  echo "=== ncu (dense decode, TOKEN_SELECT miss, cuDNN decode at 128K) ==="
+  (cd "$ROOT/bench/gpu" && timeout 240 ncu --clock-control none \
+    -k regex:'decode_mma|score_f32|log_vote|merge_kernel|device_topk|topk|list_kernel|prepare|combine|cudnn|sm90|fmha' \
+    --launch-count 14 --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --section WarpStateStats python3 profile_decode.py "$LIB" --ncu) > "$OUT/ncu.log" 2>&1
   echo "ncu exit $?"
-  grep -E "forward_mma|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Stall|Warp Cycles Per Issued|Bank|Issue Slots Busy|L1/TEX Hit|Executed Ipc" "$OUT/ncu.log" | head -40
+  grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued" "$OUT/ncu.log" | head -120
 fi
 
 if [ "$STEPS" = all ] || [ "$STEPS" = bench ]; then
