@@ -59,6 +59,8 @@ SPARSA_GPU_NAMESPACE_BEGIN
 namespace {
 
 using mma::BFloat16Tag;  // element tags and helpers shared with the mma.sync kernels (mma_primitives.cuh)
+using mma::cp_async_16;
+using mma::cp_async_wait_all;
 using mma::fast_exp2;
 using mma::HalfTag;
 using mma::pack_pair;
@@ -121,11 +123,6 @@ __device__ __forceinline__ void barrier_arrive_on_copies(uint32_t barrier) {
 // barrier fences before its wgmma reads the tile.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// 16-byte asynchronous copy; src_bytes = 0 zero-fills the destination (rows past the sequence end).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 template <int kRegisters>
 __device__ __forceinline__ void registers_increase() {

@@ -23,15 +23,20 @@ __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
+// cp.async writes shared memory behind the compiler's back and its data appears only at a wait, so every cp.async
+// statement clobbers "memory": no ordinary load or store of shared memory may be moved across the copy, the commit
+// or the wait, and no shared value may stay cached in a register across them (volatile alone only orders asm).
 // 16-byte asynchronous copy; src_bytes = 0 zero-fills the destination (rows past the sequence end).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPendingGroups>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups) : "memory");
 }
+// Every copy of this thread has landed, committed or not.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
