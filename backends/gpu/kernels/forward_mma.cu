@@ -17,6 +17,7 @@
 #include "forward_mma.h"
 
 #include "../engine/forward_common.cuh"
+#include "../engine/online_softmax.cuh"
 #include "../runtime/gpu_runtime.h"
 #include "forward_decode.h"
 
@@ -302,8 +303,7 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
           float m = -INFINITY;
 #pragma unroll
           for (int nb = 0; nb < kKeyBlocks8; ++nb) m = fmaxf(m, fmaxf(s_acc[f][nb][2 * r], s_acc[f][nb][2 * r + 1]));
-          m = fmaxf(m, warp_shfl_xor(m, 1));
-          tile_max[f][r] = fmaxf(m, warp_shfl_xor(m, 2));
+          tile_max[f][r] = quad_max(m);
         }
       }
     }  // warp_active
@@ -343,18 +343,21 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
       for (int f = 0; f < kFrags; ++f) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float new_max = fmaxf(row_max[f][r], tile_max[f][r] * p.scale_log2);  // scale > 0 keeps the arg max
-          const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible stays at 0
-          const float rescale = fast_exp2(row_max[f][r] - reference);
-          row_max[f][r] = new_max;
+          // scale > 0 keeps the arg max
+          const softmax::MaxUpdate step =
+              softmax::update_max(row_max[f][r], tile_max[f][r] * p.scale_log2, FastExp2{});
+          const float rescale = step.rescale;
+          row_max[f][r] = step.max;
           float tile_sum = 0.f;
 #pragma unroll
           for (int nb = 0; nb < kKeyBlocks8; ++nb) {
-            s_acc[f][nb][2 * r] = fast_exp2(fmaf(s_acc[f][nb][2 * r], p.scale_log2, -reference));
-            s_acc[f][nb][2 * r + 1] = fast_exp2(fmaf(s_acc[f][nb][2 * r + 1], p.scale_log2, -reference));
+            s_acc[f][nb][2 * r] =
+                softmax::scaled_probability(s_acc[f][nb][2 * r], p.scale_log2, step.reference, FastExp2{});
+            s_acc[f][nb][2 * r + 1] =
+                softmax::scaled_probability(s_acc[f][nb][2 * r + 1], p.scale_log2, step.reference, FastExp2{});
             tile_sum += s_acc[f][nb][2 * r] + s_acc[f][nb][2 * r + 1];
           }
-          row_sum[f][r] = row_sum[f][r] * rescale + tile_sum;
+          row_sum[f][r] = softmax::rescaled_sum(row_sum[f][r], rescale, tile_sum);
 #pragma unroll
           for (int nd = 0; nd < kDimBlocks8; ++nd) {
             o_acc[f][nd][2 * r] *= rescale;
@@ -413,15 +416,14 @@ __global__ void __launch_bounds__(kThreads, Tiling::kMinBlocks) forward_mma_kern
   for (int f = 0; f < kFrags; ++f) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float total = row_sum[f][r];
-      total += warp_shfl_xor(total, 1);
-      total += warp_shfl_xor(total, 2);
+      const float total = quad_sum(row_sum[f][r]);
       const int32_t row = my_row(f, r);
       if (row >= row_end) continue;
-      const float inverse = total > 0.f ? 1.f / total : 0.f;
-      const float lse = total > 0.f ? (row_max[f][r] + log2f(total)) * kLn2 : -INFINITY;
+      const softmax::RowOutput result = softmax::finish_row(row_max[f][r], total);
+      const float inverse = result.inverse;
+      const float lse = result.lse;
       if (p.num_splits > 1) {  // fp32 partial state; combine_splits_launch writes out and lse
-        const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, seq, row)) * p.num_q_heads + seq.h;
+        const int64_t state = softmax::partial_state_index(p, seq, split, row);
         float* partial = p.partial_out + state * kHeadDim;
 #pragma unroll
         for (int nd = 0; nd < kDimBlocks8; ++nd) {

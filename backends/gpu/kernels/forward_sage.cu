@@ -24,6 +24,7 @@
 #include "forward_sage.h"
 
 #include "../engine/forward_common.cuh"
+#include "../engine/online_softmax.cuh"
 
 #if SPARSA_GPU_HAS_MMA_SYNC
 #include "mma_primitives.cuh"
@@ -457,8 +458,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
         float m = -INFINITY;
 #pragma unroll
         for (int nb = 0; nb < kKeyBlocks8; ++nb) m = fmaxf(m, fmaxf(s_acc[nb][2 * r], s_acc[nb][2 * r + 1]));
-        m = fmaxf(m, warp_shfl_xor(m, 1));
-        tile_max[r] = fmaxf(m, warp_shfl_xor(m, 2));
+        tile_max[r] = quad_max(m);
       }
     }
 
@@ -495,11 +495,10 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     if (warp_active) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float new_max = fmaxf(row_max[r], tile_max[r]);
-        const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
-        const float rescale = fast_exp2(row_max[r] - reference);
-        const float p_reference = kFp8 ? reference - kLog2Fp8Max : reference;
-        row_max[r] = new_max;
+        const softmax::MaxUpdate step = softmax::update_max(row_max[r], tile_max[r], FastExp2{});
+        const float rescale = step.rescale;
+        const float p_reference = kFp8 ? step.reference - kLog2Fp8Max : step.reference;
+        row_max[r] = step.max;
         float tile_sum = 0.f;
 #pragma unroll
         for (int nb = 0; nb < kKeyBlocks8; ++nb) {
@@ -507,7 +506,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
           s_acc[nb][2 * r + 1] = fast_exp2(s_acc[nb][2 * r + 1] - p_reference);
           tile_sum += s_acc[nb][2 * r] + s_acc[nb][2 * r + 1];
         }
-        row_sum[r] = row_sum[r] * rescale + tile_sum;
+        row_sum[r] = softmax::rescaled_sum(row_sum[r], rescale, tile_sum);
 #pragma unroll
         for (int nd = 0; nd < kDimBlocks8; ++nd) {
           o_acc[nd][2 * r] *= rescale;
@@ -580,12 +579,10 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float total = row_sum[r];
-    total += warp_shfl_xor(total, 1);
-    total += warp_shfl_xor(total, 2);
+    const float total = quad_sum(row_sum[r]);
     const int32_t row = my_rows[r];
     if (row >= row_end) continue;
-    const float inverse = total > 0.f ? 1.f / total : 0.f;
+    const float inverse = softmax::finish_row(row_max[r], total).inverse;
     const int64_t out_row = query_row_offset(p.out_strides, seq, row);
 #pragma unroll
     for (int nd = 0; nd < kDimBlocks8; ++nd) {
@@ -593,6 +590,8 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
       store_value(p.out, out_row + col, p.element_type, o_acc[nd][2 * r] * (inverse * channel_scale[nd][0]));
       store_value(p.out, out_row + col + 1, p.element_type, o_acc[nd][2 * r + 1] * (inverse * channel_scale[nd][1]));
     }
+    // Not softmax::finish_row's LSE: the FP8 scale of P and the row's smoothing shift enter inside its empty-row
+    // branch.
     if (p.lse != nullptr && lane % 4 == 0) {
       p.lse[seq.b * p.lse_strides.b + int64_t(seq.h) * p.lse_strides.h + (seq.q_row_base + row) * p.lse_strides.s] =
           total > 0.f ? (row_max[r] + log2f(total) - (kFp8 ? kLog2Fp8Max : 0.f)) * kLn2 + s.q_shift[q_row0 + row]

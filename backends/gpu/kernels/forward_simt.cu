@@ -12,6 +12,7 @@
 #include "forward_simt.h"
 
 #include "../engine/forward_common.cuh"
+#include "../engine/online_softmax.cuh"
 
 #include <cmath>
 
@@ -132,18 +133,16 @@ __global__ void __launch_bounds__(kMaxThreads) forward_simt_kernel(const Forward
     skip_test = skip_threshold > -INFINITY;  // every later computed tile is tested
     if (int32_t(threadIdx.x) < tile_rows) {
       const int r = threadIdx.x;
-      const float new_max = fmaxf(row_max[r], row_tile_max[r]);
-      const float reference = new_max == -INFINITY ? 0.f : new_max;
-      const float rescale = exp2f(row_max[r] - reference);
+      const softmax::MaxUpdate step = softmax::update_max(row_max[r], row_tile_max[r], softmax::ExactExp2{});
       float tile_sum = 0.f;
       for (int c = 0; c < tile_keys; ++c) {
-        const float probability = exp2f(scores[r * tile_keys + c] - reference);
+        const float probability = exp2f(scores[r * tile_keys + c] - step.reference);  // scores already scaled
         scores[r * tile_keys + c] = probability;
         tile_sum += probability;
       }
-      row_max[r] = new_max;
-      row_sum[r] = row_sum[r] * rescale + tile_sum;
-      row_rescale[r] = rescale;
+      row_max[r] = step.max;
+      row_sum[r] = softmax::rescaled_sum(row_sum[r], step.rescale, tile_sum);
+      row_rescale[r] = step.rescale;
     }
     for (int index = threadIdx.x; index < tile_keys * dim; index += threads) {  // V over K: S no longer needs K
       const int c = index / dim, d = index % dim;
@@ -171,6 +170,8 @@ __global__ void __launch_bounds__(kMaxThreads) forward_simt_kernel(const Forward
     if (index < tile_rows * dim) {
       const int r = index / dim, d = index % dim;
       if (row_begin + r < row_end) {
+        // O / l by a division, not softmax::finish_row's reciprocal and a multiply: one rounding per element
+        // instead of two (switching would move this kernel's results in the last bit).
         const float total = row_sum[r];
         store_value(p.out, launch_output_offset(p, seq, row_begin + r) + d, p.element_type,
                     total > 0.f ? o_acc[t] / total : 0.f);
@@ -179,8 +180,7 @@ __global__ void __launch_bounds__(kMaxThreads) forward_simt_kernel(const Forward
   }
   if (p.lse != nullptr && int32_t(threadIdx.x) < tile_rows && row_begin + int32_t(threadIdx.x) < row_end) {
     const int r = threadIdx.x;
-    p.lse[launch_lse_offset(p, seq, row_begin + r)] =
-        row_sum[r] > 0.f ? (row_max[r] + log2f(row_sum[r])) * kLn2 : -INFINITY;
+    p.lse[launch_lse_offset(p, seq, row_begin + r)] = softmax::finish_row(row_max[r], row_sum[r]).lse;
   }
 }
 

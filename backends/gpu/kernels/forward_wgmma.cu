@@ -34,11 +34,13 @@
 #include "forward_wgmma.h"
 
 #include "../engine/forward_common.cuh"
+#include "../engine/online_softmax.cuh"
 #include "../runtime/gpu_runtime.h"
 #include "forward_decode.h"
 
 #if !SPARSA_GPU_IS_HIP
 #include "mma_primitives.cuh"
+#include "wgmma_primitives.cuh"
 // The device helpers below are referenced only by the kernel body, which the host pass and the sm_80 pass do not
 // compile (#177: declared but never referenced).
 #pragma nv_diag_suppress 177
@@ -61,10 +63,13 @@ namespace {
 using mma::BFloat16Tag;  // element tags and helpers shared with the mma.sync kernels (mma_primitives.cuh)
 using mma::cp_async_16;
 using mma::cp_async_wait_all;
-using mma::fast_exp2;
+using mma::FastExp2;
 using mma::HalfTag;
 using mma::pack_pair;
+using mma::quad_max;
+using mma::quad_sum;
 using mma::shared_address;
+using namespace hopper;  // the sm_90a PTX wrappers (wgmma_primitives.cuh)
 
 constexpr int kWarpgroupThreads = 128;  // 4 consecutive warps issue one wgmma together
 constexpr int kConsumerWarpgroups = 2;
@@ -95,43 +100,6 @@ constexpr int kSwizzleRows = 8;     // the XOR pattern repeats every 8 rows
 constexpr int kBlockElems = kSwizzleBytes / 2;  // elements per column block
 constexpr int kTileAlignment = 1024;  // kSwizzleRows × kSwizzleBytes: tiles start on a pattern boundary
 constexpr int kMmaK = 16;             // K of one wgmma (16-bit inputs)
-
-// ---- Shared-memory addresses, barriers, copies ----
-
-__device__ __forceinline__ void barrier_init(uint32_t barrier, int arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals) : "memory");
-}
-__device__ __forceinline__ void barrier_arrive(uint32_t barrier) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
-}
-// Blocks until the barrier's phase of parity `parity` has completed.
-__device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(barrier), "r"(parity)
-        : "memory");
-  } while (done == 0);
-}
-// The barrier counts this thread's arrival once all of its earlier cp.async copies have landed.
-__device__ __forceinline__ void barrier_arrive_on_copies(uint32_t barrier) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
-}
-// cp.async writes through the generic proxy, wgmma reads through the async proxy: a consumer that has seen a full
-// barrier fences before its wgmma reads the tile.
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-
-template <int kRegisters>
-__device__ __forceinline__ void registers_increase() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-}
-template <int kRegisters>
-__device__ __forceinline__ void registers_decrease() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-}
 
 // ---- Swizzled tiles and their wgmma descriptors ----
 
@@ -174,77 +142,6 @@ __device__ __forceinline__ uint32_t v_descriptor(uint32_t tile_address) {
 __device__ __forceinline__ uint32_t v_step_offset(int kk) { return uint32_t(kk * kMmaK * kSwizzleBytes); }
 // Moving a descriptor by a 16-byte multiple adds to its start-address field.
 __device__ __forceinline__ uint32_t advance_descriptor(uint32_t low, uint32_t bytes) { return low + (bytes >> 4); }
-
-// ---- wgmma (PTX: wgmma.mma_async; every thread of the warpgroup issues the same instruction) ----
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-// Keeps the compiler from moving reads/writes of accumulator registers across the asynchronous window (between a
-// wgmma's issue and its wait_group, the registers belong to the tensor cores).
-template <int kCount>
-__device__ __forceinline__ void fence_registers(float (&r)[kCount]) {
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int kRowsA, int kCount>
-__device__ __forceinline__ void fence_registers(uint32_t (&r)[kRowsA][kCount]) {
-#pragma unroll
-  for (int i = 0; i < kRowsA; ++i) {
-#pragma unroll
-    for (int j = 0; j < kCount; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-  }
-}
-
-#define SPARSA_ACC8(d, i)                                                                                      \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
-      "+f"(d[i + 7])
-#define SPARSA_ACC32(d) SPARSA_ACC8(d, 0), SPARSA_ACC8(d, 8), SPARSA_ACC8(d, 16), SPARSA_ACC8(d, 24)
-#define SPARSA_ACC64(d) \
-  SPARSA_ACC32(d), SPARSA_ACC8(d, 32), SPARSA_ACC8(d, 40), SPARSA_ACC8(d, 48), SPARSA_ACC8(d, 56)
-#define SPARSA_REGS32                                                                                           \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define SPARSA_REGS64                                                                                           \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "   \
-  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-
-// D(64×128) (+)= A(64×16, shared) · B(16×128, shared), both K-major; accumulate = 0 overwrites D.
-// D(64×N)   (+)= A(64×16, registers) · B(16×N, shared, MN-major), N = 128 or 64.
-// Descriptors arrive as low words plus the shared high word (kDescriptorHigh).
-#define SPARSA_DEFINE_WGMMA(TAG, TYPE)                                                                          \
-  __device__ __forceinline__ void wgmma_ss_n128(TAG, float(&d)[64], uint32_t a_low, uint32_t b_low,            \
-                                                uint32_t high, int accumulate) {                                \
-    asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %68, 0;\n"                                \
-                 "mov.b64 da, {%64, %66};\nmov.b64 db, {%65, %67};\n"                                           \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " SPARSA_REGS64                 \
-                 ", da, db, p, 1, 1, 0, 0;\n}\n"                                                                \
-                 : SPARSA_ACC64(d)                                                                              \
-                 : "r"(a_low), "r"(b_low), "r"(high), "r"(high), "r"(accumulate));                              \
-  }                                                                                                             \
-  __device__ __forceinline__ void wgmma_rs(TAG, float(&d)[64], const uint32_t(&a)[4], uint32_t b_low,           \
-                                           uint32_t high, int accumulate) {                                     \
-    asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %70, 0;\nmov.b64 db, {%68, %69};\n"           \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " SPARSA_REGS64                 \
-                 ", {%64, %65, %66, %67}, db, p, 1, 1, 1;\n}\n"                                                 \
-                 : SPARSA_ACC64(d)                                                                              \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_low), "r"(high), "r"(accumulate));         \
-  }                                                                                                             \
-  __device__ __forceinline__ void wgmma_rs(TAG, float(&d)[32], const uint32_t(&a)[4], uint32_t b_low,           \
-                                           uint32_t high, int accumulate) {                                     \
-    asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %38, 0;\nmov.b64 db, {%36, %37};\n"           \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " SPARSA_REGS32                  \
-                 ", {%32, %33, %34, %35}, db, p, 1, 1, 1;\n}\n"                                                 \
-                 : SPARSA_ACC32(d)                                                                              \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_low), "r"(high), "r"(accumulate));         \
-  }
-SPARSA_DEFINE_WGMMA(HalfTag, "f16")
-SPARSA_DEFINE_WGMMA(BFloat16Tag, "bf16")
-#undef SPARSA_DEFINE_WGMMA
 
 // S(64 rows × 128 keys) = Q·Kᵀ of one consumer warpgroup: kHeadDim/16 k-steps over shared Q and K.
 template <typename Tag, int kHeadDim>
@@ -678,20 +575,20 @@ struct Consumer {
       float tile_max = -INFINITY;
 #pragma unroll
       for (int n = 0; n < kBlockKeys / 8; ++n) tile_max = fmaxf(tile_max, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 1));  // the 4 lanes of a quad share the row
-      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 2));
-      const float new_max = fmaxf(row_max[r], tile_max * scale_log2);  // scale > 0 keeps the arg max
-      const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
-      rescale[r] = fast_exp2(row_max[r] - reference);
-      row_max[r] = new_max;
+      tile_max = quad_max(tile_max);
+      // scale > 0 keeps the arg max
+      const softmax::MaxUpdate step = softmax::update_max(row_max[r], tile_max * scale_log2, FastExp2{});
+      rescale[r] = step.rescale;
+      row_max[r] = step.max;
       float tile_sum = 0.f;
 #pragma unroll
       for (int n = 0; n < kBlockKeys / 8; ++n) {
-        s[4 * n + 2 * r] = fast_exp2(fmaf(s[4 * n + 2 * r], scale_log2, -reference));
-        s[4 * n + 2 * r + 1] = fast_exp2(fmaf(s[4 * n + 2 * r + 1], scale_log2, -reference));
+        s[4 * n + 2 * r] = softmax::scaled_probability(s[4 * n + 2 * r], scale_log2, step.reference, FastExp2{});
+        s[4 * n + 2 * r + 1] =
+            softmax::scaled_probability(s[4 * n + 2 * r + 1], scale_log2, step.reference, FastExp2{});
         tile_sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
       }
-      row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
+      row_sum[r] = softmax::rescaled_sum(row_sum[r], rescale[r], tile_sum);
     }
   }
 
@@ -830,16 +727,14 @@ struct Consumer {
     uint16_t* out_base = static_cast<uint16_t*>(p.out);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float total = row_sum[r];
-      total += warp_shfl_xor(total, 1);
-      total += warp_shfl_xor(total, 2);
+      const float total = quad_sum(row_sum[r]);
       const int32_t row = rows[r];
       if (row >= wg_row_end) continue;
-      const float inverse = total > 0.f ? 1.f / total : 0.f;
-      const float lse = total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
+      const softmax::RowOutput result = softmax::finish_row(row_max[r], total);
+      const float inverse = result.inverse;
+      const float lse = result.lse;
       if (p.num_splits > 1) {
-        const int64_t state =
-            (int64_t(block.split) * p.flat_rows + flat_query_row(p, seq, row)) * p.num_q_heads + seq.h;
+        const int64_t state = softmax::partial_state_index(p, seq, block.split, row);
         float* partial = p.partial_out + state * kHeadDim;
 #pragma unroll
         for (int n = 0; n < kHeadDim / 8; ++n) {

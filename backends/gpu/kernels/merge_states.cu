@@ -1,8 +1,10 @@
 // §0 merge: with m = max(lse_a, lse_b), w_x = exp(lse_x - m): out = (w_a o_a + w_b o_b) / (w_a + w_b),
-// out_lse = m + log(w_a + w_b); both -inf gives a zero row and -inf.
+// out_lse = m + log(w_a + w_b); both -inf gives a zero row and -inf (softmax::merge_weights,
+// engine/online_softmax.cuh).
 #include "merge_states.h"
 
 #include "../engine/forward_common.cuh"
+#include "../engine/online_softmax.cuh"
 
 #include <cmath>
 
@@ -31,23 +33,19 @@ __global__ void __launch_bounds__(kThreads) merge_states_kernel(const MergeParam
   const int64_t b = active ? row / (int64_t(p.heads) * p.seq) : 0;
   const float lse_a = active ? p.lse_a[o_offset(p.lse_a_strides, b, s, h)] : -INFINITY;
   const float lse_b = active ? p.lse_b[o_offset(p.lse_b_strides, b, s, h)] : -INFINITY;
-  const float m = fmaxf(lse_a, lse_b);
-  const bool empty = m == -INFINITY;
-  const float w_a = empty ? 0.f : expf(lse_a - m);
-  const float w_b = empty ? 0.f : expf(lse_b - m);
-  const float inverse = empty ? 0.f : 1.f / (w_a + w_b);
+  const softmax::MergeWeights w = softmax::merge_weights(lse_a, lse_b);
   if (active) {
     const int64_t a_at = o_offset(p.o_a_strides, b, s, h), b_at = o_offset(p.o_b_strides, b, s, h);
     const int64_t out_at = o_offset(p.out_strides, b, s, h);
     for (int32_t d = lane; d < p.head_dim; d += kThreadsPerRow) {
-      const float a = w_a > 0.f ? load_value(p.o_a, a_at + d, p.element_type) : 0.f;
-      const float c = w_b > 0.f ? load_value(p.o_b, b_at + d, p.element_type) : 0.f;
-      store_value(p.out, out_at + d, p.element_type, (w_a * a + w_b * c) * inverse);
+      const float a = w.weight_a > 0.f ? load_value(p.o_a, a_at + d, p.element_type) : 0.f;
+      const float c = w.weight_b > 0.f ? load_value(p.o_b, b_at + d, p.element_type) : 0.f;
+      store_value(p.out, out_at + d, p.element_type, (w.weight_a * a + w.weight_b * c) * w.inverse);
     }
   }
   __syncthreads();  // every thread of the row has read lse_a / lse_b
   if (active && lane == 0 && p.out_lse != nullptr) {
-    p.out_lse[o_offset(p.out_lse_strides, b, s, h)] = empty ? -INFINITY : m + logf(w_a + w_b);
+    p.out_lse[o_offset(p.out_lse_strides, b, s, h)] = w.lse();
   }
 }
 

@@ -1,6 +1,7 @@
 // The sm_80 PTX wrappers the NVIDIA tensor-core kernels share (forward_mma.cu, forward_decode.cu, forward_sage.cu,
-// and the element helpers of forward_wgmma.cu): cp.async, ldmatrix, mma.sync m16n8k16, fp16/bf16 pair packing and a
-// one-instruction exp2. NVIDIA only: include it inside `#if SPARSA_GPU_HAS_MMA_SYNC`.
+// token_sparse_score.cu, and the element helpers of forward_wgmma.cu): cp.async, ldmatrix, mma.sync m16n8k16,
+// fp16/bf16 pair packing, a one-instruction exp2 and the quad reductions of an accumulator row. NVIDIA only: include
+// it inside `#if SPARSA_GPU_HAS_MMA_SYNC`.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -80,6 +81,21 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+// fast_exp2 as the exp2 of engine/online_softmax.cuh's row-state functions.
+struct FastExp2 {
+  __device__ __forceinline__ float operator()(float x) const { return fast_exp2(x); }
+};
+
+// An m16n8 accumulator row is spread over the 4 lanes of a quad (lane / 4 picks the row, lane % 4 the column pair),
+// in the mma.sync C fragment and in the wgmma D fragment alike: a row's maximum or sum is the quad's.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, warp_shfl_xor(x, 1));
+  return fmaxf(x, warp_shfl_xor(x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += warp_shfl_xor(x, 1);
+  return x + warp_shfl_xor(x, 2);
 }
 
 }  // namespace mma

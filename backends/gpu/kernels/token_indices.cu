@@ -18,6 +18,7 @@
 #include "token_indices.h"
 
 #include "../engine/forward_common.cuh"
+#include "../engine/online_softmax.cuh"
 #include "forward_decode.h"
 
 #include <cmath>
@@ -253,7 +254,9 @@ __global__ void __launch_bounds__(kAttendThreads) index_attention_kernel(const F
       if (pos + u >= last) score[u] = -INFINITY;
       step_max = fmaxf(step_max, score[u]);
     }
-    const float correction = exp2f(m - step_max);  // m = -inf on the first step: 0, and acc/l are 0 anyway
+    // Not softmax::update_max: every step holds a real key (pos < last), so step_max is finite and needs no
+    // empty-row reference; m = -inf on the first step gives 0, and acc/l are 0 anyway.
+    const float correction = exp2f(m - step_max);
     l *= correction;
 #pragma unroll
     for (int t = 0; t < kMaxDimsPerLane; ++t) acc[t] *= correction;
@@ -270,10 +273,11 @@ __global__ void __launch_bounds__(kAttendThreads) index_attention_kernel(const F
     m = step_max;
   }
 
-  const float inverse = l > 0.f ? 1.f / l : 0.f;
-  const float lse = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+  const softmax::RowOutput result = softmax::finish_row(m, l);
+  const float inverse = result.inverse;
+  const float lse = result.lse;
   if (p.num_splits > 1) {
-    const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, s, i)) * p.num_q_heads + h;
+    const int64_t state = softmax::partial_state_index(p, s, split, i);
 #pragma unroll
     for (int t = 0; t < kMaxDimsPerLane; ++t) {
       const int32_t d = lane + t * kWarpLanes;
