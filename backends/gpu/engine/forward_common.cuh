@@ -1,7 +1,8 @@
-// Device-side helpers shared by the forward kernels: where a row lives (forward_params.h explains the layouts),
-// how long each sequence is, and which keys a query row sees (§0-§3). Both kernels (forward_mma.cu, forward_simt.cu)
-// walk key tiles in ascending order, skip a tile that no row of their query tile can see, and apply the exact
-// element predicate inside the tiles they compute.
+// Device-side helpers shared by the forward kernels (kernels/) and the policy passes that read q/k/v (policies/):
+// where a row lives (forward_params.h explains the layouts), how long each sequence is, and which keys a query row
+// sees (§0-§3). The tiled kernels (forward_mma.cu, forward_wgmma.cu, forward_sage.cu, forward_simt.cu, the decode
+// kernels) walk key tiles in ascending order, skip a tile that no row of their query tile can see, and apply the exact
+// element predicate inside the tiles they compute. The row's softmax state is online_softmax.cuh's.
 #pragma once
 
 #include "../../../src/common/policy_sizes.h"

@@ -1,5 +1,6 @@
 // The plain description of one forward-attention launch: device pointers, element strides and the key-visibility
-// rule, filled on the host from a validated AttentionProblem (gpu_backend.cu) and read by every forward kernel.
+// rule, filled on the host from a validated AttentionProblem (make_forward_params, runtime/forward_dispatch.cu) and
+// read by every forward kernel (kernels/).
 //
 // Layout unification (so kernels have no per-layout branches except the paged lookup):
 //   q/out row (b, i, h)   at  b*stride_b + (row_base(b) + i)*stride_s + h*stride_h,
