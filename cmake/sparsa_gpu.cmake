@@ -1,5 +1,5 @@
 # GPU backends of sparsa: CUDA (nvcc, sm_80 + sm_90a) and HIP (hipcc, gfx90a + gfx940) from one source tree,
-# backends/gpu/*.cu. Included by the top-level CMakeLists.txt after the `sparsa` target exists; appends sources and
+# backends/gpu/ (engine/, kernels/, policies/, runtime/: docs/gpu.md has the file map). Included by the top-level CMakeLists.txt after the `sparsa` target exists; appends sources and
 # definitions to it and adds the GPU tests (tests/gpu) and nothing else.
 #
 #   SPARSA_CUDA  (default ON when nvcc is found)  -> SPARSA_WITH_CUDA, cudart linked statically so libsparsa still
@@ -9,9 +9,9 @@
 include_guard(GLOBAL)
 include(CheckLanguage)
 
-# The one list of GPU sources, generated: every backends/gpu/*.cu, for CUDA and for HIP alike.
+# The one list of GPU sources, generated: every .cu under backends/gpu (any folder depth), for CUDA and for HIP alike.
 set(SPARSA_GPU_DIR ${PROJECT_SOURCE_DIR}/backends/gpu)
-file(GLOB SPARSA_GPU_SOURCES CONFIGURE_DEPENDS ${SPARSA_GPU_DIR}/*.cu)
+file(GLOB_RECURSE SPARSA_GPU_SOURCES CONFIGURE_DEPENDS ${SPARSA_GPU_DIR}/*.cu)
 list(SORT SPARSA_GPU_SOURCES)
 
 # ---- CUDA ----
@@ -80,18 +80,25 @@ if(SPARSA_HIP)
   foreach(_arch IN LISTS SPARSA_HIP_ARCHITECTURES)
     list(APPEND _hip_flags --offload-arch=${_arch})
   endforeach()
-  file(GLOB _hip_headers CONFIGURE_DEPENDS ${SPARSA_GPU_DIR}/*.h ${SPARSA_GPU_DIR}/*.cuh
-       ${PROJECT_SOURCE_DIR}/src/*.h ${PROJECT_SOURCE_DIR}/src/common/*.h ${PROJECT_SOURCE_DIR}/include/sparsa/sparsa.h)
+  # Every header a HIP object may include (any depth under backends/gpu), so that editing one recompiles.
+  file(GLOB_RECURSE _hip_headers CONFIGURE_DEPENDS ${SPARSA_GPU_DIR}/*.h ${SPARSA_GPU_DIR}/*.cuh)
+  file(GLOB _hip_core_headers CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/*.h ${PROJECT_SOURCE_DIR}/src/common/*.h
+       ${PROJECT_SOURCE_DIR}/include/sparsa/sparsa.h)
+  list(APPEND _hip_headers ${_hip_core_headers})
   set(_hip_objects)
   foreach(_source IN LISTS SPARSA_GPU_SOURCES)
-    get_filename_component(_name ${_source} NAME_WE)
-    set(_object ${CMAKE_CURRENT_BINARY_DIR}/sparsa_hip/${_name}.o)
+    # Objects mirror the source folders (sparsa_hip/kernels/forward_mma.o), so equal names in two folders never
+    # collide.
+    file(RELATIVE_PATH _relative ${SPARSA_GPU_DIR} ${_source})
+    string(REGEX REPLACE "\\.cu$" ".o" _relative_object ${_relative})
+    set(_object ${CMAKE_CURRENT_BINARY_DIR}/sparsa_hip/${_relative_object})
+    get_filename_component(_object_dir ${_object} DIRECTORY)
     add_custom_command(
       OUTPUT ${_object}
-      COMMAND ${CMAKE_COMMAND} -E make_directory ${CMAKE_CURRENT_BINARY_DIR}/sparsa_hip
+      COMMAND ${CMAKE_COMMAND} -E make_directory ${_object_dir}
       COMMAND ${SPARSA_HIPCC} ${_hip_flags} -x hip -c ${_source} -o ${_object}
       DEPENDS ${_source} ${_hip_headers}
-      COMMENT "hipcc ${_name}.cu"
+      COMMENT "hipcc ${_relative}"
       VERBATIM)
     list(APPEND _hip_objects ${_object})
   endforeach()

@@ -1,12 +1,16 @@
-// The one online-softmax state of sparsa: running maximum m, denominator l = Σ exp(s - m) and the unnormalised
-// output o = Σ exp(s - m) · v of one query row, with the two operations every consumer needs:
-//   * merge()    — combine two states over disjoint key sets (split-KV, the CPU tile loop, Δ, sparsa_merge_states);
-//   * lse()/finalize() — turn a state into the normalised row and its natural-log LSE.
+// The CPU backend's online-softmax state: running maximum m, denominator l = Σ exp(s - m) and the unnormalised
+// output o = Σ exp(s - m) · v of one query row, in natural log:
+//   * rescale_to()       — the factor o and l take when a key tile raises the maximum (the tile loop,
+//                          attention_loop.cpp, and the decode loop, cpu_decode.cpp);
+//   * lse()/finalize()   — the normalised row and its natural-log LSE (the same two loops);
+//   * merge()/from_lse() — two states over disjoint key sets combined (sparsa_merge_states on host memory,
+//                          cpu_merge.cpp).
 // A state that saw no key (l == 0) finalises to an exact zero row and LSE −inf, never NaN.
-// Used by the CPU backend (attention_loop.cpp, cpu_merge.cpp). The GPU kernels do not use it: they keep m and l per
-// row in registers in base 2 (scale·log2(e) folded into the scores) and merge split-KV partial states in their own
-// combine kernels (forward_decode.cu, merge_states.cu) with the same formulas. The functions are SPARSA_HOST_DEVICE
-// so that a kernel could include this header; no CUDA include.
+// No GPU code includes this header. The GPU kernels keep m in base 2 (scale·log2(e) folded into the scores) and l per
+// row as scalars in registers or shared memory, with the same rules in backends/gpu/engine/online_softmax.cuh (the
+// update of a tile, the §0 merge of sparsa_merge_states, the epilogue); forward_decode.cu's warp merge and split-KV
+// combine still write them out themselves. SPARSA_HOST_DEVICE marks the functions for a device compiler only so that
+// a kernel could include the header (no CUDA include); none does.
 #pragma once
 
 #include <cmath>

@@ -1,4 +1,4 @@
-// Hopper wgmma forward (backends/gpu/forward_wgmma.cu) through the public C API: fp16/bf16 with head_dim 64/128
+// Hopper wgmma forward (backends/gpu/kernels/forward_wgmma.cu) via the public C API: fp16/bf16, head_dim 64/128
 // take that kernel on an sm_90 device (forward_dispatch.cu tries it before mma.sync). Its attention cases (tiles,
 // ring, causal alignments, GQA, layouts, masks, sink/window, large scores, Δ's row map) are rows of the case table
 // WgmmaCases (tests/test_attention_case_tables.cpp). Here: TOKEN_SPARSE's query-row map (§5: queries and keys

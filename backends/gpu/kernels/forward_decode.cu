@@ -1,0 +1,854 @@
+// Decode forward (few query rows per kv head): memory-bound, so the aim is K/V streamed at HBM bandwidth with as
+// many thread blocks in flight as the GPU holds (split-KV), every K/V row read once for all the query heads that
+// share it, and as little work per byte as possible.
+//
+// Tensor-core kernel (decode_mma_kernel: NVIDIA sm_80+, f16/bf16, K/V rows on 16-byte boundaries). One thread block
+// = one (sequence, set of query heads sharing a kv head, 8-row tile, key split); its 8 rows are the (query row,
+// head) pairs of the set — for dense decode the GQA group — so one K/V row read serves them all. The block's share
+// of keys is dealt tile by tile to its warps; each warp streams its tiles of 16 keys through its own cp.async ring
+// in shared memory (16-byte copies, rows XOR-swizzled in 16-byte chunks as in forward_mma.cu so that ldmatrix's
+// eight row reads hit eight bank groups). Keys are the mma M (16), rows the N (8), so no tensor-core work is spent
+// on padding rows and Oᵀ takes 4 registers per 16 dims:
+//
+//   cp.async  K/V rows of tile j + kStages - 1 -> ring       (earlier tiles already in flight)
+//   Sᵀ = K·Qᵀ                   mma m16n8k16: A = 16 K rows (ldmatrix), B = Qᵀ (registers, read once)
+//   Sᵀ = mask(Sᵀ)·scale·log2(e) only on tiles that need it
+//   online softmax              per row = per column of Sᵀ (base 2)
+//   Oᵀ += Vᵀ·Pᵀ                 A = V rows (ldmatrix.trans), B = Pᵀ: the Sᵀ accumulators, each 8×8 half moved
+//                               into the B layout by one movmatrix
+//
+// then the warps' states are merged in shared memory and written with coalesced stores. The keys are either a range
+// (dense decode, sink/window, block mask; a tile no row can see is never loaded) or a prebuilt ascending list
+// (TOKEN_INDICES / TOKEN_SELECT, forward_decode_lists_launch: the key ids of a tile are read before its copies are
+// issued and kept beside it for the causal test).
+//
+// CUDA-core kernel (forward_decode_simt_kernel: f32, HIP, unaligned rows): plain fp32 on CUDA cores; one thread
+// block = one (sequence, kv head, key split), its rows the R = Sq·g pairs of the group. Each warp walks its own
+// chunks of kWarpLanes keys:
+//
+//   scores:  lane j owns key (chunk + j): s[r] = q_r·k_j for every row r            (K rows read once)
+//   softmax: per row, chunk max and sum across lanes; running (m, l) rescaled        (base 2)
+//   P·V:     lane owns D/kWarpLanes dims; O[r][dims] += Σ_j p[r][j] · v_j[dims]      (P through shared memory)
+//
+// then the warps' states are merged in shared memory. Only kWarpLanes-generic warp operations are used, so this
+// kernel is the same on 32-lane warps and 64-lane wavefronts.
+//
+// Both write either out/lse (one split) or a normalised fp32 partial state per split that
+// combine_decode_splits_kernel merges (§0).
+#include "forward_decode.h"
+
+#include "../engine/forward_common.cuh"
+
+#if SPARSA_GPU_HAS_MMA_SYNC
+#include "mma_primitives.cuh"
+// nvcc's front end reports the device helpers below as unreferenced (#177) in the pass that only sees the kernel
+// templates through the launchers; the kernel bodies reference them.
+#pragma nv_diag_suppress 177
+#endif
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+SPARSA_GPU_NAMESPACE_BEGIN
+namespace {
+
+// ================================ CUDA-core kernel (any element type, any warp width) ================================
+
+constexpr int kSimtThreads = 128;
+
+__device__ __forceinline__ float warp_max(float value) {
+  for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) value = fmaxf(value, warp_shfl_xor(value, offset));
+  return value;
+}
+__device__ __forceinline__ float warp_sum(float value) {
+  for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) value += warp_shfl_xor(value, offset);
+  return value;
+}
+
+__global__ void __launch_bounds__(kSimtThreads) forward_decode_simt_kernel(const ForwardParams p,
+                                                                                 int32_t rows_per_block) {
+  constexpr int kWarps = kSimtThreads / kWarpLanes;
+  constexpr int kDimsPerLane = kDecodeMaxHeadDim / kWarpLanes;
+  const int32_t dim = p.head_dim;
+  const int32_t dims_per_lane = dim / kWarpLanes;
+  const int32_t rows = rows_per_block;  // R = query rows × group size, <= kDecodeSimtMaxRows
+  const int32_t split = blockIdx.x;
+  const int32_t kv_head = blockIdx.y;
+  const int32_t b = blockIdx.z;
+  const int warp = threadIdx.x / kWarpLanes;
+  const int lane = threadIdx.x % kWarpLanes;
+
+  __shared__ float q_rows[kDecodeSimtMaxRows * kDecodeMaxHeadDim];             // scaled by scale·log2(e)
+  __shared__ float probabilities[kWarps][kDecodeSimtMaxRows][kWarpLanes];     // P of the warp's current chunk
+  __shared__ float warp_max_state[kWarps][kDecodeSimtMaxRows];
+  __shared__ float warp_sum_state[kWarps][kDecodeSimtMaxRows];
+  __shared__ float warp_out[kWarps][kDecodeSimtMaxRows * kDecodeMaxHeadDim / 2];  // merged in two halves of rows
+
+  // Row r of this block is query row i = r / g of query head kv_head·g + r % g.
+  const SequenceView seq0 = make_sequence_view(p, b, kv_head * p.group_size);
+  auto row_query = [&](int32_t r) { return r / p.group_size; };
+  auto row_head = [&](int32_t r) { return kv_head * p.group_size + r % p.group_size; };
+  auto row_view = [&](int32_t r) {
+    SequenceView s = seq0;
+    s.h = row_head(r);
+    return s;
+  };
+
+  for (int index = threadIdx.x; index < rows * dim; index += kSimtThreads) {
+    const int32_t r = index / dim, d = index % dim;
+    const int32_t i = row_query(r);
+    q_rows[r * kDecodeMaxHeadDim + d] =
+        i < seq0.seq_q ? load_value(p.q, query_row_offset(p.q_strides, row_view(r), i) + d, p.element_type) *
+                             p.scale_log2
+                       : 0.f;
+  }
+  __syncthreads();
+
+  // This split's keys, clipped to what the last row may see.
+  const int32_t last_row = min(seq0.seq_q, (rows + p.group_size - 1) / p.group_size);
+  const int32_t key_end = last_row > 0 ? key_end_for_rows(p, seq0, last_row) : 0;
+  const int32_t keys_per_split = (key_end + p.num_splits - 1) / p.num_splits;
+  const int32_t split_begin = min(key_end, split * keys_per_split);
+  const int32_t split_end = min(key_end, split_begin + keys_per_split);
+
+  // 2-byte K rows on 16-byte boundaries are read 16 bytes at a time (head_dim is a multiple of 64).
+  constexpr int kElemsPer16B = 8;
+  constexpr int kLoadsInFlight = 4;
+  const bool bf16 = p.element_type == ElementType::kBF16;
+  const bool vector_loads = p.kv_rows_aligned16 && p.element_type != ElementType::kF32;
+
+  float row_max[kDecodeSimtMaxRows], row_sum[kDecodeSimtMaxRows], out[kDecodeSimtMaxRows][kDimsPerLane];
+#pragma unroll
+  for (int r = 0; r < kDecodeSimtMaxRows; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kDimsPerLane; ++j) out[r][j] = 0.f;
+  }
+
+  for (int32_t chunk = split_begin + warp * kWarpLanes; chunk < split_end; chunk += kWarps * kWarpLanes) {
+    const int32_t key = chunk + lane;
+    const bool key_inside = key < split_end;
+    const int64_t k_offset = key_inside ? key_row_offset(p, p.k_strides, seq0, key) : 0;
+    float score[kDecodeSimtMaxRows];
+#pragma unroll
+    for (int r = 0; r < kDecodeSimtMaxRows; ++r) score[r] = 0.f;
+    if (key_inside && vector_loads) {
+      // 16-byte loads, kLoadsInFlight at a time, so each lane's K row streams instead of one element per trip.
+      const uint4* k_row = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.k) + k_offset);
+      for (int32_t chunk16 = 0; chunk16 < dim / kElemsPer16B; chunk16 += kLoadsInFlight) {
+        uint4 loaded[kLoadsInFlight];
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u) loaded[u] = k_row[chunk16 + u];
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u) {
+          const uint32_t words[4] = {loaded[u].x, loaded[u].y, loaded[u].z, loaded[u].w};
+#pragma unroll
+          for (int e = 0; e < kElemsPer16B; ++e) {
+            const uint16_t bits = static_cast<uint16_t>(e % 2 == 0 ? words[e / 2] & 0xffffu : words[e / 2] >> 16);
+            const float k_value = bf16 ? bf16_bits_to_float(bits) : f16_bits_to_float(bits);
+            const int32_t d = (chunk16 + u) * kElemsPer16B + e;
+#pragma unroll
+            for (int r = 0; r < kDecodeSimtMaxRows; ++r) {
+              if (r < rows) score[r] = fmaf(q_rows[r * kDecodeMaxHeadDim + d], k_value, score[r]);
+            }
+          }
+        }
+      }
+    } else if (key_inside) {
+      for (int32_t d = 0; d < dim; ++d) {
+        const float k_value = load_value(p.k, k_offset + d, p.element_type);
+#pragma unroll
+        for (int r = 0; r < kDecodeSimtMaxRows; ++r) {
+          if (r < rows) score[r] = fmaf(q_rows[r * kDecodeMaxHeadDim + d], k_value, score[r]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kDecodeSimtMaxRows; ++r) {
+      if (r >= rows) continue;  // (continue, not break: the loop must unroll so score/out stay in registers)
+      const int32_t i = row_query(r);
+      const bool visible = key_inside && i < seq0.seq_q && key_visible(p, row_view(r), i, key);
+      const float s = visible ? score[r] : -INFINITY;
+      const float new_max = fmaxf(row_max[r], warp_max(s));
+      const float reference = new_max == -INFINITY ? 0.f : new_max;
+      const float rescale = exp2f(row_max[r] - reference);
+      const float probability = exp2f(s - reference);
+      row_max[r] = new_max;
+      row_sum[r] = row_sum[r] * rescale + warp_sum(probability);
+      probabilities[warp][r][lane] = probability;
+#pragma unroll
+      for (int j = 0; j < kDimsPerLane; ++j) out[r][j] *= rescale;
+    }
+    warp_sync();
+    const int32_t chunk_keys = min(kWarpLanes, split_end - chunk);
+    // P·V: lane owns dims [lane·dims_per_lane, +dims_per_lane); 2-byte V in aligned rows comes two dims per 4-byte
+    // load (pairs stay aligned only for an even share). Batching several keys' loads raised registers past what
+    // keeps 4 blocks per SM and measured slower (0.40 vs 0.22 ms at N=32K), so keys go one at a time.
+    const bool value_pairs = vector_loads && dims_per_lane % 2 == 0;
+    for (int32_t c = 0; c < chunk_keys; ++c) {
+      const int64_t v_offset = key_row_offset(p, p.v_strides, seq0, chunk + c) + lane * dims_per_lane;
+      const uint32_t* v_pairs = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.v) + v_offset);
+#pragma unroll
+      for (int j = 0; j < kDimsPerLane; ++j) {
+        if (j >= dims_per_lane) continue;
+        float v_value;
+        if (value_pairs) {
+          const uint32_t pair = v_pairs[j / 2];
+          const uint16_t bits = static_cast<uint16_t>(j % 2 == 0 ? pair & 0xffffu : pair >> 16);
+          v_value = bf16 ? bf16_bits_to_float(bits) : f16_bits_to_float(bits);
+        } else {
+          v_value = load_value(p.v, v_offset + j, p.element_type);
+        }
+#pragma unroll
+        for (int r = 0; r < kDecodeSimtMaxRows; ++r) {
+          if (r < rows) out[r][j] = fmaf(probabilities[warp][r][c], v_value, out[r][j]);
+        }
+      }
+    }
+    warp_sync();  // the next chunk overwrites this warp's probabilities
+  }
+
+  // Merge the warps' states: m = max_w m_w, O = Σ_w 2^(m_w - m) O_w / Σ_w 2^(m_w - m) l_w.
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kDecodeSimtMaxRows; ++r) {
+      warp_max_state[warp][r] = row_max[r];
+      warp_sum_state[warp][r] = row_sum[r];
+    }
+  }
+  constexpr int kRowsPerHalf = kDecodeSimtMaxRows / 2;
+  for (int half = 0; half < 2; ++half) {
+    __syncthreads();  // states visible; the previous half's outputs consumed
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerHalf; ++rr) {
+      const int r = half * kRowsPerHalf + rr;
+      if (r >= rows) continue;
+#pragma unroll
+      for (int j = 0; j < kDimsPerLane; ++j) {
+        if (j < dims_per_lane) warp_out[warp][rr * kDecodeMaxHeadDim + lane * dims_per_lane + j] = out[r][j];
+      }
+    }
+    __syncthreads();
+    for (int index = threadIdx.x; index < kRowsPerHalf * dim; index += kSimtThreads) {
+      const int rr = index / dim, d = index % dim;
+      const int r = half * kRowsPerHalf + rr;
+      if (r >= rows) break;
+      const int32_t i = row_query(r);
+      if (i >= seq0.seq_q) continue;
+      float m = -INFINITY;
+      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_max_state[w][r]);
+      const float reference = m == -INFINITY ? 0.f : m;
+      float total = 0.f, acc = 0.f;
+      for (int w = 0; w < kWarps; ++w) {
+        const float weight = exp2f(warp_max_state[w][r] - reference);
+        total += weight * warp_sum_state[w][r];
+        acc += weight * warp_out[w][rr * kDecodeMaxHeadDim + d];
+      }
+      const float value = total > 0.f ? acc / total : 0.f;
+      const float lse = total > 0.f ? (m + log2f(total)) * kLn2 : -INFINITY;
+      const SequenceView s = row_view(r);
+      if (p.num_splits > 1) {
+        const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, s, i)) * p.num_q_heads + s.h;
+        p.partial_out[state * dim + d] = value;
+        if (d == 0) p.partial_lse[state] = lse;
+      } else {
+        store_value(p.out, query_row_offset(p.out_strides, s, i) + d, p.element_type, value);
+        if (d == 0 && p.lse != nullptr) {
+          p.lse[s.b * p.lse_strides.b + int64_t(s.h) * p.lse_strides.h + (s.q_row_base + i) * p.lse_strides.s] = lse;
+        }
+      }
+    }
+  }
+}
+
+// ================================ Split combine (§0 merge) ================================
+
+constexpr int kCombineThreads = 256;
+constexpr int kCombineCachedSplits = 256;  // split weights kept in shared memory; more splits recompute theirs
+constexpr int kMinWarpLanes = 32;          // sizes per-warp scratch for 32- and 64-lane warps alike
+constexpr int kCombineVector = 4;          // dims per fp32 vector load
+constexpr int kCombineUnroll = 4;          // splits whose loads a thread has in flight at once
+
+// `value` reduced over the thread block (max or sum), returned to every thread in the same order of operations.
+// `scratch` holds one float per warp; the barriers also publish the caller's earlier shared-memory writes.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float value, float* scratch) {
+  for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) {
+    const float other = warp_shfl_xor(value, offset);
+    value = kMax ? fmaxf(value, other) : value + other;
+  }
+  const int warps = int(blockDim.x) / kWarpLanes;
+  __syncthreads();  // the previous reduction has read scratch
+  if (threadIdx.x % kWarpLanes == 0) scratch[threadIdx.x / kWarpLanes] = value;
+  __syncthreads();
+  value = scratch[0];
+  for (int w = 1; w < warps; ++w) value = kMax ? fmaxf(value, scratch[w]) : value + scratch[w];
+  return value;
+}
+
+// One block per (flat row, query head). The splits' weights e^(lse_s - max) are computed once; then the threads are
+// (split slice, dim vector) pairs: slice j sums splits j, j + slices, ... of its dims with kCombineUnroll loads in
+// flight, and the slices' sums are added through shared memory. (A thread per dim walking every split one load at a
+// time made this kernel latency-bound: 18 µs for 66 splits.)
+__global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(const ForwardParams p) {
+  __shared__ float weights[kCombineCachedSplits];
+  __shared__ float reduce_scratch[kCombineThreads / kMinWarpLanes];
+  __shared__ float slice_sums[kCombineThreads * kCombineVector];
+  const int64_t flat_row = blockIdx.x;
+  const int32_t h = blockIdx.y;
+  int32_t b = 0;
+  int64_t i = flat_row;
+  if (p.cu_seqlens_q != nullptr) {
+    while (b + 1 < p.batch && p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride] <= flat_row) ++b;
+    i = flat_row - p.cu_seqlens_q[b * p.cu_seqlens_q_stride];
+    if (i >= p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride] - p.cu_seqlens_q[b * p.cu_seqlens_q_stride]) return;
+  } else {
+    b = int32_t(flat_row / p.padded_seq_q);
+    i = flat_row % p.padded_seq_q;
+  }
+  const SequenceView seq = make_sequence_view(p, b, h);
+  const int64_t split_stride = int64_t(p.flat_rows) * p.num_q_heads;
+  const int64_t state0 = flat_row * p.num_q_heads + h;
+  auto split_lse = [&](int32_t s) { return p.partial_lse[state0 + s * split_stride]; };
+
+  float local_max = -INFINITY;
+  for (int32_t s = threadIdx.x; s < p.num_splits; s += blockDim.x) local_max = fmaxf(local_max, split_lse(s));
+  const float max_lse = block_reduce<true>(local_max, reduce_scratch);
+  const bool empty = max_lse == -INFINITY;
+  // 0 for an empty split (lse -inf); its partial output is then not read into the sum.
+  auto weight_of = [&](int32_t s) { return empty ? 0.f : expf(split_lse(s) - max_lse); };
+  float local_sum = 0.f;
+  for (int32_t s = threadIdx.x; s < p.num_splits; s += blockDim.x) {
+    const float weight = weight_of(s);
+    if (s < kCombineCachedSplits) weights[s] = weight;
+    local_sum += weight;
+  }
+  const float weight_sum = block_reduce<false>(local_sum, reduce_scratch);  // its barriers publish weights[]
+  auto cached_weight = [&](int32_t s) { return s < kCombineCachedSplits ? weights[s] : weight_of(s); };
+
+  const int vector = p.head_dim % kCombineVector == 0 ? kCombineVector : 1;
+  const int dim_threads = p.head_dim / vector;  // <= kCombineThreads (head_dim <= 256)
+  const int slices = int(blockDim.x) / dim_threads;
+  const int slice = int(threadIdx.x) / dim_threads;
+  const int d0 = (int(threadIdx.x) % dim_threads) * vector;
+  float acc[kCombineVector] = {0.f, 0.f, 0.f, 0.f};
+  auto add_split = [&](int32_t s, const float (&x)[kCombineVector]) {  // an empty split (weight 0) adds nothing
+    const float weight = cached_weight(s);
+#pragma unroll
+    for (int e = 0; e < kCombineVector; ++e) acc[e] = weight > 0.f ? fmaf(weight, x[e], acc[e]) : acc[e];
+  };
+  auto load_split = [&](int32_t s, float (&x)[kCombineVector]) {
+    const float* src = p.partial_out + (state0 + s * split_stride) * p.head_dim + d0;
+    if (vector == kCombineVector) {
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      x[0] = v.x;
+      x[1] = v.y;
+      x[2] = v.z;
+      x[3] = v.w;
+    } else {
+      x[0] = src[0];
+      x[1] = x[2] = x[3] = 0.f;
+    }
+  };
+  if (slice < slices) {
+    int32_t s = slice;
+    for (; s + (kCombineUnroll - 1) * slices < p.num_splits; s += kCombineUnroll * slices) {
+      float x[kCombineUnroll][kCombineVector];
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) load_split(s + u * slices, x[u]);
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) add_split(s + u * slices, x[u]);
+    }
+    for (; s < p.num_splits; s += slices) {
+      float x[kCombineVector];
+      load_split(s, x);
+      add_split(s, x);
+    }
+#pragma unroll
+    for (int e = 0; e < kCombineVector; ++e) {
+      if (e < vector) slice_sums[slice * p.head_dim + d0 + e] = acc[e];
+    }
+  }
+  __syncthreads();
+  const float inverse = empty ? 0.f : 1.f / weight_sum;
+  for (int32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float total = 0.f;
+    for (int j = 0; j < slices; ++j) total += slice_sums[j * p.head_dim + d];
+    store_value(p.out, query_row_offset(p.out_strides, seq, i) + d, p.element_type, total * inverse);
+  }
+  if (p.lse != nullptr && threadIdx.x == 0) {
+    p.lse[seq.b * p.lse_strides.b + int64_t(h) * p.lse_strides.h + (seq.q_row_base + i) * p.lse_strides.s] =
+        empty ? -INFINITY : max_lse + logf(weight_sum);
+  }
+}
+
+// ================================ Tensor-core kernel (NVIDIA sm_80+, f16/bf16) ================================
+
+#if SPARSA_GPU_HAS_MMA_SYNC
+
+using namespace mma;  // the shared PTX wrappers (mma_primitives.cuh)
+
+constexpr int kBlockRows = 8;   // (query row, head) pairs of a block: the mma N of Sᵀ = K·Qᵀ and Oᵀ = Vᵀ·Pᵀ
+constexpr int kTileKeys = 16;   // keys per ring stage: the mma M of Sᵀ and the k-step of Oᵀ
+constexpr int kLanes = 32;      // the mma.sync fragment layouts assume 32-lane warps
+constexpr int kChunkElems = 8;  // 16-byte chunk of 2-byte elements
+constexpr int kSwizzleRows = 8;  // swizzle period: ldmatrix reads 8 rows at once
+constexpr size_t kRingBudget = 40 * 1024;  // the rings stay under the 48 KB of static shared memory (no opt-in)
+constexpr int kMaxStages = 4;
+
+// Warps per block, each walking every kWarps-th tile of the block's share with its own ring: two at head_dim <= 128
+// (8 warps per SM at 4 blocks per SM), one at 256 (a ring of two 16 KB stages is all that fits).
+template <int kHeadDim>
+constexpr int kWarpsPerBlock = kHeadDim <= 128 ? 2 : 1;
+template <int kHeadDim>
+constexpr size_t kStageBytes = 2 * kTileKeys * kHeadDim * sizeof(uint16_t) + kTileKeys * sizeof(int32_t);
+// Ring depth per warp: 4 stages at head_dim 64, 2 at 128 and 256. (Measured on H200, 32K keys, older code: 5 stages
+// at 4 one-warp blocks per SM took 67 µs, 2 stages at 10 blocks per SM 45 µs: warps in flight matter more than depth.)
+template <int kHeadDim>
+constexpr int kRingStages = kRingBudget / (kWarpsPerBlock<kHeadDim> * kStageBytes<kHeadDim>) < size_t(kMaxStages)
+                                ? int(kRingBudget / (kWarpsPerBlock<kHeadDim> * kStageBytes<kHeadDim>))
+                                : kMaxStages;
+
+enum class KeySource { kRange, kList };
+
+// Transposes an 8x8 matrix of 2-byte elements held in the standard fragment layout (lane t: row t/4, columns
+// 2(t%4), 2(t%4)+1) across the warp.
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t fragment) {
+  uint32_t transposed;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(transposed) : "r"(fragment));
+  return transposed;
+}
+
+__device__ __forceinline__ uint16_t to_bits(HalfTag, float value) { return float_to_f16_bits(value); }
+__device__ __forceinline__ uint16_t to_bits(BFloat16Tag, float value) { return float_to_bf16_bits(value); }
+
+// Element offset of [rows][kHeadDim] shared tiles, 16-byte chunks swizzled per row.
+template <int kHeadDim>
+__device__ __forceinline__ int swizzled_offset(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row % kSwizzleRows)) * kChunkElems);
+}
+
+// Page of key t (paged layouts; 0 otherwise): a separate step so that a tile's page lookups overlap.
+__device__ __forceinline__ int32_t key_page(const ForwardParams& p, const SequenceView& s, int32_t t) {
+  if (p.page_table == nullptr) return 0;
+  return p.page_table[s.b * p.page_table_stride_b + (t / p.page_size) * p.page_table_stride_p];
+}
+
+// Offset of K (or V, by strides) row t of the sequence's kv head, `page` = key_page(t): key_row_offset without the
+// lookup.
+__device__ __forceinline__ int64_t kv_row_offset(const ForwardParams& p, const TensorStrides& st,
+                                                 const SequenceView& s, int32_t t, int32_t page) {
+  if (p.page_table != nullptr) {
+    return int64_t(page) * st.b + int64_t(t % p.page_size) * st.s + int64_t(s.kv_head) * st.h;
+  }
+  return s.b * st.b + (int64_t(s.k_row_base) + t) * st.s + int64_t(s.kv_head) * st.h;
+}
+
+template <typename Tag, int kHeadDim, KeySource kSource>
+__global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
+    decode_mma_kernel(const ForwardParams p, const DecodeKeyLists lists, int32_t heads_per_block) {
+#if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+  constexpr int kWarps = kWarpsPerBlock<kHeadDim>;
+  constexpr int kStages = kRingStages<kHeadDim>;
+  static_assert(kStages >= 2, "the ring needs a stage in flight while one computes");
+  constexpr int kTileElems = kTileKeys * kHeadDim;
+  constexpr int kChunksPerRow = kHeadDim / kChunkElems;
+  constexpr int kRowsPerCopy = kLanes / kChunksPerRow;      // key rows one warp-wide 16-byte copy covers
+  constexpr int kCopiesPerLane = kTileKeys / kRowsPerCopy;  // per tile, of each of K and V
+  constexpr int kKeySteps = kHeadDim / 16;                  // k-steps of Sᵀ = K·Qᵀ
+  constexpr int kDimBlocks = kHeadDim / 16;                 // m-blocks of Oᵀ = Vᵀ·Pᵀ
+  // Per warp: kStages stages of [K tile, V tile]; reused at the end for the warps' merge (fits: see the asserts).
+  __shared__ __align__(16) uint16_t ring[kWarps][kStages][2][kTileElems];
+  __shared__ int32_t ring_keys[kWarps][kStages][kTileKeys];  // key id of each position (-1: past the share)
+  static_assert(sizeof(ring) >= kWarps * kBlockRows * (kHeadDim + 2) * sizeof(float), "merge storage");
+
+  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int32_t split = blockIdx.x % p.num_splits;
+  const int64_t row_begin = int64_t(blockIdx.x / p.num_splits) * kBlockRows;
+  const int32_t head0 = blockIdx.y * heads_per_block;
+  const SequenceView seq = make_sequence_view(p, blockIdx.z, head0);
+  // Row r of the set is query row r / heads_per_block of head head0 + r % heads_per_block.
+  const int64_t rows = int64_t(seq.seq_q) * heads_per_block;
+  if (row_begin >= rows) return;
+  const int64_t row_end = rows < row_begin + kBlockRows ? rows : row_begin + kBlockRows;
+  const int32_t first_query = int32_t(row_begin / heads_per_block);
+  const int32_t last_query = int32_t((row_end - 1) / heads_per_block);
+
+  // Positions the block's last query row may see (keys of the range, or entries of the list), and this split's
+  // share of them in whole tiles: [begin, end). Warp w takes tiles w, w + kWarps, ...
+  const int32_t* list = nullptr;
+  int32_t positions = 0;
+  if constexpr (kSource == KeySource::kList) {
+    const int64_t list_index =
+        int64_t(seq.b) * (p.num_q_heads / lists.heads_per_list) + head0 / lists.heads_per_list;
+    list = lists.key_lists + list_index * lists.list_capacity;
+    positions = keys_up_to(list, lists.key_counts[list_index], int64_t(last_query) + seq.causal_offset);
+  } else {
+    positions = key_end_for_rows(p, seq, last_query + 1);
+  }
+  const int64_t share = (int64_t(positions) + p.num_splits - 1) / p.num_splits;
+  const int64_t share_tiles = (share + kTileKeys - 1) / kTileKeys * kTileKeys;
+  const int32_t begin = int32_t(min(int64_t(positions), split * share_tiles));
+  const int32_t end = int32_t(min(int64_t(positions), begin + share_tiles));
+  const int32_t tiles = (end - begin + kTileKeys - 1) / kTileKeys;
+  const int32_t warp_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;
+  auto tile_begin = [&](int32_t j) { return begin + (warp + j * kWarps) * kTileKeys; };  // j-th tile of this warp
+
+  // Qᵀ as the B operand of every Sᵀ k-step, straight from global memory: lane holds row lane / 4, dims
+  // 16kk + 2(lane % 4) + {0, 1} and + {8, 9}. Rows past the set stay zero.
+  uint32_t q_frag[kKeySteps][2];
+  {
+    const int64_t row = row_begin + lane / 4;
+    const uint16_t* q_row = nullptr;
+    if (row < row_end) {
+      SequenceView s = seq;
+      s.h = head0 + int32_t(row % heads_per_block);
+      q_row = static_cast<const uint16_t*>(p.q) + query_row_offset(p.q_strides, s, row / heads_per_block);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int d = 16 * kk + 8 * half + 2 * (lane % 4);
+        q_frag[kk][half] = q_row == nullptr ? 0u : uint32_t(q_row[d]) | (uint32_t(q_row[d + 1]) << 16);
+      }
+    }
+  }
+
+  // A tile is loaded only if some row of the block may see some of its keys (always for lists and dense).
+  auto tile_visible = [&](int32_t key_begin) {
+    if constexpr (kSource == KeySource::kList) return true;
+    if (p.rule == VisibilityRule::kDense) return true;
+    const int32_t key_end = min(end, key_begin + kTileKeys);
+    for (int32_t j = 0; j < heads_per_block; ++j) {
+      SequenceView s = seq;
+      s.h = head0 + j;
+      if (tile_has_visible_key(p, s, first_query, last_query + 1, key_begin, key_end)) return true;
+    }
+    return false;
+  };
+  // Copies one tile's K and V rows into a ring stage: lane owns chunk lane % kChunksPerRow of rows
+  // lane / kChunksPerRow + u·kRowsPerCopy. Key ids (lists) and pages are all read before the first copy, so their
+  // loads overlap. Positions past the share are zero-filled (their P is 0, and 0·V must stay finite).
+  const int copy_chunk = lane % kChunksPerRow, copy_row0 = lane / kChunksPerRow;
+  const bool paged = p.page_table != nullptr;
+  const int64_t k_lane = copy_chunk * kChunkElems + int64_t(seq.kv_head) * p.k_strides.h +
+                         (paged ? 0 : seq.b * p.k_strides.b + int64_t(seq.k_row_base) * p.k_strides.s);
+  const int64_t v_lane = copy_chunk * kChunkElems + int64_t(seq.kv_head) * p.v_strides.h +
+                         (paged ? 0 : seq.b * p.v_strides.b + int64_t(seq.k_row_base) * p.v_strides.s);
+  const uint16_t* k_base = static_cast<const uint16_t*>(p.k);
+  const uint16_t* v_base = static_cast<const uint16_t*>(p.v);
+  auto issue_tile = [&](int32_t pos0, int stage) {
+    int32_t keys[kCopiesPerLane];
+#pragma unroll
+    for (int u = 0; u < kCopiesPerLane; ++u) {
+      const int32_t pos = pos0 + copy_row0 + u * kRowsPerCopy;
+      keys[u] = pos < end ? pos : -1;
+      if constexpr (kSource == KeySource::kList) keys[u] = pos < end ? list[pos] : -1;
+    }
+    int32_t pages[kCopiesPerLane];
+#pragma unroll
+    for (int u = 0; u < kCopiesPerLane; ++u) pages[u] = paged && keys[u] >= 0 ? key_page(p, seq, keys[u]) : 0;
+    uint16_t* k_stage = ring[warp][stage][0];
+    uint16_t* v_stage = ring[warp][stage][1];
+#pragma unroll
+    for (int u = 0; u < kCopiesPerLane; ++u) {
+      const int row = copy_row0 + u * kRowsPerCopy;
+      const bool valid = keys[u] >= 0;
+      int64_t k_offset = k_lane, v_offset = v_lane;
+      if (paged) {
+        const int64_t slot = keys[u] % p.page_size;
+        k_offset += int64_t(pages[u]) * p.k_strides.b + slot * p.k_strides.s;
+        v_offset += int64_t(pages[u]) * p.v_strides.b + slot * p.v_strides.s;
+      } else {
+        k_offset += int64_t(keys[u]) * p.k_strides.s;
+        v_offset += int64_t(keys[u]) * p.v_strides.s;
+      }
+      const int at = swizzled_offset<kHeadDim>(row, copy_chunk);
+      cp_async_16(shared_address(k_stage + at), valid ? k_base + k_offset : k_base, valid ? 16 : 0);
+      cp_async_16(shared_address(v_stage + at), valid ? v_base + v_offset : v_base, valid ? 16 : 0);
+      if (copy_chunk == 0) ring_keys[warp][stage][row] = keys[u];
+    }
+  };
+  uint32_t skipped = 0;  // bit s: ring stage s holds a tile that was not loaded (no row sees it)
+  auto stage_tile = [&](int32_t j, int stage) {
+    if (j >= warp_tiles) return;
+    if (tile_visible(tile_begin(j))) {
+      issue_tile(tile_begin(j), stage);
+      skipped &= ~(1u << stage);
+    } else {
+      skipped |= 1u << stage;
+    }
+  };
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) {
+    stage_tile(stage, stage);
+    cp_async_commit();
+  }
+
+  // This thread's accumulator columns: rows 2(lane % 4) and 2(lane % 4) + 1 of the block's 8.
+  bool my_valid[2];
+  int32_t my_query[2], my_head[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t row = row_begin + 2 * (lane % 4) + rr;
+    my_valid[rr] = row < row_end;
+    my_query[rr] = my_valid[rr] ? int32_t(row / heads_per_block) : 0;
+    my_head[rr] = head0 + (my_valid[rr] ? int32_t(row % heads_per_block) : 0);
+  }
+  float o_acc[kDimBlocks][4];  // Oᵀ: dims 16nd + lane/4 (+8 for [2], [3]) × rows 2(lane%4) (+1 for [1], [3])
+#pragma unroll
+  for (int nd = 0; nd < kDimBlocks; ++nd) o_acc[nd][0] = o_acc[nd][1] = o_acc[nd][2] = o_acc[nd][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // base-2 domain
+  float row_sum[2] = {0.f, 0.f};              // this thread's keys; reduced over the 8 key lanes at the end
+
+  for (int32_t j = 0; j < warp_tiles; ++j) {
+    const int stage = j % kStages;
+    stage_tile(j + kStages - 1, (j + kStages - 1) % kStages);  // refills the stage computed last round
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // this thread's copies of tile j have landed ...
+    __syncwarp();                  // ... and every lane's are visible
+    if ((skipped >> stage) & 1u) {
+      __syncwarp();
+      continue;
+    }
+    const uint16_t* k_tile = ring[warp][stage][0];
+    const uint16_t* v_tile = ring[warp][stage][1];
+    const int32_t pos0 = tile_begin(j);
+
+    // Sᵀ = K·Qᵀ: 16 keys × 8 rows; even and odd k-steps in two accumulators (half the dependent mma chain).
+    // Lane holds keys lane/4 ([0], [1]) and lane/4 + 8 ([2], [3]) of rows 2(lane%4) + {0, 1}.
+    float s_part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, shared_address(k_tile + swizzled_offset<kHeadDim>(lane % 16, 2 * kk + lane / 16)));
+      mma_16816(Tag{}, s_part[kk % 2], a, q_frag[kk][0], q_frag[kk][1]);
+    }
+    float s[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] = s_part[0][e] + s_part[1][e];
+
+    // Mask (raw scores; the scale is folded into the exponent below): positions past the share and keys a row may
+    // not see. A tile every row sees whole skips it.
+    bool whole_tile_visible = pos0 + kTileKeys <= end;
+    if constexpr (kSource == KeySource::kList) {
+      whole_tile_visible = whole_tile_visible && int64_t(ring_keys[warp][stage][kTileKeys - 1]) <=
+                                                     int64_t(first_query) + seq.causal_offset;
+    } else {
+      whole_tile_visible = whole_tile_visible && p.rule == VisibilityRule::kDense &&
+                           (!p.causal || int64_t(pos0) + kTileKeys - 1 <= int64_t(first_query) + seq.causal_offset);
+    }
+    if (!whole_tile_visible) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = e % 2;
+        const int key_row = lane / 4 + 8 * (e / 2);
+        const int32_t pos = pos0 + key_row;
+        bool visible = my_valid[rr] && pos < end;
+        if constexpr (kSource == KeySource::kList) {
+          visible = visible && int64_t(ring_keys[warp][stage][key_row]) <= int64_t(my_query[rr]) + seq.causal_offset;
+        } else if (visible) {
+          SequenceView sv = seq;
+          sv.h = my_head[rr];
+          visible = key_visible(p, sv, my_query[rr], pos);
+        }
+        if (!visible) s[e] = -INFINITY;
+      }
+    }
+
+    // Online softmax in base 2 per row (column of Sᵀ): max over the 16 keys (2 per lane, 8 lanes), rescale O and l,
+    // P = 2^(S·scale·log2e - m).
+    float rescale[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float tile_max = fmaxf(s[rr], s[rr + 2]);
+      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 4));
+      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 8));
+      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 16));
+      const float new_max = fmaxf(row_max[rr], tile_max * p.scale_log2);  // scale > 0 keeps the arg max
+      const float reference = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
+      rescale[rr] = fast_exp2(row_max[rr] - reference);
+      row_max[rr] = new_max;
+      s[rr] = fast_exp2(fmaf(s[rr], p.scale_log2, -reference));
+      s[rr + 2] = fast_exp2(fmaf(s[rr + 2], p.scale_log2, -reference));
+      row_sum[rr] = row_sum[rr] * rescale[rr] + (s[rr] + s[rr + 2]);
+    }
+#pragma unroll
+    for (int nd = 0; nd < kDimBlocks; ++nd) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[nd][e] *= rescale[e % 2];
+    }
+
+    // Oᵀ += Vᵀ·Pᵀ: Pᵀ (16 keys × 8 rows) is the B operand; its two 8×8 halves sit in the Sᵀ accumulators in the
+    // transposed layout, so one movmatrix each puts them in place. A = Vᵀ from the V tile (ldmatrix.trans).
+    const uint32_t p_frag0 = transpose_8x8(pack_pair(Tag{}, s[0], s[1]));  // keys 0-7
+    const uint32_t p_frag1 = transpose_8x8(pack_pair(Tag{}, s[2], s[3]));  // keys 8-15
+#pragma unroll
+    for (int nd = 0; nd < kDimBlocks; ++nd) {
+      uint32_t a[4];
+      const int key_row = lane % 8 + (lane / 16) * 8;
+      ldmatrix_x4_trans(a, shared_address(v_tile + swizzled_offset<kHeadDim>(key_row, 2 * nd + (lane / 8) % 2)));
+      mma_16816(Tag{}, o_acc[nd], a, p_frag0, p_frag1);
+    }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();  // no copy may stay in flight past the kernel
+
+  // Merge the warps' states through shared memory (the rings are free now): m = max_w m_w,
+  // O = Σ_w 2^(m_w - m) O_w / Σ_w 2^(m_w - m) l_w; LSE = (m + log2 l)·ln 2 (-inf for a row that saw nothing).
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    row_sum[rr] += warp_shfl_xor(row_sum[rr], 4);
+    row_sum[rr] += warp_shfl_xor(row_sum[rr], 8);
+    row_sum[rr] += warp_shfl_xor(row_sum[rr], 16);
+  }
+  __syncthreads();
+  float* merge_out = reinterpret_cast<float*>(&ring[0][0][0][0]);  // [kWarps][kBlockRows][kHeadDim]
+  float* merge_max = merge_out + kWarps * kBlockRows * kHeadDim;    // [kWarps][kBlockRows]
+  float* merge_sum = merge_max + kWarps * kBlockRows;
+#pragma unroll
+  for (int nd = 0; nd < kDimBlocks; ++nd) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = 2 * (lane % 4) + e % 2, d = 16 * nd + lane / 4 + 8 * (e / 2);
+      merge_out[(warp * kBlockRows + r) * kHeadDim + d] = o_acc[nd][e];
+    }
+  }
+  if (lane < 4) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      merge_max[warp * kBlockRows + 2 * lane + rr] = row_max[rr];
+      merge_sum[warp * kBlockRows + 2 * lane + rr] = row_sum[rr];
+    }
+  }
+  __syncthreads();
+  const int32_t block_rows = int32_t(row_end - row_begin);
+  for (int index = threadIdx.x; index < block_rows * kHeadDim; index += blockDim.x) {
+    const int r = index / kHeadDim, d = index % kHeadDim;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge_max[w * kBlockRows + r]);
+    const float reference = m == -INFINITY ? 0.f : m;
+    float total = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = exp2f(merge_max[w * kBlockRows + r] - reference);
+      total += weight * merge_sum[w * kBlockRows + r];
+      acc += weight * merge_out[(w * kBlockRows + r) * kHeadDim + d];
+    }
+    const float value = total > 0.f ? acc / total : 0.f;
+    const float lse = total > 0.f ? (m + log2f(total)) * kLn2 : -INFINITY;
+    const int64_t row = row_begin + r;
+    SequenceView s = seq;
+    s.h = head0 + int32_t(row % heads_per_block);
+    const int32_t i = int32_t(row / heads_per_block);
+    if (p.num_splits > 1) {
+      const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, s, i)) * p.num_q_heads + s.h;
+      p.partial_out[state * kHeadDim + d] = value;
+      if (d == 0) p.partial_lse[state] = lse;
+      continue;
+    }
+    static_cast<uint16_t*>(p.out)[query_row_offset(p.out_strides, s, i) + d] = to_bits(Tag{}, value);
+    if (d == 0 && p.lse != nullptr) {
+      p.lse[s.b * p.lse_strides.b + int64_t(s.h) * p.lse_strides.h + (s.q_row_base + i) * p.lse_strides.s] = lse;
+    }
+  }
+#endif  // SPARSA_GPU_DEVICE_HAS_MMA_SYNC
+}
+
+template <typename Tag, int kHeadDim, KeySource kSource>
+cudaError_t launch_mma_kernel(const ForwardParams& p, const DecodeKeyLists& lists, int32_t heads_per_block,
+                              int64_t max_rows, cudaStream_t stream) {
+  const int64_t row_tiles = (max_rows + kBlockRows - 1) / kBlockRows;
+  if (row_tiles * p.num_splits > std::numeric_limits<int32_t>::max()) return cudaErrorInvalidValue;
+  const dim3 grid(uint32_t(row_tiles * p.num_splits), uint32_t(p.num_q_heads / heads_per_block), uint32_t(p.batch));
+  decode_mma_kernel<Tag, kHeadDim, kSource><<<grid, kWarpsPerBlock<kHeadDim> * kLanes, 0, stream>>>(
+      p, lists, heads_per_block);
+  return cudaGetLastError();
+}
+
+template <KeySource kSource>
+cudaError_t launch_mma(const ForwardParams& p, const DecodeKeyLists& lists, int32_t heads_per_block,
+                       int64_t max_rows, cudaStream_t stream) {
+  const bool bf16 = p.element_type == ElementType::kBF16;
+  switch (p.head_dim) {
+    case 64:
+      return bf16 ? launch_mma_kernel<BFloat16Tag, 64, kSource>(p, lists, heads_per_block, max_rows, stream)
+                  : launch_mma_kernel<HalfTag, 64, kSource>(p, lists, heads_per_block, max_rows, stream);
+    case 128:
+      return bf16 ? launch_mma_kernel<BFloat16Tag, 128, kSource>(p, lists, heads_per_block, max_rows, stream)
+                  : launch_mma_kernel<HalfTag, 128, kSource>(p, lists, heads_per_block, max_rows, stream);
+    default:
+      return bf16 ? launch_mma_kernel<BFloat16Tag, 256, kSource>(p, lists, heads_per_block, max_rows, stream)
+                  : launch_mma_kernel<HalfTag, 256, kSource>(p, lists, heads_per_block, max_rows, stream);
+  }
+}
+
+#endif  // SPARSA_GPU_HAS_MMA_SYNC
+
+// Can the tensor-core kernel take `p` (rows aside)?
+bool mma_kernel_applies(const ForwardParams& p) {
+#if SPARSA_GPU_HAS_MMA_SYNC
+  return p.element_type != ElementType::kF32 && p.kv_rows_aligned16 &&
+         (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+cudaError_t then_combine(cudaError_t status, const ForwardParams& p, cudaStream_t stream) {
+  if (status != cudaSuccess || p.num_splits == 1) return status;
+  return combine_splits_launch(p, stream);
+}
+
+}  // namespace
+
+bool forward_decode_supports(const ForwardParams& p, int64_t max_seq_q) {
+  const int64_t rows = max_seq_q * p.group_size;
+  if (mma_kernel_applies(p)) return rows <= kDecodeMaxRows;
+  return rows <= kDecodeSimtMaxRows && p.head_dim % kDecodeDimMultiple == 0 && p.head_dim <= kDecodeMaxHeadDim;
+}
+
+cudaError_t forward_decode_launch(const ForwardParams& p, int32_t max_seq_q, cudaStream_t stream) {
+#if SPARSA_GPU_HAS_MMA_SYNC
+  if (mma_kernel_applies(p)) {
+    return then_combine(launch_mma<KeySource::kRange>(p, DecodeKeyLists{}, p.group_size,
+                                                      int64_t(max_seq_q) * p.group_size, stream),
+                        p, stream);
+  }
+#endif
+  const dim3 grid(p.num_splits, p.num_q_heads / p.group_size, p.batch);
+  forward_decode_simt_kernel<<<grid, kSimtThreads, 0, stream>>>(p, max_seq_q * p.group_size);
+  return then_combine(cudaGetLastError(), p, stream);
+}
+
+bool forward_decode_lists_supports(const ForwardParams& p) { return mma_kernel_applies(p); }
+
+cudaError_t forward_decode_lists_launch(const ForwardParams& p, const DecodeKeyLists& lists, int32_t max_seq_q,
+                                        cudaStream_t stream) {
+#if SPARSA_GPU_HAS_MMA_SYNC
+  if (mma_kernel_applies(p) && lists.heads_per_list >= 1) {
+    // The heads of a block share both their list and their kv head.
+    const int32_t heads_per_block = std::gcd(p.group_size, lists.heads_per_list);
+    return then_combine(
+        launch_mma<KeySource::kList>(p, lists, heads_per_block, int64_t(max_seq_q) * heads_per_block, stream), p,
+        stream);
+  }
+#endif
+  (void)p;
+  (void)lists;
+  (void)max_seq_q;
+  (void)stream;
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t combine_splits_launch(const ForwardParams& p, cudaStream_t stream) {
+  combine_decode_splits_kernel<<<dim3(p.flat_rows, p.num_q_heads), kCombineThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+SPARSA_GPU_NAMESPACE_END

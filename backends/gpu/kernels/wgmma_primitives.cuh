@@ -1,0 +1,129 @@
+// The sm_90a PTX wrappers of the Hopper forward (forward_wgmma.cu): mbarrier wait/arrive (cp.async completion
+// included), the generic-to-async proxy fence, setmaxnreg, and wgmma.mma_async m64nNk16 with its fence / commit /
+// wait and the register fences around its asynchronous window. Valid only in the sm_90a device pass; NVIDIA only:
+// include it inside `#if !SPARSA_GPU_IS_HIP`, as forward_wgmma.cu does (mma_primitives.cuh holds the sm_80
+// wrappers, cp.async included, and the element tags).
+#pragma once
+
+#include <cstdint>
+
+#include "../runtime/gpu_runtime.h"
+#include "mma_primitives.cuh"
+
+SPARSA_GPU_NAMESPACE_BEGIN
+namespace hopper {
+
+// ---- mbarrier, proxy fence, register reallocation ----
+
+__device__ __forceinline__ void barrier_init(uint32_t barrier, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
+// Blocks until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(barrier), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+// The barrier counts this thread's arrival once all of its earlier cp.async copies have landed.
+__device__ __forceinline__ void barrier_arrive_on_copies(uint32_t barrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
+}
+// cp.async writes through the generic proxy, wgmma reads through the async proxy: a consumer that has seen a full
+// barrier fences before its wgmma reads the tile.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <int kRegisters>
+__device__ __forceinline__ void registers_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void registers_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+// ---- wgmma (PTX: wgmma.mma_async; every thread of the warpgroup issues the same instruction) ----
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving reads/writes of accumulator registers across the asynchronous window (between a
+// wgmma's issue and its wait_group, the registers belong to the tensor cores).
+template <int kCount>
+__device__ __forceinline__ void fence_registers(float (&r)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int kRowsA, int kCount>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[kRowsA][kCount]) {
+#pragma unroll
+  for (int i = 0; i < kRowsA; ++i) {
+#pragma unroll
+    for (int j = 0; j < kCount; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+  }
+}
+
+#define SPARSA_ACC8(d, i)                                                                                      \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define SPARSA_ACC32(d) SPARSA_ACC8(d, 0), SPARSA_ACC8(d, 8), SPARSA_ACC8(d, 16), SPARSA_ACC8(d, 24)
+#define SPARSA_ACC64(d) \
+  SPARSA_ACC32(d), SPARSA_ACC8(d, 32), SPARSA_ACC8(d, 40), SPARSA_ACC8(d, 48), SPARSA_ACC8(d, 56)
+#define SPARSA_REGS32                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define SPARSA_REGS64                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "   \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// D(64×128) (+)= A(64×16, shared) · B(16×128, shared), both K-major; accumulate = 0 overwrites D.
+// D(64×N)   (+)= A(64×16, registers) · B(16×N, shared, MN-major), N = 128 or 64.
+// Descriptors arrive as low words plus the shared high word (kDescriptorHigh).
+#define SPARSA_DEFINE_WGMMA(TAG, TYPE)                                                                          \
+  __device__ __forceinline__ void wgmma_ss_n128(TAG, float(&d)[64], uint32_t a_low, uint32_t b_low,            \
+                                                uint32_t high, int accumulate) {                                \
+    asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %68, 0;\n"                                \
+                 "mov.b64 da, {%64, %66};\nmov.b64 db, {%65, %67};\n"                                           \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " SPARSA_REGS64                 \
+                 ", da, db, p, 1, 1, 0, 0;\n}\n"                                                                \
+                 : SPARSA_ACC64(d)                                                                              \
+                 : "r"(a_low), "r"(b_low), "r"(high), "r"(high), "r"(accumulate));                              \
+  }                                                                                                             \
+  __device__ __forceinline__ void wgmma_rs(TAG, float(&d)[64], const uint32_t(&a)[4], uint32_t b_low,           \
+                                           uint32_t high, int accumulate) {                                     \
+    asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %70, 0;\nmov.b64 db, {%68, %69};\n"           \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " SPARSA_REGS64                 \
+                 ", {%64, %65, %66, %67}, db, p, 1, 1, 1;\n}\n"                                                 \
+                 : SPARSA_ACC64(d)                                                                              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_low), "r"(high), "r"(accumulate));         \
+  }                                                                                                             \
+  __device__ __forceinline__ void wgmma_rs(TAG, float(&d)[32], const uint32_t(&a)[4], uint32_t b_low,           \
+                                           uint32_t high, int accumulate) {                                     \
+    asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %38, 0;\nmov.b64 db, {%36, %37};\n"           \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " SPARSA_REGS32                  \
+                 ", {%32, %33, %34, %35}, db, p, 1, 1, 1;\n}\n"                                                 \
+                 : SPARSA_ACC32(d)                                                                              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_low), "r"(high), "r"(accumulate));         \
+  }
+SPARSA_DEFINE_WGMMA(mma::HalfTag, "f16")
+SPARSA_DEFINE_WGMMA(mma::BFloat16Tag, "bf16")
+#undef SPARSA_DEFINE_WGMMA
+#undef SPARSA_REGS64
+#undef SPARSA_REGS32
+#undef SPARSA_ACC64
+#undef SPARSA_ACC32
+#undef SPARSA_ACC8
+
+}  // namespace hopper
+SPARSA_GPU_NAMESPACE_END
