@@ -27,6 +27,7 @@
 #include "cpu_utilities.h"
 #include "fixed_point_sum.h"
 #include "select_scores.h"
+#include "select_softmax.h"
 
 namespace sparsa::cpu {
 namespace {
@@ -212,8 +213,10 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   ScratchLayout layout;
   const size_t transposed_at = layout.add<float>(score_tile_scratch_floats(d));
   const size_t scores_at = layout.add<double>(kept_scores ? 0 : size_t(group) * size_t(n_candidates));  // [C, g]
+  const size_t sums_at = layout.add<FixedPointSum>(size_t(group));
   layout.bind(scratch);
   float* transposed = layout.get<float>(transposed_at, score_tile_scratch_floats(d));
+  FixedPointSum* sums = layout.get<FixedPointSum>(sums_at, size_t(group));
   double* scores =
       kept_scores ? kept_scores : layout.get<double>(scores_at, size_t(group) * size_t(n_candidates));
   const SelectScoreKernel& kernel = select_score_kernel();
@@ -230,15 +233,12 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   for (int32_t l = 0; l < group; ++l) {
     double max_score = -INFINITY;
     for (int64_t c = 0; c < n_candidates; ++c) max_score = std::max(max_score, scores[c * group + l]);
-    FixedPointSum total;  // order-independent, so context-parallel shards reproduce it (sparsa_cp_select_sum)
-    for (int64_t c = 0; c < n_candidates; ++c) {
-      const double e = std::exp(scores[c * group + l] - max_score);
-      total.add(e);
-      if (kept_scores) scores[c * group + l] = e;  // 3b needs exactly this exp(s − m_h): keep it, not s
-    }
     head_max[first_head + l] = max_score;
-    head_sum[first_head + l] = total.value();
+    sums[l] = FixedPointSum{};  // order-independent, so context-parallel shards reproduce it (sparsa_cp_select_sum)
   }
+  // scores becomes exp(s − m_h): with kept_scores, what 3b needs, computed once.
+  select_softmax_kernel().exp_and_sum(scores, n_candidates * group, group, head_max + first_head, sums);
+  for (int32_t l = 0; l < group; ++l) head_sum[first_head + l] = sums[l].value();
 }
 
 // 3a's scores when they are kept, for candidates [first, last) of sequence b and every kv head (score_keys_all_kv_heads).
@@ -281,13 +281,13 @@ void vote_candidates(const VoteInputs& in, const SequencePlan& plan, int32_t b, 
   for (int32_t l = 0; l < n_heads; ++l) {
     interleave_vector(qbars + (l / group) * group_qbars, l % group, concat_qbar + int64_t(first_head + l) * d, d);
   }
+  if (kept_scores) {
+    select_softmax_kernel().vote(kept_scores + first_kv_head * kept_stride, kept_stride, group, n_heads,
+                                 head_sum + first_head, first, last, votes);
+    return;
+  }
   for (int64_t c = first; c < last; ++c) {
     for (int32_t g = 0; g < n_kv_heads; ++g) {
-      if (kept_scores) {
-        const double* kept = kept_scores + (first_kv_head + g) * kept_stride + c * group;
-        std::copy(kept, kept + group, scores + g * group);
-        continue;
-      }
       load_row_f32(problem.dtype, problem.k.t.data,
                    problem.kv_offset(problem.k, b, plan.candidate_begin + c, first_kv_head + g), d, key_row);
       interleaved_dots(qbars + g * group_qbars, group, key_row, d, in.score_scale, scores + g * group);
@@ -295,7 +295,7 @@ void vote_candidates(const VoteInputs& in, const SequencePlan& plan, int32_t b, 
     double vote = 0.0;
     for (int32_t l = 0; l < n_heads; ++l) {
       const int32_t h = first_head + l;
-      const double e = kept_scores ? scores[l] : std::exp(scores[l] - head_max[h]);
+      const double e = std::exp(scores[l] - head_max[h]);
       vote += e / head_sum[h];
     }
     votes[c] = vote;
