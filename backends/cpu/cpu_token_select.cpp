@@ -230,14 +230,12 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
     kernel.score_tile(qbars, group, rows, problem.dtype, n_keys, d, in.score_scale, transposed, scores + c0 * group,
                       group);
   }
-  for (int32_t l = 0; l < group; ++l) {
-    double max_score = -INFINITY;
-    for (int64_t c = 0; c < n_candidates; ++c) max_score = std::max(max_score, scores[c * group + l]);
-    head_max[first_head + l] = max_score;
-    sums[l] = FixedPointSum{};  // order-independent, so context-parallel shards reproduce it (sparsa_cp_select_sum)
-  }
+  const SelectSoftmaxKernel& softmax = select_softmax_kernel();
+  softmax.max_per_head(scores, n_candidates * group, group, head_max + first_head);
+  // Z_h order-independent, so context-parallel shards reproduce it (sparsa_cp_select_sum).
+  for (int32_t l = 0; l < group; ++l) sums[l] = FixedPointSum{};
   // scores becomes exp(s − m_h): with kept_scores, what 3b needs, computed once.
-  select_softmax_kernel().exp_and_sum(scores, n_candidates * group, group, head_max + first_head, sums);
+  softmax.exp_and_sum(scores, n_candidates * group, group, head_max + first_head, sums);
   for (int32_t l = 0; l < group; ++l) head_sum[first_head + l] = sums[l].value();
 }
 

@@ -1,5 +1,5 @@
 // TOKEN_SELECT's softmax statistics and vote kernels (see select_softmax.h). Three versions with the same bits:
-//   portable  std::exp and FixedPointSum::add per term, one divide and add at a time per vote;
+//   portable  std::max, std::exp and FixedPointSum::add per term, one divide and add at a time per vote;
 //   AVX2      4 lanes: glibc's exp evaluated in vector registers, the fixed-point terms as four 32-bit digit sums per
 //             lane, the vote over 4 candidates at once (each still a sum in head order);
 //   AVX-512F  the same with 8 lanes.
@@ -18,6 +18,7 @@
 // subtraction x = s − m must round on their own, as in the plain loops; the FMAs above are explicit intrinsics.
 #include "select_softmax.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iterator>
@@ -48,6 +49,14 @@ void exp_and_sum_portable(double* values, int64_t n, int32_t group, const double
   }
 }
 
+void max_per_head_portable(const double* values, int64_t n, int32_t group, double* maxes) {
+  for (int32_t l = 0; l < group; ++l) {
+    double max_score = -INFINITY;
+    for (int64_t i = l; i < n; i += group) max_score = std::max(max_score, values[i]);
+    maxes[l] = max_score;
+  }
+}
+
 void vote_portable(const double* kept, int64_t kept_stride, int32_t group, int32_t n_heads, const double* head_sum,
                    int64_t first, int64_t last, double* votes) {
   for (int64_t c = first; c < last; ++c) {
@@ -57,7 +66,7 @@ void vote_portable(const double* kept, int64_t kept_stride, int32_t group, int32
   }
 }
 
-constexpr SelectSoftmaxKernel kPortable = {exp_and_sum_portable, vote_portable, "portable"};
+constexpr SelectSoftmaxKernel kPortable = {max_per_head_portable, exp_and_sum_portable, vote_portable, "portable"};
 
 #if defined(__x86_64__) && !defined(SPARSA_CPU_PORTABLE_KERNELS)
 
@@ -170,9 +179,46 @@ void fold_digits(const uint64_t* digits, int positions, int32_t group, FixedPoin
   }
 }
 
+// Folds the per-lane maxima lanes[positions] (lane p belongs to head p % group) into maxes; a zero result (which
+// zero the order-dependent fold picks differs) is taken again in order.
+void fold_maxima(const double* lanes, int positions, const double* values, int64_t n, int32_t group, double* maxes) {
+  for (int32_t l = 0; l < group; ++l) {
+    double max_score = -INFINITY;
+    for (int p = l; p < positions; p += group) max_score = std::max(max_score, lanes[p]);
+    if (max_score == 0.0) {
+      max_score = -INFINITY;
+      for (int64_t i = l; i < n; i += group) max_score = std::max(max_score, values[i]);
+    }
+    maxes[l] = max_score;
+  }
+}
+
 // ---- AVX-512F ----
 
 constexpr int kZmmLanes = 8;
+
+__attribute__((target("avx512f"))) void max_per_head_avx512(const double* values, int64_t n, int32_t group,
+                                                             double* maxes) {
+  if (group > kMaxVectorGroup) return max_per_head_portable(values, n, group, maxes);
+  const int blocks = group / std::gcd(group, kZmmLanes);
+  const int positions = blocks * kZmmLanes;
+  __m512d acc[kMaxVectorGroup];
+  for (int b = 0; b < blocks; ++b) acc[b] = _mm512_set1_pd(-INFINITY);
+  int64_t i = 0;
+  int block = 0;
+  for (; i + kZmmLanes <= n; i += kZmmLanes) {
+    acc[block] = _mm512_max_pd(_mm512_loadu_pd(values + i), acc[block]);  // a NaN value keeps acc, as std::max
+    if (++block == blocks) block = 0;
+  }
+  alignas(64) double lanes[kMaxVectorGroup * kZmmLanes];
+  for (int b = 0; b < blocks; ++b) _mm512_store_pd(lanes + b * kZmmLanes, acc[b]);
+  for (; i < n; ++i) {  // the tail: position i % positions holds head i % group
+    double& lane = lanes[i % positions];
+    lane = std::max(lane, values[i]);
+  }
+  fold_maxima(lanes, positions, values, n, group, maxes);
+}
+
 
 __attribute__((target("avx512f,fma"))) inline __m512d exp_main_avx512(__m512d x) {
   const __m512d shifted = _mm512_fmadd_pd(x, _mm512_set1_pd(kInvLn2N), _mm512_set1_pd(kShift));
@@ -285,6 +331,28 @@ __attribute__((target("avx512f"))) void vote_avx512(const double* kept, int64_t 
 
 constexpr int kYmmLanes = 4;
 
+__attribute__((target("avx2"))) void max_per_head_avx2(const double* values, int64_t n, int32_t group, double* maxes) {
+  if (group > kMaxVectorGroup) return max_per_head_portable(values, n, group, maxes);
+  const int blocks = group / std::gcd(group, kYmmLanes);
+  const int positions = blocks * kYmmLanes;
+  __m256d acc[kMaxVectorGroup];
+  for (int b = 0; b < blocks; ++b) acc[b] = _mm256_set1_pd(-INFINITY);
+  int64_t i = 0;
+  int block = 0;
+  for (; i + kYmmLanes <= n; i += kYmmLanes) {
+    acc[block] = _mm256_max_pd(_mm256_loadu_pd(values + i), acc[block]);  // a NaN value keeps acc, as std::max
+    if (++block == blocks) block = 0;
+  }
+  alignas(32) double lanes[kMaxVectorGroup * kYmmLanes];
+  for (int b = 0; b < blocks; ++b) _mm256_store_pd(lanes + b * kYmmLanes, acc[b]);
+  for (; i < n; ++i) {
+    double& lane = lanes[i % positions];
+    lane = std::max(lane, values[i]);
+  }
+  fold_maxima(lanes, positions, values, n, group, maxes);
+}
+
+
 __attribute__((target("avx2,fma"))) inline __m256d exp_main_avx2(__m256d x) {
   const __m256d shifted = _mm256_fmadd_pd(x, _mm256_set1_pd(kInvLn2N), _mm256_set1_pd(kShift));
   const __m256i ki = _mm256_castpd_si256(shifted);
@@ -395,8 +463,8 @@ __attribute__((target("avx2"))) void vote_avx2(const double* kept, int64_t kept_
   vote_portable(kept, kept_stride, group, n_heads, head_sum, c, last, votes);
 }
 
-constexpr SelectSoftmaxKernel kAvx2 = {exp_and_sum_avx2, vote_avx2, "avx2"};
-constexpr SelectSoftmaxKernel kAvx512 = {exp_and_sum_avx512, vote_avx512, "avx512f"};
+constexpr SelectSoftmaxKernel kAvx2 = {max_per_head_avx2, exp_and_sum_avx2, vote_avx2, "avx2"};
+constexpr SelectSoftmaxKernel kAvx512 = {max_per_head_avx512, exp_and_sum_avx512, vote_avx512, "avx512f"};
 
 // ---- the check that this process's std::exp is the function the vector versions evaluate ----
 

@@ -1,4 +1,5 @@
 // TOKEN_SELECT's softmax statistics and head vote (select_softmax.cpp), with the bits of the plain loops they replace:
+//   max_per_head: m_h = max over the candidates of each head's score;
 //   exp_and_sum: e = exp(s − m_h) of every kept score, in place, and Z_h = Σ e as a FixedPointSum;
 //   vote:        vote[t] = Σ_h e[h, t] / Z_h over a set's heads, in ascending head order, starting from 0.
 //
@@ -8,7 +9,9 @@
 // its main range (|x| < 2^-54, |x| >= 512, x >= 0, NaN) call std::exp. Since that is a property of the C library,
 // not of the CPU, the vector versions are used only after a check at first use finds them equal to std::exp on
 // inputs covering every table entry (select_softmax_kernel); otherwise the plain loop runs.
-// The sums are exact integers (FixedPointSum), so adding the terms lane by lane gives the sequential loop's bits.
+// The sums are exact integers (FixedPointSum), so adding the terms lane by lane gives the sequential loop's bits; a
+// maximum taken lane by lane is the sequential one too, except that it may pick the other zero of ±0, so a zero
+// maximum is taken again in order.
 // This header depends on nothing else in the backend but fixed_point_sum.h (tests/kernels builds it on its own).
 #pragma once
 
@@ -19,6 +22,8 @@
 namespace sparsa::cpu {
 
 struct SelectSoftmaxKernel {
+  // maxes[l] = the std::max fold, from −inf in index order, of values[i] over i % group == l, i < n (NaN never wins).
+  void (*max_per_head)(const double* values, int64_t n, int32_t group, double* maxes);
   // For i < n: values[i] = std::exp(values[i] − maxes[i % group]), and sums[i % group] gets that term added
   // (sums: group accumulators, added to, not reset). values: the [|C|, g] scores of one kv head's g query heads.
   void (*exp_and_sum)(double* values, int64_t n, int32_t group, const double* maxes, FixedPointSum* sums);

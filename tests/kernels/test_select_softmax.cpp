@@ -1,5 +1,5 @@
 // TOKEN_SELECT's softmax statistics and vote kernels (backends/cpu/select_softmax.h), every version this CPU, build
-// and C library allow, against the plain loops bit for bit: e = std::exp(s − m_h) for every score, Z_h as a
+// and C library allow, against the plain loops bit for bit: m_h = the std::max fold, e = std::exp(s − m_h), Z_h as a
 // FixedPointSum (all its digits), vote[c] = 0 + e/Z + ... in head order. The inputs reach every entry of the exp
 // table, the ends of glibc's main range (|x| near 2^-54 and 512), underflow to 0, exact maxima (exp(0) = 1), NaN
 // scores, and groups whose heads do not line up with the vector lanes.
@@ -105,6 +105,46 @@ TEST(SelectSoftmax, ExpAndSumMatchTheStdExpLoopBitForBit) {
         differing += !(same_bits(got[i], want[i]) || (std::isnan(got[i]) && std::isnan(want[i])));
       EXPECT_EQ(differing, 0);
       for (int32_t l = 0; l < c.group; ++l) expect_same_sum(got_sums[size_t(l)], want_sums[size_t(l)], "Z_h");
+    }
+  }
+}
+
+// The maxima, bit for bit with the std::max fold in index order: NaN never wins, and where a head's maximum is a zero
+// the fold's own zero (the first of −0 / +0 it meets keeps its place against the other) is kept.
+TEST(SelectSoftmax, MaxPerHeadMatchesTheStdMaxFold) {
+  std::vector<const SelectSoftmaxKernel*> kernels = vector_kernels();
+  kernels.push_back(&sparsa::cpu::portable_select_softmax_kernel());
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> uniform(-50.0, 50.0);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (int32_t group : {1, 2, 3, 4, 5, 7, 8, 12, 16, 65}) {
+    for (int64_t n_candidates : {int64_t(0), int64_t(1), int64_t(13), int64_t(1000)}) {
+      for (int variant = 0; variant < 4; ++variant) {
+        std::vector<double> values(size_t(group * n_candidates));
+        for (size_t i = 0; i < values.size(); ++i) {
+          switch (variant) {
+            case 0: values[i] = uniform(rng); break;
+            case 1: values[i] = -std::abs(uniform(rng)); values[i] = (i % 7 == 0) ? (i % 2 ? 0.0 : -0.0) : values[i]; break;
+            case 2: values[i] = (i % 5 == 0) ? nan : uniform(rng); break;
+            default: values[i] = (i % 3 == 0) ? -inf : ((i % 3 == 1) ? nan : -0.0); break;
+          }
+        }
+        std::vector<double> want(static_cast<size_t>(group));
+        for (int32_t l = 0; l < group; ++l) {
+          double m = -INFINITY;
+          for (size_t i = size_t(l); i < values.size(); i += size_t(group)) m = std::max(m, values[i]);
+          want[size_t(l)] = m;
+        }
+        for (const SelectSoftmaxKernel* kernel : kernels) {
+          std::vector<double> got(static_cast<size_t>(group), 1.0);
+          kernel->max_per_head(values.data(), int64_t(values.size()), group, got.data());
+          for (int32_t l = 0; l < group; ++l)
+            EXPECT_TRUE(same_bits(got[size_t(l)], want[size_t(l)]))
+                << kernel->name << " group " << group << " candidates " << n_candidates << " variant " << variant
+                << " head " << l << ": " << got[size_t(l)] << " vs " << want[size_t(l)];
+        }
+      }
     }
   }
 }
