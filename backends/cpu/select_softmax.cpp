@@ -196,11 +196,14 @@ void fold_maxima(const double* lanes, int positions, const double* values, int64
 // ---- AVX-512F ----
 
 constexpr int kZmmLanes = 8;
+constexpr int32_t kVoteGroupOfFour = 4;  // GQA groups of 4 (Hq = 4·Hkv): the vote transposes instead of gathering
 
-__attribute__((target("avx512f"))) void max_per_head_avx512(const double* values, int64_t n, int32_t group,
+// kBlocks: the number of vectors after which the lanes' heads repeat, when known at compile time (0: from group).
+template <int kBlocks>
+__attribute__((target("avx512f"))) void max_per_head_avx512_blocks(const double* values, int64_t n, int32_t group,
                                                              double* maxes) {
   if (group > kMaxVectorGroup) return max_per_head_portable(values, n, group, maxes);
-  const int blocks = group / std::gcd(group, kZmmLanes);
+  const int blocks = kBlocks > 0 ? kBlocks : group / std::gcd(group, kZmmLanes);
   const int positions = blocks * kZmmLanes;
   __m512d acc[kMaxVectorGroup];
   for (int b = 0; b < blocks; ++b) acc[b] = _mm512_set1_pd(-INFINITY);
@@ -217,6 +220,12 @@ __attribute__((target("avx512f"))) void max_per_head_avx512(const double* values
     lane = std::max(lane, values[i]);
   }
   fold_maxima(lanes, positions, values, n, group, maxes);
+}
+
+__attribute__((target("avx512f"))) void max_per_head_avx512(const double* values, int64_t n, int32_t group,
+                                                             double* maxes) {
+  if (group <= kZmmLanes && kZmmLanes % group == 0) return max_per_head_avx512_blocks<1>(values, n, group, maxes);
+  return max_per_head_avx512_blocks<0>(values, n, group, maxes);
 }
 
 
@@ -248,11 +257,13 @@ __attribute__((target("avx512f"))) inline __mmask8 main_range_avx512(__m512d x) 
   return in_range & _mm512_cmplt_epi64_mask(bits, _mm512_setzero_si512());
 }
 
-__attribute__((target("avx512f,fma"))) void exp_and_sum_avx512(double* values, int64_t n, int32_t group,
+// kBlocks: the number of vectors after which the lanes' heads repeat, when known at compile time (0: from group).
+template <int kBlocks>
+__attribute__((target("avx512f,fma"))) void exp_and_sum_avx512_blocks(double* values, int64_t n, int32_t group,
                                                                 const double* maxes, FixedPointSum* sums) {
   if (group > kMaxVectorGroup) return exp_and_sum_portable(values, n, group, maxes, sums);
   // Vector v covers values [8v, 8v + 8); its lanes' heads repeat every `blocks` vectors.
-  const int blocks = group / std::gcd(group, kZmmLanes);
+  const int blocks = kBlocks > 0 ? kBlocks : group / std::gcd(group, kZmmLanes);
   const int positions = blocks * kZmmLanes;
   alignas(64) double pattern[kMaxVectorGroup * kZmmLanes];
   for (int p = 0; p < positions; ++p) pattern[p] = maxes[p % group];
@@ -309,12 +320,45 @@ __attribute__((target("avx512f,fma"))) void exp_and_sum_avx512(double* values, i
   fold_digits(digits, positions, group, sums);
 }
 
+__attribute__((target("avx512f,fma"))) void exp_and_sum_avx512(double* values, int64_t n, int32_t group,
+                                                                const double* maxes, FixedPointSum* sums) {
+  if (group <= kZmmLanes && kZmmLanes % group == 0) return exp_and_sum_avx512_blocks<1>(values, n, group, maxes, sums);
+  return exp_and_sum_avx512_blocks<0>(values, n, group, maxes, sums);
+}
+
 __attribute__((target("avx512f"))) void vote_avx512(const double* kept, int64_t kept_stride, int32_t group,
                                                      int32_t n_heads, const double* head_sum, int64_t first,
                                                      int64_t last, double* votes) {
   const int64_t g = group;
   const __m512i lane_offsets = _mm512_set_epi64(7 * g, 6 * g, 5 * g, 4 * g, 3 * g, 2 * g, g, 0);
   int64_t c = first;
+  if (group == kVoteGroupOfFour) {
+    // A kv head's 8 candidates × 4 heads are 32 consecutive doubles: four loads and a transpose instead of gathers.
+    const __m512i pairs_low = _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0);  // heads 0, 1 of candidates 0-3
+    const __m512i pairs_high = _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2);  // heads 2, 3
+    const __m512i low_halves = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i high_halves = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    for (; c + kZmmLanes <= last; c += kZmmLanes) {
+      __m512d vote = _mm512_setzero_pd();
+      for (int32_t k0 = 0; k0 < n_heads; k0 += kVoteGroupOfFour) {
+        const double* block = kept + (k0 / kVoteGroupOfFour) * kept_stride + c * kVoteGroupOfFour;
+        const __m512d c01 = _mm512_loadu_pd(block), c23 = _mm512_loadu_pd(block + 8);
+        const __m512d c45 = _mm512_loadu_pd(block + 16), c67 = _mm512_loadu_pd(block + 24);
+        // [h0 of c0-3, h1 of c0-3] for candidates 0-3 and 4-7, then [h2 ..., h3 ...].
+        const __m512d h01_first = _mm512_permutex2var_pd(c01, pairs_low, c23);
+        const __m512d h01_second = _mm512_permutex2var_pd(c45, pairs_low, c67);
+        const __m512d h23_first = _mm512_permutex2var_pd(c01, pairs_high, c23);
+        const __m512d h23_second = _mm512_permutex2var_pd(c45, pairs_high, c67);
+        const __m512d heads[kVoteGroupOfFour] = {_mm512_permutex2var_pd(h01_first, low_halves, h01_second),
+                                                 _mm512_permutex2var_pd(h01_first, high_halves, h01_second),
+                                                 _mm512_permutex2var_pd(h23_first, low_halves, h23_second),
+                                                 _mm512_permutex2var_pd(h23_first, high_halves, h23_second)};
+        for (int l = 0; l < kVoteGroupOfFour; ++l)
+          vote = _mm512_add_pd(vote, _mm512_div_pd(heads[l], _mm512_set1_pd(head_sum[k0 + l])));
+      }
+      _mm512_storeu_pd(votes + c, vote);
+    }
+  }
   for (; c + kZmmLanes <= last; c += kZmmLanes) {
     __m512d vote = _mm512_setzero_pd();
     for (int32_t k = 0; k < n_heads; ++k) {
@@ -331,9 +375,11 @@ __attribute__((target("avx512f"))) void vote_avx512(const double* kept, int64_t 
 
 constexpr int kYmmLanes = 4;
 
-__attribute__((target("avx2"))) void max_per_head_avx2(const double* values, int64_t n, int32_t group, double* maxes) {
+// kBlocks: the number of vectors after which the lanes' heads repeat, when known at compile time (0: from group).
+template <int kBlocks>
+__attribute__((target("avx2"))) void max_per_head_avx2_blocks(const double* values, int64_t n, int32_t group, double* maxes) {
   if (group > kMaxVectorGroup) return max_per_head_portable(values, n, group, maxes);
-  const int blocks = group / std::gcd(group, kYmmLanes);
+  const int blocks = kBlocks > 0 ? kBlocks : group / std::gcd(group, kYmmLanes);
   const int positions = blocks * kYmmLanes;
   __m256d acc[kMaxVectorGroup];
   for (int b = 0; b < blocks; ++b) acc[b] = _mm256_set1_pd(-INFINITY);
@@ -350,6 +396,11 @@ __attribute__((target("avx2"))) void max_per_head_avx2(const double* values, int
     lane = std::max(lane, values[i]);
   }
   fold_maxima(lanes, positions, values, n, group, maxes);
+}
+
+__attribute__((target("avx2"))) void max_per_head_avx2(const double* values, int64_t n, int32_t group, double* maxes) {
+  if (group <= kYmmLanes && kYmmLanes % group == 0) return max_per_head_avx2_blocks<1>(values, n, group, maxes);
+  return max_per_head_avx2_blocks<0>(values, n, group, maxes);
 }
 
 
@@ -383,10 +434,12 @@ __attribute__((target("avx2"))) inline __m256i main_range_avx2(__m256d x) {
   return _mm256_and_si256(in_range, _mm256_cmpgt_epi64(_mm256_setzero_si256(), bits));
 }
 
-__attribute__((target("avx2,fma"))) void exp_and_sum_avx2(double* values, int64_t n, int32_t group,
+// kBlocks: the number of vectors after which the lanes' heads repeat, when known at compile time (0: from group).
+template <int kBlocks>
+__attribute__((target("avx2,fma"))) void exp_and_sum_avx2_blocks(double* values, int64_t n, int32_t group,
                                                           const double* maxes, FixedPointSum* sums) {
   if (group > kMaxVectorGroup) return exp_and_sum_portable(values, n, group, maxes, sums);
-  const int blocks = group / std::gcd(group, kYmmLanes);
+  const int blocks = kBlocks > 0 ? kBlocks : group / std::gcd(group, kYmmLanes);
   const int positions = blocks * kYmmLanes;
   alignas(32) double pattern[kMaxVectorGroup * kYmmLanes];
   for (int p = 0; p < positions; ++p) pattern[p] = maxes[p % group];
@@ -444,6 +497,12 @@ __attribute__((target("avx2,fma"))) void exp_and_sum_avx2(double* values, int64_
     for (int b = 0; b < blocks; ++b)
       _mm256_store_si256(reinterpret_cast<__m256i*>(digits + d * positions + b * kYmmLanes), acc[d][b]);
   fold_digits(digits, positions, group, sums);
+}
+
+__attribute__((target("avx2,fma"))) void exp_and_sum_avx2(double* values, int64_t n, int32_t group,
+                                                          const double* maxes, FixedPointSum* sums) {
+  if (group <= kYmmLanes && kYmmLanes % group == 0) return exp_and_sum_avx2_blocks<1>(values, n, group, maxes, sums);
+  return exp_and_sum_avx2_blocks<0>(values, n, group, maxes, sums);
 }
 
 __attribute__((target("avx2"))) void vote_avx2(const double* kept, int64_t kept_stride, int32_t group,
