@@ -485,12 +485,13 @@ void score_keys_all_kv_heads(const AttentionProblem& problem, int32_t b, int64_t
   for (int64_t j0 = 0; j0 < n_keys; j0 += kScoreTileKeys) {
     const int n_tile = int(std::min<int64_t>(kScoreTileKeys, n_keys - j0));
     const int64_t next_end = std::min<int64_t>(n_keys, j0 + 2 * kScoreTileKeys);
-    for (int64_t j = j0 + kScoreTileKeys; j < next_end; ++j) {
-      const unsigned char* row = k_row(j, 0);
-      for (int32_t hk = 0; hk < n_kv_heads; ++hk, row += head_bytes)
-        for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) __builtin_prefetch(row + byte);
-    }
     for (int32_t hk = 0; hk < n_kv_heads; ++hk) {
+      // The next tile's rows of this kv head: spread over the kv heads, since issuing all of the next tile's lines at
+      // once stalls on the prefetches (measured: ~7 % of the decode at N=32768).
+      for (int64_t j = j0 + kScoreTileKeys; j < next_end; ++j) {
+        const unsigned char* row = k_row(j, 0) + hk * head_bytes;
+        for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) __builtin_prefetch(row + byte);
+      }
       for (int key = 0; key < n_tile; ++key) rows[key] = k_row(j0 + key, hk);
       kernel.score_tile(concat_qbar + int64_t(hk) * group * d, group, rows, problem.dtype, n_tile, d, score_scale,
                         transposed, out + hk * out_stride + j0 * group, group);
