@@ -223,12 +223,13 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   const unsigned char* k_base = static_cast<const unsigned char*>(problem.k.t.data);
   const int64_t eb = element_bytes(problem.dtype);
   const void* rows[kScoreTileKeys];
+  const auto score_tile = qbars_are_floats(qbars, int64_t(group) * d) ? kernel.score_tile_exact_products
+                                                                       : kernel.score_tile;
   for (int64_t c0 = 0; c0 < (scores_ready ? 0 : n_candidates); c0 += kScoreTileKeys) {
     const int n_keys = int(std::min<int64_t>(kScoreTileKeys, n_candidates - c0));
     for (int key = 0; key < n_keys; ++key)
       rows[key] = k_base + problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk) * eb;
-    kernel.score_tile(qbars, group, rows, problem.dtype, n_keys, d, in.score_scale, transposed, scores + c0 * group,
-                      group);
+    score_tile(qbars, group, rows, problem.dtype, n_keys, d, in.score_scale, transposed, scores + c0 * group, group);
   }
   const SelectSoftmaxKernel& softmax = select_softmax_kernel();
   softmax.max_per_head(scores, n_candidates * group, group, head_max + first_head);
@@ -481,6 +482,9 @@ void score_keys_all_kv_heads(const AttentionProblem& problem, int32_t b, int64_t
     return k_base + problem.kv_offset(problem.k, b, first_key + j, hk) * eb;
   };
   const int64_t head_bytes = n_kv_heads > 1 ? k_row(0, 1) - k_row(0, 0) : 0;  // kv head stride of a token
+  const auto score_tile = qbars_are_floats(concat_qbar, int64_t(n_kv_heads) * group * d)
+                              ? kernel.score_tile_exact_products  // every decode: q̄ is a widened query row
+                              : kernel.score_tile;
   const void* rows[kScoreTileKeys];
   for (int64_t j0 = 0; j0 < n_keys; j0 += kScoreTileKeys) {
     const int n_tile = int(std::min<int64_t>(kScoreTileKeys, n_keys - j0));
@@ -493,8 +497,8 @@ void score_keys_all_kv_heads(const AttentionProblem& problem, int32_t b, int64_t
         for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) __builtin_prefetch(row + byte);
       }
       for (int key = 0; key < n_tile; ++key) rows[key] = k_row(j0 + key, hk);
-      kernel.score_tile(concat_qbar + int64_t(hk) * group * d, group, rows, problem.dtype, n_tile, d, score_scale,
-                        transposed, out + hk * out_stride + j0 * group, group);
+      score_tile(concat_qbar + int64_t(hk) * group * d, group, rows, problem.dtype, n_tile, d, score_scale,
+                 transposed, out + hk * out_stride + j0 * group, group);
     }
   }
 }

@@ -175,6 +175,60 @@ TEST(SelectScoreKernels, EveryVersionMatchesThePlainChannelOrderLoopBitForBit) {
   EXPECT_GT(compared, 0);
 }
 
+// score_tile_exact_products with q̄ made of float values (a decode's widened query row): the same bits as the plain
+// loop. Where a version fuses (AVX-512F), the same call on arbitrary float64 q̄, whose products are not exact, must
+// differ from the plain loop somewhere: otherwise the comparison above could not tell a fused kernel from an unfused.
+TEST(SelectScoreKernels, ExactProductsVersionMatchesThePlainLoopForFloatQbars) {
+  const std::vector<const SelectScoreKernel*> kernels = kernels_present();
+  std::mt19937_64 rng(7);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  int64_t compared = 0, fused_differences = 0;
+  for (int32_t dtype : {SPARSA_DTYPE_F32, SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
+    for (int32_t d : {64, 128, 40})
+      for (int group : {1, 4, 8})
+        for (Keys kind : {Keys::kRandom, Keys::kCancelling, Keys::kNeedle, Keys::kZeros})
+          for (int n_keys : {7, kScoreTileKeys})
+            for (bool float_qbars : {true, false}) {
+              SCOPED_TRACE(::testing::Message() << "dtype " << dtype << " d " << d << " group " << group << " keys "
+                                                << keys_name(kind) << " n_keys " << n_keys << " float q̄ "
+                                                << float_qbars);
+              std::vector<double> qbars(size_t(group) * d);
+              for (double& q : qbars) {
+                q = kind == Keys::kCancelling ? 100.0 + normal(rng) : normal(rng) / 3.0;
+                if (float_qbars) q = double(float(q));
+              }
+              ASSERT_EQ(sparsa::cpu::qbars_are_floats(qbars.data(), int64_t(qbars.size())), float_qbars);
+              const KeyRows rows = make_keys(dtype, n_keys, d, kind, qbars, rng);
+              std::vector<const void*> pointers(static_cast<size_t>(n_keys));
+              for (int j = 0; j < n_keys; ++j) pointers[size_t(j)] = rows.row(j);
+              std::vector<double> want(size_t(n_keys) * group);
+              for (int j = 0; j < n_keys; ++j)
+                for (int l = 0; l < group; ++l) {
+                  double sum = 0.0;
+                  for (int32_t c = 0; c < d; ++c) sum += qbars[size_t(l) * d + c] * rows.value[size_t(j) * d + c];
+                  want[size_t(j) * group + l] = sum;
+                }
+              for (const SelectScoreKernel* kernel : kernels) {
+                std::vector<double> got(want.size());
+                std::vector<float> transposed(sparsa::cpu::score_tile_scratch_floats(d));
+                kernel->score_tile_exact_products(qbars.data(), group, pointers.data(), dtype, n_keys, d, 1.0,
+                                                  transposed.data(), got.data(), group);
+                int64_t differing = 0;
+                for (size_t i = 0; i < want.size(); ++i) differing += !same_bits(got[i], want[i]);
+                if (float_qbars) {
+                  EXPECT_EQ(differing, 0) << kernel->name;
+                  ++compared;
+                } else if (kernel->score_tile_exact_products != kernel->score_tile) {
+                  fused_differences += differing;
+                }
+              }
+            }
+  EXPECT_GT(compared, 0);
+  const SelectScoreKernel* widest = kernels.back();
+  if (widest->score_tile_exact_products != widest->score_tile)
+    EXPECT_GT(fused_differences, 0) << "the fused version rounds like the unfused one even where products are inexact";
+}
+
 TEST(SelectScoreKernels, TheBackendPicksTheWidestVersionPresent) {
   const std::vector<const SelectScoreKernel*> kernels = kernels_present();
   EXPECT_EQ(&sparsa::cpu::select_score_kernel(), kernels.back());
