@@ -187,6 +187,34 @@ __attribute__((target("avx512f"))) void head_block_avx512(const double* qbars, c
     }
   }
   const __m512d factor = _mm512_set1_pd(scale);
+  if constexpr (kHeads == 4) {
+    if (n_keys == kScoreTileKeys && score_stride == kHeads) {
+      // Scores rows of exactly these 4 heads, [key][4]: transpose each 4 heads × 8 keys block in registers and store
+      // it as 4 vectors of 2 keys instead of 32 single doubles.
+      const __m512i pairs_low = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);    // [a.l0, b.l0, a.l1, b.l1]
+      const __m512i pairs_high = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);  // [a.l2, b.l2, a.l3, b.l3]
+      const __m512i halves_low = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+      const __m512i halves_high = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+      double* out = scores + int64_t(first_head);
+      for (int x = 0; x < kZmmVectors; ++x) {
+        const __m512d h0 = _mm512_mul_pd(factor, acc[0][x]), h1 = _mm512_mul_pd(factor, acc[1][x]);
+        const __m512d h2 = _mm512_mul_pd(factor, acc[2][x]), h3 = _mm512_mul_pd(factor, acc[3][x]);
+        // Per 128-bit lane, heads 0-1 (and 2-3) of the even keys 0, 2, 4, 6 and of the odd keys 1, 3, 5, 7.
+        const __m512d even01 = _mm512_unpacklo_pd(h0, h1), odd01 = _mm512_unpackhi_pd(h0, h1);
+        const __m512d even23 = _mm512_unpacklo_pd(h2, h3), odd23 = _mm512_unpackhi_pd(h2, h3);
+        const __m512d keys02 = _mm512_permutex2var_pd(even01, pairs_low, even23);   // keys 0, 2: heads 0-3
+        const __m512d keys46 = _mm512_permutex2var_pd(even01, pairs_high, even23);  // keys 4, 6
+        const __m512d keys13 = _mm512_permutex2var_pd(odd01, pairs_low, odd23);     // keys 1, 3
+        const __m512d keys57 = _mm512_permutex2var_pd(odd01, pairs_high, odd23);    // keys 5, 7
+        double* block = out + int64_t(x) * kZmmDoubles * kHeads;
+        _mm512_storeu_pd(block, _mm512_permutex2var_pd(keys02, halves_low, keys13));        // keys 0, 1
+        _mm512_storeu_pd(block + 8, _mm512_permutex2var_pd(keys02, halves_high, keys13));   // keys 2, 3
+        _mm512_storeu_pd(block + 16, _mm512_permutex2var_pd(keys46, halves_low, keys57));   // keys 4, 5
+        _mm512_storeu_pd(block + 24, _mm512_permutex2var_pd(keys46, halves_high, keys57));  // keys 6, 7
+      }
+      return;
+    }
+  }
   for (int h = 0; h < kHeads; ++h)
     for (int x = 0; x < kZmmVectors; ++x) {
       const int first_key = x * kZmmDoubles;

@@ -377,7 +377,8 @@ constexpr int kYmmLanes = 4;
 
 // kBlocks: the number of vectors after which the lanes' heads repeat, when known at compile time (0: from group).
 template <int kBlocks>
-__attribute__((target("avx2"))) void max_per_head_avx2_blocks(const double* values, int64_t n, int32_t group, double* maxes) {
+__attribute__((target("avx2"))) void max_per_head_avx2_blocks(const double* values, int64_t n, int32_t group,
+                                                              double* maxes) {
   if (group > kMaxVectorGroup) return max_per_head_portable(values, n, group, maxes);
   const int blocks = kBlocks > 0 ? kBlocks : group / std::gcd(group, kYmmLanes);
   const int positions = blocks * kYmmLanes;

@@ -134,44 +134,48 @@ TEST(SelectScoreKernels, EveryVersionMatchesThePlainChannelOrderLoopBitForBit) {
       for (int group : {1, 3, 4, 8})
         for (Keys kind : {Keys::kRandom, Keys::kCancelling, Keys::kDuplicates, Keys::kNeedle, Keys::kZeros})
           for (int n_keys : {1, 7, 8, 13, 31, kScoreTileKeys})
-            for (double scale : {1.0, 0.125, 1.0 / std::sqrt(double(d))}) {
-              SCOPED_TRACE(::testing::Message() << "dtype " << dtype << " d " << d << " group " << group << " keys "
-                                                << keys_name(kind) << " n_keys " << n_keys << " scale " << scale);
-              // q̄: means of fp32 query rows are arbitrary doubles; the cancelling keys get same-sign large q̄.
-              std::normal_distribution<double> normal(0.0, 1.0);
-              std::vector<double> qbars(size_t(group) * d);
-              for (double& q : qbars) q = kind == Keys::kCancelling ? 100.0 + normal(rng) : normal(rng) / 3.0;
-              const KeyRows rows = make_keys(dtype, n_keys, d, kind, qbars, rng);
-              std::vector<const void*> pointers(static_cast<size_t>(n_keys));
-              for (int j = 0; j < n_keys; ++j) pointers[size_t(j)] = rows.row(j);
-              // The oracle: the plain loop on the exact values.
-              const int64_t stride = group + 1;  // one padding column per key row
-              std::vector<double> want(size_t(kScoreTileKeys + 1) * stride, kPoison);
-              for (int j = 0; j < n_keys; ++j)
-                for (int l = 0; l < group; ++l) {
-                  double sum = 0.0;
-                  for (int32_t c = 0; c < d; ++c) sum += qbars[size_t(l) * d + c] * rows.value[size_t(j) * d + c];
-                  want[size_t(j) * stride + l] = scale * sum;
-                }
-              for (const SelectScoreKernel* kernel : kernels) {
-                std::vector<double> got(want.size(), kPoison);
-                std::vector<float> transposed(sparsa::cpu::score_tile_scratch_floats(d), std::nanf(""));
-                kernel->score_tile(qbars.data(), group, pointers.data(), dtype, n_keys, d, scale, transposed.data(),
-                                   got.data(), stride);
-                for (size_t i = 0; i < want.size(); ++i) {
-                  if (!same_bits(got[i], want[i])) {
-                    ADD_FAILURE() << kernel->name << ": entry " << i << " (key " << i / stride << ", head "
-                                  << i % stride << ") is " << got[i] << ", the plain loop gives " << want[i];
-                    break;
-                  }
-                }
-                ++compared;
-              }
-              if (kind == Keys::kDuplicates)  // duplicate rows tie exactly
+            for (double scale : {1.0, 0.125, 1.0 / std::sqrt(double(d))})
+              for (bool padded : {true, false}) {
+                SCOPED_TRACE(::testing::Message() << "dtype " << dtype << " d " << d << " group " << group << " keys "
+                                                  << keys_name(kind) << " n_keys " << n_keys << " scale " << scale
+                                                  << " padded " << padded);
+                // q̄: means of fp32 query rows are arbitrary doubles; the cancelling keys get same-sign large q̄.
+                std::normal_distribution<double> normal(0.0, 1.0);
+                std::vector<double> qbars(size_t(group) * d);
+                for (double& q : qbars) q = kind == Keys::kCancelling ? 100.0 + normal(rng) : normal(rng) / 3.0;
+                const KeyRows rows = make_keys(dtype, n_keys, d, kind, qbars, rng);
+                std::vector<const void*> pointers(static_cast<size_t>(n_keys));
+                for (int j = 0; j < n_keys; ++j) pointers[size_t(j)] = rows.row(j);
+                // The oracle: the plain loop on the exact values.
+                // One padding column per key row (must stay untouched), or none (rows of exactly the group's heads,
+                // which the AVX-512F version stores a block at a time).
+                const int64_t stride = group + (padded ? 1 : 0);
+                std::vector<double> want(size_t(kScoreTileKeys + 1) * stride, kPoison);
                 for (int j = 0; j < n_keys; ++j)
-                  for (int l = 0; l < group; ++l)
-                    EXPECT_TRUE(same_bits(want[size_t(j) * stride + l], want[size_t(j - j % 3) * stride + l]));
-            }
+                  for (int l = 0; l < group; ++l) {
+                    double sum = 0.0;
+                    for (int32_t c = 0; c < d; ++c) sum += qbars[size_t(l) * d + c] * rows.value[size_t(j) * d + c];
+                    want[size_t(j) * stride + l] = scale * sum;
+                  }
+                for (const SelectScoreKernel* kernel : kernels) {
+                  std::vector<double> got(want.size(), kPoison);
+                  std::vector<float> transposed(sparsa::cpu::score_tile_scratch_floats(d), std::nanf(""));
+                  kernel->score_tile(qbars.data(), group, pointers.data(), dtype, n_keys, d, scale, transposed.data(),
+                                     got.data(), stride);
+                  for (size_t i = 0; i < want.size(); ++i) {
+                    if (!same_bits(got[i], want[i])) {
+                      ADD_FAILURE() << kernel->name << ": entry " << i << " (key " << i / stride << ", head "
+                                    << i % stride << ") is " << got[i] << ", the plain loop gives " << want[i];
+                      break;
+                    }
+                  }
+                  ++compared;
+                }
+                if (kind == Keys::kDuplicates)  // duplicate rows tie exactly
+                  for (int j = 0; j < n_keys; ++j)
+                    for (int l = 0; l < group; ++l)
+                      EXPECT_TRUE(same_bits(want[size_t(j) * stride + l], want[size_t(j - j % 3) * stride + l]));
+              }
   EXPECT_GT(compared, 0);
 }
 

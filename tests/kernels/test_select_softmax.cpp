@@ -125,7 +125,7 @@ TEST(SelectSoftmax, MaxPerHeadMatchesTheStdMaxFold) {
         for (size_t i = 0; i < values.size(); ++i) {
           switch (variant) {
             case 0: values[i] = uniform(rng); break;
-            case 1: values[i] = -std::abs(uniform(rng)); values[i] = (i % 7 == 0) ? (i % 2 ? 0.0 : -0.0) : values[i]; break;
+            case 1: values[i] = (i % 7 == 0) ? (i % 2 ? 0.0 : -0.0) : -std::abs(uniform(rng)); break;
             case 2: values[i] = (i % 5 == 0) ? nan : uniform(rng); break;
             default: values[i] = (i % 3 == 0) ? -inf : ((i % 3 == 1) ? nan : -0.0); break;
           }
