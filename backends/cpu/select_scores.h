@@ -7,6 +7,8 @@
 // accumulators takes one multiply and one add per channel, broadcasting q̄_l[c] and loading 8 keys' K[c] widened to
 // float64. Multiply and add stay separate instructions: select_scores.cpp is compiled with -ffp-contract=off
 // (CMakeLists.txt), because GCC contracts even _mm512_mul_pd + _mm512_add_pd into an FMA in an "avx512f" function.
+// The one exception is score_tile_exact_products, for q̄ whose products with K are exact: there an FMA rounds once,
+// exactly where the add did.
 // This header depends on nothing else in the backend (tests/kernels builds the kernels on their own).
 #pragma once
 
