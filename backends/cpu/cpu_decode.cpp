@@ -42,9 +42,11 @@ namespace {
 
 // The kv heads [hk_first, hk_first + n_kv) of sequence b (query heads hk_first·g ... ) over n_keys keys, key j at
 // position key_at(j). out_rows [n_kv·g, D], lse_rows [n_kv·g].
+// scattered: the keys are a list (their rows prefetched by the kernels), not a range the hardware streams.
 template <typename KeyAt>
 void attend_decode(const AttentionProblem& problem, int32_t b, int32_t hk_first, int32_t n_kv, KeyAt key_at,
-                   int64_t n_keys, float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
+                   int64_t n_keys, bool scattered, float* out_rows, float* lse_rows, RunCounters* counters,
+                   ThreadScratch& scratch) {
   const int d = problem.head_dim;
   const int group = problem.num_q_heads / problem.num_kv_heads;
   const int hq = n_kv * group;  // query heads of this call
@@ -105,6 +107,7 @@ void attend_decode(const AttentionProblem& problem, int32_t b, int32_t hk_first,
   tile.group = group;
   tile.d = d;
   tile.dtype = problem.dtype;
+  tile.prefetch_rows = scattered;
 
   for (int64_t key0 = 0; key0 < n_keys; key0 += kDecodeTileKeys) {
     const int nk = int(std::min(kDecodeTileKeys, n_keys - key0));
@@ -143,14 +146,14 @@ void attend_decode(const AttentionProblem& problem, int32_t b, int32_t hk_first,
 void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_begin, int64_t key_end,
                         float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
   attend_decode(problem, b, 0, problem.num_kv_heads, [key_begin](int64_t j) { return key_begin + j; },
-                key_end - key_begin, out_rows, lse_rows, counters, scratch);
+                key_end - key_begin, /*scattered=*/false, out_rows, lse_rows, counters, scratch);
 }
 
 void attend_decode_list(const AttentionProblem& problem, int32_t b, int32_t hk_first, int32_t n_kv,
                         const int64_t* keys, int64_t n_keys, float* out_rows, float* lse_rows, RunCounters* counters,
                         ThreadScratch& scratch) {
-  attend_decode(problem, b, hk_first, n_kv, [keys](int64_t j) { return keys[j]; }, n_keys, out_rows, lse_rows,
-                counters, scratch);
+  attend_decode(problem, b, hk_first, n_kv, [keys](int64_t j) { return keys[j]; }, n_keys, /*scattered=*/true,
+                out_rows, lse_rows, counters, scratch);
 }
 
 void merge_decode_parts(const AttentionProblem& problem, const OutputSink& sink, int32_t b, int32_t h,

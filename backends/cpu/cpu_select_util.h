@@ -32,14 +32,35 @@ inline bool ranks_before(double value_a, int64_t id_a, double value_b, int64_t i
 }
 
 // Writes the ids of the k highest-ranked entries of values[0..n) (ranks_before) into ids_out[0..k), ascending.
-// `order` is scratch for n ids. Requires 0 <= k <= n.
+// `order` is scratch for n ids (used for n doubles). Requires 0 <= k <= n.
+// The k-th value (an nth_element over a copy of the values alone, NaN last) splits them: every id whose value ranks
+// strictly above it is kept, then the smallest ids among those that tie with it until k are kept, one pass in id
+// order, so the ids come out ascending without a sort (the same set as sorting by ranks_before).
 inline void top_k_ids_ascending(const double* values, int64_t n, int64_t k, int64_t* order, int64_t* ids_out) {
   if (k <= 0) return;
-  std::iota(order, order + n, int64_t{0});
-  const auto by_rank = [values](int64_t a, int64_t b) { return ranks_before(values[a], a, values[b], b); };
-  if (k < n) std::nth_element(order, order + (k - 1), order + n, by_rank);
-  std::sort(order, order + k);
-  std::copy(order, order + k, ids_out);
+  if (k >= n) {
+    std::iota(ids_out, ids_out + n, int64_t{0});
+    return;
+  }
+  static_assert(sizeof(double) == sizeof(int64_t), "order holds the values' copy");
+  double* copy = reinterpret_cast<double*>(order);
+  std::copy(values, values + n, copy);
+  const auto above = [](double a, double b) { return !std::isnan(a) && (std::isnan(b) || a > b); };  // a ranks first
+  std::nth_element(copy, copy + (k - 1), copy + n, above);
+  const double kth = copy[k - 1];
+  const auto ties_kth = [kth](double v) { return std::isnan(kth) ? std::isnan(v) : v == kth; };
+  int64_t strictly_above = 0;
+  for (int64_t i = 0; i < n; ++i) strictly_above += above(values[i], kth);
+  int64_t ties_left = k - strictly_above;  // >= 1: kth itself ties
+  int64_t written = 0;
+  for (int64_t i = 0; i < n && written < k; ++i) {
+    if (above(values[i], kth)) {
+      ids_out[written++] = i;
+    } else if (ties_left > 0 && ties_kth(values[i])) {
+      ids_out[written++] = i;
+      --ties_left;
+    }
+  }
 }
 
 // Typed arrays laid out one after another in a worker's policy scratch (cpu_engine.h), which grows on demand and is

@@ -21,7 +21,11 @@ struct DecodeTile {
   int group = 0;
   int d = 0;
   int32_t dtype = 0;    // SPARSA_DTYPE_F16 or SPARSA_DTYPE_BF16
+  // Scattered rows (key lists, which the hardware prefetchers do not follow): scores prefetches each key's V rows
+  // (for accumulate, after the tile's softmax) and K rows kPrefetchKeysAhead keys ahead.
+  bool prefetch_rows = false;
 };
+constexpr int kPrefetchKeysAhead = 4;
 
 struct DecodeKernels {
   // st[j * st_stride + h] for j < nk, h < n_kv_heads · group; q is [Hq, d] fp32 (scale folded in).

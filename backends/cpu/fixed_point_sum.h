@@ -49,6 +49,20 @@ class FixedPointSum {
     add_units(units);
   }
 
+  // Adds sum_i digit_sums[i] · 2^(32·(3 − i) − 128) for i < 4 (most significant first), exactly: the fraction digits of
+  // many terms summed digit by digit (select_softmax.cpp's vector loops; each sum below 2^63).
+  void add_fraction_digits(const uint64_t* digit_sums) {
+    uint64_t carry = 0;
+    unsigned __int128 units = 0;
+    for (int i = kFractionDigits - 1; i >= 0; --i) {
+      const uint64_t value = digit_sums[i] + carry;
+      units |= static_cast<unsigned __int128>(value & kDigitMask) << (kFractionBits - kDigitBits * (i + 1));
+      carry = value >> kDigitBits;
+    }
+    whole_ += carry;
+    add_units(units);
+  }
+
   // This sum as SPARSA_CP_SUM_DIGITS digits, each in [0, 2^32) (the integer part below 2^31 for N <= INT32_MAX).
   void to_digits(int64_t* digits) const {
     digits[0] = int64_t(nan_count_);

@@ -3,7 +3,8 @@
 // then the product with `scale`; only the number of sums in flight differs.
 //   portable  one sum at a time;
 //   AVX2      4 heads × 2 vectors of 4 keys = 8 sums per pass, 4 passes per 32-key tile;
-//   AVX-512F  4 heads × 4 vectors of 8 keys = 16 sums per pass over the tile.
+//   AVX-512F  4 heads × 4 vectors of 8 keys = 16 sums per pass over the tile; with score_tile_exact_products one FMA
+//             per channel and sum instead of a multiply and an add (the same bits: the products are exact).
 // A sequential sum is a chain of dependent adds, so it runs at one add per add latency; the register blocks keep
 // enough chains in flight to fill both the multiply and the add pipes. Keys are transposed once per tile (8×8 fp32
 // blocks), and every head block of the call reads the same transposed tile.
@@ -76,7 +77,7 @@ void score_tile_portable(const double* qbars, int n_heads, const void* const* ke
   }
 }
 
-constexpr SelectScoreKernel kPortable = {score_tile_portable, "portable"};
+constexpr SelectScoreKernel kPortable = {score_tile_portable, score_tile_portable, "portable"};
 
 #if defined(__x86_64__) && !defined(SPARSA_CPU_PORTABLE_KERNELS)
 
@@ -157,7 +158,8 @@ inline void store_lanes(const double* values, int n, int first_key, int head, do
 constexpr int kZmmDoubles = 8;
 constexpr int kZmmVectors = kScoreTileKeys / kZmmDoubles;
 
-template <int kHeads>
+// kFused: each multiply and add as one FMA, for q̄ whose products with K are exact (score_tile_exact_products).
+template <int kHeads, bool kFused>
 __attribute__((target("avx512f"))) void head_block_avx512(const double* qbars, const float* transposed, int n_keys,
                                                           int32_t d, double scale, int first_head, double* scores,
                                                           int64_t score_stride) {
@@ -175,10 +177,44 @@ __attribute__((target("avx512f"))) void head_block_avx512(const double* qbars, c
     for (int h = 0; h < kHeads; ++h) {
       const __m512d q = _mm512_set1_pd(qbars[int64_t(h) * d + c]);
 #pragma GCC unroll 4
-      for (int x = 0; x < kZmmVectors; ++x) acc[h][x] = _mm512_add_pd(acc[h][x], _mm512_mul_pd(q, k[x]));
+      for (int x = 0; x < kZmmVectors; ++x) {
+        if constexpr (kFused) {
+          acc[h][x] = _mm512_fmadd_pd(q, k[x], acc[h][x]);  // rounds once, like the add: the product is exact
+        } else {
+          acc[h][x] = _mm512_add_pd(acc[h][x], _mm512_mul_pd(q, k[x]));
+        }
+      }
     }
   }
   const __m512d factor = _mm512_set1_pd(scale);
+  if constexpr (kHeads == 4) {
+    if (n_keys == kScoreTileKeys && score_stride == kHeads) {
+      // Scores rows of exactly these 4 heads, [key][4]: transpose each 4 heads × 8 keys block in registers and store
+      // it as 4 vectors of 2 keys instead of 32 single doubles.
+      const __m512i pairs_low = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);    // [a.l0, b.l0, a.l1, b.l1]
+      const __m512i pairs_high = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);  // [a.l2, b.l2, a.l3, b.l3]
+      const __m512i halves_low = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+      const __m512i halves_high = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+      double* out = scores + int64_t(first_head);
+      for (int x = 0; x < kZmmVectors; ++x) {
+        const __m512d h0 = _mm512_mul_pd(factor, acc[0][x]), h1 = _mm512_mul_pd(factor, acc[1][x]);
+        const __m512d h2 = _mm512_mul_pd(factor, acc[2][x]), h3 = _mm512_mul_pd(factor, acc[3][x]);
+        // Per 128-bit lane, heads 0-1 (and 2-3) of the even keys 0, 2, 4, 6 and of the odd keys 1, 3, 5, 7.
+        const __m512d even01 = _mm512_unpacklo_pd(h0, h1), odd01 = _mm512_unpackhi_pd(h0, h1);
+        const __m512d even23 = _mm512_unpacklo_pd(h2, h3), odd23 = _mm512_unpackhi_pd(h2, h3);
+        const __m512d keys02 = _mm512_permutex2var_pd(even01, pairs_low, even23);   // keys 0, 2: heads 0-3
+        const __m512d keys46 = _mm512_permutex2var_pd(even01, pairs_high, even23);  // keys 4, 6
+        const __m512d keys13 = _mm512_permutex2var_pd(odd01, pairs_low, odd23);     // keys 1, 3
+        const __m512d keys57 = _mm512_permutex2var_pd(odd01, pairs_high, odd23);    // keys 5, 7
+        double* block = out + int64_t(x) * kZmmDoubles * kHeads;
+        _mm512_storeu_pd(block, _mm512_permutex2var_pd(keys02, halves_low, keys13));        // keys 0, 1
+        _mm512_storeu_pd(block + 8, _mm512_permutex2var_pd(keys02, halves_high, keys13));   // keys 2, 3
+        _mm512_storeu_pd(block + 16, _mm512_permutex2var_pd(keys46, halves_low, keys57));   // keys 4, 5
+        _mm512_storeu_pd(block + 24, _mm512_permutex2var_pd(keys46, halves_high, keys57));  // keys 6, 7
+      }
+      return;
+    }
+  }
   for (int h = 0; h < kHeads; ++h)
     for (int x = 0; x < kZmmVectors; ++x) {
       const int first_key = x * kZmmDoubles;
@@ -189,19 +225,32 @@ __attribute__((target("avx512f"))) void head_block_avx512(const double* qbars, c
     }
 }
 
-__attribute__((target("avx512f"))) void score_tile_avx512(const double* qbars, int n_heads, const void* const* keys,
-                                                          int32_t dtype, int n_keys, int32_t d, double scale,
-                                                          float* transposed, double* scores, int64_t score_stride) {
+template <bool kFused>
+__attribute__((target("avx512f"))) void score_tile_avx512_blocks(const double* qbars, int n_heads,
+                                                                 const void* const* keys, int32_t dtype, int n_keys,
+                                                                 int32_t d, double scale, float* transposed,
+                                                                 double* scores, int64_t score_stride) {
   transpose_any(keys, dtype, n_keys, d, transposed);
   for (int h = 0; h < n_heads; h += kHeadBlock) {
     const double* q = qbars + int64_t(h) * d;
     switch (std::min(kHeadBlock, n_heads - h)) {
-      case 4: head_block_avx512<4>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
-      case 3: head_block_avx512<3>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
-      case 2: head_block_avx512<2>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
-      default: head_block_avx512<1>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 4: head_block_avx512<4, kFused>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 3: head_block_avx512<3, kFused>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 2: head_block_avx512<2, kFused>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      default: head_block_avx512<1, kFused>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
     }
   }
+}
+
+void score_tile_avx512(const double* qbars, int n_heads, const void* const* keys, int32_t dtype, int n_keys,
+                       int32_t d, double scale, float* transposed, double* scores, int64_t score_stride) {
+  score_tile_avx512_blocks<false>(qbars, n_heads, keys, dtype, n_keys, d, scale, transposed, scores, score_stride);
+}
+
+void score_tile_avx512_exact_products(const double* qbars, int n_heads, const void* const* keys, int32_t dtype,
+                                      int n_keys, int32_t d, double scale, float* transposed, double* scores,
+                                      int64_t score_stride) {
+  score_tile_avx512_blocks<true>(qbars, n_heads, keys, dtype, n_keys, d, scale, transposed, scores, score_stride);
 }
 
 // ---- AVX2: kHeads heads × 8 keys (2 ymm of 4 keys) per pass, one pass per 8-key group ----
@@ -258,8 +307,8 @@ __attribute__((target("avx2"))) void score_tile_avx2(const double* qbars, int n_
   }
 }
 
-constexpr SelectScoreKernel kAvx2 = {score_tile_avx2, "avx2"};
-constexpr SelectScoreKernel kAvx512 = {score_tile_avx512, "avx512f"};
+constexpr SelectScoreKernel kAvx2 = {score_tile_avx2, score_tile_avx2, "avx2"};
+constexpr SelectScoreKernel kAvx512 = {score_tile_avx512, score_tile_avx512_exact_products, "avx512f"};
 
 // F16C from CPUID leaf 1 (clang's __builtin_cpu_supports does not know "f16c").
 bool has_f16c() {

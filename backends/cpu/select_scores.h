@@ -7,11 +7,15 @@
 // accumulators takes one multiply and one add per channel, broadcasting q̄_l[c] and loading 8 keys' K[c] widened to
 // float64. Multiply and add stay separate instructions: select_scores.cpp is compiled with -ffp-contract=off
 // (CMakeLists.txt), because GCC contracts even _mm512_mul_pd + _mm512_add_pd into an FMA in an "avx512f" function.
+// The one exception is score_tile_exact_products, for q̄ whose products with K are exact: there an FMA rounds once,
+// exactly where the add did.
 // This header depends on nothing else in the backend (tests/kernels builds the kernels on their own).
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 namespace sparsa::cpu {
 
@@ -28,8 +32,26 @@ struct SelectScoreKernel {
   // score_tile_scratch_floats(d) floats (any alignment).
   void (*score_tile)(const double* qbars, int n_heads, const void* const* keys, int32_t dtype, int n_keys, int32_t d,
                      double scale, float* transposed, double* scores, int64_t score_stride);
+  // score_tile for callers that guarantee every product q̄_l[c]·K_j[c] is exact in float64 (qbars_are_floats): then
+  // an FMA rounds q̄·K + sum exactly as the separate add does, so a version may fuse them (the AVX-512F one does,
+  // leaving the add pipes to the transpose) and the bits stay score_tile's.
+  void (*score_tile_exact_products)(const double* qbars, int n_heads, const void* const* keys, int32_t dtype,
+                                    int n_keys, int32_t d, double scale, float* transposed, double* scores,
+                                    int64_t score_stride);
   const char* name;  // "avx512f", "avx2" or "portable"
 };
+
+// True when every q̄ element is a float value (or NaN): then each product with a K element of F32, F16 or BF16 has
+// at most 24 + 24 significant bits and an exponent within float64's normal range, so it is exact in float64. A
+// decode's q̄ is its single query row widened, so this holds for every decode; the mean of several rows may not.
+inline bool qbars_are_floats(const double* qbars, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = qbars[i];
+    if (std::isnan(x) || std::isinf(x)) continue;  // floats too
+    if (!(std::fabs(x) <= double(std::numeric_limits<float>::max())) || double(float(x)) != x) return false;
+  }
+  return true;
+}
 
 // The plain loop (every CPU).
 const SelectScoreKernel& portable_select_score_kernel();
