@@ -4,6 +4,7 @@
 // Only functions with the avx512f target attribute touch AVX-512, and avx512_decode_kernels() hands them out only on
 // a CPU that has it.
 #include "decode_kernels.h"
+#include "cpu_features.h"
 
 #include <sparsa/sparsa.h>
 
@@ -135,8 +136,7 @@ const DecodeKernels* avx512_decode_kernels(int d) {
 #if defined(SPARSA_CPU_PORTABLE_KERNELS)
   return nullptr;
 #endif
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f")) return nullptr;
+  if (!cpu_features().avx512f) return nullptr;
   switch (d) {
     case 64: return &kD64;
     case 128: return &kD128;

@@ -1,5 +1,6 @@
 // Portable microkernels and the run-time selection (see microkernels.h).
 #include "microkernels.h"
+#include "cpu_features.h"
 
 #include <cmath>
 #include <limits>
@@ -75,9 +76,9 @@ const Microkernels& select_microkernels() {
 #if defined(SPARSA_CPU_PORTABLE_KERNELS) || !(defined(__x86_64__) || defined(__i386__))
   return kPortable;
 #else
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    if (__builtin_cpu_supports("avx512f")) return avx512_microkernels();
+  const CpuFeatures& cpu = cpu_features();
+  if (cpu.avx2 && cpu.fma) {
+    if (cpu.avx512f) return avx512_microkernels();
     return avx2_microkernels();
   }
   return kPortable;

@@ -8,7 +8,7 @@
 //   O += P · V       (pv_tile, reading P from Sᵀ)
 // Each stage has a portable version and an AVX2+FMA version (microkernels_avx2.cpp), and the two matrix stages an
 // AVX-512F version (microkernels_avx512.cpp, bit-identical to AVX2); select_microkernels() picks a table at run time
-// with __builtin_cpu_supports, so the library is built for plain x86-64 and still uses AVX2 / AVX-512 where
+// from cpu_features(), so the library is built for plain x86-64 and still uses AVX2 / AVX-512 where
 // present. The tables are constant once built.
 #pragma once
 

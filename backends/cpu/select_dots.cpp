@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cpu_select_util.h"
+#include "cpu_features.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -82,11 +83,6 @@ __attribute__((target("avx2"))) void dots_keys_avx2(const double* interleaved, i
     }
   }
 }
-
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
-}
 #endif
 
 }  // namespace
@@ -94,8 +90,7 @@ bool has_avx2() {
 void interleaved_dots_keys(const double* interleaved, int64_t n_vectors, const float* const* keys, int n_keys,
                            int32_t d, double scale, double* dots, int64_t dots_stride) {
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool avx2 = has_avx2();  // a CPU property, computed once
-  if (avx2) {
+  if (cpu_features().avx2) {
     for (int first = 0; first < n_keys; first += kDotKeys) {
       const float* const* group = keys + first;
       double* out = dots + first * dots_stride;

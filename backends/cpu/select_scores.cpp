@@ -11,6 +11,7 @@
 // This file is compiled with -ffp-contract=off (CMakeLists.txt): GCC enables FMA with "avx512f" and would otherwise
 // fuse _mm512_mul_pd + _mm512_add_pd into one differently rounded FMA.
 #include "select_scores.h"
+#include "cpu_features.h"
 
 #include <sparsa/sparsa.h>
 
@@ -18,7 +19,6 @@
 #include <cstring>
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
 // GCC 12's avx512fintrin.h starts some intrinsics (unpacks, lane shuffles, conversions) from an undefined register
 // and warns -Wmaybe-uninitialized at every use; the warning is about the header, not this code.
@@ -310,16 +310,8 @@ __attribute__((target("avx2"))) void score_tile_avx2(const double* qbars, int n_
 constexpr SelectScoreKernel kAvx2 = {score_tile_avx2, score_tile_avx2, "avx2"};
 constexpr SelectScoreKernel kAvx512 = {score_tile_avx512, score_tile_avx512_exact_products, "avx512f"};
 
-// F16C from CPUID leaf 1 (clang's __builtin_cpu_supports does not know "f16c").
-bool has_f16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
-}
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && has_f16c();
-}
-bool has_avx512f() { return has_avx2() && __builtin_cpu_supports("avx512f"); }
+bool has_avx2() { return cpu_features().avx2 && cpu_features().f16c; }
+bool has_avx512f() { return has_avx2() && cpu_features().avx512f; }
 
 #endif
 

@@ -17,6 +17,7 @@
 // This file is compiled with -ffp-contract=off (CMakeLists.txt): the divides and adds of the vote and the
 // subtraction x = s − m must round on their own, as in the plain loops; the FMAs above are explicit intrinsics.
 #include "select_softmax.h"
+#include "cpu_features.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,7 +28,6 @@
 #include <vector>
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -562,11 +562,8 @@ bool matches_std_exp(const SelectSoftmaxKernel& kernel) {
   return std::memcmp(a, b, sizeof a) == 0;
 }
 
-bool has_avx2_fma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-bool has_avx512f() { return has_avx2_fma() && __builtin_cpu_supports("avx512f"); }
+bool has_avx2_fma() { return cpu_features().avx2 && cpu_features().fma; }
+bool has_avx512f() { return has_avx2_fma() && cpu_features().avx512f; }
 
 #endif
 

@@ -6,9 +6,9 @@
 #include <cstring>
 
 #include "cpu_convert.h"
+#include "cpu_features.h"
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -80,19 +80,11 @@ constexpr RowWideners kAvx512 = {widen_f16_avx512, widen_bf16_avx512, "avx512f"}
 constexpr RowWideners kF16cAvx2 = {widen_f16_f16c, widen_bf16_avx2, "f16c+avx2"};
 #endif
 
-#if defined(__x86_64__) && !defined(SPARSA_CPU_PORTABLE_KERNELS)
-// F16C from CPUID leaf 1 (clang's __builtin_cpu_supports does not know "f16c").
-bool has_f16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
-}
-#endif
-
 const RowWideners& pick_row_wideners() {
 #if defined(__x86_64__) && !defined(SPARSA_CPU_PORTABLE_KERNELS)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return kAvx512;
-  if (__builtin_cpu_supports("avx2") && has_f16c()) return kF16cAvx2;
+  const CpuFeatures& cpu = cpu_features();
+  if (cpu.avx512f) return kAvx512;
+  if (cpu.avx2 && cpu.f16c) return kF16cAvx2;
 #endif
   return kPortable;
 }
