@@ -196,6 +196,14 @@ size_t decode_lists_partial_floats(const AttentionProblem& problem, int64_t max_
          size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1);
 }
 
+void reserve_decode_lists_scratch(const AttentionProblem& problem, int64_t max_list_size, const ExecContext& exec) {
+  run_scratch(exec, kRunScratchDecodeRanges).reserve(decode_lists_partial_floats(problem, max_list_size));
+  for (int w = 0; w < worker_count(exec); ++w) {
+    loop_scratch(exec, w).reserve(decode_keys_floats(problem.head_dim, problem.num_q_heads));
+    policy_scratch(exec, w).reserve(size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1));
+  }
+}
+
 void run_decode_lists(const AttentionProblem& problem, const DecodeLists& lists, const OutputSink& sink,
                       const ExecContext& exec) {
   const int d = problem.head_dim;

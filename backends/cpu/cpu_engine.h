@@ -137,6 +137,9 @@ struct DecodeLists {
 };
 // Run scratch (slot kRunScratchDecodeRanges) run_decode_lists uses for lists of up to max_list_size keys.
 size_t decode_lists_partial_floats(const AttentionProblem& problem, int64_t max_list_size);
+// Grows everything run_decode_lists uses for lists of up to max_list_size keys (its run scratch, every worker's loop
+// and policy scratch), so that a run after plan() allocates nothing.
+void reserve_decode_lists_scratch(const AttentionProblem& problem, int64_t max_list_size, const ExecContext& exec);
 void run_decode_lists(const AttentionProblem& problem, const DecodeLists& lists, const OutputSink& sink,
                       const ExecContext& exec);
 

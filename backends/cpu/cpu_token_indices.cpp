@@ -156,11 +156,7 @@ void plan_token_indices(const AttentionProblem& problem, const PolicyParams& pol
   for (int w = 0; w < worker_count(exec); ++w) policy_scratch(exec, w).reserve(item_floats);
   if (!decode_lists_apply(problem)) return;
   run_scratch(exec, kRunScratchSelection).reserve(DecodeKeyLists(problem, problem.num_kv_heads).layout.floats());
-  run_scratch(exec, kRunScratchDecodeRanges).reserve(decode_lists_partial_floats(problem, problem.max_seq_k));
-  for (int w = 0; w < worker_count(exec); ++w) {
-    loop_scratch(exec, w).reserve(decode_keys_floats(problem.head_dim, problem.num_q_heads));
-    policy_scratch(exec, w).reserve(size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1));
-  }
+  reserve_decode_lists_scratch(problem, problem.max_seq_k, exec);
 }
 
 void run_token_indices(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,

@@ -525,13 +525,7 @@ void plan_token_select(const AttentionProblem& problem, const PolicyParams& poli
       .reserve(std::max({VoteArrays(problem, params, worst).layout.floats(),
                          VoteArrays(problem, params, largest_kept).layout.floats(),
                          decode_lists_apply(problem) ? DecodeListArrays(problem, params, nullptr).layout.floats() : 0}));
-  if (decode_lists_apply(problem)) {
-    run_scratch(exec, kRunScratchDecodeRanges).reserve(decode_lists_partial_floats(problem, problem.max_seq_k));
-    for (int w = 0; w < worker_count(exec); ++w) {
-      loop_scratch(exec, w).reserve(decode_keys_floats(problem.head_dim, problem.num_q_heads));
-      policy_scratch(exec, w).reserve(size_t(problem.num_q_heads) * (size_t(problem.head_dim) + 1));
-    }
-  }
+  if (decode_lists_apply(problem)) reserve_decode_lists_scratch(problem, problem.max_seq_k, exec);
 }
 
 void run_token_select(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
