@@ -22,7 +22,7 @@ for name in ("torch", "torch.nn", "torch.nn.functional", "torch.nn.attention", "
 sys.path.insert(0, bench_dir)
 
 for module in ("binding_runs", "bench_gpu", "bench_select", "bench_sparge", "bench_tsparse", "bench_delta",
-               "profile_sparge"):
+               "profile_sparge", "profile_decode"):
     importlib.import_module(module)
     print("imports:", module)
 
