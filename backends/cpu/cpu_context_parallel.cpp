@@ -5,9 +5,10 @@
 // score_keys_all_kv_heads, bit-identical to the sequential loop), exp(s − m_h) with the same global m_h, Z_h the
 // same FixedPointSum (order-independent), vote[t] the same sum over the set's heads in ascending order, and the same
 // ranking (ranks_before: larger vote, then smaller position). So the index set the four steps produce is the
-// single-device one, bit for bit. Work within a sequence runs in parallel (candidate chunks for the scores and
-// votes, heads for the sums: every result is independent of the split); the steps allocate their working arrays
-// per call (decode-sized: B · Hq · |C ∩ shard| float64 scores).
+// single-device one, bit for bit. The maxima, exponentials, sums and votes run through the single run's softmax
+// kernels (select_softmax.h: the plain loops' bits in vector lanes). Work within a sequence runs in parallel
+// (candidate chunks for the scores and votes, kv heads for the statistics: every result is independent of the
+// split); the steps allocate their working arrays per call (decode-sized: B · Hq · |C ∩ shard| float64 scores).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include "cpu_utilities.h"
 #include "fixed_point_sum.h"
 #include "select_scores.h"
+#include "select_softmax.h"
 
 namespace sparsa::cpu {
 namespace {
@@ -90,14 +92,14 @@ std::vector<double> mean_queries(const AttentionProblem& pr, int32_t b, int64_t 
 constexpr int64_t kChunkCandidates = 64 * kScoreTileKeys;
 
 // s[h, t] for every query head and every candidate of the shard, laid out [Hkv][n][group] as the single run keeps
-// them (score_of reads one), computed by the same score_keys_all_kv_heads, chunks of candidates in parallel.
+// them, computed by the same score_keys_all_kv_heads, chunks of candidates in parallel.
 struct ShardScores {
   std::vector<double> values;
   int64_t n = 0;
   int32_t group = 1;
-  double score_of(int32_t h, int64_t c) const {
-    return values[(size_t(h / group) * size_t(n) + size_t(c)) * size_t(group) + size_t(h % group)];
-  }
+  // The [n, group] block of kv head hk's query heads: the layout select_softmax.h's kernels take.
+  double* block(int32_t hk) { return values.data() + size_t(hk) * size_t(n) * size_t(group); }
+  int64_t block_size() const { return n * group; }
 };
 
 ShardScores shard_scores(const CpSelectCall& call, const Params& params, int32_t b, const ShardSequence& s,
@@ -127,16 +129,36 @@ double read_f64(const TensorArg& a, int64_t i0, int64_t i1) {
 
 void step_max(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
   const AttentionProblem& pr = call.problem;
+  const SelectSoftmaxKernel& softmax = select_softmax_kernel();
   double* out = call.out.ptr<double>();
   for (int32_t b = 0; b < pr.batch; ++b) {
     const ShardSequence s = shard_sequence(call, params, b);
-    const ShardScores scores = s.selects() ? shard_scores(call, params, b, s, exec) : ShardScores();
-    for (int32_t h = 0; h < pr.num_q_heads; ++h) {
-      double max_score = -INFINITY;  // std::max skips NaN scores, as head_softmax_stats does
-      for (int64_t c = 0; c < scores.n; ++c) max_score = std::max(max_score, scores.score_of(h, c));
-      out[b * call.out.stride(0) + h * call.out.stride(1)] = max_score;
+    ShardScores scores = s.selects() ? shard_scores(call, params, b, s, exec) : ShardScores();
+    // -inf for a head without candidates here; std::max skips NaN scores, as head_softmax_stats does.
+    std::vector<double> maxes(size_t(pr.num_q_heads), -INFINITY);
+    if (scores.n > 0) {
+      for (int32_t hk = 0; hk < pr.num_kv_heads; ++hk) {
+        softmax.max_per_head(scores.block(hk), scores.block_size(), scores.group,
+                             maxes.data() + size_t(hk) * size_t(scores.group));
+      }
     }
+    for (int32_t h = 0; h < pr.num_q_heads; ++h) out[b * call.out.stride(0) + h * call.out.stride(1)] = maxes[size_t(h)];
   }
+}
+
+// exp(s − m_h) of every score of the shard, in place, with the global maxima m_h, and each head's terms added to
+// sums[h] (one FixedPointSum per query head of the sequence).
+void exponentiate(const CpSelectCall& call, int32_t b, ShardScores& scores, FixedPointSum* sums,
+                  const ExecContext& exec) {
+  const AttentionProblem& pr = call.problem;
+  if (scores.n == 0) return;
+  parallel_items(exec, pr.num_kv_heads, [&](int64_t item, int) {
+    const int32_t hk = int32_t(item);
+    std::vector<double> maxes(size_t(scores.group));
+    for (int32_t l = 0; l < scores.group; ++l) maxes[size_t(l)] = read_f64(call.global_max, b, hk * scores.group + l);
+    select_softmax_kernel().exp_and_sum(scores.block(hk), scores.block_size(), scores.group, maxes.data(),
+                                        sums + size_t(hk) * size_t(scores.group));
+  });
 }
 
 void step_sum(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
@@ -144,17 +166,15 @@ void step_sum(const CpSelectCall& call, const Params& params, const ExecContext&
   int64_t* out = call.out.ptr<int64_t>();
   for (int32_t b = 0; b < pr.batch; ++b) {
     const ShardSequence s = shard_sequence(call, params, b);
-    const ShardScores scores = s.selects() ? shard_scores(call, params, b, s, exec) : ShardScores();
-    parallel_items(exec, pr.num_q_heads, [&](int64_t item, int) {
-      const int32_t h = int32_t(item);
-      const double max_score = read_f64(call.global_max, b, h);
-      FixedPointSum sum;
-      for (int64_t c = 0; c < scores.n; ++c) sum.add(std::exp(scores.score_of(h, c) - max_score));
+    ShardScores scores = s.selects() ? shard_scores(call, params, b, s, exec) : ShardScores();
+    std::vector<FixedPointSum> sums(size_t(pr.num_q_heads));
+    exponentiate(call, b, scores, sums.data(), exec);
+    for (int32_t h = 0; h < pr.num_q_heads; ++h) {
       int64_t digits[FixedPointSum::kDigits];
-      sum.to_digits(digits);
+      sums[size_t(h)].to_digits(digits);
       for (int i = 0; i < FixedPointSum::kDigits; ++i)
         out[b * call.out.stride(0) + h * call.out.stride(1) + i * call.out.stride(2)] = digits[i];
-    });
+    }
   }
 }
 
@@ -187,22 +207,20 @@ void step_topk(const CpSelectCall& call, const Params& params, const ExecContext
   int32_t* out_positions = call.out_positions.ptr<int32_t>();
   for (int32_t b = 0; b < pr.batch; ++b) {
     const ShardSequence s = shard_sequence(call, params, b);
-    const ShardScores scores = s.selects() ? shard_scores(call, params, b, s, exec) : ShardScores();
+    ShardScores scores = s.selects() ? shard_scores(call, params, b, s, exec) : ShardScores();
     const int64_t n = scores.n;
+    std::vector<FixedPointSum> unused_sums(size_t(pr.num_q_heads));  // step 2 has Z_h; only the terms are needed
+    exponentiate(call, b, scores, unused_sums.data(), exec);
     std::vector<double> votes(static_cast<size_t>(n));
     std::vector<int64_t> order(static_cast<size_t>(n)), ids(static_cast<size_t>(n));
     for (int32_t set = 0; set < params.n_sets; ++set) {
       const int32_t first_head = set * params.heads_per_set;
+      const double* set_terms = scores.n > 0 ? scores.block(first_head / scores.group) : nullptr;
+      const double* set_z = z.data() + size_t(b) * size_t(pr.num_q_heads) + size_t(first_head);
       parallel_items(exec, (n + kChunkCandidates - 1) / kChunkCandidates, [&](int64_t item, int) {
-        for (int64_t c = item * kChunkCandidates; c < std::min(n, (item + 1) * kChunkCandidates); ++c) {
-          double vote = 0.0;
-          for (int32_t l = 0; l < params.heads_per_set; ++l) {
-            const int32_t h = first_head + l;
-            const double e = std::exp(scores.score_of(h, c) - read_f64(call.global_max, b, h));
-            vote += e / z[size_t(b) * size_t(pr.num_q_heads) + size_t(h)];
-          }
-          votes[size_t(c)] = vote;
-        }
+        const int64_t first = item * kChunkCandidates;
+        select_softmax_kernel().vote(set_terms, scores.block_size(), scores.group, params.heads_per_set, set_z, first,
+                                     std::min(n, first + kChunkCandidates), votes.data());
       });
       const int64_t k = std::min(params.top_k, n);
       top_k_ids_ascending(votes.data(), n, k, order.data(), ids.data());
