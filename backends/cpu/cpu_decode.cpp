@@ -1,5 +1,5 @@
-// Dense decode over a key range on a 16-bit KV cache (attend_decode_keys, cpu_engine.h) with the AVX-512F decode
-// kernels (decode_kernels.h); run_dense uses it only where they exist. The same loop over an explicit key list
+// Dense decode over a key range on a 16-bit KV cache (attend_decode_keys, cpu_engine.h) with the AVX-512F or AVX2
+// decode kernels (decode_kernels.h); run_dense uses it only where they exist. The same loop over an explicit key list
 // (attend_decode_list) serves the selection policies' decode (run_decode_lists: lists cut into slices, merged by
 // LSE like dense decode's ranges).
 //
@@ -55,7 +55,7 @@ void attend_decode(const AttentionProblem& problem, int32_t b, int32_t hk_first,
   const int st_stride = nr_pad + kStridePad;
   const int64_t eb = element_bytes(problem.dtype);
   const Microkernels& kernels = select_microkernels();
-  const DecodeKernels* kernels_or_null = avx512_decode_kernels(d);
+  const DecodeKernels* kernels_or_null = select_decode_kernels(d);
   if (!kernels_or_null) fail(SPARSA_STATUS_INTERNAL, "attend_decode_keys: no decode kernels for head_dim ", d);
   const DecodeKernels& decode = *kernels_or_null;
 
@@ -182,7 +182,7 @@ void merge_decode_parts(const AttentionProblem& problem, const OutputSink& sink,
 bool decode_lists_apply(const AttentionProblem& problem) {
   return problem.max_seq_q == 1 && problem.dtype != SPARSA_DTYPE_F32 && problem.num_q_heads > 0 &&
          problem.num_q_heads / problem.num_kv_heads <= kMaxStackedRows &&
-         avx512_decode_kernels(problem.head_dim) != nullptr;
+         select_decode_kernels(problem.head_dim) != nullptr;
 }
 
 namespace {

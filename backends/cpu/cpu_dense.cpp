@@ -90,12 +90,13 @@ namespace {
 // Dense decode on a 16-bit KV cache: the keys of every sequence are cut into ranges of kDecodeRangeKeys (a fixed
 // size, so the result does not depend on the thread count), each range is one work item that reads its K and V once
 // for all heads (attend_decode_keys), and the ranges' normalised rows are merged by LSE. fp32 problems keep the block
-// walk (its arithmetic is what the shared test vectors pin), and so do CPUs without the AVX-512F decode kernels.
+// walk (its arithmetic is what the shared test vectors pin), and so do CPUs without the decode kernels (AVX-512F, or
+// AVX2 + FMA + F16C).
 
 bool use_decode_ranges(const AttentionProblem& problem) {
   return problem.max_seq_q == 1 && problem.dtype != SPARSA_DTYPE_F32 && problem.num_q_heads > 0 &&
          problem.num_q_heads / problem.num_kv_heads <= kMaxStackedRows &&
-         avx512_decode_kernels(problem.head_dim) != nullptr;
+         select_decode_kernels(problem.head_dim) != nullptr;
 }
 
 // Floats of one range's rows + LSEs, and the number of ranges per sequence.

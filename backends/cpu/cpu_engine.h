@@ -122,7 +122,7 @@ void merge_decode_parts(const AttentionProblem& problem, const OutputSink& sink,
                         const float* first_part, int64_t n_parts, size_t part_stride, float* merged);
 
 // Decode of the selection policies (TOKEN_SELECT, TOKEN_INDICES) over explicit key lists on a 16-bit KV cache, the
-// same kernels as dense decode (decode_lists_apply: one query row per sequence, fp16/bf16, the AVX-512F decode
+// same kernels as dense decode (decode_lists_apply: one query row per sequence, fp16/bf16, the AVX-512F or AVX2 decode
 // kernels exist for D): list l of sequence b is shared by the query heads of kv heads [l·Hkv/n_lists, (l+1)·Hkv/n_lists)
 // and every listed key is visible to them. Each list is cut into slices of kDecodeRangeKeys keys (a fixed size, so
 // results do not depend on the thread count); a slice is one work item that reads each listed key's K and V rows of

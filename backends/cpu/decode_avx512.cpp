@@ -45,22 +45,15 @@ __attribute__((target("avx512f"))) inline float horizontal_sum(__m512 x) {
   return _mm_cvtss_f32(four);
 }
 
-// Prefetches one key's rows, every kv head.
-inline void prefetch_rows(const unsigned char* row, int64_t head_bytes, const DecodeTile& tile) {
-  constexpr int kLineBytes = 64;
-  const int row_bytes = tile.d * 2;  // 16-bit elements
-  for (int hk = 0; hk < tile.n_kv_heads; ++hk, row += head_bytes)
-    for (int byte = 0; byte < row_bytes; byte += kLineBytes) __builtin_prefetch(row + byte);
-}
-
 template <int32_t kDtype, int kChunks>
 __attribute__((target("avx512f"))) void scores_avx512(const DecodeTile& tile, const float* q, float* st,
                                                       int st_stride) {
   constexpr int kBytes = 2 * kLanes;  // bytes of 16 values
   for (int j = 0; j < tile.nk; ++j) {
     if (tile.prefetch_rows) {
-      prefetch_rows(tile.v_rows[j], tile.v_head_bytes, tile);
-      if (j + kPrefetchKeysAhead < tile.nk) prefetch_rows(tile.k_rows[j + kPrefetchKeysAhead], tile.k_head_bytes, tile);
+      prefetch_key_rows(tile.v_rows[j], tile.v_head_bytes, tile);
+      if (j + kPrefetchKeysAhead < tile.nk)
+        prefetch_key_rows(tile.k_rows[j + kPrefetchKeysAhead], tile.k_head_bytes, tile);
     }
     float* st_row = st + int64_t(j) * st_stride;
     for (int hk = 0; hk < tile.n_kv_heads; ++hk) {

@@ -3,8 +3,8 @@
 // fp32), all kv heads of a key before the next key, so a thread walks its key range front to back.
 //   scores      Sᵀ[j, h] = Σ_c q[h, c] · K[key j, kv head of h][c]
 //   accumulate  o[h, :] += Σ_j Sᵀ[j, h] · V[key j, kv head of h][:]
-// AVX-512F only (decode_avx512.cpp, head dims 64/128/256): elsewhere dense decode keeps the tile loop, whose AVX2 /
-// portable kernels already serve it (measured on AVX-512: the range path pays with these kernels).
+// Two versions, head dims 64/128/256: AVX-512F (decode_avx512.cpp) and AVX2 + FMA + F16C (decode_avx2.cpp); on other
+// CPUs (and other head dims) dense decode keeps the tile loop with the portable kernels.
 #pragma once
 
 #include <cstdint>
@@ -27,16 +27,30 @@ struct DecodeTile {
 };
 constexpr int kPrefetchKeysAhead = 4;
 
+// Prefetches one key's rows, every kv head of the tile (row: kv head 0's row; head_bytes: K's or V's kv head stride).
+inline void prefetch_key_rows(const unsigned char* row, int64_t head_bytes, const DecodeTile& tile) {
+  constexpr int kLineBytes = 64;
+  const int row_bytes = tile.d * 2;  // 16-bit elements
+  for (int hk = 0; hk < tile.n_kv_heads; ++hk, row += head_bytes)
+    for (int byte = 0; byte < row_bytes; byte += kLineBytes) __builtin_prefetch(row + byte);
+}
+
 struct DecodeKernels {
   // st[j * st_stride + h] for j < nk, h < n_kv_heads · group; q is [Hq, d] fp32 (scale folded in).
   void (*scores)(const DecodeTile& tile, const float* q, float* st, int st_stride);
   // o[h * d + c] += Σ_j st[j * st_stride + h] · V_j[c] (terms with a zero probability skipped).
   void (*accumulate)(const DecodeTile& tile, const float* st, int st_stride, float* o);
-  const char* name;  // "avx512f"
+  const char* name;  // "avx512f" or "avx2"
 };
 
-// The AVX-512F table when this CPU has AVX-512F, the library was built for x86-64 (and not with
-// SPARSA_CPU_PORTABLE_KERNELS) and d is 64, 128 or 256; else null.
+// The AVX-512F (AVX2 + FMA + F16C) table when this CPU has those instructions, the library was built for x86-64 (and
+// not with SPARSA_CPU_PORTABLE_KERNELS) and d is 64, 128 or 256; else null.
 const DecodeKernels* avx512_decode_kernels(int d);
+const DecodeKernels* avx2_decode_kernels(int d);
+// The one the backend uses: AVX-512F, else AVX2; null where neither applies (the caller keeps the tile loop).
+inline const DecodeKernels* select_decode_kernels(int d) {
+  if (const DecodeKernels* kernels = avx512_decode_kernels(d)) return kernels;
+  return avx2_decode_kernels(d);
+}
 
 }  // namespace sparsa::cpu

@@ -1,0 +1,162 @@
+// AVX2 + F16C dense decode kernels (see decode_kernels.h): the AVX-512F kernels' walk for CPUs without AVX-512.
+// With 16 ymm registers a row of d = 8·kChunks values does not fit in registers as it does in zmm, so the loops run
+// chunk by chunk instead: each 8-value chunk of a K row is widened once (vcvtph2ps, or zero-extend + shift for bf16)
+// and feeds up to kHeadBlock query rows' FMA chains (two chains per row, even and odd chunks); each chunk of a V row is
+// widened once and added into the output row slice of every head with a nonzero probability.
+// Only functions with the avx2/fma/f16c target attribute touch those instructions, and avx2_decode_kernels() hands them
+// out only on a CPU that has them.
+#include "decode_kernels.h"
+#include "cpu_features.h"
+
+#include <sparsa/sparsa.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace sparsa::cpu {
+
+#if defined(__x86_64__)
+namespace {
+
+constexpr int kLanes = 8;       // floats per ymm
+constexpr int kHeadBlock = 4;   // query rows per pass over a K row: 8 accumulators, a K chunk, a q chunk
+constexpr int kMaxGroup = 16;   // = kMaxStackedRows: a kv group's heads in one list of nonzero probabilities
+
+template <int32_t kDtype>
+__attribute__((target("avx2,f16c"))) inline __m256 widen8(const unsigned char* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kDtype == SPARSA_DTYPE_F16) {
+    return _mm256_cvtph_ps(h);
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+__attribute__((target("avx2"))) inline float horizontal_sum(__m256 x) {
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  four = _mm_add_ss(four, _mm_shuffle_ps(four, four, 1));
+  return _mm_cvtss_f32(four);
+}
+
+// st_row[h] = q_h · K_row for kHeads consecutive query heads starting at h (q rows of kChunks·8 floats).
+template <int32_t kDtype, int kChunks, int kHeads>
+__attribute__((target("avx2,fma,f16c"))) inline void score_heads(const unsigned char* k_row, const float* q, int h,
+                                                                 float* st_row) {
+  constexpr int kBytes = 2 * kLanes;  // bytes of 8 values
+  const float* q_rows = q + int64_t(h) * kChunks * kLanes;
+  __m256 even[kHeads], odd[kHeads];
+#pragma GCC unroll 4
+  for (int l = 0; l < kHeads; ++l) even[l] = odd[l] = _mm256_setzero_ps();
+#pragma GCC unroll 32
+  for (int x = 0; x < kChunks; x += 2) {
+    const __m256 k_even = widen8<kDtype>(k_row + x * kBytes);
+    const __m256 k_odd = widen8<kDtype>(k_row + (x + 1) * kBytes);
+#pragma GCC unroll 4
+    for (int l = 0; l < kHeads; ++l) {
+      const float* q_row = q_rows + int64_t(l) * kChunks * kLanes;
+      even[l] = _mm256_fmadd_ps(_mm256_loadu_ps(q_row + x * kLanes), k_even, even[l]);
+      odd[l] = _mm256_fmadd_ps(_mm256_loadu_ps(q_row + (x + 1) * kLanes), k_odd, odd[l]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int l = 0; l < kHeads; ++l) st_row[h + l] = horizontal_sum(_mm256_add_ps(even[l], odd[l]));
+}
+
+template <int32_t kDtype, int kChunks>
+__attribute__((target("avx2,fma,f16c"))) void scores_avx2(const DecodeTile& tile, const float* q, float* st,
+                                                          int st_stride) {
+  for (int j = 0; j < tile.nk; ++j) {
+    if (tile.prefetch_rows) {
+      prefetch_key_rows(tile.v_rows[j], tile.v_head_bytes, tile);
+      if (j + kPrefetchKeysAhead < tile.nk)
+        prefetch_key_rows(tile.k_rows[j + kPrefetchKeysAhead], tile.k_head_bytes, tile);
+    }
+    float* st_row = st + int64_t(j) * st_stride;
+    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+      const unsigned char* k_row = tile.k_rows[j] + hk * tile.k_head_bytes;
+      const int first = hk * tile.group, end = first + tile.group;
+      int h = first;
+      for (; h + kHeadBlock <= end; h += kHeadBlock) score_heads<kDtype, kChunks, kHeadBlock>(k_row, q, h, st_row);
+      if (end - h >= 2) {
+        score_heads<kDtype, kChunks, 2>(k_row, q, h, st_row);
+        h += 2;
+      }
+      if (h < end) score_heads<kDtype, kChunks, 1>(k_row, q, h, st_row);
+    }
+  }
+}
+
+template <int32_t kDtype, int kChunks>
+__attribute__((target("avx2,fma,f16c"))) void accumulate_avx2(const DecodeTile& tile, const float* st, int st_stride,
+                                                              float* o) {
+  constexpr int kBytes = 2 * kLanes;
+  constexpr int kRowFloats = kChunks * kLanes;
+  for (int j = 0; j < tile.nk; ++j) {
+    const float* st_row = st + int64_t(j) * st_stride;
+    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+      // The group's heads with a nonzero probability for this key (a zero one adds nothing, and 0·inf would be NaN).
+      int heads[kMaxGroup];
+      int n_heads = 0;
+      for (int l = 0; l < tile.group; ++l)
+        if (st_row[hk * tile.group + l] != 0.f) heads[n_heads++] = hk * tile.group + l;
+      if (n_heads == 0) continue;
+      const unsigned char* v_row = tile.v_rows[j] + hk * tile.v_head_bytes;
+#pragma GCC unroll 32
+      for (int x = 0; x < kChunks; ++x) {
+        const __m256 v = widen8<kDtype>(v_row + x * kBytes);
+        for (int i = 0; i < n_heads; ++i) {
+          float* o_chunk = o + int64_t(heads[i]) * kRowFloats + x * kLanes;
+          _mm256_storeu_ps(o_chunk, _mm256_fmadd_ps(_mm256_broadcast_ss(st_row + heads[i]), v,
+                                                    _mm256_loadu_ps(o_chunk)));
+        }
+      }
+    }
+  }
+}
+
+template <int kChunks>
+void scores_dispatch(const DecodeTile& tile, const float* q, float* st, int st_stride) {
+  if (tile.dtype == SPARSA_DTYPE_F16) {
+    scores_avx2<SPARSA_DTYPE_F16, kChunks>(tile, q, st, st_stride);
+  } else {
+    scores_avx2<SPARSA_DTYPE_BF16, kChunks>(tile, q, st, st_stride);
+  }
+}
+template <int kChunks>
+void accumulate_dispatch(const DecodeTile& tile, const float* st, int st_stride, float* o) {
+  if (tile.dtype == SPARSA_DTYPE_F16) {
+    accumulate_avx2<SPARSA_DTYPE_F16, kChunks>(tile, st, st_stride, o);
+  } else {
+    accumulate_avx2<SPARSA_DTYPE_BF16, kChunks>(tile, st, st_stride, o);
+  }
+}
+
+constexpr DecodeKernels kD64 = {scores_dispatch<8>, accumulate_dispatch<8>, "avx2"};
+constexpr DecodeKernels kD128 = {scores_dispatch<16>, accumulate_dispatch<16>, "avx2"};
+constexpr DecodeKernels kD256 = {scores_dispatch<32>, accumulate_dispatch<32>, "avx2"};
+
+}  // namespace
+
+const DecodeKernels* avx2_decode_kernels(int d) {
+#if defined(SPARSA_CPU_PORTABLE_KERNELS)
+  return nullptr;
+#endif
+  const CpuFeatures& cpu = cpu_features();
+  if (!(cpu.avx2 && cpu.fma && cpu.f16c)) return nullptr;
+  switch (d) {
+    case 64: return &kD64;
+    case 128: return &kD128;
+    case 256: return &kD256;
+    default: return nullptr;
+  }
+}
+
+#else
+
+const DecodeKernels* avx2_decode_kernels(int) { return nullptr; }
+
+#endif
+
+}  // namespace sparsa::cpu
