@@ -3,8 +3,9 @@
 // then the product with `scale`; only the number of sums in flight differs.
 //   portable  one sum at a time;
 //   AVX2      4 heads × 2 vectors of 4 keys = 8 sums per pass, 4 passes per 32-key tile;
-//   AVX-512F  4 heads × 4 vectors of 8 keys = 16 sums per pass over the tile; with score_tile_exact_products one FMA
-//             per channel and sum instead of a multiply and an add (the same bits: the products are exact).
+//   AVX-512F  4 heads × 4 vectors of 8 keys = 16 sums per pass over the tile;
+// both with score_tile_exact_products take one FMA per channel and sum instead of a multiply and an add (the same
+// bits: the products are exact).
 // A sequential sum is a chain of dependent adds, so it runs at one add per add latency; the register blocks keep
 // enough chains in flight to fill both the multiply and the add pipes. Keys are transposed once per tile (8×8 fp32
 // blocks), and every head block of the call reads the same transposed tile.
@@ -258,10 +259,11 @@ void score_tile_avx512_exact_products(const double* qbars, int n_heads, const vo
 constexpr int kYmmDoubles = 4;
 constexpr int kYmmVectors = kKeyGroup / kYmmDoubles;
 
-template <int kHeads>
-__attribute__((target("avx2"))) void head_block_avx2(const double* qbars, const float* transposed, int n_keys, int32_t d,
-                                                     double scale, int first_head, double* scores,
-                                                     int64_t score_stride) {
+// kFused: as head_block_avx512's.
+template <int kHeads, bool kFused>
+__attribute__((target("avx2,fma"))) void head_block_avx2(const double* qbars, const float* transposed, int n_keys,
+                                                         int32_t d, double scale, int first_head, double* scores,
+                                                         int64_t score_stride) {
   for (int first_key = 0; first_key < n_keys; first_key += kKeyGroup) {
     __m256d acc[kHeads][kYmmVectors];
 #pragma GCC unroll 4
@@ -277,7 +279,13 @@ __attribute__((target("avx2"))) void head_block_avx2(const double* qbars, const 
       for (int h = 0; h < kHeads; ++h) {
         const __m256d q = _mm256_set1_pd(qbars[int64_t(h) * d + c]);
 #pragma GCC unroll 2
-        for (int x = 0; x < kYmmVectors; ++x) acc[h][x] = _mm256_add_pd(acc[h][x], _mm256_mul_pd(q, k[x]));
+        for (int x = 0; x < kYmmVectors; ++x) {
+          if constexpr (kFused) {
+            acc[h][x] = _mm256_fmadd_pd(q, k[x], acc[h][x]);  // rounds once, like the add: the product is exact
+          } else {
+            acc[h][x] = _mm256_add_pd(acc[h][x], _mm256_mul_pd(q, k[x]));
+          }
+        }
       }
     }
     const __m256d factor = _mm256_set1_pd(scale);
@@ -292,25 +300,36 @@ __attribute__((target("avx2"))) void head_block_avx2(const double* qbars, const 
   }
 }
 
-__attribute__((target("avx2"))) void score_tile_avx2(const double* qbars, int n_heads, const void* const* keys,
-                                                     int32_t dtype, int n_keys, int32_t d, double scale,
-                                                     float* transposed, double* scores, int64_t score_stride) {
+template <bool kFused>
+void score_tile_avx2_blocks(const double* qbars, int n_heads, const void* const* keys, int32_t dtype, int n_keys,
+                            int32_t d, double scale, float* transposed, double* scores, int64_t score_stride) {
   transpose_any(keys, dtype, n_keys, d, transposed);
   for (int h = 0; h < n_heads; h += kHeadBlock) {
     const double* q = qbars + int64_t(h) * d;
     switch (std::min(kHeadBlock, n_heads - h)) {
-      case 4: head_block_avx2<4>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
-      case 3: head_block_avx2<3>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
-      case 2: head_block_avx2<2>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
-      default: head_block_avx2<1>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 4: head_block_avx2<4, kFused>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 3: head_block_avx2<3, kFused>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      case 2: head_block_avx2<2, kFused>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
+      default: head_block_avx2<1, kFused>(q, transposed, n_keys, d, scale, h, scores, score_stride); break;
     }
   }
 }
 
-constexpr SelectScoreKernel kAvx2 = {score_tile_avx2, score_tile_avx2, "avx2"};
+void score_tile_avx2(const double* qbars, int n_heads, const void* const* keys, int32_t dtype, int n_keys, int32_t d,
+                     double scale, float* transposed, double* scores, int64_t score_stride) {
+  score_tile_avx2_blocks<false>(qbars, n_heads, keys, dtype, n_keys, d, scale, transposed, scores, score_stride);
+}
+
+void score_tile_avx2_exact_products(const double* qbars, int n_heads, const void* const* keys, int32_t dtype,
+                                    int n_keys, int32_t d, double scale, float* transposed, double* scores,
+                                    int64_t score_stride) {
+  score_tile_avx2_blocks<true>(qbars, n_heads, keys, dtype, n_keys, d, scale, transposed, scores, score_stride);
+}
+
+constexpr SelectScoreKernel kAvx2 = {score_tile_avx2, score_tile_avx2_exact_products, "avx2"};
 constexpr SelectScoreKernel kAvx512 = {score_tile_avx512, score_tile_avx512_exact_products, "avx512f"};
 
-bool has_avx2() { return cpu_features().avx2 && cpu_features().f16c; }
+bool has_avx2() { return cpu_features().avx2 && cpu_features().fma && cpu_features().f16c; }
 bool has_avx512f() { return has_avx2() && cpu_features().avx512f; }
 
 #endif

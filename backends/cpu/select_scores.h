@@ -33,8 +33,8 @@ struct SelectScoreKernel {
   void (*score_tile)(const double* qbars, int n_heads, const void* const* keys, int32_t dtype, int n_keys, int32_t d,
                      double scale, float* transposed, double* scores, int64_t score_stride);
   // score_tile for callers that guarantee every product q̄_l[c]·K_j[c] is exact in float64 (qbars_are_floats): then
-  // an FMA rounds q̄·K + sum exactly as the separate add does, so a version may fuse them (the AVX-512F one does,
-  // leaving the add pipes to the transpose) and the bits stay score_tile's.
+  // an FMA rounds q̄·K + sum exactly as the separate add does, so a version may fuse them (the AVX2 and AVX-512F ones
+  // do, leaving the add pipes to the transpose) and the bits stay score_tile's.
   void (*score_tile_exact_products)(const double* qbars, int n_heads, const void* const* keys, int32_t dtype,
                                     int n_keys, int32_t d, double scale, float* transposed, double* scores,
                                     int64_t score_stride);
@@ -55,8 +55,8 @@ inline bool qbars_are_floats(const double* qbars, int64_t n) {
 
 // The plain loop (every CPU).
 const SelectScoreKernel& portable_select_score_kernel();
-// The AVX2 (4 float64 lanes) and AVX-512F (8 lanes) versions (both widen 16-bit rows with F16C / AVX2): null where
-// the CPU (or the build: non-x86, or SPARSA_CPU_PORTABLE_KERNELS) lacks them.
+// The AVX2 + FMA (4 float64 lanes) and AVX-512F (8 lanes) versions (both widen 16-bit rows with F16C / AVX2): null
+// where the CPU (or the build: non-x86, or SPARSA_CPU_PORTABLE_KERNELS) lacks them.
 const SelectScoreKernel* avx2_select_score_kernel();
 const SelectScoreKernel* avx512_select_score_kernel();
 // The one the backend uses: AVX-512F, else AVX2, else portable; chosen once per process.

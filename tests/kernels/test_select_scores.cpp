@@ -180,8 +180,9 @@ TEST(SelectScoreKernels, EveryVersionMatchesThePlainChannelOrderLoopBitForBit) {
 }
 
 // score_tile_exact_products with q̄ made of float values (a decode's widened query row): the same bits as the plain
-// loop. Where a version fuses (AVX-512F), the same call on arbitrary float64 q̄, whose products are not exact, must
-// differ from the plain loop somewhere: otherwise the comparison above could not tell a fused kernel from an unfused.
+// loop. Where a version fuses (AVX2, AVX-512F), the same call on arbitrary float64 q̄, whose products are not exact,
+// must differ from the plain loop somewhere: otherwise the comparison above could not tell a fused kernel from an
+// unfused one.
 TEST(SelectScoreKernels, ExactProductsVersionMatchesThePlainLoopForFloatQbars) {
   const std::vector<const SelectScoreKernel*> kernels = kernels_present();
   std::mt19937_64 rng(7);
