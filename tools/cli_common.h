@@ -4,6 +4,7 @@
 
 #include <sparsa/sparsa.h>
 
+#include <cctype>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -32,6 +33,23 @@ inline void check(sparsa_status status, const std::string& what) {
   if (status != SPARSA_STATUS_SUCCESS) {
     throw RuntimeError(what + ": " + sparsa_status_string(status) + ": " + sparsa_last_error_message());
   }
+}
+
+// A policy name as the library spells it: upper case, '-' as '_' ("sink-window" -> "SINK_WINDOW").
+inline std::string canonical_policy_name(std::string name) {
+  for (char& c : name) c = c == '-' ? '_' : char(std::toupper(static_cast<unsigned char>(c)));
+  return name;
+}
+
+// The kind `name` names (any case, '-' or '_'), among every kind the library knows (sparsa_policy_kind_name answers
+// "unknown" past the last one); otherwise UsageError("<option>: unknown policy ...") listing the known names.
+inline int32_t policy_kind_from_name(const std::string& option, const std::string& name) {
+  std::string known;
+  for (int32_t kind = 0; std::string(sparsa_policy_kind_name(kind)) != "unknown"; ++kind) {
+    if (canonical_policy_name(name) == sparsa_policy_kind_name(kind)) return kind;
+    known += std::string(kind ? ", " : "") + sparsa_policy_kind_name(kind);
+  }
+  throw UsageError(option + ": unknown policy '" + name + "' (expected one of " + known + ", any case)");
 }
 
 // A CPU context with `threads` worker threads (0 = one per core), destroyed with the pointer.

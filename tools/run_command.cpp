@@ -36,21 +36,6 @@ struct RunSettings {
   std::string block_mask_path, indices_path, head_map_path, sparge_head_params_path;
 };
 
-std::string canonical_policy_name(std::string name) {
-  for (char& c : name) c = c == '-' ? '_' : char(std::toupper(static_cast<unsigned char>(c)));
-  return name;
-}
-
-int32_t policy_kind_from_name(const std::string& name) {
-  std::string known;
-  // Every kind the library knows: sparsa_policy_kind_name answers "unknown" past the last one.
-  for (int32_t kind = 0; std::string(sparsa_policy_kind_name(kind)) != "unknown"; ++kind) {
-    if (canonical_policy_name(name) == sparsa_policy_kind_name(kind)) return kind;
-    known += std::string(kind ? ", " : "") + sparsa_policy_kind_name(kind);
-  }
-  throw UsageError("--policy: unknown policy '" + name + "' (expected one of " + known + ", any case)");
-}
-
 // The options of `sparsa run`. Policy fields are written into `policy`, already initialised for its kind.
 std::vector<Option> run_options(RunSettings& s, sparsa_policy& p) {
   auto int_field = [](int32_t& field, const char* name, int32_t min) {
@@ -229,7 +214,7 @@ int run_command(const std::vector<std::string>& args) {
   }
   RunSettings s;
   sparsa_policy policy;
-  const int32_t kind = policy_kind_from_name(scan_policy_name(args));
+  const int32_t kind = policy_kind_from_name("--policy", scan_policy_name(args));
   check(sparsa_policy_init(&policy, sizeof policy, kind), "sparsa_policy_init");
   parse_options(args, run_options(s, policy), "run");
   check_run_settings(s, kind, policy);

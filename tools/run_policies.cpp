@@ -44,17 +44,12 @@ struct PolicyChoice {
   bool delta = false;
 };
 
-std::string upper(std::string s) {
-  for (char& c : s) c = c == '-' ? '_' : char(std::toupper(static_cast<unsigned char>(c)));
-  return s;
-}
-
 std::vector<PolicyChoice> parse_policy_list(const std::string& list) {
   std::vector<PolicyChoice> choices;
   size_t start = 0;
   while (start <= list.size()) {
     const size_t comma = std::min(list.find(',', start), list.size());
-    std::string name = upper(list.substr(start, comma - start));
+    std::string name = canonical_policy_name(list.substr(start, comma - start));
     start = comma + 1;
     if (name.empty()) continue;
     PolicyChoice choice;
@@ -63,11 +58,7 @@ std::vector<PolicyChoice> parse_policy_list(const std::string& list) {
       choice.delta = true;
       name.resize(name.size() - std::string(kDeltaSuffix).size());
     }
-    int32_t kind = -1;
-    for (int32_t k = SPARSA_POLICY_DENSE; k <= SPARSA_POLICY_TOKEN_INDICES; ++k) {
-      if (name == sparsa_policy_kind_name(k)) kind = k;
-    }
-    if (kind < 0) throw UsageError("--policies: unknown policy '" + name + "'");
+    const int32_t kind = policy_kind_from_name("--policies", name);
     if (kind == SPARSA_POLICY_BLOCK_SPARSE || kind == SPARSA_POLICY_TOKEN_INDICES) {
       throw UsageError("--policies: " + name + " needs per-dump tensors; run it with --policy on one dump");
     }
