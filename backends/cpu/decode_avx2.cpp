@@ -5,8 +5,9 @@
 // widened once and added into the output row slice of every head with a nonzero probability.
 // Only functions with the avx2/fma/f16c target attribute touch those instructions, and avx2_decode_kernels() hands them
 // out only on a CPU that has them.
-#include "decode_kernels.h"
 #include "cpu_features.h"
+#include "decode_kernel_table.h"
+#include "decode_kernels.h"
 
 #include <sparsa/sparsa.h>
 
@@ -64,78 +65,59 @@ __attribute__((target("avx2,fma,f16c"))) inline void score_heads(const unsigned 
   for (int l = 0; l < kHeads; ++l) st_row[h + l] = horizontal_sum(_mm256_add_ps(even[l], odd[l]));
 }
 
-template <int32_t kDtype, int kChunks>
-__attribute__((target("avx2,fma,f16c"))) void scores_avx2(const DecodeTile& tile, const float* q, float* st,
-                                                          int st_stride) {
-  for (int j = 0; j < tile.nk; ++j) {
-    if (tile.prefetch_rows) {
-      prefetch_key_rows(tile.v_rows[j], tile.v_head_bytes, tile);
-      if (j + kPrefetchKeysAhead < tile.nk)
-        prefetch_key_rows(tile.k_rows[j + kPrefetchKeysAhead], tile.k_head_bytes, tile);
-    }
-    float* st_row = st + int64_t(j) * st_stride;
-    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-      const unsigned char* k_row = tile.k_rows[j] + hk * tile.k_head_bytes;
-      const int first = hk * tile.group, end = first + tile.group;
-      int h = first;
-      for (; h + kHeadBlock <= end; h += kHeadBlock) score_heads<kDtype, kChunks, kHeadBlock>(k_row, q, h, st_row);
-      if (end - h >= 2) {
-        score_heads<kDtype, kChunks, 2>(k_row, q, h, st_row);
-        h += 2;
+// The kernels, as DecodeKernelTable (decode_kernel_table.h) reads them.
+struct Avx2 {
+  static constexpr int kLanes = sparsa::cpu::kLanes;
+  static constexpr const char* kName = "avx2";
+
+  template <int32_t kDtype, int kChunks>
+  __attribute__((target("avx2,fma,f16c"))) static void scores(const DecodeTile& tile, const float* q, float* st,
+                                                            int st_stride) {
+    for (int j = 0; j < tile.nk; ++j) {
+      prefetch_for_key(tile, j);
+      float* st_row = st + int64_t(j) * st_stride;
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+        const unsigned char* k_row = tile.k_rows[j] + hk * tile.k_head_bytes;
+        const int first = hk * tile.group, end = first + tile.group;
+        int h = first;
+        for (; h + kHeadBlock <= end; h += kHeadBlock) score_heads<kDtype, kChunks, kHeadBlock>(k_row, q, h, st_row);
+        if (end - h >= 2) {
+          score_heads<kDtype, kChunks, 2>(k_row, q, h, st_row);
+          h += 2;
+        }
+        if (h < end) score_heads<kDtype, kChunks, 1>(k_row, q, h, st_row);
       }
-      if (h < end) score_heads<kDtype, kChunks, 1>(k_row, q, h, st_row);
     }
   }
-}
 
-template <int32_t kDtype, int kChunks>
-__attribute__((target("avx2,fma,f16c"))) void accumulate_avx2(const DecodeTile& tile, const float* st, int st_stride,
-                                                              float* o) {
-  constexpr int kBytes = 2 * kLanes;
-  constexpr int kRowFloats = kChunks * kLanes;
-  for (int j = 0; j < tile.nk; ++j) {
-    const float* st_row = st + int64_t(j) * st_stride;
-    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-      // The group's heads with a nonzero probability for this key (a zero one adds nothing, and 0·inf would be NaN).
-      int heads[kMaxGroup];
-      int n_heads = 0;
-      for (int l = 0; l < tile.group; ++l)
-        if (st_row[hk * tile.group + l] != 0.f) heads[n_heads++] = hk * tile.group + l;
-      if (n_heads == 0) continue;
-      const unsigned char* v_row = tile.v_rows[j] + hk * tile.v_head_bytes;
+  template <int32_t kDtype, int kChunks>
+  __attribute__((target("avx2,fma,f16c"))) static void accumulate(const DecodeTile& tile, const float* st,
+                                                                int st_stride, float* o) {
+    constexpr int kBytes = 2 * kLanes;
+    constexpr int kRowFloats = kChunks * kLanes;
+    for (int j = 0; j < tile.nk; ++j) {
+      const float* st_row = st + int64_t(j) * st_stride;
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+        // The group's heads with a nonzero probability for this key (a zero one adds nothing, and 0·inf would be NaN).
+        int heads[kMaxGroup];
+        int n_heads = 0;
+        for (int l = 0; l < tile.group; ++l)
+          if (st_row[hk * tile.group + l] != 0.f) heads[n_heads++] = hk * tile.group + l;
+        if (n_heads == 0) continue;
+        const unsigned char* v_row = tile.v_rows[j] + hk * tile.v_head_bytes;
 #pragma GCC unroll 32
-      for (int x = 0; x < kChunks; ++x) {
-        const __m256 v = widen8<kDtype>(v_row + x * kBytes);
-        for (int i = 0; i < n_heads; ++i) {
-          float* o_chunk = o + int64_t(heads[i]) * kRowFloats + x * kLanes;
-          _mm256_storeu_ps(o_chunk, _mm256_fmadd_ps(_mm256_broadcast_ss(st_row + heads[i]), v,
-                                                    _mm256_loadu_ps(o_chunk)));
+        for (int x = 0; x < kChunks; ++x) {
+          const __m256 v = widen8<kDtype>(v_row + x * kBytes);
+          for (int i = 0; i < n_heads; ++i) {
+            float* o_chunk = o + int64_t(heads[i]) * kRowFloats + x * kLanes;
+            _mm256_storeu_ps(o_chunk, _mm256_fmadd_ps(_mm256_broadcast_ss(st_row + heads[i]), v,
+                                                      _mm256_loadu_ps(o_chunk)));
+          }
         }
       }
     }
   }
-}
-
-template <int kChunks>
-void scores_dispatch(const DecodeTile& tile, const float* q, float* st, int st_stride) {
-  if (tile.dtype == SPARSA_DTYPE_F16) {
-    scores_avx2<SPARSA_DTYPE_F16, kChunks>(tile, q, st, st_stride);
-  } else {
-    scores_avx2<SPARSA_DTYPE_BF16, kChunks>(tile, q, st, st_stride);
-  }
-}
-template <int kChunks>
-void accumulate_dispatch(const DecodeTile& tile, const float* st, int st_stride, float* o) {
-  if (tile.dtype == SPARSA_DTYPE_F16) {
-    accumulate_avx2<SPARSA_DTYPE_F16, kChunks>(tile, st, st_stride, o);
-  } else {
-    accumulate_avx2<SPARSA_DTYPE_BF16, kChunks>(tile, st, st_stride, o);
-  }
-}
-
-constexpr DecodeKernels kD64 = {scores_dispatch<8>, accumulate_dispatch<8>, "avx2"};
-constexpr DecodeKernels kD128 = {scores_dispatch<16>, accumulate_dispatch<16>, "avx2"};
-constexpr DecodeKernels kD256 = {scores_dispatch<32>, accumulate_dispatch<32>, "avx2"};
+};
 
 }  // namespace
 
@@ -145,12 +127,7 @@ const DecodeKernels* avx2_decode_kernels(int d) {
 #endif
   const CpuFeatures& cpu = cpu_features();
   if (!(cpu.avx2 && cpu.fma && cpu.f16c)) return nullptr;
-  switch (d) {
-    case 64: return &kD64;
-    case 128: return &kD128;
-    case 256: return &kD256;
-    default: return nullptr;
-  }
+  return DecodeKernelTable<Avx2>::for_head_dim(d);
 }
 
 #else

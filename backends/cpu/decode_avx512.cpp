@@ -3,8 +3,9 @@
 // chains per query row and one horizontal sum; the P·V update loads, fuses and stores each output row in L1.
 // Only functions with the avx512f target attribute touch AVX-512, and avx512_decode_kernels() hands them out only on
 // a CPU that has it.
-#include "decode_kernels.h"
 #include "cpu_features.h"
+#include "decode_kernel_table.h"
+#include "decode_kernels.h"
 
 #include <sparsa/sparsa.h>
 
@@ -45,83 +46,64 @@ __attribute__((target("avx512f"))) inline float horizontal_sum(__m512 x) {
   return _mm_cvtss_f32(four);
 }
 
-template <int32_t kDtype, int kChunks>
-__attribute__((target("avx512f"))) void scores_avx512(const DecodeTile& tile, const float* q, float* st,
-                                                      int st_stride) {
-  constexpr int kBytes = 2 * kLanes;  // bytes of 16 values
-  for (int j = 0; j < tile.nk; ++j) {
-    if (tile.prefetch_rows) {
-      prefetch_key_rows(tile.v_rows[j], tile.v_head_bytes, tile);
-      if (j + kPrefetchKeysAhead < tile.nk)
-        prefetch_key_rows(tile.k_rows[j + kPrefetchKeysAhead], tile.k_head_bytes, tile);
-    }
-    float* st_row = st + int64_t(j) * st_stride;
-    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-      const unsigned char* k_row = tile.k_rows[j] + hk * tile.k_head_bytes;
-      __m512 k[kChunks];
+// The kernels, as DecodeKernelTable (decode_kernel_table.h) reads them.
+struct Avx512 {
+  static constexpr int kLanes = sparsa::cpu::kLanes;
+  static constexpr const char* kName = "avx512f";
+
+  template <int32_t kDtype, int kChunks>
+  __attribute__((target("avx512f"))) static void scores(const DecodeTile& tile, const float* q, float* st,
+                                                        int st_stride) {
+    constexpr int kBytes = 2 * kLanes;  // bytes of 16 values
+    for (int j = 0; j < tile.nk; ++j) {
+      prefetch_for_key(tile, j);
+      float* st_row = st + int64_t(j) * st_stride;
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+        const unsigned char* k_row = tile.k_rows[j] + hk * tile.k_head_bytes;
+        __m512 k[kChunks];
 #pragma GCC unroll 16
-      for (int x = 0; x < kChunks; ++x) k[x] = widen16<kDtype>(k_row + x * kBytes);
-      for (int l = 0; l < tile.group; ++l) {
-        const int h = hk * tile.group + l;
-        const float* q_row = q + int64_t(h) * kChunks * kLanes;
-        __m512 even = _mm512_mul_ps(_mm512_loadu_ps(q_row), k[0]);
-        __m512 odd = _mm512_mul_ps(_mm512_loadu_ps(q_row + kLanes), k[1]);
+        for (int x = 0; x < kChunks; ++x) k[x] = widen16<kDtype>(k_row + x * kBytes);
+        for (int l = 0; l < tile.group; ++l) {
+          const int h = hk * tile.group + l;
+          const float* q_row = q + int64_t(h) * kChunks * kLanes;
+          __m512 even = _mm512_mul_ps(_mm512_loadu_ps(q_row), k[0]);
+          __m512 odd = _mm512_mul_ps(_mm512_loadu_ps(q_row + kLanes), k[1]);
 #pragma GCC unroll 16
-        for (int x = 2; x < kChunks; x += 2) {
-          even = _mm512_fmadd_ps(_mm512_loadu_ps(q_row + x * kLanes), k[x], even);
-          odd = _mm512_fmadd_ps(_mm512_loadu_ps(q_row + (x + 1) * kLanes), k[x + 1], odd);
+          for (int x = 2; x < kChunks; x += 2) {
+            even = _mm512_fmadd_ps(_mm512_loadu_ps(q_row + x * kLanes), k[x], even);
+            odd = _mm512_fmadd_ps(_mm512_loadu_ps(q_row + (x + 1) * kLanes), k[x + 1], odd);
+          }
+          st_row[h] = horizontal_sum(_mm512_add_ps(even, odd));
         }
-        st_row[h] = horizontal_sum(_mm512_add_ps(even, odd));
       }
     }
   }
-}
 
-template <int32_t kDtype, int kChunks>
-__attribute__((target("avx512f"))) void accumulate_avx512(const DecodeTile& tile, const float* st, int st_stride,
-                                                          float* o) {
-  constexpr int kBytes = 2 * kLanes;
-  for (int j = 0; j < tile.nk; ++j) {
-    const float* st_row = st + int64_t(j) * st_stride;
-    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-      const unsigned char* v_row = tile.v_rows[j] + hk * tile.v_head_bytes;
-      __m512 v[kChunks];
+  template <int32_t kDtype, int kChunks>
+  __attribute__((target("avx512f"))) static void accumulate(const DecodeTile& tile, const float* st, int st_stride,
+                                                            float* o) {
+    constexpr int kBytes = 2 * kLanes;
+    for (int j = 0; j < tile.nk; ++j) {
+      const float* st_row = st + int64_t(j) * st_stride;
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+        const unsigned char* v_row = tile.v_rows[j] + hk * tile.v_head_bytes;
+        __m512 v[kChunks];
 #pragma GCC unroll 16
-      for (int x = 0; x < kChunks; ++x) v[x] = widen16<kDtype>(v_row + x * kBytes);
-      for (int l = 0; l < tile.group; ++l) {
-        const int h = hk * tile.group + l;
-        const float p = st_row[h];
-        if (p == 0.f) continue;
-        const __m512 pb = _mm512_set1_ps(p);
-        float* o_row = o + int64_t(h) * kChunks * kLanes;
+        for (int x = 0; x < kChunks; ++x) v[x] = widen16<kDtype>(v_row + x * kBytes);
+        for (int l = 0; l < tile.group; ++l) {
+          const int h = hk * tile.group + l;
+          const float p = st_row[h];
+          if (p == 0.f) continue;
+          const __m512 pb = _mm512_set1_ps(p);
+          float* o_row = o + int64_t(h) * kChunks * kLanes;
 #pragma GCC unroll 16
-        for (int x = 0; x < kChunks; ++x)
-          _mm512_storeu_ps(o_row + x * kLanes, _mm512_fmadd_ps(pb, v[x], _mm512_loadu_ps(o_row + x * kLanes)));
+          for (int x = 0; x < kChunks; ++x)
+            _mm512_storeu_ps(o_row + x * kLanes, _mm512_fmadd_ps(pb, v[x], _mm512_loadu_ps(o_row + x * kLanes)));
+        }
       }
     }
   }
-}
-
-template <int kChunks>
-void scores_dispatch(const DecodeTile& tile, const float* q, float* st, int st_stride) {
-  if (tile.dtype == SPARSA_DTYPE_F16) {
-    scores_avx512<SPARSA_DTYPE_F16, kChunks>(tile, q, st, st_stride);
-  } else {
-    scores_avx512<SPARSA_DTYPE_BF16, kChunks>(tile, q, st, st_stride);
-  }
-}
-template <int kChunks>
-void accumulate_dispatch(const DecodeTile& tile, const float* st, int st_stride, float* o) {
-  if (tile.dtype == SPARSA_DTYPE_F16) {
-    accumulate_avx512<SPARSA_DTYPE_F16, kChunks>(tile, st, st_stride, o);
-  } else {
-    accumulate_avx512<SPARSA_DTYPE_BF16, kChunks>(tile, st, st_stride, o);
-  }
-}
-
-constexpr DecodeKernels kD64 = {scores_dispatch<4>, accumulate_dispatch<4>, "avx512f"};
-constexpr DecodeKernels kD128 = {scores_dispatch<8>, accumulate_dispatch<8>, "avx512f"};
-constexpr DecodeKernels kD256 = {scores_dispatch<16>, accumulate_dispatch<16>, "avx512f"};
+};
 
 }  // namespace
 
@@ -130,12 +112,7 @@ const DecodeKernels* avx512_decode_kernels(int d) {
   return nullptr;
 #endif
   if (!cpu_features().avx512f) return nullptr;
-  switch (d) {
-    case 64: return &kD64;
-    case 128: return &kD128;
-    case 256: return &kD256;
-    default: return nullptr;
-  }
+  return DecodeKernelTable<Avx512>::for_head_dim(d);
 }
 
 #else

@@ -35,6 +35,13 @@ inline void prefetch_key_rows(const unsigned char* row, int64_t head_bytes, cons
     for (int byte = 0; byte < row_bytes; byte += kLineBytes) __builtin_prefetch(row + byte);
 }
 
+// What the scores kernel prefetches before key j of a tile with prefetch_rows (see DecodeTile).
+inline void prefetch_for_key(const DecodeTile& tile, int j) {
+  if (!tile.prefetch_rows) return;
+  prefetch_key_rows(tile.v_rows[j], tile.v_head_bytes, tile);
+  if (j + kPrefetchKeysAhead < tile.nk) prefetch_key_rows(tile.k_rows[j + kPrefetchKeysAhead], tile.k_head_bytes, tile);
+}
+
 struct DecodeKernels {
   // st[j * st_stride + h] for j < nk, h < n_kv_heads · group; q is [Hq, d] fp32 (scale folded in).
   void (*scores)(const DecodeTile& tile, const float* q, float* st, int st_stride);
