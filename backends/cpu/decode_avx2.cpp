@@ -11,6 +11,8 @@
 
 #include <sparsa/sparsa.h>
 
+#include <algorithm>
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -20,9 +22,9 @@ namespace sparsa::cpu {
 #if defined(__x86_64__)
 namespace {
 
-constexpr int kLanes = 8;       // floats per ymm
-constexpr int kHeadBlock = 4;   // query rows per pass over a K row: 8 accumulators, a K chunk, a q chunk
-constexpr int kMaxGroup = 16;   // = kMaxStackedRows: a kv group's heads in one list of nonzero probabilities
+constexpr int kLanes = 8;          // floats per ymm
+constexpr int kHeadBlock = 4;      // query rows per pass over a K row: 8 accumulators, a K chunk, a q chunk
+constexpr int kMaxHeadList = 16;   // heads per list of nonzero probabilities (a whole group up to kMaxStackedRows)
 
 template <int32_t kDtype>
 __attribute__((target("avx2,f16c"))) inline __m256 widen8(const unsigned char* p) {
@@ -98,20 +100,22 @@ struct Avx2 {
     for (int j = 0; j < tile.nk; ++j) {
       const float* st_row = st + int64_t(j) * st_stride;
       for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-        // The group's heads with a nonzero probability for this key (a zero one adds nothing, and 0·inf would be NaN).
-        int heads[kMaxGroup];
-        int n_heads = 0;
-        for (int l = 0; l < tile.group; ++l)
-          if (st_row[hk * tile.group + l] != 0.f) heads[n_heads++] = hk * tile.group + l;
-        if (n_heads == 0) continue;
         const unsigned char* v_row = tile.v_rows[j] + hk * tile.v_head_bytes;
+        for (int l0 = 0; l0 < tile.group; l0 += kMaxHeadList) {
+          // The heads with a nonzero probability for this key (a zero one adds nothing, and 0·inf would be NaN).
+          int heads[kMaxHeadList];
+          int n_heads = 0;
+          for (int l = l0; l < std::min(tile.group, l0 + kMaxHeadList); ++l)
+            if (st_row[hk * tile.group + l] != 0.f) heads[n_heads++] = hk * tile.group + l;
+          if (n_heads == 0) continue;
 #pragma GCC unroll 32
-        for (int x = 0; x < kChunks; ++x) {
-          const __m256 v = widen8<kDtype>(v_row + x * kBytes);
-          for (int i = 0; i < n_heads; ++i) {
-            float* o_chunk = o + int64_t(heads[i]) * kRowFloats + x * kLanes;
-            _mm256_storeu_ps(o_chunk, _mm256_fmadd_ps(_mm256_broadcast_ss(st_row + heads[i]), v,
-                                                      _mm256_loadu_ps(o_chunk)));
+          for (int x = 0; x < kChunks; ++x) {
+            const __m256 v = widen8<kDtype>(v_row + x * kBytes);
+            for (int i = 0; i < n_heads; ++i) {
+              float* o_chunk = o + int64_t(heads[i]) * kRowFloats + x * kLanes;
+              _mm256_storeu_ps(o_chunk, _mm256_fmadd_ps(_mm256_broadcast_ss(st_row + heads[i]), v,
+                                                        _mm256_loadu_ps(o_chunk)));
+            }
           }
         }
       }
