@@ -44,9 +44,10 @@ inline std::string canonical_policy_name(std::string name) {
 // The kind `name` names (any case, '-' or '_'), among every kind the library knows (sparsa_policy_kind_name answers
 // "unknown" past the last one); otherwise UsageError("<option>: unknown policy ...") listing the known names.
 inline int32_t policy_kind_from_name(const std::string& option, const std::string& name) {
+  const std::string wanted = canonical_policy_name(name);
   std::string known;
   for (int32_t kind = 0; std::string(sparsa_policy_kind_name(kind)) != "unknown"; ++kind) {
-    if (canonical_policy_name(name) == sparsa_policy_kind_name(kind)) return kind;
+    if (wanted == sparsa_policy_kind_name(kind)) return kind;
     known += std::string(kind ? ", " : "") + sparsa_policy_kind_name(kind);
   }
   throw UsageError(option + ": unknown policy '" + name + "' (expected one of " + known + ", any case)");

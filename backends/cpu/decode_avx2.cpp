@@ -1,4 +1,4 @@
-// AVX2 + F16C dense decode kernels (see decode_kernels.h): the AVX-512F kernels' walk for CPUs without AVX-512.
+// AVX2 + FMA + F16C dense decode kernels (see decode_kernels.h): the AVX-512F kernels' walk for CPUs without AVX-512.
 // With 16 ymm registers a row of d = 8·kChunks values does not fit in registers as it does in zmm, so the loops run
 // chunk by chunk instead: each 8-value chunk of a K row is widened once (vcvtph2ps, or zero-extend + shift for bf16)
 // and feeds up to kHeadBlock query rows' FMA chains (two chains per row, even and odd chunks); each chunk of a V row is
