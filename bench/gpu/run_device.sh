@@ -4,7 +4,8 @@
 # Logs go under $OUT.
 #
 #   bash bench/gpu/run_device.sh [build|tests|python|bench|profile|cp|all]   (default all = tests + python + bench;
-#   cp = the context-parallel tests, the torchrun example and bench_context_parallel.py, on every GPU present)
+#   cp = the context-parallel tests, the torchrun example on every GPU present, and both context-parallel benchmarks
+#   at G = 2, 4 and 8 where the machine has that many GPUs)
 #
 # GoogleTest: uses the machine's if present, else builds the source carried in .peers/googletest (a copy of
 # /usr/src/googletest, for a GPU machine without one). FlexAttention/SDPA peers come from the image's torch.
@@ -121,10 +122,12 @@ if [ "$STEPS" = cp ]; then  # context parallelism (docs/context_parallel.md): ne
         "$ROOT/bindings/python/examples/context_parallel_torchrun.py" --check > "$OUT/cp_example.log" 2>&1;
       echo "torchrun exit $?" >> "$OUT/cp_example.log" )
     grep -v -E "^\s*$|Warning|warn\(" "$OUT/cp_example.log" | tail -8
-    echo "=== context-parallel benchmark ($GPUS GPUs vs one) ==="
-    PYTHONUNBUFFERED=1 timeout ${CP_BENCH_S:-300} python3 "$ROOT/bench/gpu/bench_context_parallel.py" "$LIB" \
-      --out "$OUT" ${CP_BENCH_ARGS:-} > "$OUT/cp_bench.log" 2>&1; echo "bench exit $?"
-    grep -v -E "Warning|warn\(" "$OUT/cp_bench.log" | tail -20
+    for G in $(seq 2 "$GPUS" | grep -E '^(2|4|8)$'); do  # strong scaling at each power of two the machine has
+      echo "=== context-parallel benchmark ($G GPUs vs one) ==="
+      PYTHONUNBUFFERED=1 timeout ${CP_BENCH_S:-300} python3 "$ROOT/bench/gpu/bench_context_parallel.py" "$LIB" \
+        --ranks "$G" --out "$OUT" ${CP_BENCH_ARGS:-} > "$OUT/cp_bench_x$G.log" 2>&1; echo "bench exit $?"
+      grep -v -E "Warning|warn\(" "$OUT/cp_bench_x$G.log" | tail -20
+    done
     echo "=== context-parallel decode through the C API and NCCL (bench_cp_decode.cpp) ==="
     NCCL_HOME=""  # the CUDA toolkit's NCCL, else the one torch's wheels bring
     for d in /usr/local/cuda $(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null); do
@@ -136,7 +139,10 @@ if [ "$STEPS" = cp ]; then  # context parallelism (docs/context_parallel.md): ne
     elif g++ -O2 -std=c++17 "$ROOT/bench/gpu/bench_cp_decode.cpp" -I"$ROOT/include" -I/usr/local/cuda/include \
         -I"$NCCL_HOME/include" -L"$BUILD" -lsparsa -Wl,-rpath,"$BUILD" "$NCCL_LIB" -Wl,-rpath,"$(dirname "$NCCL_LIB")" \
         -L/usr/local/cuda/lib64 -lcudart -lpthread -o /tmp/bench_cp_decode > "$LOGS/bench_cp_decode_build.log" 2>&1; then
-      timeout 200 /tmp/bench_cp_decode --json "$OUT/cp_decode_c_api.json" 2>&1 | tee "$OUT/cp_decode_c_api.log"
+      for G in $(seq 2 "$GPUS" | grep -E '^(2|4|8)$'); do
+        timeout 200 /tmp/bench_cp_decode --gpus "$G" --json "$OUT/cp_decode_c_api_x$G.json" 2>&1 |
+          tee "$OUT/cp_decode_c_api_x$G.log"
+      done
     else
       echo "bench_cp_decode build failed:"; head -20 "$LOGS/bench_cp_decode_build.log"
     fi
