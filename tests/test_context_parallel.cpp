@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "../backends/cpu/fixed_point_sum.h"
+#include "../src/common/fixed_point_sum.h"
 #include "test_util.h"
 
 namespace st {
@@ -393,15 +393,15 @@ TEST(FixedPointSum, IsTheSameInAnyOrderAndSplit) {
   double plain = 0;
   for (double t : terms) plain += t;
   const auto digits_of = [](const std::vector<double>& ts, size_t first, size_t last) {
-    sparsa::cpu::FixedPointSum s;
+    sparsa::FixedPointSum s;
     for (size_t i = first; i < last; ++i) s.add(ts[i]);
     std::vector<int64_t> d(SPARSA_CP_SUM_DIGITS);
     s.to_digits(d.data());
     return d;
   };
   const std::vector<int64_t> whole = digits_of(terms, 0, terms.size());
-  sparsa::cpu::FixedPointSum reference;
-  ASSERT_TRUE(sparsa::cpu::FixedPointSum::from_digits(whole.data(), &reference));
+  sparsa::FixedPointSum reference;
+  ASSERT_TRUE(sparsa::FixedPointSum::from_digits(whole.data(), &reference));
   EXPECT_NEAR(reference.value(), plain, 1e-12 * plain);
   for (int trial = 0; trial < 4; ++trial) {
     std::vector<double> shuffled = terms;
@@ -409,11 +409,11 @@ TEST(FixedPointSum, IsTheSameInAnyOrderAndSplit) {
     const size_t cut = size_t(rng.integer(0, int(shuffled.size())));
     std::vector<int64_t> a = digits_of(shuffled, 0, cut), b = digits_of(shuffled, cut, shuffled.size());
     for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
-    sparsa::cpu::FixedPointSum combined;
-    ASSERT_TRUE(sparsa::cpu::FixedPointSum::from_digits(a.data(), &combined));
+    sparsa::FixedPointSum combined;
+    ASSERT_TRUE(sparsa::FixedPointSum::from_digits(a.data(), &combined));
     EXPECT_EQ(combined.value(), reference.value());  // bit-identical
   }
-  sparsa::cpu::FixedPointSum with_nan;
+  sparsa::FixedPointSum with_nan;
   with_nan.add(0.5);
   with_nan.add(std::numeric_limits<double>::quiet_NaN());
   EXPECT_TRUE(std::isnan(with_nan.value()));

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../../src/backend.h"
+#include "../../src/cp_select_host.h"
 #include "../../src/common/policy_sizes.h"
 #include "../../src/error.h"
 #include "attention_loop.h"
@@ -22,54 +23,21 @@
 #include "cpu_select_util.h"
 #include "cpu_token_select.h"
 #include "cpu_utilities.h"
-#include "fixed_point_sum.h"
+#include "../../src/common/fixed_point_sum.h"
 #include "select_scores.h"
 #include "select_softmax.h"
 
 namespace sparsa::cpu {
 namespace {
 
-// One sequence on this shard.
-struct ShardSequence {
-  int64_t seq_q = 0;
-  int64_t start = 0;      // global position of the shard's first key
-  int64_t length = 0;     // keys on this shard (L_b)
-  int64_t total = 0;      // N, the full KV length
-  bool dense = false;     // §6.2 on the full length
-  int64_t candidate_begin = 0, candidate_end = 0;  // C ∩ shard, global positions
-  bool selects() const { return seq_q > 0 && !dense; }
-  int64_t n_candidates() const { return std::max<int64_t>(0, candidate_end - candidate_begin); }
-};
-
-struct Params {
-  int64_t n_init, n_local, top_k;
-  int32_t n_sets, heads_per_set;
-  double score_scale;
-};
-
-Params resolve(const CpSelectCall& call) {
-  const sparsa_policy& p = call.policy.p;
-  const AttentionProblem& pr = call.problem;
-  Params params;
-  params.n_init = p.select_n_init;
-  params.n_local = p.select_n_local;
-  params.top_k = p.select_top_k;
-  params.n_sets = p.select_per_kv_head ? pr.num_kv_heads : 1;
-  params.heads_per_set = pr.num_q_heads / params.n_sets;
-  params.score_scale = p.select_scale_scores ? double(pr.scale) : 1.0;
-  return params;
-}
+using ShardSequence = CpShardSequence;
+using Params = CpSelectParams;
 
 ShardSequence shard_sequence(const CpSelectCall& call, const Params& params, int32_t b) {
-  ShardSequence s;
-  s.seq_q = call.problem.seq_len_q(b);
-  s.start = call.kv_start.ptr<const int32_t>()[b * call.kv_start.stride(0)];
-  s.total = call.kv_total.ptr<const int32_t>()[b * call.kv_total.stride(0)];
-  s.length = call.problem.seq_len_k(b);
-  s.dense = params.n_init + params.top_k + params.n_local >= s.total;
-  s.candidate_begin = std::max(params.n_init, s.start);
-  s.candidate_end = std::min(s.total - params.n_local, s.start + s.length);
-  return s;
+  return cp_shard_sequence(params, call.problem.seq_len_q(b),
+                           call.kv_start.ptr<const int32_t>()[b * call.kv_start.stride(0)],
+                           call.problem.seq_len_k(b),
+                           call.kv_total.ptr<const int32_t>()[b * call.kv_total.stride(0)]);
 }
 
 // q̄ of sequence b, concat over heads [Hq · D], as run_token_select's phase 1 computes it.
@@ -178,26 +146,12 @@ void step_sum(const CpSelectCall& call, const Params& params, const ExecContext&
   }
 }
 
-// Z_h of every (b, h) from the combined digits; throws INVALID_ARGUMENT for a negative digit (not a sum of step-2
-// outputs). Checked for every sequence before anything is written.
+// Z_h of every (b, h) from the combined digits (cp_select_host.h: checked before anything is written).
 std::vector<double> normalisers(const CpSelectCall& call) {
-  const AttentionProblem& pr = call.problem;
   const TensorArg& g = call.global_sum;
-  std::vector<double> z(size_t(pr.batch) * size_t(pr.num_q_heads));
-  for (int32_t b = 0; b < pr.batch; ++b) {
-    for (int32_t h = 0; h < pr.num_q_heads; ++h) {
-      int64_t digits[FixedPointSum::kDigits];
-      for (int i = 0; i < FixedPointSum::kDigits; ++i)
-        digits[i] = g.ptr<const int64_t>()[b * g.stride(0) + h * g.stride(1) + i * g.stride(2)];
-      FixedPointSum sum;
-      if (!FixedPointSum::from_digits(digits, &sum)) {
-        fail(SPARSA_STATUS_INVALID_ARGUMENT, "global_sum: a negative digit at [", b, ", ", h,
-             "] (expected the element-wise sum of every shard's sparsa_cp_select_sum output)");
-      }
-      z[size_t(b) * size_t(pr.num_q_heads) + size_t(h)] = sum.value();
-    }
-  }
-  return z;
+  return cp_normalisers(call.problem.batch, call.problem.num_q_heads, [&](int32_t b, int32_t h, int i) {
+    return g.ptr<const int64_t>()[b * g.stride(0) + h * g.stride(1) + i * g.stride(2)];
+  });
 }
 
 void step_topk(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
@@ -235,86 +189,32 @@ void step_topk(const CpSelectCall& call, const Params& params, const ExecContext
   }
 }
 
-// The largest index set a sequence can have on this shard (the cap out_indices must hold).
-int64_t max_shard_set(const ShardSequence& s, const Params& params) {
-  if (s.seq_q == 0) return 0;
-  if (s.dense) return s.length;
-  return std::min(s.length, token_select_set_size(params.n_init, params.top_k, params.n_local));
-}
-
-void step_indices(const CpSelectCall& call, const Params& params, const ExecContext& exec) {
+// Step 4 (cp_select_host.h): the global top_k from the gathered lists, then I ∩ shard as local ids.
+void step_indices(const CpSelectCall& call, const Params& params) {
   const AttentionProblem& pr = call.problem;
-  const int64_t shards = call.all_votes.extent(0);
-  const int64_t cap = call.out.extent(2);
   const TensorArg& av = call.all_votes;
   const TensorArg& ap = call.all_positions;
-  // Phase 0: every check, before anything is written; the global selection T of every (b, set), ascending.
-  std::vector<std::vector<int64_t>> selection(size_t(pr.batch) * size_t(params.n_sets));
+  std::vector<ShardSequence> sequences;
+  for (int32_t b = 0; b < pr.batch; ++b) sequences.push_back(shard_sequence(call, params, b));
+  const std::vector<std::vector<int64_t>> sets = cp_shard_index_sets(
+      params, sequences, av.extent(0), call.out.extent(2),
+      [&](int64_t g, int32_t b, int32_t set, int64_t i, double* vote, int64_t* position) {
+        *vote = av.ptr<const double>()[g * av.stride(0) + b * av.stride(1) + set * av.stride(2) + i * av.stride(3)];
+        *position =
+            ap.ptr<const int32_t>()[g * ap.stride(0) + b * ap.stride(1) + set * ap.stride(2) + i * ap.stride(3)];
+      });
   for (int32_t b = 0; b < pr.batch; ++b) {
-    const ShardSequence s = shard_sequence(call, params, b);
-    if (max_shard_set(s, params) > cap) {
-      fail(SPARSA_STATUS_SHAPE_MISMATCH, "out_indices: cap (last extent) ", cap, " but sequence ", b,
-           " can have up to ", max_shard_set(s, params), " of its ", s.length, " keys on this shard selected");
-    }
-    if (!s.selects()) continue;
     for (int32_t set = 0; set < params.n_sets; ++set) {
-      std::vector<std::pair<double, int64_t>> entries;
-      for (int64_t g = 0; g < shards; ++g) {
-        for (int64_t i = 0; i < params.top_k; ++i) {
-          const int64_t position =
-              ap.ptr<const int32_t>()[g * ap.stride(0) + b * ap.stride(1) + set * ap.stride(2) + i * ap.stride(3)];
-          if (position < 0) continue;
-          if (position < params.n_init || position >= s.total - params.n_local) {
-            fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "all_positions: ", position, " at shard ", g, ", sequence ", b,
-                 " is not a candidate (expected -1 or a position in [", params.n_init, ", ",
-                 s.total - params.n_local, "))");
-          }
-          entries.emplace_back(
-              av.ptr<const double>()[g * av.stride(0) + b * av.stride(1) + set * av.stride(2) + i * av.stride(3)],
-              position);
-        }
-      }
-      if (int64_t(entries.size()) < params.top_k) {
-        fail(SPARSA_STATUS_INVALID_ARGUMENT, "all_votes/all_positions: sequence ", b, " set ", set, " has ",
-             entries.size(), " gathered candidates but top_k is ", params.top_k,
-             " (expected every shard's sparsa_cp_select_topk output)");
-      }
-      const auto by_rank = [](const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& c) {
-        return ranks_before(a.first, a.second, c.first, c.second);
-      };
-      std::nth_element(entries.begin(), entries.begin() + (params.top_k - 1), entries.end(), by_rank);
-      std::vector<int64_t>& chosen = selection[size_t(b) * size_t(params.n_sets) + size_t(set)];
-      for (int64_t i = 0; i < params.top_k; ++i) chosen.push_back(entries[size_t(i)].second);
-      std::sort(chosen.begin(), chosen.end());
-      if (std::adjacent_find(chosen.begin(), chosen.end()) != chosen.end()) {
-        fail(SPARSA_STATUS_INVALID_ARGUMENT, "all_positions: sequence ", b, " set ", set,
-             " holds a position twice among the top_k (shards overlap or a list was gathered twice)");
-      }
+      const std::vector<int64_t>& ids = sets[size_t(b) * size_t(params.n_sets) + size_t(set)];
+      write_selected_set(call.out, b, set, ids.data(), int64_t(ids.size()));
     }
   }
-  // Phase 1: I ∩ shard as local ids, ascending (sinks, T, window lie in that order), -1-padded.
-  parallel_items(exec, int64_t(pr.batch) * params.n_sets, [&](int64_t item, int) {
-    const int32_t b = int32_t(item / params.n_sets);
-    const int32_t set = int32_t(item % params.n_sets);
-    const ShardSequence s = shard_sequence(call, params, b);
-    std::vector<int64_t> ids;
-    const int64_t end = s.start + s.length;
-    if (s.seq_q > 0 && s.dense) {
-      for (int64_t t = 0; t < s.length; ++t) ids.push_back(t);
-    } else if (s.selects()) {
-      for (int64_t t = s.start; t < std::min(params.n_init, end); ++t) ids.push_back(t - s.start);
-      for (int64_t t : selection[size_t(item)])
-        if (t >= s.start && t < end) ids.push_back(t - s.start);
-      for (int64_t t = std::max(s.total - params.n_local, s.start); t < end; ++t) ids.push_back(t - s.start);
-    }
-    write_selected_set(call.out, b, set, ids.data(), int64_t(ids.size()));
-  });
 }
 
 }  // namespace
 
 void cpu_cp_select(const CpSelectCall& call, const ExecContext& exec) {
-  const Params params = resolve(call);
+  const Params params = cp_select_params(call);
   switch (call.step) {
     case CpSelectStep::kMax:
       step_max(call, params, exec);
@@ -326,7 +226,7 @@ void cpu_cp_select(const CpSelectCall& call, const ExecContext& exec) {
       step_topk(call, params, exec);
       break;
     case CpSelectStep::kIndices:
-      step_indices(call, params, exec);
+      step_indices(call, params);
       break;
   }
 }

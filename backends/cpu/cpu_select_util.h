@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <numeric>
 
+#include "../../src/common/selection_order.h"  // ranks_before
 #include "../../src/error.h"
 #include "../../src/problem.h"
 #include "attention_loop.h"
@@ -20,16 +21,6 @@ namespace sparsa::cpu {
 // Query rows handed to one attend_index_list call: bounds the per-worker output buffer and gives the pool work
 // items of a useful size.
 constexpr int64_t kSelectRowsPerCall = 64;
-
-// True when (value_a, id_a) ranks before (value_b, id_b) in a descending top-k: larger value first, ties by the
-// smaller id (§0), NaN after every number (so the order stays a strict weak order whatever the input holds).
-inline bool ranks_before(double value_a, int64_t id_a, double value_b, int64_t id_b) {
-  const bool a_is_nan = std::isnan(value_a);
-  const bool b_is_nan = std::isnan(value_b);
-  if (a_is_nan != b_is_nan) return b_is_nan;
-  if (!a_is_nan && value_a != value_b) return value_a > value_b;
-  return id_a < id_b;
-}
 
 // Writes the ids of the k highest-ranked entries of values[0..n) (ranks_before) into ids_out[0..k), ascending.
 // `order` is scratch for n ids (used for n doubles). Requires 0 <= k <= n.

@@ -25,7 +25,7 @@
 #include "cpu_convert.h"
 #include "cpu_select_util.h"
 #include "cpu_utilities.h"
-#include "fixed_point_sum.h"
+#include "../../src/common/fixed_point_sum.h"
 #include "select_scores.h"
 #include "select_softmax.h"
 

@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "fixed_point_sum.h"
+#include "../../src/common/fixed_point_sum.h"
 
 namespace sparsa::cpu {
 

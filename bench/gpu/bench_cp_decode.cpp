@@ -9,7 +9,8 @@
 // Policies: DENSE; SINK_WINDOW 128 + 2048 (each shard runs SINK_WINDOW with its sinks and window cut to the shard);
 // TOKEN_INDICES with one row of N/10 keys per kv head plus n_init 128 / n_local 512 (each shard gets its own keys'
 // entries as local ids, compacted, and n_init / n_local cut to the shard). Times: CUDA events around `reps` steps
-// enqueued back to back on each GPU's stream, per step, the slowest GPU's. Needs NCCL (not a dependency of
+// enqueued back to back on each GPU's stream, per step, the slowest GPU's. Outputs are bf16 like the queries (a run's
+// out has q's dtype), so the partial states travel as bf16, as they do through sparsa.distributed. Needs NCCL (not a dependency of
 // libsparsa); bench/gpu/run_device.sh cp builds and runs it.
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -56,6 +57,12 @@ uint16_t bf16_of(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);  // round to nearest even
+}
+float float_of_bf16(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 // Uniform values in [-1, 1) as bf16, element i of a tensor seeded `seed`, filled by all cores.
 std::vector<uint16_t> random_bf16(size_t count, uint64_t seed) {
@@ -136,8 +143,8 @@ struct Rank {
   sparsa_context* ctx = nullptr;
   ncclComm_t comm = nullptr;
   void *q = nullptr, *k = nullptr, *v = nullptr;
-  float *out = nullptr, *lse = nullptr, *gathered_out = nullptr, *gathered_lse = nullptr, *merged_out = nullptr,
-        *merged_lse = nullptr;
+  uint16_t *out = nullptr, *gathered_out = nullptr, *merged_out = nullptr;  // bf16
+  float *lse = nullptr, *gathered_lse = nullptr, *merged_lse = nullptr;
   sparsa_tensor tq, tk, tv, tout, tlse, tmerged_out, tmerged_lse;
   std::vector<sparsa_tensor> part_out, part_lse;  // views of the gathered states, rank order
   sparsa_attention_args args;
@@ -154,7 +161,7 @@ void enqueue_step(std::vector<Rank>& ranks, std::vector<PolicyOnDevice>& policie
   }
   nccl_ok(ncclGroupStart(), "ncclGroupStart");
   for (Rank& r : ranks) {
-    nccl_ok(ncclAllGather(r.out, r.gathered_out, kStateFloats, ncclFloat32, r.comm, r.stream), "all-gather out");
+    nccl_ok(ncclAllGather(r.out, r.gathered_out, kStateFloats, ncclBfloat16, r.comm, r.stream), "all-gather out");
     nccl_ok(ncclAllGather(r.lse, r.gathered_lse, kHeadsQ, ncclFloat32, r.comm, r.stream), "all-gather lse");
   }
   nccl_ok(ncclGroupEnd(), "ncclGroupEnd");
@@ -216,14 +223,14 @@ int main(int argc, char** argv) {
   void* q0 = device_copy(q_host.data(), q_host.size() * 2);
   void* k0 = device_copy(k_host.data(), kv_elements * 2);
   void* v0 = device_copy(v_host.data(), kv_elements * 2);
-  float* out0 = nullptr;
-  cuda_ok(cudaMalloc(&out0, kStateFloats * 4), "cudaMalloc");
+  uint16_t* out0 = nullptr;
+  cuda_ok(cudaMalloc(&out0, kStateFloats * 2), "cudaMalloc");
   sparsa_attention_args args0;
   sparsa_ok(SPARSA_ATTENTION_ARGS_INIT(&args0), "args_init");
   sparsa_tensor tq0 = device_tensor(q0, SPARSA_DTYPE_BF16, {1, 1, kHeadsQ, kHeadDim}, 0);
   sparsa_tensor tk0 = device_tensor(k0, SPARSA_DTYPE_BF16, {1, n, kHeadsKv, kHeadDim}, 0);
   sparsa_tensor tv0 = device_tensor(v0, SPARSA_DTYPE_BF16, {1, n, kHeadsKv, kHeadDim}, 0);
-  sparsa_tensor tout0 = device_tensor(out0, SPARSA_DTYPE_F32, {1, 1, kHeadsQ, kHeadDim}, 0);
+  sparsa_tensor tout0 = device_tensor(out0, SPARSA_DTYPE_BF16, {1, 1, kHeadsQ, kHeadDim}, 0);
   args0.q = &tq0;
   args0.k = &tk0;
   args0.v = &tv0;
@@ -232,7 +239,7 @@ int main(int argc, char** argv) {
   cuda_ok(cudaEventCreate(&begin0), "cudaEventCreate");
   cuda_ok(cudaEventCreate(&end0), "cudaEventCreate");
   double single_ms[3];
-  std::vector<std::vector<float>> single_out(3, std::vector<float>(kStateFloats));
+  std::vector<std::vector<uint16_t>> single_out(3, std::vector<uint16_t>(kStateFloats));
   for (int p = 0; p < 3; ++p) {
     PolicyOnDevice policy = shard_policy(names[p], rows, 0, n, n, 0);
     for (int i = 0; i < kWarmup; ++i) sparsa_ok(sparsa_attention_run(ctx0, &args0, &policy.policy), "run");
@@ -243,7 +250,7 @@ int main(int argc, char** argv) {
     float ms = 0;
     cuda_ok(cudaEventElapsedTime(&ms, begin0, end0), "cudaEventElapsedTime");
     single_ms[p] = ms / reps;
-    cuda_ok(cudaMemcpy(single_out[p].data(), out0, kStateFloats * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    cuda_ok(cudaMemcpy(single_out[p].data(), out0, kStateFloats * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
     cuda_ok(cudaFree(policy.indices_memory), "cudaFree");
   }
   for (void* p : {q0, k0, v0, static_cast<void*>(out0)}) cuda_ok(cudaFree(p), "cudaFree");
@@ -269,19 +276,19 @@ int main(int argc, char** argv) {
     r.q = device_copy(q_host.data(), q_host.size() * 2);
     r.k = device_copy(k_host.data() + size_t(g) * shard_elements, shard_elements * 2);
     r.v = device_copy(v_host.data() + size_t(g) * shard_elements, shard_elements * 2);
-    for (float** p : {&r.out, &r.merged_out}) cuda_ok(cudaMalloc(p, kStateFloats * 4), "cudaMalloc");
+    for (uint16_t** p : {&r.out, &r.merged_out}) cuda_ok(cudaMalloc(p, kStateFloats * 2), "cudaMalloc");
     for (float** p : {&r.lse, &r.merged_lse}) cuda_ok(cudaMalloc(p, kHeadsQ * 4), "cudaMalloc");
-    cuda_ok(cudaMalloc(&r.gathered_out, g_count * kStateFloats * 4), "cudaMalloc");
+    cuda_ok(cudaMalloc(&r.gathered_out, g_count * kStateFloats * 2), "cudaMalloc");
     cuda_ok(cudaMalloc(&r.gathered_lse, g_count * kHeadsQ * 4), "cudaMalloc");
     r.tq = device_tensor(r.q, SPARSA_DTYPE_BF16, {1, 1, kHeadsQ, kHeadDim}, g);
     r.tk = device_tensor(r.k, SPARSA_DTYPE_BF16, {1, length, kHeadsKv, kHeadDim}, g);
     r.tv = device_tensor(r.v, SPARSA_DTYPE_BF16, {1, length, kHeadsKv, kHeadDim}, g);
-    r.tout = device_tensor(r.out, SPARSA_DTYPE_F32, {1, 1, kHeadsQ, kHeadDim}, g);
+    r.tout = device_tensor(r.out, SPARSA_DTYPE_BF16, {1, 1, kHeadsQ, kHeadDim}, g);
     r.tlse = device_tensor(r.lse, SPARSA_DTYPE_F32, {1, kHeadsQ, 1}, g);
-    r.tmerged_out = device_tensor(r.merged_out, SPARSA_DTYPE_F32, {1, 1, kHeadsQ, kHeadDim}, g);
+    r.tmerged_out = device_tensor(r.merged_out, SPARSA_DTYPE_BF16, {1, 1, kHeadsQ, kHeadDim}, g);
     r.tmerged_lse = device_tensor(r.merged_lse, SPARSA_DTYPE_F32, {1, kHeadsQ, 1}, g);
     for (int m = 0; m < g_count; ++m) {
-      r.part_out.push_back(device_tensor(r.gathered_out + m * kStateFloats, SPARSA_DTYPE_F32,
+      r.part_out.push_back(device_tensor(r.gathered_out + m * kStateFloats, SPARSA_DTYPE_BF16,
                                          {1, 1, kHeadsQ, kHeadDim}, g));
       r.part_lse.push_back(device_tensor(r.gathered_lse + m * kHeadsQ, SPARSA_DTYPE_F32, {1, kHeadsQ, 1}, g));
     }
@@ -317,13 +324,14 @@ int main(int argc, char** argv) {
       cuda_ok(cudaEventElapsedTime(&ms, r.begin, r.end), "cudaEventElapsedTime");
       cp_ms = std::max(cp_ms, double(ms) / reps);
     }
-    std::vector<float> merged(kStateFloats);
+    std::vector<uint16_t> merged(kStateFloats);
     double worst = 0, scale = 0;
     for (Rank& r : ranks) {  // every GPU holds the merged state
-      cuda_ok(cudaMemcpy(merged.data(), r.merged_out, kStateFloats * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      cuda_ok(cudaMemcpy(merged.data(), r.merged_out, kStateFloats * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
       for (int64_t i = 0; i < kStateFloats; ++i) {
-        worst = std::max(worst, std::fabs(double(merged[i]) - single_out[p][i]));
-        scale = std::max(scale, std::fabs(double(single_out[p][i])));
+        const double want = float_of_bf16(single_out[p][i]);
+        worst = std::max(worst, std::fabs(double(float_of_bf16(merged[i])) - want));
+        scale = std::max(scale, std::fabs(want));
       }
     }
     const double relative = worst / std::max(scale, 1e-30), efficiency = single_ms[p] / (g_count * cp_ms);

@@ -14,10 +14,11 @@
 #include <vector>
 
 #include "select_softmax.h"
+#include "../../src/common/glibc_exp.h"
 
 namespace {
 
-using sparsa::cpu::FixedPointSum;
+using sparsa::FixedPointSum;
 using sparsa::cpu::SelectSoftmaxKernel;
 
 // Every version this process can run: the portable loops always (trivially their own oracle, so the tests also run
@@ -203,6 +204,49 @@ TEST(SelectSoftmax, VoteMatchesTheHeadOrderLoopBitForBit) {
       for (size_t t = 0; t < got.size(); ++t) differing += !same_bits(got[t], want[t]);
       EXPECT_EQ(differing, 0) << kernel->name << " group " << c.group << " heads " << c.n_heads;
     }
+  }
+}
+
+// src/common/glibc_exp.h, the scalar copy the GPU's context-parallel steps evaluate, against std::exp over every
+// range of glibc's exp (main range both signs, the rescaled 512 <= |x| < 1024 side with its subnormal results,
+// tiny, huge, ±0, ±inf, NaN). Where the C library is glibc on an x86-64 CPU with FMA (the variant the port copies)
+// every bit must agree; elsewhere the CPU's std::exp may round otherwise and only the pinned values are checked.
+TEST(SelectSoftmax, GlibcExpPortEqualsStdExpEverywhere) {
+#if defined(__x86_64__) && defined(__GLIBC__)
+  __builtin_cpu_init();
+  const bool glibc_fma_variant = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  const bool glibc_fma_variant = false;
+#endif
+  std::mt19937_64 rng(11);
+  const double ranges[][2] = {{-1100, 0}, {-746, -700}, {-720, -500}, {-512.5, -511.5}, {0, 710},  {500, 720},
+                              {-50, 0},   {-1, 1},      {-1e-10, 1e-10}, {-1030, -1020}, {1020, 1030}};
+  std::vector<double> x = {0.0, -0.0, INFINITY, -INFINITY, std::nan(""), 0x1p-54, -0x1p-54, 0x1p-55, -0x1p-55,
+                           512.0, -512.0, 1024.0, -1024.0, -745.1332191019411, -745.1332191019412, 709.782712893384,
+                           709.7827128933841, 5e-324, -5e-324};
+  for (const auto& range : ranges) {
+    for (int i = 0; i < 200000; ++i) x.push_back(range[0] + (range[1] - range[0]) * (double(rng() >> 11) * 0x1p-53));
+  }
+  for (int e = -1074; e < 11; ++e)
+    for (double sign : {1.0, -1.0}) x.push_back(sign * std::ldexp(1.5, e));
+  int64_t differing = 0;
+  for (double v : x) {
+    const double got = sparsa::glibc_exp(v), want = std::exp(v);
+    differing += !(same_bits(got, want) || (std::isnan(got) && std::isnan(want)));
+  }
+  if (glibc_fma_variant) EXPECT_EQ(differing, 0) << "of " << x.size();
+  // On every platform: the port's own bits at one argument of each branch (read from glibc 2.36 on x86-64 + FMA),
+  // so the function the device evaluates is pinned even where std::exp rounds otherwise.
+  const std::pair<double, uint64_t> pinned[] = {
+      {-0x1p-1, 0x3fe368b2fc6f960aull},     {-0x1.ap+1, 0x3fa3da368521902dull},  {-0x1.288p+5, 0x3c971ace3e6415f1ull},
+      {-0x1p-40, 0x3fefffffffffe000ull},    {-0x1.2c4p+9, 0x09c94f535b837056ull}, {-0x1.626p+9, 0x000b3c15564d094bull},
+      {-0x1.744p+9, 0x0000000000000001ull}, {-0x1.018p+10, 0x0000000000000000ull}, {0x1p+0, 0x4005bf0a8b145769ull},
+      {0x1.908p+6, 0x48f5daaf24221d5eull},  {0x1.2c2p+9, 0x760f8256bde4abacull}, {-0x1.79ca10c924223p-67, 0x3ff0000000000000ull}};
+  for (const auto& [argument, bits] : pinned) {
+    const double got = sparsa::glibc_exp(argument);
+    uint64_t got_bits;
+    std::memcpy(&got_bits, &got, sizeof got_bits);
+    EXPECT_EQ(got_bits, bits) << "glibc_exp(" << argument << ")";
   }
 }
 

@@ -13,9 +13,38 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
-namespace sparsa::cpu {
+#include "host_device.h"
+
+namespace sparsa {
+
+// A term's fraction part ∈ [0, 1) in units of 2^-128, truncated, as two 64-bit halves: what FixedPointSum::add adds,
+// computed from the double's bits alone so that the GPU kernels (gpu_cp_select.cu) sum the same units. A normal
+// part = m · 2^(E − 1075) (m the 53-bit significand, E the biased exponent <= 1022) is m · 2^(E − 947) units; a
+// subnormal one is below 2^-1022, far under one unit.
+struct FixedPointUnits {
+  uint64_t high = 0, low = 0;
+};
+SPARSA_HOST_DEVICE inline FixedPointUnits fixed_point_units(double part) {
+  uint64_t bits;
+  std::memcpy(&bits, &part, sizeof bits);
+  const int exponent = int((bits >> 52) & 0x7ff);
+  FixedPointUnits u;
+  if (exponent == 0) return u;  // zero or subnormal: 0 units
+  const uint64_t significand = (bits & ((uint64_t{1} << 52) - 1)) | (uint64_t{1} << 52);
+  const int shift = exponent - 947;  // <= 75
+  if (shift >= 64) {
+    u.high = significand << (shift - 64);
+  } else if (shift > 0) {
+    u.low = significand << shift;
+    u.high = significand >> (64 - shift);
+  } else if (shift > -64) {
+    u.low = significand >> -shift;
+  }
+  return u;
+}
 
 class FixedPointSum {
  public:
@@ -34,19 +63,8 @@ class FixedPointSum {
     }
     const double whole = std::floor(term);
     whole_ += uint64_t(whole);
-    const double part = term - whole;  // exact, in [0, 1)
-    if (part == 0.0) return;
-    int exponent = 0;
-    const double mantissa = std::frexp(part, &exponent);  // part = mantissa · 2^exponent, mantissa in [0.5, 1)
-    const uint64_t bits = uint64_t(std::ldexp(mantissa, kMantissaBits));  // exact: a 53-bit integer
-    const int shift = exponent - kMantissaBits + kFractionBits;  // part · 2^128 = bits · 2^shift, shift <= 75
-    unsigned __int128 units = 0;
-    if (shift >= 0) {
-      units = static_cast<unsigned __int128>(bits) << shift;
-    } else if (shift > -kMantissaBits) {
-      units = bits >> -shift;  // truncation: the same for this term in any order
-    }
-    add_units(units);
+    const FixedPointUnits units = fixed_point_units(term - whole);  // the part is exact, in [0, 1)
+    add_units((static_cast<unsigned __int128>(units.high) << 64) | units.low);
   }
 
   // Adds sum_i digit_sums[i] · 2^(32·(3 − i) − 128) for i < 4 (most significant first), exactly: the fraction digits of
@@ -103,7 +121,6 @@ class FixedPointSum {
   }
 
  private:
-  static constexpr int kMantissaBits = std::numeric_limits<double>::digits;  // 53
   static constexpr int kFractionDigits = kFractionBits / kDigitBits;         // 4
 
   void add_units(unsigned __int128 units) {
@@ -117,4 +134,4 @@ class FixedPointSum {
   unsigned __int128 fraction_ = 0;  // units of 2^-128
 };
 
-}  // namespace sparsa::cpu
+}  // namespace sparsa
