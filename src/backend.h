@@ -86,12 +86,9 @@ class Backend {
   virtual void kv_prefetch(const PrefetchProblem& problem) = 0;
   virtual std::unique_ptr<SelectionCacheState> create_selection_cache(const SelectionCacheDims& dims) = 0;
 
-  // Context-parallel TOKEN_SELECT (docs/context_parallel.md). Only the CPU backend implements it so far.
-  virtual void cp_select(const CpSelectCall& call) {
-    (void)call;
-    fail(SPARSA_STATUS_UNSUPPORTED, "the ", name(),
-         " backend does not implement context-parallel TOKEN_SELECT yet (sparsa_cp_select_*; CPU only)");
-  }
+  // Context-parallel TOKEN_SELECT (docs/context_parallel.md): one step of sparsa_cp_select_*, with the CPU
+  // backend's bits (the CPU and GPU backends implement it; cp_select_host.h holds their shared host parts).
+  virtual void cp_select(const CpSelectCall& call) = 0;
 };
 
 }  // namespace sparsa

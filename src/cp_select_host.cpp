@@ -24,19 +24,6 @@ CpSelectParams cp_select_params(const CpSelectCall& call) {
   return params;
 }
 
-CpShardSequence cp_shard_sequence(const CpSelectParams& params, int64_t seq_q, int64_t start, int64_t length,
-                                  int64_t total) {
-  CpShardSequence s;
-  s.seq_q = seq_q;
-  s.start = start;
-  s.length = length;
-  s.total = total;
-  s.dense = token_select_set_size(params.n_init, params.top_k, params.n_local) >= total;
-  s.candidate_begin = std::max(params.n_init, start);
-  s.candidate_end = std::min(total - params.n_local, start + length);
-  return s;
-}
-
 std::vector<double> cp_normalisers(int32_t batch, int32_t heads, const CpDigitReader& digit) {
   std::vector<double> z(size_t(batch) * size_t(heads));
   for (int32_t b = 0; b < batch; ++b) {

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "backend.h"
+#include "common/host_device.h"
+#include "common/policy_sizes.h"
 
 namespace sparsa {
 
@@ -21,7 +23,7 @@ struct CpSelectParams {
 };
 CpSelectParams cp_select_params(const CpSelectCall& call);
 
-// One sequence on this shard.
+// One sequence on this shard (host and device: gpu_cp_select.cu builds it in a kernel from device lengths).
 struct CpShardSequence {
   int64_t seq_q = 0;
   int64_t start = 0;      // global position of the shard's first key (kv_start[b])
@@ -29,11 +31,24 @@ struct CpShardSequence {
   int64_t total = 0;      // N = kv_total[b]
   bool dense = false;     // §6.2 on the full length
   int64_t candidate_begin = 0, candidate_end = 0;  // C ∩ shard, global positions
-  bool selects() const { return seq_q > 0 && !dense; }
-  int64_t n_candidates() const { return candidate_end > candidate_begin ? candidate_end - candidate_begin : 0; }
+  SPARSA_HOST_DEVICE bool selects() const { return seq_q > 0 && !dense; }
+  SPARSA_HOST_DEVICE int64_t n_candidates() const {
+    return selects() && candidate_end > candidate_begin ? candidate_end - candidate_begin : 0;
+  }
 };
-CpShardSequence cp_shard_sequence(const CpSelectParams& params, int64_t seq_q, int64_t start, int64_t length,
-                                  int64_t total);
+SPARSA_HOST_DEVICE inline CpShardSequence cp_shard_sequence(int64_t n_init, int64_t top_k, int64_t n_local,
+                                                            int64_t seq_q, int64_t start, int64_t length,
+                                                            int64_t total) {
+  CpShardSequence s;
+  s.seq_q = seq_q;
+  s.start = start;
+  s.length = length;
+  s.total = total;
+  s.dense = token_select_set_size(n_init, top_k, n_local) >= total;
+  s.candidate_begin = n_init > start ? n_init : start;
+  s.candidate_end = total - n_local < start + length ? total - n_local : start + length;
+  return s;
+}
 
 // Z_h of every (b, h), [B · Hq], from the combined digits digit(b, h, i) (i < SPARSA_CP_SUM_DIGITS); throws
 // INVALID_ARGUMENT for a negative digit (not a sum of step-2 outputs). Checked for every entry before returning.

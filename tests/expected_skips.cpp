@@ -15,8 +15,8 @@ constexpr const char* kHostMemoryWhy =
     "design, see host_tensor in test_util.h";
 
 constexpr const char* kContextParallelWhy =
-    "simulates the shards in host memory, and the CUDA backend answers SPARSA_STATUS_UNSUPPORTED to "
-    "sparsa_cp_select_* until its kernels exist (docs/context_parallel.md)";
+    "simulates the shards in host memory against the single-context CPU run; on the CUDA backend the same steps "
+    "run in ContextParallel.TokenSelectStepsGiveTheCpuStepsBits (device memory, bit-compared with the CPU steps)";
 
 const std::vector<ExpectedSkip>& table() {
   static const std::vector<ExpectedSkip> kTable = {
@@ -54,9 +54,9 @@ const std::vector<ExpectedSkip>& table() {
       {"HeadMapping.PicksTheDraftHeadWithTheLargestSummedTopKOverlap", "CUDA", SkipKind::kNotRunHere, kHostMemory,
        kHostMemoryWhy},
 
-      // Context-parallel TOKEN_SELECT is CPU-only so far: these tests hand host memory to the context, and the CUDA
-      // backend answers SPARSA_STATUS_UNSUPPORTED to sparsa_cp_select_* (docs/context_parallel.md). (The decode of
-      // the other policies, ContextParallel.KnownIndexSetPoliciesMergeToTheSingleDeviceRun, runs on every backend.)
+      // Context-parallel TOKEN_SELECT written against host memory (the CPU oracle's side of the protocol); the
+      // device steps are compared with the CPU steps by ContextParallel.TokenSelectStepsGiveTheCpuStepsBits, and the
+      // decode of the other policies (KnownIndexSetPoliciesMergeToTheSingleDeviceRun) runs on every backend.
       {"ContextParallel.TokenSelectSelectionIsTheSingleDeviceOneAndOutputsMatch", "CUDA", SkipKind::kNotRunHere,
        kHostMemory, kContextParallelWhy},
       {"ContextParallel.TokenSelectAllKeysEqualBreaksTheTieByPositionAcrossShards", "CUDA", SkipKind::kNotRunHere,

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -552,6 +553,188 @@ TEST_P(ContextParallel, KnownIndexSetPoliciesMergeToTheSingleDeviceRun) {
     DeviceCall& merged = *calls.front();
     EXPECT_LE(relative_difference(merged.download(merged.out), want_out), kTolF32);
     EXPECT_LE(relative_difference(merged.download(merged.lse), want_lse), kTolF32);
+  }
+}
+
+// ---- The steps on every backend: the same bits as the CPU's ----
+
+// kv_start / kv_total live in host memory on every backend (sparsa.h); they are the only host tensors here.
+sparsa_tensor shard_positions_tensor(std::vector<int32_t>& values) {
+  sparsa_tensor t;
+  const int64_t shape[1] = {int64_t(values.size())};
+  EXPECT_EQ(sparsa_tensor_init(&t, sizeof t, values.data(), SPARSA_DTYPE_I32, 1, shape), SPARSA_STATUS_SUCCESS);
+  return t;
+}
+
+uint64_t bits_of(double x) {
+  uint64_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+// Everything the four steps produce on one context (every shard's outputs in shard order, the combinations in
+// between computed on the host as the collectives would), with q/k/v in `dtype`, all in the context's memory.
+struct StepTrace {
+  std::vector<uint64_t> max_bits;      // [G, B, Hq]
+  std::vector<int64_t> digits;         // [G, B, Hq, digits]
+  std::vector<uint64_t> vote_bits;     // [G, B, n_sets, top_k]
+  std::vector<int32_t> positions;      // [G, B, n_sets, top_k]
+  std::vector<std::set<int>> sets;     // [B · n_sets], global positions
+};
+
+StepTrace trace_steps(const Context& ctx, const ref::Problem& p, const sparsa_policy& policy,
+                      const std::vector<ShardRange>& shards, int32_t dtype) {
+  const int G = int(shards.size());
+  const int64_t B = p.B, Hq = p.Hq, sq = p.sq[0], digits = SPARSA_CP_SUM_DIGITS;
+  const int64_t n_sets = policy.select_per_kv_head ? p.Hkv : 1, top_k = policy.select_top_k;
+  const std::vector<float> q_data = queries(p);
+  std::vector<int32_t> totals(p.skv.begin(), p.skv.end());
+  const sparsa_tensor total_t = shard_positions_tensor(totals);
+  struct Shard {
+    std::unique_ptr<Buffer> q, k, seq_lens;
+    sparsa_tensor q_t, k_t, seq_lens_t, start_t;
+    std::vector<int32_t> start;
+    sparsa_attention_args args;
+    int64_t cap = 1;
+  };
+  std::vector<Shard> on(static_cast<size_t>(G));
+  for (int g = 0; g < G; ++g) {
+    Shard& s = on[size_t(g)];
+    const HostKv kv = gather_keys(p, shards[size_t(g)].start, shards[size_t(g)].length);
+    s.cap = kv.max_len;
+    s.q = std::make_unique<Buffer>(ctx, dtype, std::vector<int64_t>{B, sq, Hq, p.D});
+    s.k = std::make_unique<Buffer>(ctx, dtype, std::vector<int64_t>{B, kv.max_len, p.Hkv, p.D});
+    s.seq_lens = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32, std::vector<int64_t>{B});
+    for (size_t e = 0; e < q_data.size(); ++e) s.q->set(e, q_data[e]);
+    for (size_t e = 0; e < kv.k.size(); ++e) s.k->set(e, kv.k[e]);
+    for (int64_t b = 0; b < B; ++b) s.seq_lens->set(size_t(b), kv.seq_lens[size_t(b)]);
+    for (Buffer* b : {s.q.get(), s.k.get(), s.seq_lens.get()}) b->upload();
+    s.q_t = s.q->tensor(), s.k_t = s.k->tensor(), s.seq_lens_t = s.seq_lens->tensor();
+    s.start = shards[size_t(g)].start;
+    s.start_t = shard_positions_tensor(s.start);
+    s.args = make_args();
+    s.args.q = &s.q_t;
+    s.args.k = &s.k_t;
+    s.args.v = &s.k_t;  // validated, not read
+    s.args.out = nullptr;
+    s.args.seq_lens_k = &s.seq_lens_t;
+  }
+  StepTrace trace;
+  // Step 1 and the max "all-reduce".
+  std::vector<double> global_max(size_t(B * Hq), -INFINITY);
+  for (Shard& s : on) {
+    Buffer out(ctx, SPARSA_DTYPE_F64, {B, Hq});
+    for (size_t e = 0; e < out.elements(); ++e) out.set(e, std::numeric_limits<double>::quiet_NaN());
+    out.upload();
+    const sparsa_tensor out_t = out.tensor();
+    EXPECT_EQ(sparsa_cp_select_max(ctx.get(), &s.args, &policy, &s.start_t, &total_t, &out_t), SPARSA_STATUS_SUCCESS)
+        << sparsa_last_error_message();
+    out.download();
+    for (size_t e = 0; e < global_max.size(); ++e) {
+      trace.max_bits.push_back(bits_of(out.as<double>()[e]));
+      global_max[e] = std::max(global_max[e], out.as<double>()[e]);
+    }
+  }
+  Buffer global_max_b(ctx, SPARSA_DTYPE_F64, {B, Hq});
+  std::copy(global_max.begin(), global_max.end(), global_max_b.as<double>());
+  global_max_b.upload();
+  const sparsa_tensor global_max_t = global_max_b.tensor();
+  // Step 2 and the int64 sum "all-reduce".
+  Buffer global_sum_b(ctx, SPARSA_DTYPE_I64, {B, Hq, digits});
+  std::fill(global_sum_b.as<int64_t>(), global_sum_b.as<int64_t>() + global_sum_b.elements(), 0);
+  for (Shard& s : on) {
+    Buffer out(ctx, SPARSA_DTYPE_I64, {B, Hq, digits});
+    std::fill(out.as<int64_t>(), out.as<int64_t>() + out.elements(), -1);
+    out.upload();
+    const sparsa_tensor out_t = out.tensor();
+    EXPECT_EQ(sparsa_cp_select_sum(ctx.get(), &s.args, &policy, &s.start_t, &total_t, &global_max_t, &out_t),
+              SPARSA_STATUS_SUCCESS)
+        << sparsa_last_error_message();
+    out.download();
+    for (size_t e = 0; e < out.elements(); ++e) {
+      trace.digits.push_back(out.as<int64_t>()[e]);
+      global_sum_b.as<int64_t>()[e] += out.as<int64_t>()[e];
+    }
+  }
+  global_sum_b.upload();
+  const sparsa_tensor global_sum_t = global_sum_b.tensor();
+  // Step 3 and the all-gather (reversed shard order).
+  const size_t list = size_t(B * n_sets * top_k);
+  Buffer all_votes(ctx, SPARSA_DTYPE_F64, {G, B, n_sets, top_k});
+  Buffer all_positions(ctx, SPARSA_DTYPE_I32, {G, B, n_sets, top_k});
+  for (int g = 0; g < G; ++g) {
+    Buffer votes(ctx, SPARSA_DTYPE_F64, {B, n_sets, top_k}), positions(ctx, SPARSA_DTYPE_I32, {B, n_sets, top_k});
+    std::fill(votes.as<double>(), votes.as<double>() + list, std::numeric_limits<double>::quiet_NaN());
+    std::fill(positions.as<int32_t>(), positions.as<int32_t>() + list, -7);
+    votes.upload();
+    positions.upload();
+    const sparsa_tensor votes_t = votes.tensor(), positions_t = positions.tensor();
+    Shard& s = on[size_t(g)];
+    EXPECT_EQ(sparsa_cp_select_topk(ctx.get(), &s.args, &policy, &s.start_t, &total_t, &global_max_t, &global_sum_t,
+                                    &votes_t, &positions_t),
+              SPARSA_STATUS_SUCCESS)
+        << sparsa_last_error_message();
+    votes.download();
+    positions.download();
+    const size_t slot = size_t(G - 1 - g) * list;
+    for (size_t e = 0; e < list; ++e) {
+      trace.vote_bits.push_back(bits_of(votes.as<double>()[e]));
+      trace.positions.push_back(positions.as<int32_t>()[e]);
+      all_votes.as<double>()[slot + e] = votes.as<double>()[e];
+      all_positions.as<int32_t>()[slot + e] = positions.as<int32_t>()[e];
+    }
+  }
+  all_votes.upload();
+  all_positions.upload();
+  const sparsa_tensor all_votes_t = all_votes.tensor(), all_positions_t = all_positions.tensor();
+  // Step 4.
+  trace.sets.resize(size_t(B * n_sets));
+  for (int g = 0; g < G; ++g) {
+    Shard& s = on[size_t(g)];
+    Buffer indices(ctx, SPARSA_DTYPE_I32, {B, n_sets, s.cap});
+    std::fill(indices.as<int32_t>(), indices.as<int32_t>() + indices.elements(), -7);
+    indices.upload();
+    const sparsa_tensor indices_t = indices.tensor();
+    EXPECT_EQ(sparsa_cp_select_indices(ctx.get(), &s.args, &policy, &s.start_t, &total_t, &all_votes_t,
+                                       &all_positions_t, &indices_t),
+              SPARSA_STATUS_SUCCESS)
+        << sparsa_last_error_message();
+    indices.download();
+    for (size_t row = 0; row < trace.sets.size(); ++row) {
+      for (int64_t i = 0; i < s.cap; ++i) {
+        const int32_t id = indices.as<int32_t>()[row * size_t(s.cap) + size_t(i)];
+        EXPECT_GE(id, -1);
+        if (id >= 0) trace.sets[row].insert(id + s.start[row / size_t(n_sets)]);
+      }
+    }
+  }
+  return trace;
+}
+
+// Every step's output on this backend, with fp32, fp16 and bf16 q/k/v, equals the CPU backend's on the same values
+// (fp32 tensors of the rounded inputs) bit for bit: maxima, fixed-point digits, votes, positions and index sets. On
+// the CPU this checks the half-precision paths against the fp32 one; on a GPU it is the device steps' contract
+// (gpu_cp_select.cu), and with TokenSelectSelectionIsTheSingleDeviceOneAndOutputsMatch (CPU: sharded == single) it
+// makes the device shards' selection the single-device oracle's.
+TEST_P(ContextParallel, TokenSelectStepsGiveTheCpuStepsBits) {
+  const Context cpu(SPARSA_DEVICE_CPU);
+  ASSERT_EQ(cpu.status(), SPARSA_STATUS_SUCCESS);
+  int counter = 0;
+  for (const DecodeCase& c : token_select_cases()) {
+    for (int32_t dtype : {SPARSA_DTYPE_F32, SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16}) {
+      SCOPED_TRACE(std::string(c.name) + " dtype " + std::to_string(dtype));
+      ST_RNG(rng, counter++);
+      const ref::Problem p = rounded(make_case_problem(c, rng), dtype);
+      const sparsa_policy policy = select_policy(c);
+      const std::vector<ShardRange> shards = split_keys(p.skv, c.shards, c.split, rng);
+      const StepTrace want = trace_steps(cpu, p, policy, shards, SPARSA_DTYPE_F32);
+      const StepTrace got = trace_steps(ctx(), p, policy, shards, dtype);
+      EXPECT_EQ(got.max_bits, want.max_bits);
+      EXPECT_EQ(got.digits, want.digits);
+      EXPECT_EQ(got.vote_bits, want.vote_bits);
+      EXPECT_EQ(got.positions, want.positions);
+      EXPECT_EQ(got.sets, want.sets);
+    }
   }
 }
 

@@ -34,7 +34,7 @@ using ShardSequence = CpShardSequence;
 using Params = CpSelectParams;
 
 ShardSequence shard_sequence(const CpSelectCall& call, const Params& params, int32_t b) {
-  return cp_shard_sequence(params, call.problem.seq_len_q(b),
+  return cp_shard_sequence(params.n_init, params.top_k, params.n_local, call.problem.seq_len_q(b),
                            call.kv_start.ptr<const int32_t>()[b * call.kv_start.stride(0)],
                            call.problem.seq_len_k(b),
                            call.kv_total.ptr<const int32_t>()[b * call.kv_total.stride(0)]);

@@ -7,7 +7,7 @@ the same processes and on the same cards:
 
 - decode, bf16, GQA 32/8, D = 128, B = 1, N keys split evenly by position: DENSE, SINK_WINDOW 128 + 2048,
   TOKEN_INDICES (one row per kv head, 10 % of the keys, n_init 128, n_local 512) and TOKEN_SELECT (top_k 2048; its
-  selection steps run on a host context, as sparsa.distributed does on GPUs for now), each through
+  four selection steps on each rank's GPU, three collectives in between), each through
   sparsa.distributed.cp_decode (the run on the shard, the all-gather of the partial states, the merge), against one
   sparsa run over the whole cache on rank 0's GPU;
 - causal prefill, bf16, H = 32 (GQA 32/8), D = 128, N tokens split zig-zag: DENSE, SINK_WINDOW 128 + 2048 and
@@ -137,7 +137,7 @@ def decode_rows(options, ctx, group, timer, torch, sparsa, cp, device):
         ("dense", sparsa.Dense(), options.reps),
         ("sink_window", sparsa.SinkWindow(128, 2048), options.reps),
         ("token_indices", sparsa.TokenIndices(indices, n_init=128, n_local=512), options.reps),
-        ("token_select", sparsa.TokenSelect(n_init=128, n_local=512, top_k=2048), 3),
+        ("token_select", sparsa.TokenSelect(n_init=128, n_local=512, top_k=2048), options.reps),
     ]
     state_bytes = HQ * D * 2 + HQ * 4  # one rank's partial (out bf16, lse f32) per decode row
     rows = []
@@ -162,8 +162,7 @@ def decode_rows(options, ctx, group, timer, torch, sparsa, cp, device):
         if name == "token_select":
             sent += 8 * HQ + 48 * HQ + 12 * 1 * 2048  # max, fixed-point sums, local top-k votes and positions
         row = dict(workload=f"{name}_decode_{n // 1024}k_cp", g=size, cp=cp_ms, bytes_sent_per_rank=sent,
-                   bytes_needed_per_rank=state_bytes * (size - 1), selection="host" if name == "token_select" else
-                   "device")
+                   bytes_needed_per_rank=state_bytes * (size - 1), selection="device")
         if rank == 0:
             row.update(single=single_ms, check_relative=relative(out, want))
             report("decode", name, n, size, row)

@@ -278,6 +278,17 @@ class GpuBackend final : public Backend {
     kv_prefetch_run(device_, problem, carver);
   }
 
+  void cp_select(const CpSelectCall& call) override {
+    std::string reason;
+    if (!cp_select_supports(device_, call, &reason)) fail(SPARSA_STATUS_UNSUPPORTED, reason);
+    DeviceGuard guard(device_.device);
+    ScratchCarver sizing = ScratchCarver::measuring();
+    cp_select_run(device_, call, sizing);
+    grow_scratch(sizing.bytes());
+    ScratchCarver carver = ScratchCarver::over(static_cast<char*>(scratch_));
+    cp_select_run(device_, call, carver);
+  }
+
   std::unique_ptr<SelectionCacheState> create_selection_cache(const SelectionCacheDims& dims) override {
     DeviceGuard guard(device_.device);
     return create_device_selection_cache(device_, dims);

@@ -39,6 +39,11 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
 std::unique_ptr<SelectionCacheState> create_device_selection_cache(const GpuDevice& device,
                                                                    const SelectionCacheDims& dims);
 
+// Context-parallel TOKEN_SELECT, sparsa_cp_select_* (gpu_cp_select.cu): the four steps with the CPU backend's bits.
+// Steps 3 and 4 read small arrays back to the host (a synchronisation on device.stream); see the file comment.
+bool cp_select_supports(const GpuDevice& device, const CpSelectCall& call, std::string* reason);
+void cp_select_run(const GpuDevice& device, const CpSelectCall& call, ScratchCarver& carver);
+
 // §8 Δ around any base policy (gpu_delta.cu). `run_base(carver)` runs the base policy as if the flag were absent,
 // writing problem.out (and carving its own scratch from the carver it is given).
 using BaseRun = std::function<void(ScratchCarver&)>;

@@ -26,7 +26,6 @@ import numpy
 
 from . import _library as L
 from . import ops
-from .context import Context
 from .policy import BlockSparse, Dense, SinkWindow, TokenIndices, TokenSelect
 
 
@@ -174,10 +173,6 @@ def _like(template, array):
     return numpy.ascontiguousarray(array)
 
 
-def _to_host(x):
-    return x.cpu() if hasattr(x, "cpu") else x
-
-
 def _host_int32(x, name):
     array = numpy.asarray(x.cpu() if hasattr(x, "cpu") else x, dtype=numpy.int32)
     if array.ndim != 1:
@@ -212,16 +207,6 @@ def token_select_indices(ctx, group, q, k, v, policy, kv_start, kv_total, *, seq
     """This rank's part of TOKEN_SELECT's index set (sparsa_cp_select_*, three collectives in between): int32
     [B, n_sets, cap] local key ids, equal on every rank to its slice of the single-device selection."""
     kv_start, kv_total = _host_int32(kv_start, "kv_start"), _host_int32(kv_total, "kv_total")
-    if ctx.device_type != L.DEVICE_CPU:
-        # The GPU backends answer UNSUPPORTED to sparsa_cp_select_* for now: select on a host context over host
-        # copies of q and of this shard's keys (correct, but it copies the shard's K to the host every call). The
-        # steps do not read v: the host keys stand in for it.
-        host_k = _to_host(k)
-        with Context() as host:
-            indices = token_select_indices(host, group, _to_host(q), host_k, host_k, policy, kv_start,
-                                           kv_total, seq_lens_k=None if seq_lens_k is None else
-                                           _host_int32(seq_lens_k, "seq_lens_k"), softmax_scale=softmax_scale)
-        return _like(q, indices)
     common = dict(seq_lens_k=seq_lens_k, softmax_scale=softmax_scale)
     global_max = group.all_reduce_max(ops.cp_select_max(ctx, q, k, v, policy, kv_start, kv_total, **common))
     global_sum = group.all_reduce_sum(

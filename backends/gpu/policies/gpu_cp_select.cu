@@ -1,0 +1,498 @@
+// Context-parallel TOKEN_SELECT on the device (sparsa_cp_select_*, docs/context_parallel.md): the four steps with the
+// bits of the CPU backend's (cpu_context_parallel.cpp), so that a shard on a GPU and a shard on a CPU (and the
+// single-device CPU run, the oracle) select the same tokens.
+//
+// Every quantity is computed as the CPU computes it, one IEEE operation at a time (explicit __dmul_rn / __dadd_rn /
+// __ddiv_rn, so nvcc's FMA contraction cannot fuse them):
+//   q̄_h      the float64 mean of the call's query rows (sequential sum over rows, then one divide);
+//   s[h, t]   0, then for c = 0..D-1 one product q̄_h[c]·K[t, c] and one add, then the product with the score scale:
+//             the CPU's sequential channel-order sum (select_scores.cpp), each key element widened exactly;
+//   max       the first (by position) of the largest scores, NaN skipped: the std::max fold's value, bit for bit;
+//   exp       src/common/glibc_exp.h: glibc's exp, the function std::exp is on the CPU;
+//   Z_h       FixedPointSum digits summed as integers (atomics on exact integers: any order, same digits);
+//   vote      0 + e_0/Z_0 + e_1/Z_1 + ... over the set's heads in ascending order;
+//   top_k     device_topk: the same total order as ranks_before (larger vote, smaller position, NaN last).
+// Step 3 reads the combined digits back to the host to check them and to form Z_h with FixedPointSum (a
+// synchronisation on the context's stream), and step 4 runs on the host (cp_select_host.cpp) over the gathered lists
+// read back the same way: both are small, and their argument errors must reach the caller before anything is written.
+// Steps 1-3 rescore the shard's candidates, as the CPU steps do (the calls are stateless).
+//
+// Launches: sequences (shard ranges from device lengths), q̄, scores (64 candidates of one kv head per block, the
+// key tile widened to fp32 and transposed in shared memory), then per step: max | exp + digit sums, carries |
+// exp, vote, device_topk, outputs.
+#include "../../../src/common/fixed_point_sum.h"
+#include "../../../src/common/glibc_exp.h"
+#include "../../../src/cp_select_host.h"
+#include "../../../src/error.h"
+#include "../engine/forward_common.cuh"
+#include "../runtime/gpu_policies.h"
+#include "device_topk.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+SPARSA_GPU_NAMESPACE_BEGIN
+namespace {
+
+constexpr int kTileKeys = 64;        // candidates per score block, one per thread
+constexpr int kTileStride = kTileKeys + 1;  // shared row stride: the transposed stores hit distinct banks
+constexpr int kHeadChains = 4;       // independent sums per score thread (heads of its kv group at a time)
+constexpr int kReduceThreads = 256;  // max and digit-sum blocks
+constexpr int kElementThreads = 256;  // element-wise kernels
+constexpr int kDigits = SPARSA_CP_SUM_DIGITS;  // nan count, whole part, four 32-bit fraction digits
+constexpr int64_t kMaxGridX = 65535;
+
+struct StepParams {
+  ForwardParams p;
+  int32_t num_kv_heads = 1;
+  int64_t n_init = 0, n_local = 0, top_k = 0;
+  int32_t n_sets = 1, heads_per_set = 1;
+  double score_scale = 1.0;
+  int64_t max_candidates = 0;  // row stride of scores and votes
+  const int64_t* positions = nullptr;  // [B, 2]: kv_start, kv_total
+  CpShardSequence* sequences = nullptr;  // [B]
+  int32_t* segment_lengths = nullptr;    // [B · n_sets]: candidates of (b, set)
+  double* qbar = nullptr;                // [B, Hq, D]
+  double* scores = nullptr;              // [B, Hq, max_candidates]: s, then exp(s − m) in place
+  double* votes = nullptr;               // [B · n_sets, max_candidates]
+};
+
+// Strided view of a small F64/I64/I32 tensor of the call (rank <= 4), for the element-wise kernels.
+struct Strided {
+  void* data = nullptr;
+  int64_t stride[4] = {0, 0, 0, 0};
+};
+Strided strided(const TensorArg& t) {
+  Strided s;
+  s.data = const_cast<void*>(t.t.data);
+  for (int d = 0; d < t.t.ndim && d < 4; ++d) s.stride[d] = t.stride(d);
+  return s;
+}
+
+// ---- Kernels ----
+
+__global__ void sequences_kernel(const StepParams sp) {
+  const int32_t b = int32_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= sp.p.batch) return;
+  const SequenceView s = make_sequence_view(sp.p, b, 0);
+  const CpShardSequence seq = cp_shard_sequence(sp.n_init, sp.top_k, sp.n_local, s.seq_q, sp.positions[2 * b],
+                                                s.seq_k, sp.positions[2 * b + 1]);
+  sp.sequences[b] = seq;
+  for (int32_t set = 0; set < sp.n_sets; ++set) sp.segment_lengths[b * sp.n_sets + set] = int32_t(seq.n_candidates());
+}
+
+// Block (h, b): q̄_h, the mean of the sequence's query rows, as cpu_context_parallel.cpp's mean_queries.
+__global__ void qbar_kernel(const StepParams sp) {
+  const int32_t h = blockIdx.x, b = blockIdx.y;
+  if (!sp.sequences[b].selects()) return;
+  const SequenceView s = make_sequence_view(sp.p, b, h);
+  double* qbar = sp.qbar + (int64_t(b) * sp.p.num_q_heads + h) * sp.p.head_dim;
+  for (int32_t c = threadIdx.x; c < sp.p.head_dim; c += blockDim.x) {
+    double sum = 0.0;
+    for (int32_t i = 0; i < s.seq_q; ++i) {
+      sum = __dadd_rn(sum, double(load_value(sp.p.q, query_row_offset(sp.p.q_strides, s, i) + c, sp.p.element_type)));
+    }
+    qbar[c] = __ddiv_rn(sum, double(s.seq_q));
+  }
+}
+
+// Block (tile, kv head, b): the scores of 64 candidates for every query head of the kv head's group. The key tile is
+// widened to fp32 (exact) and stored transposed, [D][kTileStride], so that thread j reads its key's channel c at
+// c·kTileStride + j (consecutive threads, consecutive banks). Each thread keeps kHeadChains sums in flight.
+__global__ void __launch_bounds__(kTileKeys) scores_kernel(const StepParams sp) {
+  extern __shared__ float tile[];
+  const int32_t hk = blockIdx.y, b = blockIdx.z;
+  const CpShardSequence seq = sp.sequences[b];
+  const int64_t n = seq.n_candidates();
+  const int64_t first = int64_t(blockIdx.x) * kTileKeys;
+  if (first >= n) return;
+  const int32_t d = sp.p.head_dim, group = sp.p.group_size;
+  const SequenceView s = make_sequence_view(sp.p, b, hk * group);
+  const int64_t local_first = seq.candidate_begin - seq.start + first;  // shard-local key id of candidate `first`
+  const int32_t keys = int32_t(n - first < kTileKeys ? n - first : kTileKeys);
+  for (int32_t e = threadIdx.x; e < kTileKeys * d; e += blockDim.x) {
+    const int32_t row = e / d, c = e % d;
+    tile[c * kTileStride + row] =
+        row < keys ? load_value(sp.p.k, key_row_offset(sp.p, sp.p.k_strides, s, local_first + row) + c,
+                                sp.p.element_type)
+                   : 0.f;
+  }
+  __syncthreads();
+  const int32_t j = threadIdx.x;
+  if (j >= keys) return;
+  for (int32_t l0 = 0; l0 < group; l0 += kHeadChains) {
+    const int32_t chains = min(kHeadChains, group - l0);
+    const double* q[kHeadChains];
+    double sum[kHeadChains];
+#pragma unroll
+    for (int i = 0; i < kHeadChains; ++i) {
+      q[i] = sp.qbar + (int64_t(b) * sp.p.num_q_heads + hk * group + l0 + min(i, chains - 1)) * d;
+      sum[i] = 0.0;
+    }
+    for (int32_t c = 0; c < d; ++c) {
+      const double key = double(tile[c * kTileStride + j]);
+#pragma unroll
+      for (int i = 0; i < kHeadChains; ++i) sum[i] = __dadd_rn(sum[i], __dmul_rn(q[i][c], key));
+    }
+    for (int i = 0; i < chains; ++i) {
+      sp.scores[(int64_t(b) * sp.p.num_q_heads + hk * group + l0 + i) * sp.max_candidates + first + j] =
+          __dmul_rn(sp.score_scale, sum[i]);
+    }
+  }
+}
+
+// Block (h, b), step 1: the std::max fold of the head's scores from −inf in position order, i.e. the first of the
+// largest (NaN never wins; among equal values, ±0 included, the earliest position's bits).
+__global__ void __launch_bounds__(kReduceThreads) max_kernel(const StepParams sp, Strided out) {
+  __shared__ double values[kReduceThreads];
+  __shared__ int64_t positions[kReduceThreads];
+  const int32_t h = blockIdx.x, b = blockIdx.y;
+  const int64_t n = sp.sequences[b].n_candidates();
+  const double* row = sp.scores + (int64_t(b) * sp.p.num_q_heads + h) * sp.max_candidates;
+  double best = -INFINITY;
+  int64_t at = INT64_MAX;  // the fold's start value ranks after any score equal to it
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) {
+    if (best < row[t]) best = row[t], at = t;  // positions rise within a thread: the first of equals is kept
+  }
+  values[threadIdx.x] = best;
+  positions[threadIdx.x] = at;
+  __syncthreads();
+  for (int width = kReduceThreads / 2; width > 0; width /= 2) {
+    if (int(threadIdx.x) < width) {
+      const double other = values[threadIdx.x + width];
+      const int64_t other_at = positions[threadIdx.x + width];
+      const double mine = values[threadIdx.x];
+      if (mine < other || (!(other < mine) && other_at < positions[threadIdx.x])) {
+        values[threadIdx.x] = other;
+        positions[threadIdx.x] = other_at;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) static_cast<double*>(out.data)[b * out.stride[0] + h * out.stride[1]] = values[0];
+}
+
+// Block (x, h, b), steps 2 and 3: e = exp(s − m_h) in place, m_h the global maximum; with `digit_sums`, each term's
+// fixed-point digits added to digit_sums[b, h, :] (exact integers, so the order of the atomics does not matter).
+__global__ void __launch_bounds__(kReduceThreads) exp_kernel(const StepParams sp, Strided global_max,
+                                                             unsigned long long* digit_sums) {
+  __shared__ unsigned long long block_sums[kDigits];
+  const int32_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t n = sp.sequences[b].n_candidates();
+  if (int64_t(blockIdx.x) * blockDim.x >= n) return;
+  if (digit_sums != nullptr && threadIdx.x < kDigits) block_sums[threadIdx.x] = 0;
+  __syncthreads();
+  const double m = static_cast<const double*>(global_max.data)[b * global_max.stride[0] + h * global_max.stride[1]];
+  double* row = sp.scores + (int64_t(b) * sp.p.num_q_heads + h) * sp.max_candidates;
+  unsigned long long sums[kDigits] = {0, 0, 0, 0, 0, 0};
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < n; t += int64_t(gridDim.x) * blockDim.x) {
+    const double e = glibc_exp(__dsub_rn(row[t], m));
+    row[t] = e;
+    if (digit_sums == nullptr) continue;
+    if (isnan(e)) {
+      ++sums[0];
+      continue;
+    }
+    const double whole = floor(e);
+    sums[1] += static_cast<unsigned long long>(whole);
+    const FixedPointUnits units = fixed_point_units(__dsub_rn(e, whole));
+    sums[2] += units.high >> 32;
+    sums[3] += units.high & 0xffffffffull;
+    sums[4] += units.low >> 32;
+    sums[5] += units.low & 0xffffffffull;
+  }
+  if (digit_sums == nullptr) return;
+  for (int i = 0; i < kDigits; ++i)
+    if (sums[i] != 0) atomicAdd(&block_sums[i], sums[i]);
+  __syncthreads();
+  if (threadIdx.x < kDigits && block_sums[threadIdx.x] != 0) {
+    atomicAdd(&digit_sums[(int64_t(b) * sp.p.num_q_heads + h) * kDigits + threadIdx.x], block_sums[threadIdx.x]);
+  }
+}
+
+// Thread per (b, h), step 2's output: the digit sums with their carries moved up, as FixedPointSum::to_digits.
+__global__ void digits_kernel(const unsigned long long* digit_sums, int32_t entries, int32_t heads, Strided out) {
+  const int32_t e = int32_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= entries) return;
+  const unsigned long long* in = digit_sums + int64_t(e) * kDigits;
+  int64_t* o = static_cast<int64_t*>(out.data) + (e / heads) * out.stride[0] + (e % heads) * out.stride[1];
+  unsigned long long carry = 0;
+  for (int i = kDigits - 1; i >= 2; --i) {
+    const unsigned long long value = in[i] + carry;
+    o[i * out.stride[2]] = int64_t(value & 0xffffffffull);
+    carry = value >> 32;
+  }
+  o[out.stride[2]] = int64_t(in[1] + carry);
+  o[0] = int64_t(in[0]);
+}
+
+// Thread per (candidate, set, b), step 3: vote[t] = 0 + e_0[t]/Z_0 + ... over the set's heads in ascending order.
+__global__ void vote_kernel(const StepParams sp, const double* z) {
+  const int32_t set = blockIdx.y, b = blockIdx.z;
+  const int64_t n = sp.sequences[b].n_candidates();
+  const int32_t first_head = set * sp.heads_per_set;
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < n; t += int64_t(gridDim.x) * blockDim.x) {
+    double vote = 0.0;
+    for (int32_t k = 0; k < sp.heads_per_set; ++k) {
+      const int64_t h = int64_t(b) * sp.p.num_q_heads + first_head + k;
+      vote = __dadd_rn(vote, __ddiv_rn(sp.scores[h * sp.max_candidates + t], z[h]));
+    }
+    sp.votes[(int64_t(b) * sp.n_sets + set) * sp.max_candidates + t] = vote;
+  }
+}
+
+// Thread per (slot, set, b), step 3's outputs: the chosen candidates' votes and global positions (ascending, as
+// device_topk orders the ids), −inf and −1 past the shard's candidate count.
+__global__ void topk_outputs_kernel(const StepParams sp, const int32_t* ids, Strided votes, Strided positions) {
+  const int32_t set = blockIdx.y, b = blockIdx.z;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= sp.top_k) return;
+  const int64_t segment = int64_t(b) * sp.n_sets + set;
+  const int32_t id = ids[segment * sp.top_k + i];
+  const double vote = id >= 0 ? sp.votes[segment * sp.max_candidates + id] : -INFINITY;
+  const int64_t position = id >= 0 ? sp.sequences[b].candidate_begin + id : -1;
+  static_cast<double*>(votes.data)[b * votes.stride[0] + set * votes.stride[1] + i * votes.stride[2]] = vote;
+  static_cast<int32_t*>(positions.data)[b * positions.stride[0] + set * positions.stride[1] + i * positions.stride[2]] =
+      int32_t(position);
+}
+
+// Thread per entry: the gathered [G, B, n_sets, top_k] lists into contiguous buffers (for the copy to the host).
+__global__ void pack_gathered_kernel(Strided votes, Strided positions, int64_t b_sets_k, int64_t sets_k,
+                                     int64_t top_k, int64_t entries, double* votes_out, int32_t* positions_out) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < entries; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = e / b_sets_k, b = e % b_sets_k / sets_k, set = e % sets_k / top_k, i = e % top_k;
+    votes_out[e] = static_cast<const double*>(votes.data)[g * votes.stride[0] + b * votes.stride[1] +
+                                                          set * votes.stride[2] + i * votes.stride[3]];
+    positions_out[e] = static_cast<const int32_t*>(positions.data)[g * positions.stride[0] + b * positions.stride[1] +
+                                                                   set * positions.stride[2] + i * positions.stride[3]];
+  }
+}
+
+// Thread per entry: step 4's index sets (contiguous [B, n_sets, cap]) into out_indices with its strides.
+__global__ void scatter_indices_kernel(const int32_t* sets, int64_t sets_cap, int64_t cap, int64_t entries,
+                                       Strided out) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < entries; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = e / sets_cap, set = e % sets_cap / cap, i = e % cap;
+    static_cast<int32_t*>(out.data)[b * out.stride[0] + set * out.stride[1] + i * out.stride[2]] = sets[e];
+  }
+}
+
+unsigned grid_for(int64_t items, int threads) {
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>((items + threads - 1) / threads, kMaxGridX)));
+}
+
+// Copies `count` elements device → host on the stream and waits for them (steps 3 and 4 read small arrays back).
+template <typename T>
+std::vector<T> read_back(const GpuDevice& device, const T* data, int64_t count) {
+  std::vector<T> host(static_cast<size_t>(std::max<int64_t>(count, 0)));
+  if (count > 0) {
+    check(cudaMemcpyAsync(host.data(), data, size_t(count) * sizeof(T), cudaMemcpyDeviceToHost, device.stream),
+          "cudaMemcpyAsync");
+  }
+  check(cudaStreamSynchronize(device.stream), "cudaStreamSynchronize");
+  return host;
+}
+
+// The shard's scores (sequences, q̄, s[h, t]) for steps 1-3.
+void launch_scores(const GpuDevice& device, const StepParams& sp, int64_t batch) {
+  sequences_kernel<<<grid_for(batch, kElementThreads), kElementThreads, 0, device.stream>>>(sp);
+  check(cudaGetLastError(), "sequences_kernel launch");
+  qbar_kernel<<<dim3(unsigned(sp.p.num_q_heads), unsigned(batch)), 128, 0, device.stream>>>(sp);
+  check(cudaGetLastError(), "qbar_kernel launch");
+  if (sp.max_candidates == 0) return;
+  const size_t shared = size_t(sp.p.head_dim) * kTileStride * sizeof(float);
+  check(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)),
+        "cudaFuncSetAttribute");
+  const dim3 grid(unsigned((sp.max_candidates + kTileKeys - 1) / kTileKeys), unsigned(sp.num_kv_heads),
+                  unsigned(batch));
+  scores_kernel<<<grid, kTileKeys, shared, device.stream>>>(sp);
+  check(cudaGetLastError(), "scores_kernel launch");
+}
+
+}  // namespace
+
+bool cp_select_supports(const GpuDevice& device, const CpSelectCall& call, std::string* reason) {
+  const int64_t tiles = (call.problem.max_seq_k + kTileKeys - 1) / kTileKeys;
+  const size_t shared = size_t(call.problem.head_dim) * kTileStride * sizeof(float);
+  if (tiles > 0x7fffffff || call.problem.num_kv_heads > 65535 || call.problem.batch > 65535) {
+    if (reason != nullptr) *reason = std::string(backend_name()) + " backend: context-parallel selection needs Hkv and B <= 65535";
+    return false;
+  }
+  if (shared > device.max_shared_optin) {
+    if (reason != nullptr) {
+      *reason = std::string(backend_name()) + " backend: context-parallel selection needs " + std::to_string(shared) +
+                " bytes of shared memory for head_dim " + std::to_string(call.problem.head_dim);
+    }
+    return false;
+  }
+  return true;
+}
+
+void cp_select_run(const GpuDevice& device, const CpSelectCall& call, ScratchCarver& carver) {
+  const AttentionProblem& pr = call.problem;
+  const CpSelectParams params = cp_select_params(call);
+  const int64_t batch = pr.batch, heads = pr.num_q_heads, sets = params.n_sets;
+  const bool scores_needed = call.step != CpSelectStep::kIndices;
+  StepParams sp;
+  sp.max_candidates = scores_needed ? pr.max_seq_k : 0;
+  int64_t* positions = carver.take<int64_t>(uint64_t(2 * batch));
+  sp.sequences = carver.take<CpShardSequence>(uint64_t(batch));
+  sp.segment_lengths = carver.take<int32_t>(uint64_t(batch * sets));
+  if (scores_needed) {
+    sp.qbar = carver.take<double>(uint64_t(batch * heads * pr.head_dim));
+    sp.scores = carver.take<double>(uint64_t(batch * heads * sp.max_candidates));
+  }
+  unsigned long long* digit_sums =
+      call.step == CpSelectStep::kSum ? carver.take<unsigned long long>(uint64_t(batch * heads * kDigits)) : nullptr;
+  double* z = nullptr;
+  int32_t* ids = nullptr;
+  void* topk_scratch = nullptr;
+  if (call.step == CpSelectStep::kTopk) {
+    z = carver.take<double>(uint64_t(batch * heads));
+    sp.votes = carver.take<double>(uint64_t(batch * sets * sp.max_candidates));
+    ids = carver.take<int32_t>(uint64_t(batch * sets * params.top_k));
+    topk_scratch = carver.take<char>(device_topk_scratch_bytes(int32_t(batch * sets), sp.max_candidates));
+  }
+  const int64_t shards = call.step == CpSelectStep::kIndices ? call.all_votes.extent(0) : 0;
+  const int64_t gathered = shards * batch * sets * params.top_k;
+  const int64_t cap = call.step == CpSelectStep::kIndices ? call.out.extent(2) : 0;
+  double* gathered_votes = call.step == CpSelectStep::kIndices ? carver.take<double>(uint64_t(gathered)) : nullptr;
+  int32_t* gathered_positions = call.step == CpSelectStep::kIndices ? carver.take<int32_t>(uint64_t(gathered)) : nullptr;
+  int32_t* index_sets = call.step == CpSelectStep::kIndices ? carver.take<int32_t>(uint64_t(batch * sets * cap)) : nullptr;
+  if (carver.sizing() || batch == 0) return;
+
+  sp.p = make_forward_params(pr, call.policy);
+  sp.num_kv_heads = pr.num_kv_heads;
+  sp.n_init = params.n_init;
+  sp.n_local = params.n_local;
+  sp.top_k = params.top_k;
+  sp.n_sets = params.n_sets;
+  sp.heads_per_set = params.heads_per_set;
+  sp.score_scale = params.score_scale;
+  sp.positions = positions;
+  // kv_start and kv_total live in host memory. (Copies from pageable host memory are staged before
+  // cudaMemcpyAsync returns, so the host vectors of this function may go out of scope while the copies are queued.)
+  std::vector<int64_t> host_positions(size_t(2 * batch));
+  for (int64_t b = 0; b < batch; ++b) {
+    host_positions[size_t(2 * b)] = call.kv_start.ptr<const int32_t>()[b * call.kv_start.stride(0)];
+    host_positions[size_t(2 * b + 1)] = call.kv_total.ptr<const int32_t>()[b * call.kv_total.stride(0)];
+  }
+  check(cudaMemcpyAsync(positions, host_positions.data(), host_positions.size() * sizeof(int64_t),
+                        cudaMemcpyHostToDevice, device.stream),
+        "cudaMemcpyAsync");
+
+  if (call.step == CpSelectStep::kIndices) {
+    sequences_kernel<<<grid_for(batch, kElementThreads), kElementThreads, 0, device.stream>>>(sp);
+    check(cudaGetLastError(), "sequences_kernel launch");
+    if (gathered > 0) {
+      pack_gathered_kernel<<<grid_for(gathered, kElementThreads), kElementThreads, 0, device.stream>>>(
+          strided(call.all_votes), strided(call.all_positions), batch * sets * params.top_k, sets * params.top_k,
+          params.top_k, gathered, gathered_votes, gathered_positions);
+      check(cudaGetLastError(), "pack_gathered_kernel launch");
+    }
+    const std::vector<double> votes = read_back(device, gathered_votes, gathered);
+    const std::vector<int32_t> positions_host = read_back(device, gathered_positions, gathered);
+    const std::vector<CpShardSequence> sequences = read_back(device, sp.sequences, batch);
+    const std::vector<std::vector<int64_t>> index = cp_shard_index_sets(
+        params, sequences, shards, cap, [&](int64_t g, int32_t b, int32_t set, int64_t i, double* vote, int64_t* at) {
+          const size_t e = size_t(((g * batch + b) * sets + set) * params.top_k + i);
+          *vote = votes[e];
+          *at = positions_host[e];
+        });
+    std::vector<int32_t> flat(size_t(batch * sets * cap), -1);
+    for (size_t row = 0; row < index.size(); ++row)
+      for (size_t i = 0; i < index[row].size(); ++i) flat[row * size_t(cap) + i] = int32_t(index[row][i]);
+    if (flat.empty()) return;
+    check(cudaMemcpyAsync(index_sets, flat.data(), flat.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                          device.stream),
+          "cudaMemcpyAsync");
+    scatter_indices_kernel<<<grid_for(int64_t(flat.size()), kElementThreads), kElementThreads, 0, device.stream>>>(
+        index_sets, sets * cap, cap, int64_t(flat.size()), strided(call.out));
+    check(cudaGetLastError(), "scatter_indices_kernel launch");
+    return;
+  }
+
+  std::vector<double> host_z;
+  if (call.step == CpSelectStep::kTopk) {  // check the combined digits before anything is written
+    const TensorArg& g = call.global_sum;
+    std::vector<int64_t> digits(size_t(batch * heads * kDigits));
+    if (g.stride(2) == 1 && g.stride(1) == kDigits && (batch == 1 || g.stride(0) == heads * kDigits)) {
+      check(cudaMemcpyAsync(digits.data(), g.ptr<const int64_t>(), digits.size() * sizeof(int64_t),
+                            cudaMemcpyDeviceToHost, device.stream),
+            "cudaMemcpyAsync");
+    } else {  // a strided view: element by element (B · Hq · 6 small copies)
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int i = 0; i < kDigits; ++i) {
+            check(cudaMemcpyAsync(&digits[size_t((b * heads + h) * kDigits + i)],
+                                  g.ptr<const int64_t>() + b * g.stride(0) + h * g.stride(1) + i * g.stride(2),
+                                  sizeof(int64_t), cudaMemcpyDeviceToHost, device.stream),
+                  "cudaMemcpyAsync");
+          }
+    }
+    check(cudaStreamSynchronize(device.stream), "cudaStreamSynchronize");
+    host_z = cp_normalisers(int32_t(batch), int32_t(heads), [&](int32_t b, int32_t h, int i) {
+      return digits[size_t((int64_t(b) * heads + h) * kDigits + i)];
+    });
+    check(cudaMemcpyAsync(z, host_z.data(), host_z.size() * sizeof(double), cudaMemcpyHostToDevice, device.stream),
+          "cudaMemcpyAsync");
+  }
+
+  launch_scores(device, sp, batch);
+  const unsigned exp_blocks = grid_for(sp.max_candidates, kReduceThreads);
+  switch (call.step) {
+    case CpSelectStep::kMax:
+      max_kernel<<<dim3(unsigned(heads), unsigned(batch)), kReduceThreads, 0, device.stream>>>(sp, strided(call.out));
+      check(cudaGetLastError(), "max_kernel launch");
+      break;
+    case CpSelectStep::kSum:
+      check(cudaMemsetAsync(digit_sums, 0, size_t(batch * heads * kDigits) * sizeof(unsigned long long),
+                            device.stream),
+            "cudaMemsetAsync");
+      if (sp.max_candidates > 0) {
+        exp_kernel<<<dim3(exp_blocks, unsigned(heads), unsigned(batch)), kReduceThreads, 0, device.stream>>>(
+            sp, strided(call.global_max), digit_sums);
+        check(cudaGetLastError(), "exp_kernel launch");
+      }
+      digits_kernel<<<grid_for(batch * heads, kElementThreads), kElementThreads, 0, device.stream>>>(
+          digit_sums, int32_t(batch * heads), int32_t(heads), strided(call.out));
+      check(cudaGetLastError(), "digits_kernel launch");
+      break;
+    case CpSelectStep::kTopk: {
+      if (sp.max_candidates > 0) {
+        exp_kernel<<<dim3(exp_blocks, unsigned(heads), unsigned(batch)), kReduceThreads, 0, device.stream>>>(
+            sp, strided(call.global_max), nullptr);
+        check(cudaGetLastError(), "exp_kernel launch");
+        vote_kernel<<<dim3(exp_blocks, unsigned(sets), unsigned(batch)), kReduceThreads, 0, device.stream>>>(sp, z);
+        check(cudaGetLastError(), "vote_kernel launch");
+      }
+      if (sp.max_candidates == 0) {  // no key on this shard: every slot −1 / −inf
+        check(cudaMemsetAsync(ids, 0xff, size_t(batch * sets * params.top_k) * sizeof(int32_t), device.stream),
+              "cudaMemsetAsync");
+      }
+      TopkArgs a;
+      a.values = sp.votes;
+      a.value_type = TopkValueType::kF64;
+      a.row_stride = sp.max_candidates;
+      a.segments = int32_t(batch * sets);
+      a.max_length = sp.max_candidates;
+      a.lengths = sp.segment_lengths;
+      a.k = int32_t(params.top_k);
+      a.out = ids;
+      a.out_stride = params.top_k;
+      a.out_capacity = int32_t(params.top_k);
+      if (sp.max_candidates > 0) check(device_topk(a, topk_scratch, device.stream), "device_topk");
+      topk_outputs_kernel<<<dim3(grid_for(params.top_k, kElementThreads), unsigned(sets), unsigned(batch)),
+                            kElementThreads, 0, device.stream>>>(sp, ids, strided(call.out),
+                                                                 strided(call.out_positions));
+      check(cudaGetLastError(), "topk_outputs_kernel launch");
+      break;
+    }
+    case CpSelectStep::kIndices:
+      break;
+  }
+}
+
+SPARSA_GPU_NAMESPACE_END
