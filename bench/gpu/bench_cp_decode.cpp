@@ -95,11 +95,13 @@ void* device_copy(const void* host, size_t bytes) {
   return p;
 }
 
-// What one policy needs on one device: the policy struct and the index buffer it points at.
+// What one policy needs on one device: the policy struct and the index buffer it points at. policy.indices points
+// into the object itself, so it is set where the object stays (point_at_indices), not where it is built.
 struct PolicyOnDevice {
   sparsa_policy policy;
   sparsa_tensor indices;
   void* indices_memory = nullptr;
+  void point_at_indices() { policy.indices = indices_memory != nullptr ? &indices : nullptr; }
 };
 
 // The policy of a run over keys [start, start + length) of a cache of `total` keys, for the decode row (global
@@ -131,7 +133,6 @@ PolicyOnDevice shard_policy(const std::string& name, const std::vector<std::vect
     for (size_t r = 0; r < rows.size(); ++r) std::copy(local[r].begin(), local[r].end(), flat.begin() + r * width);
     p.indices_memory = device_copy(flat.data(), flat.size() * 4);
     p.indices = device_tensor(p.indices_memory, SPARSA_DTYPE_I32, {1, int64_t(rows.size()), int64_t(width)}, device);
-    p.policy.indices = &p.indices;
   }
   return p;
 }
@@ -242,6 +243,7 @@ int main(int argc, char** argv) {
   std::vector<std::vector<uint16_t>> single_out(3, std::vector<uint16_t>(kStateFloats));
   for (int p = 0; p < 3; ++p) {
     PolicyOnDevice policy = shard_policy(names[p], rows, 0, n, n, 0);
+    policy.point_at_indices();
     for (int i = 0; i < kWarmup; ++i) sparsa_ok(sparsa_attention_run(ctx0, &args0, &policy.policy), "run");
     cuda_ok(cudaEventRecord(begin0, stream0), "cudaEventRecord");
     for (int i = 0; i < reps; ++i) sparsa_ok(sparsa_attention_run(ctx0, &args0, &policy.policy), "run");
@@ -312,6 +314,7 @@ int main(int argc, char** argv) {
       cuda_ok(cudaSetDevice(g), "cudaSetDevice");
       policies.push_back(shard_policy(names[p], rows, g * length, length, n, g));
     }
+    for (PolicyOnDevice& policy : policies) policy.point_at_indices();
     for (int i = 0; i < kWarmup; ++i) enqueue_step(ranks, policies);
     for (Rank& r : ranks) cuda_ok(cudaStreamSynchronize(r.stream), "cudaStreamSynchronize");
     for (Rank& r : ranks) cuda_ok(cudaEventRecord(r.begin, r.stream), "cudaEventRecord");
