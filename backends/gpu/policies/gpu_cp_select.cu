@@ -18,7 +18,7 @@
 // Steps 1-3 rescore the shard's candidates, as the CPU steps do (the calls are stateless).
 //
 // Launches: sequences (shard ranges from device lengths), q̄, scores (64 candidates of one kv head per block, the
-// key tile widened to fp32 and transposed in shared memory), then per step: max | exp + digit sums, carries |
+// group's q̄ and the key tile widened to fp32 and transposed in shared memory), then per step: max | exp + digit sums, carries |
 // exp, vote, device_topk, outputs.
 #include "../../../src/common/fixed_point_sum.h"
 #include "../../../src/common/glibc_exp.h"
@@ -98,26 +98,31 @@ __global__ void qbar_kernel(const StepParams sp) {
   }
 }
 
-// Block (tile, kv head, b): the scores of 64 candidates for every query head of the kv head's group. The key tile is
-// widened to fp32 (exact) and stored transposed, [D][kTileStride], so that thread j reads its key's channel c at
-// c·kTileStride + j (consecutive threads, consecutive banks). Each thread keeps kHeadChains sums in flight.
+// Block (tile, kv head, b): the scores of 64 candidates for every query head of the kv head's group. Shared memory
+// holds the group's q̄ rows ([group][D] doubles) and the key tile widened to fp32 (exact) and stored transposed,
+// [D][kTileStride], so that thread j reads its key's channel c at c·kTileStride + j (consecutive threads,
+// consecutive banks) and every thread reads the same q̄ element (a broadcast). The tile is loaded row by row (one
+// row offset per row, the channels across the threads). Each thread keeps kHeadChains sums in flight.
 __global__ void __launch_bounds__(kTileKeys) scores_kernel(const StepParams sp) {
-  extern __shared__ float tile[];
+  extern __shared__ double shared[];
   const int32_t hk = blockIdx.y, b = blockIdx.z;
   const CpShardSequence seq = sp.sequences[b];
   const int64_t n = seq.n_candidates();
   const int64_t first = int64_t(blockIdx.x) * kTileKeys;
   if (first >= n) return;
   const int32_t d = sp.p.head_dim, group = sp.p.group_size;
+  double* qbar = shared;                                        // [group][d]
+  float* tile = reinterpret_cast<float*>(shared + group * d);  // [d][kTileStride]
+  const double* group_qbar = sp.qbar + (int64_t(b) * sp.p.num_q_heads + hk * group) * d;
+  for (int32_t e = threadIdx.x; e < group * d; e += blockDim.x) qbar[e] = group_qbar[e];
   const SequenceView s = make_sequence_view(sp.p, b, hk * group);
   const int64_t local_first = seq.candidate_begin - seq.start + first;  // shard-local key id of candidate `first`
   const int32_t keys = int32_t(n - first < kTileKeys ? n - first : kTileKeys);
-  for (int32_t e = threadIdx.x; e < kTileKeys * d; e += blockDim.x) {
-    const int32_t row = e / d, c = e % d;
-    tile[c * kTileStride + row] =
-        row < keys ? load_value(sp.p.k, key_row_offset(sp.p, sp.p.k_strides, s, local_first + row) + c,
-                                sp.p.element_type)
-                   : 0.f;
+  for (int32_t row = 0; row < kTileKeys; ++row) {
+    const int64_t offset = row < keys ? key_row_offset(sp.p, sp.p.k_strides, s, local_first + row) : 0;
+    for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
+      tile[c * kTileStride + row] = row < keys ? load_value(sp.p.k, offset + c, sp.p.element_type) : 0.f;
+    }
   }
   __syncthreads();
   const int32_t j = threadIdx.x;
@@ -128,7 +133,7 @@ __global__ void __launch_bounds__(kTileKeys) scores_kernel(const StepParams sp) 
     double sum[kHeadChains];
 #pragma unroll
     for (int i = 0; i < kHeadChains; ++i) {
-      q[i] = sp.qbar + (int64_t(b) * sp.p.num_q_heads + hk * group + l0 + min(i, chains - 1)) * d;
+      q[i] = qbar + (l0 + min(i, chains - 1)) * d;
       sum[i] = 0.0;
     }
     for (int32_t c = 0; c < d; ++c) {
@@ -279,6 +284,11 @@ __global__ void scatter_indices_kernel(const int32_t* sets, int64_t sets_cap, in
   }
 }
 
+// The score kernel's shared memory: the group's q̄ rows (float64) and the transposed fp32 key tile.
+size_t score_shared_bytes(int64_t group, int64_t head_dim) {
+  return size_t(group * head_dim) * sizeof(double) + size_t(head_dim) * kTileStride * sizeof(float);
+}
+
 unsigned grid_for(int64_t items, int threads) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>((items + threads - 1) / threads, kMaxGridX)));
 }
@@ -302,7 +312,7 @@ void launch_scores(const GpuDevice& device, const StepParams& sp, int64_t batch)
   qbar_kernel<<<dim3(unsigned(sp.p.num_q_heads), unsigned(batch)), 128, 0, device.stream>>>(sp);
   check(cudaGetLastError(), "qbar_kernel launch");
   if (sp.max_candidates == 0) return;
-  const size_t shared = size_t(sp.p.head_dim) * kTileStride * sizeof(float);
+  const size_t shared = score_shared_bytes(sp.p.group_size, sp.p.head_dim);
   check(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)),
         "cudaFuncSetAttribute");
   const dim3 grid(unsigned((sp.max_candidates + kTileKeys - 1) / kTileKeys), unsigned(sp.num_kv_heads),
@@ -315,7 +325,8 @@ void launch_scores(const GpuDevice& device, const StepParams& sp, int64_t batch)
 
 bool cp_select_supports(const GpuDevice& device, const CpSelectCall& call, std::string* reason) {
   const int64_t tiles = (call.problem.max_seq_k + kTileKeys - 1) / kTileKeys;
-  const size_t shared = size_t(call.problem.head_dim) * kTileStride * sizeof(float);
+  const size_t shared =
+      score_shared_bytes(call.problem.num_q_heads / call.problem.num_kv_heads, call.problem.head_dim);
   if (tiles > 0x7fffffff || call.problem.num_kv_heads > 65535 || call.problem.batch > 65535) {
     if (reason != nullptr) *reason = std::string(backend_name()) + " backend: context-parallel selection needs Hkv and B <= 65535";
     return false;
