@@ -616,8 +616,10 @@ SPARSA_API sparsa_status sparsa_sparge_tune(sparsa_context* ctx, const sparsa_at
  * cannot check that). n_sets = 1, or Hkv with select_per_kv_head.
  * A sequence that runs dense (n_init + top_k + n_local >= kv_total[b], §6.2) or has no query row contributes
  * nothing to steps 1–3 (max -inf, sum 0, no votes). Tensors live where the context computes (host memory for a
- * CPU context). The CUDA and HIP backends answer SPARSA_STATUS_UNSUPPORTED to all four calls for now: a GPU engine
- * runs them on a CPU context over host copies of q and k (v is validated but not read, so k may stand in for it).
+ * CPU context, the context's device for a GPU context), except kv_start and kv_total. v is validated but not read (k
+ * may stand in for it). Every backend gives the CPU backend's bits (same maxima, digits, votes and index sets). On a
+ * GPU context steps 1 and 2 only enqueue on the context's stream; steps 3 and 4 first read their combined inputs
+ * (global_sum; the gathered lists) back to the host to check them, which waits for the stream.
  * Causality: the shard's keys are treated as visible to every query row (decode, Sq = 1, or a chunk whose rows
  * all come after the shard's keys); the selection itself does not depend on it (§6.3).
  */
