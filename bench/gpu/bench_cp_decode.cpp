@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <thread>
 #include <vector>
@@ -306,7 +307,14 @@ int main(int argc, char** argv) {
 
   FILE* json = json_path != nullptr ? std::fopen(json_path, "w") : nullptr;
   if (json_path != nullptr && json == nullptr) die("cannot write", json_path);
-  if (json != nullptr) std::fprintf(json, "{\"card\": \"%s\", \"gpus\": %d, \"rows\": [", props.name, g_count);
+  if (json != nullptr) {  // the results form of bench/gpu/results_file.py: commit (SPARSA_COMMIT), date, card, rows
+    const char* commit = std::getenv("SPARSA_COMMIT");
+    char date[16];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+    std::fprintf(json, "{\"commit\": \"%s\", \"date\": \"%s\", \"card\": \"%s\", \"gpus\": %d, \"rows\": [",
+                 commit != nullptr ? commit : "unknown", date, props.name, g_count);
+  }
   std::printf("C API + NCCL, %s x %d, N = %lld, %d steps back to back\n", props.name, g_count, (long long)n, reps);
   for (int p = 0; p < 3; ++p) {
     std::vector<PolicyOnDevice> policies;

@@ -28,8 +28,12 @@ struct FixedPointUnits {
   uint64_t high = 0, low = 0;
 };
 SPARSA_HOST_DEVICE inline FixedPointUnits fixed_point_units(double part) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  const uint64_t bits = uint64_t(__double_as_longlong(part));
+#else
   uint64_t bits;
   std::memcpy(&bits, &part, sizeof bits);
+#endif
   const int exponent = int((bits >> 52) & 0x7ff);
   FixedPointUnits u;
   if (exponent == 0) return u;  // zero or subnormal: 0 units

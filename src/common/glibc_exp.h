@@ -115,14 +115,22 @@ inline constexpr uint64_t kTable[2 << kTableBits] = {SPARSA_GLIBC_EXP_TABLE};
 #endif
 
 SPARSA_HOST_DEVICE inline uint64_t bits_of(double x) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return uint64_t(__double_as_longlong(x));
+#else
   uint64_t u;
   std::memcpy(&u, &x, sizeof u);
   return u;
+#endif
 }
 SPARSA_HOST_DEVICE inline double double_of(uint64_t u) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __longlong_as_double(static_cast<long long>(u));
+#else
   double x;
   std::memcpy(&x, &u, sizeof x);
   return x;
+#endif
 }
 SPARSA_HOST_DEVICE inline double fused(double a, double b, double c) {
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)

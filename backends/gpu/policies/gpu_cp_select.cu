@@ -20,13 +20,14 @@
 // Launches: sequences (shard ranges from device lengths), q̄, scores (64 candidates of one kv head per block, the
 // group's q̄ and the key tile widened to fp32 and transposed in shared memory), then per step: max | exp + digit sums, carries |
 // exp, vote, device_topk, outputs.
+// The GPU runtime first: the shared host/device headers below use its bit-cast intrinsics in device code.
+#include "../engine/forward_common.cuh"
+#include "../runtime/gpu_policies.h"
+#include "device_topk.h"
 #include "../../../src/common/fixed_point_sum.h"
 #include "../../../src/common/glibc_exp.h"
 #include "../../../src/cp_select_host.h"
 #include "../../../src/error.h"
-#include "../engine/forward_common.cuh"
-#include "../runtime/gpu_policies.h"
-#include "device_topk.h"
 
 #include <algorithm>
 #include <cmath>
@@ -313,7 +314,8 @@ void launch_scores(const GpuDevice& device, const StepParams& sp, int64_t batch)
   check(cudaGetLastError(), "qbar_kernel launch");
   if (sp.max_candidates == 0) return;
   const size_t shared = score_shared_bytes(sp.p.group_size, sp.p.head_dim);
-  check(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)),
+  check(cudaFuncSetAttribute(reinterpret_cast<const void*>(&scores_kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(shared)),
         "cudaFuncSetAttribute");
   const dim3 grid(unsigned((sp.max_candidates + kTileKeys - 1) / kTileKeys), unsigned(sp.num_kv_heads),
                   unsigned(batch));
