@@ -71,23 +71,11 @@ constexpr SelectSoftmaxKernel kPortable = {max_per_head_portable, exp_and_sum_po
 
 #if defined(__x86_64__) && !defined(SPARSA_CPU_PORTABLE_KERNELS)
 
-// ---- glibc's exp, constants (src/common/glibc_exp.h holds them and the scalar function) ----
+// ---- glibc's exp: constants and table from src/common/glibc_exp.h (which also holds the scalar function) ----
 
-constexpr int kExpTableBits = glibc_exp_detail::kTableBits;
-constexpr uint64_t kExpIndexMask = glibc_exp_detail::kIndexMask;
-constexpr int kExpScaleShift = glibc_exp_detail::kScaleShift;
-constexpr double kInvLn2N = glibc_exp_detail::kInvLn2N;
-constexpr double kShift = glibc_exp_detail::kShift;
-constexpr double kNegLn2HiN = glibc_exp_detail::kNegLn2HiN;
-constexpr double kNegLn2LoN = glibc_exp_detail::kNegLn2LoN;
-constexpr double kC2 = glibc_exp_detail::kC2;
-constexpr double kC3 = glibc_exp_detail::kC3;
-constexpr double kC4 = glibc_exp_detail::kC4;
-constexpr double kC5 = glibc_exp_detail::kC5;
+using namespace glibc_exp_detail;
 // The main range of glibc's exp: 2^-54 <= |x| < 512, i.e. top12(|x|) − top12(2^-54) < top12(512) − top12(2^-54).
-constexpr int64_t kTop12Tiny = glibc_exp_detail::kTop12Tiny;
-constexpr int64_t kTop12Span = glibc_exp_detail::kTop12Big - glibc_exp_detail::kTop12Tiny;
-constexpr const uint64_t* kExpTable = glibc_exp_detail::kTable;
+constexpr int64_t kTop12Span = kTop12Big - kTop12Tiny;
 
 // ---- the fixed-point terms (FixedPointSum::add for 0 < e < 1, lane by lane) ----
 
@@ -169,10 +157,10 @@ __attribute__((target("avx512f,fma"))) inline __m512d exp_main_avx512(__m512d x)
   const __m512d kd = _mm512_sub_pd(shifted, _mm512_set1_pd(kShift));
   __m512d r = _mm512_fmadd_pd(kd, _mm512_set1_pd(kNegLn2HiN), x);
   r = _mm512_fmadd_pd(kd, _mm512_set1_pd(kNegLn2LoN), r);
-  const __m512i idx = _mm512_slli_epi64(_mm512_and_si512(ki, _mm512_set1_epi64(int64_t(kExpIndexMask))), 1);
-  const __m512d tail = _mm512_i64gather_pd(idx, kExpTable, 8);
-  const __m512i sbits = _mm512_add_epi64(_mm512_i64gather_epi64(idx, kExpTable + 1, 8),
-                                         _mm512_slli_epi64(ki, kExpScaleShift));
+  const __m512i idx = _mm512_slli_epi64(_mm512_and_si512(ki, _mm512_set1_epi64(int64_t(kIndexMask))), 1);
+  const __m512d tail = _mm512_i64gather_pd(idx, kTable, 8);
+  const __m512i sbits = _mm512_add_epi64(_mm512_i64gather_epi64(idx, kTable + 1, 8),
+                                         _mm512_slli_epi64(ki, kScaleShift));
   const __m512d r2 = _mm512_mul_pd(r, r);
   const __m512d c23 = _mm512_fmadd_pd(r, _mm512_set1_pd(kC3), _mm512_set1_pd(kC2));
   const __m512d c45 = _mm512_fmadd_pd(r, _mm512_set1_pd(kC5), _mm512_set1_pd(kC4));
@@ -345,11 +333,11 @@ __attribute__((target("avx2,fma"))) inline __m256d exp_main_avx2(__m256d x) {
   const __m256d kd = _mm256_sub_pd(shifted, _mm256_set1_pd(kShift));
   __m256d r = _mm256_fmadd_pd(kd, _mm256_set1_pd(kNegLn2HiN), x);
   r = _mm256_fmadd_pd(kd, _mm256_set1_pd(kNegLn2LoN), r);
-  const __m256i idx = _mm256_slli_epi64(_mm256_and_si256(ki, _mm256_set1_epi64x(int64_t(kExpIndexMask))), 1);
-  const __m256d tail = _mm256_i64gather_pd(reinterpret_cast<const double*>(kExpTable), idx, 8);
+  const __m256i idx = _mm256_slli_epi64(_mm256_and_si256(ki, _mm256_set1_epi64x(int64_t(kIndexMask))), 1);
+  const __m256d tail = _mm256_i64gather_pd(reinterpret_cast<const double*>(kTable), idx, 8);
   const __m256i sbits =
-      _mm256_add_epi64(_mm256_i64gather_epi64(reinterpret_cast<const long long*>(kExpTable + 1), idx, 8),
-                       _mm256_slli_epi64(ki, kExpScaleShift));
+      _mm256_add_epi64(_mm256_i64gather_epi64(reinterpret_cast<const long long*>(kTable + 1), idx, 8),
+                       _mm256_slli_epi64(ki, kScaleShift));
   const __m256d r2 = _mm256_mul_pd(r, r);
   const __m256d c23 = _mm256_fmadd_pd(r, _mm256_set1_pd(kC3), _mm256_set1_pd(kC2));
   const __m256d c45 = _mm256_fmadd_pd(r, _mm256_set1_pd(kC5), _mm256_set1_pd(kC4));

@@ -13,7 +13,8 @@ import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from profile_decode import kernel_table
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bindings", "python"))
 
@@ -66,17 +67,7 @@ def main():
                 step()
                 torch.cuda.synchronize()
             print(f"step {name:8s} {(time.perf_counter() - t0) / REPS * 1e3:8.3f} ms per call (host waiting)")
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _, step in steps:
-                step()
-            torch.cuda.synchronize()
-        totals = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                totals[event.name] = totals.get(event.name, 0.0) + event.device_time
-        print(f"--- kernels of one round of the four steps: {sum(totals.values()) / 1e3:.3f} ms")
-        for name, us in sorted(totals.items(), key=lambda item: -item[1])[:12]:
-            print(f"  {us / 1e3:8.3f} ms  {name[:100]}")
+        kernel_table("kernels of one round of the four steps", lambda: [step() for _, step in steps])
 
 
 if __name__ == "__main__":

@@ -261,32 +261,19 @@ class GpuBackend final : public Backend {
 
   void topk_from_scores(const TensorArg& scores, int32_t k, int32_t block_size,
                         const TensorArg& out_indices) override {
-    DeviceGuard guard(device_.device);
-    ScratchCarver sizing = ScratchCarver::measuring();
-    topk_from_scores_run(device_, scores, k, block_size, out_indices, sizing);
-    grow_scratch(sizing.bytes());
-    ScratchCarver carver = ScratchCarver::over(static_cast<char*>(scratch_));
-    topk_from_scores_run(device_, scores, k, block_size, out_indices, carver);
+    run_with_scratch([&](ScratchCarver& carver) {
+      topk_from_scores_run(device_, scores, k, block_size, out_indices, carver);
+    });
   }
 
   void kv_prefetch(const PrefetchProblem& problem) override {
-    DeviceGuard guard(device_.device);
-    ScratchCarver sizing = ScratchCarver::measuring();
-    kv_prefetch_run(device_, problem, sizing);
-    grow_scratch(sizing.bytes());
-    ScratchCarver carver = ScratchCarver::over(static_cast<char*>(scratch_));
-    kv_prefetch_run(device_, problem, carver);
+    run_with_scratch([&](ScratchCarver& carver) { kv_prefetch_run(device_, problem, carver); });
   }
 
   void cp_select(const CpSelectCall& call) override {
     std::string reason;
     if (!cp_select_supports(device_, call, &reason)) fail(SPARSA_STATUS_UNSUPPORTED, reason);
-    DeviceGuard guard(device_.device);
-    ScratchCarver sizing = ScratchCarver::measuring();
-    cp_select_run(device_, call, sizing);
-    grow_scratch(sizing.bytes());
-    ScratchCarver carver = ScratchCarver::over(static_cast<char*>(scratch_));
-    cp_select_run(device_, call, carver);
+    run_with_scratch([&](ScratchCarver& carver) { cp_select_run(device_, call, carver); });
   }
 
   std::unique_ptr<SelectionCacheState> create_selection_cache(const SelectionCacheDims& dims) override {
@@ -340,6 +327,17 @@ class GpuBackend final : public Backend {
     if (!policy.delta) return run_base(problem, policy, carver);
     delta_run(device_, problem, policy, carver,
               [&](ScratchCarver& base_carver) { run_base(problem, policy, base_carver); });
+  }
+
+  // A utility (not planned): `run` once with a measuring carver, the buffer grown to fit, then `run` on it.
+  template <typename Run>
+  void run_with_scratch(const Run& run) {
+    DeviceGuard guard(device_.device);
+    ScratchCarver sizing = ScratchCarver::measuring();
+    run(sizing);
+    grow_scratch(sizing.bytes());
+    ScratchCarver carver = ScratchCarver::over(static_cast<char*>(scratch_));
+    run(carver);
   }
 
   // Scratch only grows; plan() sizes it so that later runs allocate nothing.
