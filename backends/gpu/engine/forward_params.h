@@ -56,6 +56,7 @@ struct ForwardParams {
   int32_t head_dim = 0;
   int32_t padded_seq_q = 0;  // Sq of padded q (ignored when packed)
   int32_t padded_seq_k = 0;  // Skv of padded k/v (ignored when packed or paged)
+  int64_t kv_rows_extent = 0;  // k/v rows along the sequence: padded Skv, packed total rows; 0 when paged
 
   // Variable lengths (null when absent) and their element strides.
   const int32_t* cu_seqlens_q = nullptr;

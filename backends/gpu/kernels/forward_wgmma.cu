@@ -39,6 +39,9 @@
 #include "forward_decode.h"
 
 #if !SPARSA_GPU_IS_HIP
+#include <cuda.h>  // CUtensorMap and its enums (the encoder itself is reached through the runtime)
+#include <cudaTypedefs.h>
+
 #include "mma_primitives.cuh"
 #include "wgmma_primitives.cuh"
 // The device helpers below are referenced only by the kernel body, which the host pass and the sm_80 pass do not
@@ -172,6 +175,18 @@ __device__ __forceinline__ void multiply_pv(float (&o)[kHeadDim / 2], const uint
   wgmma_commit();
 }
 
+// ---- The copy engine's view of K and V ----
+
+// K and V as 4-d tensors for the tensor copy engine: (head dim, rows, kv head, batch), innermost first, 16-bit
+// elements; a box is 64 elements × kHalfKeys rows, one 128-byte-swizzled column block of a half tile (a gathered
+// tile's halves lie anywhere, a plain tile's two follow each other). Packed K/V have a batch extent of 1 (rows are
+// cu_seqlens_k[b] + t). `present` is false where the maps could not be made (paged or
+// listed rows, strides the engine cannot take, a driver without the entry point): every tile then takes cp.async.
+struct KvTensorMaps {
+  CUtensorMap k, v;
+  bool present = false;
+};
+
 // ---- One thread block: its query tile, its key-tile walk, its shared memory ----
 
 // Shared-memory plan: Q tile, kStages K tiles, kStages V tiles, then the barriers (q_full; per stage k_full,
@@ -192,6 +207,7 @@ template <int kHeadDim, int kStages>
 struct BlockTile {
   using Plan = SharedPlan<kHeadDim, kStages>;
   const ForwardParams& p;
+  const KvTensorMaps& maps;
   SequenceView seq;
   int32_t split = 0;
   int32_t row_begin = 0, row_end = 0;  // query rows of the block
@@ -337,10 +353,32 @@ __device__ __forceinline__ void produce(const BlockTile<kHeadDim, kStages>& bloc
   barrier_arrive_on_copies(block.q_full());
 
   // K or V rows of `tile` into ring slot `slot`; a fresh empty barrier counts as released. Row r of the tile is key
-  // tile.key(r): one contiguous run of 128 keys for a plain tile, two runs of 64 for a gathered one.
-  auto load = [&](const void* tensor, const TensorStrides& strides, uint32_t empty, uint32_t full, uint32_t tile_address,
-                  const KeyTile& tile, uint32_t phase) {
+  // tile.key(r): one contiguous run of 128 keys for a plain tile, two runs of 64 for a gathered one. A tile whose
+  // two halves lie wholly inside the sequence goes through the copy engine (one thread issues 2·D/64 box loads; the
+  // others only arrive); the last, partial tile (and the odd half at the end of a gathered walk) and listed or paged
+  // rows through cp.async, which zero-fills the rows past the sequence end (rows of a padded cache past seq_lens_k
+  // may hold anything, NaN included).
+  const int32_t batch_coordinate = p.cu_seqlens_k != nullptr ? 0 : seq.b;
+  auto load = [&](const void* tensor, const CUtensorMap* map, const TensorStrides& strides, uint32_t empty,
+                  uint32_t full, uint32_t tile_address, const KeyTile& tile, uint32_t phase) {
     barrier_wait(empty, phase ^ 1);
+    if (block.maps.present && tile.begin[0] + kHalfKeys <= seq.seq_k && tile.begin[1] + kHalfKeys <= seq.seq_k) {
+      if (thread == 0) {
+        barrier_arrive_expect_bytes(full, kBlockKeys * kHeadDim * 2);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int column_block = 0; column_block < kHeadDim / kBlockElems; ++column_block) {
+            tensor_load_4d(tile_address + (column_block * kBlockKeys + half * kHalfKeys) * kSwizzleBytes, map,
+                           column_block * kBlockElems, seq.k_row_base + tile.begin[half], seq.kv_head,
+                           batch_coordinate, full);
+          }
+        }
+      } else {
+        barrier_arrive(full);
+      }
+      return;
+    }
     const uint16_t* base = static_cast<const uint16_t*>(tensor);
     auto valid = [&](int r) { return tile.key(r) < seq.seq_k; };
     if (p.page_table == nullptr && p.row_map != QueryRowMap::kTokenLists) {
@@ -359,17 +397,17 @@ __device__ __forceinline__ void produce(const BlockTile<kHeadDim, kStages>& bloc
   RingSlot<kStages> slot;
   KeyTile tile, next;
   bool have = cursor.next(block, tile);
-  if (have) load(p.k, p.k_strides, block.k_empty(0), block.k_full(0), block.k_tile(0), tile, 0);
+  if (have) load(p.k, &block.maps.k, p.k_strides, block.k_empty(0), block.k_full(0), block.k_tile(0), tile, 0);
   while (have) {
     const bool more = cursor.next(block, next);
     RingSlot<kStages> next_slot = slot;
     next_slot.advance();
     if (more) {
-      load(p.k, p.k_strides, block.k_empty(next_slot.stage), block.k_full(next_slot.stage),
+      load(p.k, &block.maps.k, p.k_strides, block.k_empty(next_slot.stage), block.k_full(next_slot.stage),
            block.k_tile(next_slot.stage), next, next_slot.phase);
     }
-    load(p.v, p.v_strides, block.v_empty(slot.stage), block.v_full(slot.stage), block.v_tile(slot.stage), tile,
-         slot.phase);
+    load(p.v, &block.maps.v, p.v_strides, block.v_empty(slot.stage), block.v_full(slot.stage),
+         block.v_tile(slot.stage), tile, slot.phase);
     tile = next;
     have = more;
     slot = next_slot;
@@ -756,10 +794,11 @@ struct Consumer {
 };
 
 template <typename Tag, int kHeadDim, int kStages, bool kPingpong>
-__global__ void __launch_bounds__(kThreads, 1) forward_wgmma_kernel(const ForwardParams p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    forward_wgmma_kernel(const ForwardParams p, const __grid_constant__ KvTensorMaps maps) {
 #if SPARSA_WGMMA_DEVICE
   extern __shared__ uint8_t shared_raw[];
-  BlockTile<kHeadDim, kStages> block{p};
+  BlockTile<kHeadDim, kStages> block{p, maps};
   // Dynamic shared memory is only 16-byte aligned by contract; the swizzle needs kTileAlignment.
   block.base = (shared_address(shared_raw) + kTileAlignment - 1) / kTileAlignment * kTileAlignment;
 
@@ -818,6 +857,57 @@ cudaError_t allow_shared_memory() {
                               int(SharedPlan<kHeadDim, kStages>::kBytes));
 }
 
+// The driver's tensor-map encoder, found once through the runtime (the library does not link libcuda); null when
+// the driver lacks it. Immutable after the first call.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    constexpr unsigned kEntryPointVersion = 12000;  // the version of the typedef above
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, kEntryPointVersion, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return PFN_cuTensorMapEncodeTiled_v12000{nullptr};
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encoder;
+}
+
+// K or V (forward_params.h's padded or packed layout) as KvTensorMaps describes it. False where the engine cannot
+// take the tensor (an address or stride not a multiple of 16 bytes, a stride past 2^40 bytes): cp.async then.
+bool encode_kv_map(const ForwardParams& p, const void* tensor, const TensorStrides& strides, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  constexpr uint64_t kElementBytes = 2;
+  const bool packed = p.cu_seqlens_k != nullptr;
+  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.kv_rows_extent),
+                              cuuint64_t(p.num_q_heads / p.group_size), packed ? 1u : cuuint64_t(p.batch)};
+  // (A batch extent of 1 never steps its stride; the row stride stands in for packed layouts' 0.)
+  const int64_t batch_stride = packed ? strides.s : strides.b;
+  if (strides.s <= 0 || strides.h <= 0 || batch_stride <= 0) return false;
+  const cuuint64_t byte_strides[3] = {cuuint64_t(strides.s) * kElementBytes, cuuint64_t(strides.h) * kElementBytes,
+                                      cuuint64_t(batch_stride) * kElementBytes};
+  const cuuint32_t box[4] = {cuuint32_t(kBlockElems), cuuint32_t(kHalfKeys), 1u, 1u};
+  const cuuint32_t element_strides[4] = {1u, 1u, 1u, 1u};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(tensor), dims, byte_strides, box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Tensor maps for launches whose key tiles are contiguous runs of rows (padded or packed K/V, keys not read through
+// a position list); host work only, no stream operation (legal inside graph capture).
+KvTensorMaps make_kv_tensor_maps(const ForwardParams& p) {
+  KvTensorMaps maps;
+  if (p.page_table != nullptr || p.row_map == QueryRowMap::kTokenLists || !p.kv_rows_aligned16 ||
+      p.kv_rows_extent <= 0) {
+    return maps;
+  }
+  maps.present = encode_kv_map(p, p.k, p.k_strides, &maps.k) && encode_kv_map(p, p.v, p.v_strides, &maps.v);
+  return maps;
+}
+
 template <typename Tag, int kHeadDim, int kStages = kStagesFor<kHeadDim>, bool kPingpong = kPingpongTurns>
 cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t stream) {
   ForwardParams p = params;
@@ -826,8 +916,9 @@ cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t 
   if (p.row_map != QueryRowMap::kAll) p.num_splits = 1;
   const int32_t query_tiles = (max_seq_q + kBlockRows - 1) / kBlockRows;
   const dim3 grid(query_tiles * p.num_splits, p.num_q_heads, p.batch);
+  const KvTensorMaps maps = make_kv_tensor_maps(p);
   forward_wgmma_kernel<Tag, kHeadDim, kStages, kPingpong>
-      <<<grid, kThreads, SharedPlan<kHeadDim, kStages>::kBytes, stream>>>(p);
+      <<<grid, kThreads, SharedPlan<kHeadDim, kStages>::kBytes, stream>>>(p, maps);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
   return combine_splits_launch(p, stream);  // the merge every split-KV kernel shares (forward_decode.cu)
@@ -897,6 +988,7 @@ cudaError_t forward_wgmma_prepare() {
   cudaError_t status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (status != cudaSuccess || major != kHopperMajor) return status;
+  (void)tensor_map_encoder();  // the entry-point lookup happens here, outside any graph capture
   for (cudaError_t set : {allow_shared_memory<HalfTag, 64>(), allow_shared_memory<HalfTag, 128>(),
                           allow_shared_memory<BFloat16Tag, 64>(), allow_shared_memory<BFloat16Tag, 128>()}) {
     if (set != cudaSuccess) return set;

@@ -1,8 +1,8 @@
-// The sm_90a PTX wrappers of the Hopper forward (forward_wgmma.cu): mbarrier wait/arrive (cp.async completion
-// included), the generic-to-async proxy fence, setmaxnreg, and wgmma.mma_async m64nNk16 with its fence / commit /
-// wait and the register fences around its asynchronous window. Valid only in the sm_90a device pass; NVIDIA only:
-// include it inside `#if !SPARSA_GPU_IS_HIP`, as forward_wgmma.cu does (mma_primitives.cuh holds the sm_80
-// wrappers, cp.async included, and the element tags).
+// The sm_90a PTX wrappers of the Hopper forward (forward_wgmma.cu): mbarrier wait/arrive (cp.async and copy-engine
+// completion included), the tensor copy engine's 4-d tile load, the generic-to-async proxy fence, setmaxnreg, and
+// wgmma.mma_async m64nNk16 with its fence / commit / wait and the register fences around its asynchronous window.
+// Valid only in the sm_90a device pass; NVIDIA only: include it inside `#if !SPARSA_GPU_IS_HIP`, as forward_wgmma.cu
+// does (mma_primitives.cuh holds the sm_80 wrappers, cp.async included, and the element tags).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +39,25 @@ __device__ __forceinline__ void barrier_arrive_on_copies(uint32_t barrier) {
 // cp.async writes through the generic proxy, wgmma reads through the async proxy: a consumer that has seen a full
 // barrier fences before its wgmma reads the tile.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---- The tensor copy engine (TMA: cp.async.bulk.tensor, completing on an mbarrier) ----
+
+// One arrival that also tells the barrier to expect `bytes` more from the copy engine: its phase completes once
+// every arrival is in and those bytes have landed.
+__device__ __forceinline__ void barrier_arrive_expect_bytes(uint32_t barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
+}
+// Copies the box at element coordinates (c0 innermost .. c3) of the 4-d tensor map `map` (a __grid_constant__
+// kernel parameter) to shared address `destination`, laid out and swizzled as the map says; the bytes count
+// against `barrier`'s expected transaction count. Coordinates past the tensor's extent read as zeros.
+__device__ __forceinline__ void tensor_load_4d(uint32_t destination, const void* map, int32_t c0, int32_t c1,
+                                               int32_t c2, int32_t c3, uint32_t barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(destination),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(barrier)
+      : "memory");
+}
 
 template <int kRegisters>
 __device__ __forceinline__ void registers_increase() {

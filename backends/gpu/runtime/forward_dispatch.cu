@@ -139,6 +139,9 @@ ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyP
   p.head_dim = problem.head_dim;
   p.padded_seq_q = problem.q_packed ? 0 : int32_t(problem.q.extent(1));
   p.padded_seq_k = problem.kv_layout == KvLayout::kPadded ? int32_t(problem.k.extent(1)) : 0;
+  p.kv_rows_extent = problem.kv_layout == KvLayout::kPadded   ? problem.k.extent(1)
+                     : problem.kv_layout == KvLayout::kPacked ? problem.k.extent(0)
+                                                              : 0;
   if (problem.q_packed) {
     p.cu_seqlens_q = problem.cu_seqlens_q.ptr<const int32_t>();
     p.cu_seqlens_q_stride = problem.cu_seqlens_q.stride(0);
