@@ -605,27 +605,40 @@ struct Consumer {
   }
 
   // Online softmax in base 2: m = max(m, scale·log2e·max S), l rescaled, S becomes P = 2^(S·scale·log2e - m).
-  // Returns through `rescale` the factor O must be multiplied by before P·V is added.
+  // Returns through `rescale` the factor O must be multiplied by before P·V is added. A row's 32 values are reduced
+  // in kLanes independent chains joined at the end (a single chain of dependent max or add operations would sit on
+  // the path between the products; the pairing changes the sum's rounding only, within fp32).
+  static constexpr int kLanes = 4;
+  static_assert(kLanes == 4 && (kBlockKeys / 8) % kLanes == 0, "the joins below name four chains");
   __device__ void softmax(float (&s)[64], float (&rescale)[2]) {
     const float scale_log2 = block.p.scale_log2;
+    constexpr int kBlocksPerLane = kBlockKeys / 8 / kLanes;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float tile_max = -INFINITY;
+      float lane_max[kLanes];
 #pragma unroll
-      for (int n = 0; n < kBlockKeys / 8; ++n) tile_max = fmaxf(tile_max, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-      tile_max = quad_max(tile_max);
+      for (int c = 0; c < kLanes; ++c) {
+        lane_max[c] = fmaxf(s[4 * c + 2 * r], s[4 * c + 2 * r + 1]);
+#pragma unroll
+        for (int k = 1; k < kBlocksPerLane; ++k) {
+          const int n = c + kLanes * k;
+          lane_max[c] = fmaxf(lane_max[c], fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+        }
+      }
+      const float tile_max = quad_max(fmaxf(fmaxf(lane_max[0], lane_max[1]), fmaxf(lane_max[2], lane_max[3])));
       // scale > 0 keeps the arg max
       const softmax::MaxUpdate step = softmax::update_max(row_max[r], tile_max * scale_log2, FastExp2{});
       rescale[r] = step.rescale;
       row_max[r] = step.max;
-      float tile_sum = 0.f;
+      float lane_sum[kLanes] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int n = 0; n < kBlockKeys / 8; ++n) {
         s[4 * n + 2 * r] = softmax::scaled_probability(s[4 * n + 2 * r], scale_log2, step.reference, FastExp2{});
         s[4 * n + 2 * r + 1] =
             softmax::scaled_probability(s[4 * n + 2 * r + 1], scale_log2, step.reference, FastExp2{});
-        tile_sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
+        lane_sum[n % kLanes] += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
       }
+      const float tile_sum = (lane_sum[0] + lane_sum[1]) + (lane_sum[2] + lane_sum[3]);
       row_sum[r] = softmax::rescaled_sum(row_sum[r], rescale[r], tile_sum);
     }
   }
