@@ -42,6 +42,12 @@
 //                                                16-byte copies per tile and their address arithmetic are gone)
 //   + tile max and sum in four chains            0.497 / 0.302 / 7.45 / 3.88 ms (553 / 454 / 590 / 567 TFLOP/s)
 // cuDNN in the same calls: 0.408 / 0.262 / 6.90–7.10 / 3.68–3.81 ms.
+// Measured and rejected (H100, same day, same four shapes): a persistent grid (one block per SM stepping through the
+// work items, the next item's first K tile and Q loaded while this one's tail runs; a q_empty barrier; causal
+// launches kept one block per item) ran 0.591 / 0.367 / 8.71 / 4.53 ms against 0.503 / 0.305 / 7.81 / 3.87 in the
+// same call: the item loop around both roles made ptxas spill (136 bytes at D = 64, 332 at D = 128), and the
+// causal rows, which ran the same code one item per block, lost as much as the others. A persistent grid needs
+// the item state out of the consumers' registers first.
 #include "forward_wgmma.h"
 
 #include "../engine/forward_common.cuh"
