@@ -197,8 +197,8 @@ __device__ __forceinline__ void multiply_pv(float (&o)[kHeadDim / 2], const uint
 // K and V as 4-d tensors for the tensor copy engine: (head dim, rows, kv head, batch), innermost first, 16-bit
 // elements; a box is 64 elements × kHalfKeys rows, one 128-byte-swizzled column block of a half tile (a gathered
 // tile's halves lie anywhere, a plain tile's two follow each other). Packed K/V have a batch extent of 1 (rows are
-// cu_seqlens_k[b] + t). `present` is false where the maps could not be made (paged or
-// listed rows, strides the engine cannot take, a driver without the entry point): every tile then takes cp.async.
+// cu_seqlens_k[b] + t). `present` is false where the maps could not be made (paged or listed rows, strides the
+// engine cannot take, a driver without the entry point): every tile then takes cp.async.
 struct KvTensorMaps {
   CUtensorMap k, v;
   bool present = false;
