@@ -1,7 +1,8 @@
 /*
  * One TOKEN_SELECT decode step over a KV cache sharded by position, for an engine that holds its own NCCL
- * communicator (docs/context_parallel.md). CMake compiles it (an object library, bench/CMakeLists.txt) wherever the
- * CUDA backend is built and NCCL is found; running it needs an engine around it and several GPUs.
+ * communicator (docs/context_parallel.md). CMake builds it wherever the CUDA backend is built and NCCL is found, as
+ * part of bench/gpu/cp_example_check.c, which runs it on the GPUs of one machine and checks it against the CPU oracle
+ * (bench/gpu/run_device.sh cp).
  *
  * Rank r of G holds keys [kv_start[b], kv_start[b] + L_b) of every sequence b (full length kv_total[b]) on its GPU.
  * The whole step runs on that GPU, through one CUDA context whose stream is the engine's `stream`: the four selection
@@ -47,9 +48,19 @@ static void on_gpu(sparsa_tensor* t, int32_t device_id) {
   t->device_id = device_id;
 }
 
+/* The NCCL type of a tensor dtype the partial states can have (a run's out has q's dtype). */
+static int nccl_type_of(int32_t dtype, ncclDataType_t* type, size_t* bytes) {
+  switch (dtype) {
+    case SPARSA_DTYPE_F32: *type = ncclFloat32; *bytes = 4; return 0;
+    case SPARSA_DTYPE_F16: *type = ncclFloat16; *bytes = 2; return 0;
+    case SPARSA_DTYPE_BF16: *type = ncclBfloat16; *bytes = 2; return 0;
+    default: return -1;
+  }
+}
+
 /*
- * Writes the merged decode output of the whole cache to out_dev [B, 1, Hq, D] (f32, on the GPU) and its LSE to
- * lse_dev [B, Hq, 1], the same on every rank. `policy`: TOKEN_SELECT with select_per_kv_head = 0 (one shared set;
+ * Writes the merged decode output of the whole cache to out_dev [B, 1, Hq, D] (q's dtype, on the GPU) and its LSE
+ * (F32) to lse_dev [B, Hq, 1], the same on every rank. `policy`: TOKEN_SELECT with select_per_kv_head = 0 (one shared set;
  * with per-kv-head sets, n_sets = Hkv below). ctx is a CUDA context on the rank's GPU (the device of q_dev) whose
  * stream is `stream`. Returns 0, a sparsa_status, -1 (NCCL) or -2 (CUDA); everything it allocated is freed either
  * way.
@@ -61,7 +72,10 @@ int cp_token_select_decode(const cp_rank* r, sparsa_context* ctx, const sparsa_p
   const size_t stats = (size_t)(B * Hq), list = (size_t)(B * n_sets * top_k), state = (size_t)(B * Hq * D);
   const size_t index_count = (size_t)(B * n_sets * r->max_shard_len);
   const int32_t device_id = r->q_dev->device_id;
+  ncclDataType_t state_type;
+  size_t state_bytes;
   int result = 0;
+  if (nccl_type_of(r->q_dev->dtype, &state_type, &state_bytes) != 0) return SPARSA_STATUS_DTYPE_MISMATCH;
 
   /* The protocol's arrays, the rank's index set and the gather buffers of the partial states, all on the GPU. */
   void *global_max = NULL, *global_sum = NULL, *votes = NULL, *positions = NULL, *all_votes = NULL,
@@ -73,7 +87,7 @@ int cp_token_select_decode(const cp_rank* r, sparsa_context* ctx, const sparsa_p
       cudaMalloc(&all_votes, (size_t)G * list * sizeof(double)) != cudaSuccess ||
       cudaMalloc(&all_positions, (size_t)G * list * sizeof(int32_t)) != cudaSuccess ||
       cudaMalloc(&indices, index_count * sizeof(int32_t)) != cudaSuccess ||
-      cudaMalloc(&all_out, (size_t)G * state * sizeof(float)) != cudaSuccess ||
+      cudaMalloc(&all_out, (size_t)G * state * state_bytes) != cudaSuccess ||
       cudaMalloc(&all_lse, (size_t)G * stats * sizeof(float)) != cudaSuccess) {
     result = -2;
     goto done;
@@ -139,9 +153,9 @@ int cp_token_select_decode(const cp_rank* r, sparsa_context* ctx, const sparsa_p
     run.seq_lens_k = r->seq_lens_dev;
     /* The partial output goes straight into this rank's slot of the gather buffers. */
     const int64_t slot_out_shape[4] = {B, 1, Hq, D}, slot_lse_shape[3] = {B, Hq, 1};
-    float* my_out = (float*)all_out + (size_t)r->rank * state;
+    char* my_out = (char*)all_out + (size_t)r->rank * state * state_bytes;
     float* my_lse = (float*)all_lse + (size_t)r->rank * stats;
-    SPARSA_TENSOR_INIT(&part_out, my_out, SPARSA_DTYPE_F32, 4, slot_out_shape);
+    SPARSA_TENSOR_INIT(&part_out, my_out, r->q_dev->dtype, 4, slot_out_shape);
     SPARSA_TENSOR_INIT(&part_lse, my_lse, SPARSA_DTYPE_F32, 3, slot_lse_shape);
     on_gpu(&part_out, device_id);
     on_gpu(&part_lse, device_id);
@@ -150,15 +164,16 @@ int cp_token_select_decode(const cp_rank* r, sparsa_context* ctx, const sparsa_p
     TRY_SPARSA(sparsa_attention_run(ctx, &run, &indices_policy));
 
     /* Every rank gathers every partial state (in place: ncclAllGather accepts sendbuff = recvbuff + rank·count). */
-    TRY_NCCL(ncclAllGather(my_out, all_out, state, ncclFloat32, comm, stream));
+    TRY_NCCL(ncclAllGather(my_out, all_out, state, state_type, comm, stream));
     TRY_NCCL(ncclAllGather(my_lse, all_lse, stats, ncclFloat32, comm, stream));
 
     /* Merge in rank order into out_dev / lse_dev (the same order, hence the same bits, on every rank). */
-    TRY_CUDA(cudaMemcpyAsync(out_dev->data, all_out, state * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    TRY_CUDA(cudaMemcpyAsync(out_dev->data, all_out, state * state_bytes, cudaMemcpyDeviceToDevice, stream));
     TRY_CUDA(cudaMemcpyAsync(lse_dev->data, all_lse, stats * sizeof(float), cudaMemcpyDeviceToDevice, stream));
     for (int64_t g = 1; g < G; ++g) {
       sparsa_tensor other_out, other_lse;
-      SPARSA_TENSOR_INIT(&other_out, (float*)all_out + (size_t)g * state, SPARSA_DTYPE_F32, 4, slot_out_shape);
+      SPARSA_TENSOR_INIT(&other_out, (char*)all_out + (size_t)g * state * state_bytes, r->q_dev->dtype, 4,
+                         slot_out_shape);
       SPARSA_TENSOR_INIT(&other_lse, (float*)all_lse + (size_t)g * stats, SPARSA_DTYPE_F32, 3, slot_lse_shape);
       on_gpu(&other_out, device_id);
       on_gpu(&other_lse, device_id);

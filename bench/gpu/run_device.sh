@@ -146,6 +146,17 @@ if [ "$STEPS" = cp ]; then  # context parallelism (docs/context_parallel.md): ne
     else
       echo "bench_cp_decode build failed:"; head -20 "$LOGS/bench_cp_decode_build.log"
     fi
+    echo "=== the C example (examples/context_parallel_nccl.c) against the CPU oracle (cp_example_check.c) ==="
+    if [ -n "$NCCL_LIB" ] && gcc -O2 -std=gnu99 "$ROOT/bench/gpu/cp_example_check.c" -I"$ROOT/include" \
+        -I/usr/local/cuda/include -I"$NCCL_HOME/include" -L"$BUILD" -lsparsa -Wl,-rpath,"$BUILD" "$NCCL_LIB" \
+        -Wl,-rpath,"$(dirname "$NCCL_LIB")" -L/usr/local/cuda/lib64 -lcudart -lpthread -lm -o /tmp/cp_example_check \
+        > "$LOGS/cp_example_check_build.log" 2>&1; then
+      for G in $(seq 2 "$GPUS" | grep -E '^(2|4|8)$'); do
+        timeout 300 /tmp/cp_example_check --gpus "$G" 2>&1 | tee "$OUT/cp_example_check_x$G.log"
+      done
+    else
+      echo "cp_example_check not built:"; head -20 "$LOGS/cp_example_check_build.log" 2>/dev/null
+    fi
   fi
 fi
 

@@ -9,7 +9,7 @@
 //             the CPU's sequential channel-order sum (select_scores.cpp), each key element widened exactly;
 //   max       the first (by position) of the largest scores, NaN skipped: the std::max fold's value, bit for bit;
 //   exp       src/common/glibc_exp.h: glibc's exp, the function std::exp is on the CPU;
-//   Z_h       FixedPointSum digits summed as integers (atomics on exact integers: any order, same digits);
+//   Z_h       FixedPointSum digits summed as integers (exact: any grouping gives the same digits);
 //   vote      0 + e_0/Z_0 + e_1/Z_1 + ... over the set's heads in ascending order;
 //   top_k     device_topk: the same total order as ranks_before (larger vote, smaller position, NaN last).
 // Step 3 reads the combined digits back to the host to check them and to form Z_h with FixedPointSum (a
@@ -17,9 +17,10 @@
 // read back the same way: both are small, and their argument errors must reach the caller before anything is written.
 // Steps 1-3 rescore the shard's candidates, as the CPU steps do (the calls are stateless).
 //
-// Launches: sequences (shard ranges from device lengths), q̄, scores (64 candidates of one kv head per block, the
-// group's q̄ and the key tile widened to fp32 and transposed in shared memory), then per step: max | exp + digit sums, carries |
-// exp, vote, device_topk, outputs.
+// Launches: sequences (shard ranges from device lengths), q̄, then one score kernel per step with the step fused in
+// (a thread per candidate reads its key row once per kv head, 16 bytes at a time, and keeps nothing per candidate
+// and head in memory): step 1 partial maxima of 32 candidates, folded per head; step 2 partial digit sums, added per
+// head; step 3 the votes, then device_topk and the outputs.
 // The GPU runtime first: the shared host/device headers below use its bit-cast intrinsics in device code.
 #include "../engine/forward_common.cuh"
 #include "../runtime/gpu_policies.h"
@@ -37,13 +38,19 @@
 SPARSA_GPU_NAMESPACE_BEGIN
 namespace {
 
-constexpr int kTileKeys = 64;        // candidates per score block, one per thread
-constexpr int kTileStride = kTileKeys + 1;  // shared row stride: the transposed stores hit distinct banks
-constexpr int kHeadChains = 4;       // independent sums per score thread (heads of its kv group at a time)
-constexpr int kReduceThreads = 256;  // max and digit-sum blocks
+constexpr int kTileKeys = 128;      // candidates per score block, one per thread
+constexpr int kPartKeys = 32;       // candidates per partial maximum / digit sum (a warp, or half a 64-wide wavefront)
+constexpr int kHeadChains = 4;      // independent sums per score thread (heads of its kv group at a time)
+constexpr int kKeyBatch = 64;       // key channels a score thread holds in registers at a time
+constexpr int kReduceThreads = 256;  // blocks that fold the partial maxima and digit sums
 constexpr int kElementThreads = 256;  // element-wise kernels
 constexpr int kDigits = SPARSA_CP_SUM_DIGITS;  // nan count, whole part, four 32-bit fraction digits
 constexpr int64_t kMaxGridX = 65535;
+
+struct MaxPart {
+  double value;      // the largest score of the part (−inf if none counts)
+  int64_t position;  // the first candidate holding it (INT64_MAX if none)
+};
 
 struct StepParams {
   ForwardParams p;
@@ -51,13 +58,17 @@ struct StepParams {
   int64_t n_init = 0, n_local = 0, top_k = 0;
   int32_t n_sets = 1, heads_per_set = 1;
   double score_scale = 1.0;
-  int64_t max_candidates = 0;  // row stride of scores and votes
+  int64_t max_candidates = 0;  // row stride of votes
   const int64_t* positions = nullptr;  // [B, 2]: kv_start, kv_total
   CpShardSequence* sequences = nullptr;  // [B]
   int32_t* segment_lengths = nullptr;    // [B · n_sets]: candidates of (b, set)
   double* qbar = nullptr;                // [B, Hq, D]
-  double* scores = nullptr;              // [B, Hq, max_candidates]: s, then exp(s − m) in place
-  double* votes = nullptr;               // [B · n_sets, max_candidates]
+  bool vector_keys = false;              // k and its row strides 16-byte aligned: 16-byte key loads
+  int64_t parts = 0;                     // row stride of max_parts and digit_parts: ceil(max_candidates / kPartKeys)
+  MaxPart* max_parts = nullptr;          // step 1: [B, Hq, parts]
+  unsigned long long* digit_parts = nullptr;  // step 2: [B, Hq, parts, kDigits]
+  const double* z = nullptr;             // step 3: [B, Hq], Z_h
+  double* votes = nullptr;               // step 3: [B · n_sets, max_candidates]
 };
 
 // Strided view of a small F64/I64/I32 tensor of the call (rank <= 4), for the element-wise kernels.
@@ -99,68 +110,187 @@ __global__ void qbar_kernel(const StepParams sp) {
   }
 }
 
-// Block (tile, kv head, b): the scores of 64 candidates for every query head of the kv head's group. Shared memory
-// holds the group's q̄ rows ([group][D] doubles) and the key tile widened to fp32 (exact) and stored transposed,
-// [D][kTileStride], so that thread j reads its key's channel c at c·kTileStride + j (consecutive threads,
-// consecutive banks) and every thread reads the same q̄ element (a broadcast). The tile is loaded row by row (one
-// row offset per row, the channels across the threads). Each thread keeps kHeadChains sums in flight.
-__global__ void __launch_bounds__(kTileKeys) scores_kernel(const StepParams sp) {
-  extern __shared__ double shared[];
-  const int32_t hk = blockIdx.y, b = blockIdx.z;
-  const CpShardSequence seq = sp.sequences[b];
-  const int64_t n = seq.n_candidates();
-  const int64_t first = int64_t(blockIdx.x) * kTileKeys;
-  if (first >= n) return;
-  const int32_t d = sp.p.head_dim, group = sp.p.group_size;
-  double* qbar = shared;                                        // [group][d]
-  float* tile = reinterpret_cast<float*>(shared + group * d);  // [d][kTileStride]
-  const double* group_qbar = sp.qbar + (int64_t(b) * sp.p.num_q_heads + hk * group) * d;
-  for (int32_t e = threadIdx.x; e < group * d; e += blockDim.x) qbar[e] = group_qbar[e];
-  const SequenceView s = make_sequence_view(sp.p, b, hk * group);
-  const int64_t local_first = seq.candidate_begin - seq.start + first;  // shard-local key id of candidate `first`
-  const int32_t keys = int32_t(n - first < kTileKeys ? n - first : kTileKeys);
-  for (int32_t row = 0; row < kTileKeys; ++row) {
-    const int64_t offset = row < keys ? key_row_offset(sp.p, sp.p.k_strides, s, local_first + row) : 0;
-    for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
-      tile[c * kTileStride + row] = row < keys ? load_value(sp.p.k, offset + c, sp.p.element_type) : 0.f;
+// Channels [c0, c0 + kKeyBatch) of the key row at element `offset`, widened to fp32 (exact); channels past D are 0.
+// With `vector_keys` (16-byte aligned rows, launcher) a whole batch is 8 or 16 independent 16-byte loads in flight.
+__device__ __forceinline__ void load_key_batch(const StepParams& sp, int64_t offset, int32_t c0,
+                                               float (&key)[kKeyBatch]) {
+  const int32_t n = min(kKeyBatch, sp.p.head_dim - c0);
+  if (sp.vector_keys && n == kKeyBatch) {
+    if (sp.p.element_type == ElementType::kF32) {
+      const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(sp.p.k) + offset + c0);
+      float4 raw[kKeyBatch / 4];
+#pragma unroll
+      for (int i = 0; i < kKeyBatch / 4; ++i) raw[i] = src[i];
+#pragma unroll
+      for (int i = 0; i < kKeyBatch / 4; ++i) {
+        key[4 * i] = raw[i].x;
+        key[4 * i + 1] = raw[i].y;
+        key[4 * i + 2] = raw[i].z;
+        key[4 * i + 3] = raw[i].w;
+      }
+      return;
     }
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(sp.p.k) + offset + c0);
+    uint4 raw[kKeyBatch / 8];
+#pragma unroll
+    for (int i = 0; i < kKeyBatch / 8; ++i) raw[i] = src[i];
+    const bool f16 = sp.p.element_type == ElementType::kF16;
+#pragma unroll
+    for (int i = 0; i < kKeyBatch / 8; ++i) {
+      const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint16_t low = uint16_t(words[w] & 0xffffu), high = uint16_t(words[w] >> 16);
+        key[8 * i + 2 * w] = f16 ? f16_bits_to_float(low) : bf16_bits_to_float(low);
+        key[8 * i + 2 * w + 1] = f16 ? f16_bits_to_float(high) : bf16_bits_to_float(high);
+      }
+    }
+    return;
   }
-  __syncthreads();
-  const int32_t j = threadIdx.x;
-  if (j >= keys) return;
-  for (int32_t l0 = 0; l0 < group; l0 += kHeadChains) {
-    const int32_t chains = min(kHeadChains, group - l0);
-    const double* q[kHeadChains];
-    double sum[kHeadChains];
 #pragma unroll
-    for (int i = 0; i < kHeadChains; ++i) {
-      q[i] = qbar + (l0 + min(i, chains - 1)) * d;
-      sum[i] = 0.0;
-    }
-    for (int32_t c = 0; c < d; ++c) {
-      const double key = double(tile[c * kTileStride + j]);
+  for (int i = 0; i < kKeyBatch; ++i) key[i] = i < n ? load_value(sp.p.k, offset + c0 + i, sp.p.element_type) : 0.f;
+}
+
+// sum[i] = q̄_{l0+i} · key over the channels in order, one rounded product and one rounded add per channel (the CPU's
+// sequential sum, select_scores.cpp). `qbar` is the kv group's rows in shared memory (every thread reads the same
+// element: a broadcast); chains past the group repeat the last head and are not used.
+__device__ __forceinline__ void score_chains(const StepParams& sp, const double* qbar, int32_t l0, int64_t offset,
+                                             bool valid, double (&sum)[kHeadChains]) {
+  const int32_t d = sp.p.head_dim, last = sp.p.group_size - 1;
+  const double* q[kHeadChains];
 #pragma unroll
-      for (int i = 0; i < kHeadChains; ++i) sum[i] = __dadd_rn(sum[i], __dmul_rn(q[i][c], key));
-    }
-    for (int i = 0; i < chains; ++i) {
-      sp.scores[(int64_t(b) * sp.p.num_q_heads + hk * group + l0 + i) * sp.max_candidates + first + j] =
-          __dmul_rn(sp.score_scale, sum[i]);
+  for (int i = 0; i < kHeadChains; ++i) {
+    q[i] = qbar + min(l0 + i, last) * d;
+    sum[i] = 0.0;
+  }
+  if (!valid) return;
+  for (int32_t c0 = 0; c0 < d; c0 += kKeyBatch) {
+    float key[kKeyBatch];
+    load_key_batch(sp, offset, c0, key);
+    const int32_t n = min(kKeyBatch, d - c0);
+#pragma unroll
+    for (int c = 0; c < kKeyBatch; ++c) {
+      if (c >= n) break;
+      const double k = double(key[c]);
+#pragma unroll
+      for (int i = 0; i < kHeadChains; ++i) sum[i] = __dadd_rn(sum[i], __dmul_rn(q[i][c0 + c], k));
     }
   }
 }
 
-// Block (h, b), step 1: the std::max fold of the head's scores from −inf in position order, i.e. the first of the
-// largest (NaN never wins; among equal values, ±0 included, the earliest position's bits).
-__global__ void __launch_bounds__(kReduceThreads) max_kernel(const StepParams sp, Strided out) {
+// The first (by position) of the largest scores over a part of kPartKeys candidates: the std::max fold's value, NaN
+// skipped (a NaN or −inf score is the fold's start value, ranked after any score).
+__device__ __forceinline__ void store_max_part(const StepParams& sp, int64_t row, int64_t t, bool valid,
+                                               double score) {
+  const bool counts = valid && -INFINITY < score;
+  double value = counts ? score : -INFINITY;
+  int64_t at = counts ? t : INT64_MAX;
+#pragma unroll
+  for (int offset = kPartKeys / 2; offset > 0; offset /= 2) {
+    const double other = warp_shfl_xor(value, offset);
+    const int64_t other_at = warp_shfl_xor(at, offset);
+    if (value < other || (!(other < value) && other_at < at)) value = other, at = other_at;
+  }
+  if (valid && t % kPartKeys == 0) sp.max_parts[row * sp.parts + t / kPartKeys] = MaxPart{value, at};
+}
+
+// The fixed-point digits of exp(s − m) summed over a part of kPartKeys candidates (exact integers).
+__device__ __forceinline__ void store_digit_part(const StepParams& sp, int64_t row, int64_t t, bool valid, double e) {
+  unsigned long long digits[kDigits] = {0, 0, 0, 0, 0, 0};
+  if (valid && isnan(e)) {
+    digits[0] = 1;
+  } else if (valid) {
+    const double whole = floor(e);
+    digits[1] = static_cast<unsigned long long>(whole);
+    const FixedPointUnits units = fixed_point_units(__dsub_rn(e, whole));
+    digits[2] = units.high >> 32;
+    digits[3] = units.high & 0xffffffffull;
+    digits[4] = units.low >> 32;
+    digits[5] = units.low & 0xffffffffull;
+  }
+#pragma unroll
+  for (int i = 0; i < kDigits; ++i) {
+#pragma unroll
+    for (int offset = kPartKeys / 2; offset > 0; offset /= 2) digits[i] += warp_shfl_xor(digits[i], offset);
+  }
+  if (valid && t % kPartKeys == 0) {
+    unsigned long long* out = sp.digit_parts + (row * sp.parts + t / kPartKeys) * kDigits;
+#pragma unroll
+    for (int i = 0; i < kDigits; ++i) out[i] = digits[i];
+  }
+}
+
+// Block (tile, kv head, b) for steps 1 and 2, (tile, 0, b) for step 3, a thread per candidate: the candidate's scores
+// s[h, t] for the query heads of the kv group (step 3: of every kv head in turn, so that each set's vote adds its
+// heads in ascending order), then
+//   step 1: the partial maxima of kPartKeys candidates;
+//   step 2: e = exp(s − m_h) (m_h the global maximum) and the partial digit sums of kPartKeys candidates;
+//   step 3: vote[t] = 0 + e_0[t]/Z_0 + e_1[t]/Z_1 + ... over each set's heads.
+// Nothing per candidate and head is stored: each step rescores (the calls are stateless).
+template <CpSelectStep kStep>
+__global__ void __launch_bounds__(kTileKeys) tile_kernel(const StepParams sp, Strided global_max) {
+  extern __shared__ double qbar[];  // [group][D]: the q̄ rows of the kv head in hand
+  const int32_t b = blockIdx.z;
+  const CpShardSequence seq = sp.sequences[b];
+  const int64_t n = seq.n_candidates();
+  const int64_t t = int64_t(blockIdx.x) * kTileKeys + threadIdx.x;  // this thread's candidate
+  if (int64_t(blockIdx.x) * kTileKeys >= n) return;                  // the whole block: no candidate
+  const bool valid = t < n;
+  const int64_t local = seq.candidate_begin - seq.start + t;  // shard-local key id
+  const int32_t d = sp.p.head_dim, group = sp.p.group_size;
+  const int32_t kv_begin = kStep == CpSelectStep::kTopk ? 0 : int32_t(blockIdx.y);
+  const int32_t kv_end = kStep == CpSelectStep::kTopk ? sp.num_kv_heads : kv_begin + 1;
+  double vote = 0.0;
+  for (int32_t hk = kv_begin; hk < kv_end; ++hk) {
+    if (hk != kv_begin) __syncthreads();  // every thread is done with the previous group's rows
+    const double* group_qbar = sp.qbar + (int64_t(b) * sp.p.num_q_heads + int64_t(hk) * group) * d;
+    for (int32_t e = threadIdx.x; e < group * d; e += blockDim.x) qbar[e] = group_qbar[e];
+    __syncthreads();
+    const SequenceView s = make_sequence_view(sp.p, b, hk * group);
+    const int64_t offset = valid ? key_row_offset(sp.p, sp.p.k_strides, s, local) : 0;
+    for (int32_t l0 = 0; l0 < group; l0 += kHeadChains) {
+      double sum[kHeadChains];
+      score_chains(sp, qbar, l0, offset, valid, sum);
+#pragma unroll
+      for (int i = 0; i < kHeadChains; ++i) {
+        if (l0 + i >= group) break;
+        const int32_t h = hk * group + l0 + i;
+        const int64_t row = int64_t(b) * sp.p.num_q_heads + h;
+        const double score = __dmul_rn(sp.score_scale, sum[i]);
+        if constexpr (kStep == CpSelectStep::kMax) {
+          store_max_part(sp, row, t, valid, score);
+        } else {
+          const double m =
+              static_cast<const double*>(global_max.data)[b * global_max.stride[0] + h * global_max.stride[1]];
+          const double e = valid ? glibc_exp(__dsub_rn(score, m)) : 0.0;
+          if constexpr (kStep == CpSelectStep::kSum) {
+            store_digit_part(sp, row, t, valid, e);
+          } else {
+            vote = __dadd_rn(vote, __ddiv_rn(e, sp.z[row]));
+            if ((h + 1) % sp.heads_per_set == 0) {
+              if (valid) sp.votes[(int64_t(b) * sp.n_sets + h / sp.heads_per_set) * sp.max_candidates + t] = vote;
+              vote = 0.0;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Block (h, b), step 1: the partial maxima folded into the head's maximum (values[0] after the tree: the first of the
+// largest over the whole shard, the fold's value bit for bit).
+__global__ void __launch_bounds__(kReduceThreads) max_parts_kernel(const StepParams sp, Strided out) {
   __shared__ double values[kReduceThreads];
   __shared__ int64_t positions[kReduceThreads];
   const int32_t h = blockIdx.x, b = blockIdx.y;
-  const int64_t n = sp.sequences[b].n_candidates();
-  const double* row = sp.scores + (int64_t(b) * sp.p.num_q_heads + h) * sp.max_candidates;
+  const int64_t parts = (sp.sequences[b].n_candidates() + kPartKeys - 1) / kPartKeys;
+  const MaxPart* row = sp.max_parts + (int64_t(b) * sp.p.num_q_heads + h) * sp.parts;
   double best = -INFINITY;
-  int64_t at = INT64_MAX;  // the fold's start value ranks after any score equal to it
-  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) {
-    if (best < row[t]) best = row[t], at = t;  // positions rise within a thread: the first of equals is kept
+  int64_t at = INT64_MAX;
+  for (int64_t i = threadIdx.x; i < parts; i += blockDim.x) {
+    const MaxPart part = row[i];
+    if (best < part.value || (!(part.value < best) && part.position < at)) best = part.value, at = part.position;
   }
   values[threadIdx.x] = best;
   positions[threadIdx.x] = at;
@@ -180,73 +310,31 @@ __global__ void __launch_bounds__(kReduceThreads) max_kernel(const StepParams sp
   if (threadIdx.x == 0) static_cast<double*>(out.data)[b * out.stride[0] + h * out.stride[1]] = values[0];
 }
 
-// Block (x, h, b), steps 2 and 3: e = exp(s − m_h) in place, m_h the global maximum; with `digit_sums`, each term's
-// fixed-point digits added to digit_sums[b, h, :] (exact integers, so the order of the atomics does not matter).
-__global__ void __launch_bounds__(kReduceThreads) exp_kernel(const StepParams sp, Strided global_max,
-                                                             unsigned long long* digit_sums) {
-  __shared__ unsigned long long block_sums[kDigits];
-  const int32_t h = blockIdx.y, b = blockIdx.z;
-  const int64_t n = sp.sequences[b].n_candidates();
-  if (int64_t(blockIdx.x) * blockDim.x >= n) return;
-  if (digit_sums != nullptr && threadIdx.x < kDigits) block_sums[threadIdx.x] = 0;
+// Block (h, b), step 2's output: the partial digit sums added (exact integers), their carries moved up as
+// FixedPointSum::to_digits does.
+__global__ void __launch_bounds__(kReduceThreads) digit_parts_kernel(const StepParams sp, Strided out) {
+  __shared__ unsigned long long totals[kDigits];
+  const int32_t h = blockIdx.x, b = blockIdx.y;
+  if (threadIdx.x < kDigits) totals[threadIdx.x] = 0;
   __syncthreads();
-  const double m = static_cast<const double*>(global_max.data)[b * global_max.stride[0] + h * global_max.stride[1]];
-  double* row = sp.scores + (int64_t(b) * sp.p.num_q_heads + h) * sp.max_candidates;
+  const int64_t parts = (sp.sequences[b].n_candidates() + kPartKeys - 1) / kPartKeys;
+  const unsigned long long* row = sp.digit_parts + (int64_t(b) * sp.p.num_q_heads + h) * sp.parts * kDigits;
   unsigned long long sums[kDigits] = {0, 0, 0, 0, 0, 0};
-  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < n; t += int64_t(gridDim.x) * blockDim.x) {
-    const double e = glibc_exp(__dsub_rn(row[t], m));
-    row[t] = e;
-    if (digit_sums == nullptr) continue;
-    if (isnan(e)) {
-      ++sums[0];
-      continue;
-    }
-    const double whole = floor(e);
-    sums[1] += static_cast<unsigned long long>(whole);
-    const FixedPointUnits units = fixed_point_units(__dsub_rn(e, whole));
-    sums[2] += units.high >> 32;
-    sums[3] += units.high & 0xffffffffull;
-    sums[4] += units.low >> 32;
-    sums[5] += units.low & 0xffffffffull;
-  }
-  if (digit_sums == nullptr) return;
-  for (int i = 0; i < kDigits; ++i)
-    if (sums[i] != 0) atomicAdd(&block_sums[i], sums[i]);
+  for (int64_t i = threadIdx.x; i < parts; i += blockDim.x)
+    for (int j = 0; j < kDigits; ++j) sums[j] += row[i * kDigits + j];
+  for (int j = 0; j < kDigits; ++j)
+    if (sums[j] != 0) atomicAdd(&totals[j], sums[j]);
   __syncthreads();
-  if (threadIdx.x < kDigits && block_sums[threadIdx.x] != 0) {
-    atomicAdd(&digit_sums[(int64_t(b) * sp.p.num_q_heads + h) * kDigits + threadIdx.x], block_sums[threadIdx.x]);
-  }
-}
-
-// Thread per (b, h), step 2's output: the digit sums with their carries moved up, as FixedPointSum::to_digits.
-__global__ void digits_kernel(const unsigned long long* digit_sums, int32_t entries, int32_t heads, Strided out) {
-  const int32_t e = int32_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= entries) return;
-  const unsigned long long* in = digit_sums + int64_t(e) * kDigits;
-  int64_t* o = static_cast<int64_t*>(out.data) + (e / heads) * out.stride[0] + (e % heads) * out.stride[1];
+  if (threadIdx.x != 0) return;
+  int64_t* o = static_cast<int64_t*>(out.data) + b * out.stride[0] + h * out.stride[1];
   unsigned long long carry = 0;
   for (int i = kDigits - 1; i >= 2; --i) {
-    const unsigned long long value = in[i] + carry;
+    const unsigned long long value = totals[i] + carry;
     o[i * out.stride[2]] = int64_t(value & 0xffffffffull);
     carry = value >> 32;
   }
-  o[out.stride[2]] = int64_t(in[1] + carry);
-  o[0] = int64_t(in[0]);
-}
-
-// Thread per (candidate, set, b), step 3: vote[t] = 0 + e_0[t]/Z_0 + ... over the set's heads in ascending order.
-__global__ void vote_kernel(const StepParams sp, const double* z) {
-  const int32_t set = blockIdx.y, b = blockIdx.z;
-  const int64_t n = sp.sequences[b].n_candidates();
-  const int32_t first_head = set * sp.heads_per_set;
-  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < n; t += int64_t(gridDim.x) * blockDim.x) {
-    double vote = 0.0;
-    for (int32_t k = 0; k < sp.heads_per_set; ++k) {
-      const int64_t h = int64_t(b) * sp.p.num_q_heads + first_head + k;
-      vote = __dadd_rn(vote, __ddiv_rn(sp.scores[h * sp.max_candidates + t], z[h]));
-    }
-    sp.votes[(int64_t(b) * sp.n_sets + set) * sp.max_candidates + t] = vote;
-  }
+  o[out.stride[2]] = int64_t(totals[1] + carry);
+  o[0] = int64_t(totals[0]);
 }
 
 // Thread per (slot, set, b), step 3's outputs: the chosen candidates' votes and global positions (ascending, as
@@ -285,9 +373,15 @@ __global__ void scatter_indices_kernel(const int32_t* sets, int64_t sets_cap, in
   }
 }
 
-// The score kernel's shared memory: the group's q̄ rows (float64) and the transposed fp32 key tile.
-size_t score_shared_bytes(int64_t group, int64_t head_dim) {
-  return size_t(group * head_dim) * sizeof(double) + size_t(head_dim) * kTileStride * sizeof(float);
+// The score kernel's shared memory: the kv group's q̄ rows (float64).
+size_t score_shared_bytes(int64_t group, int64_t head_dim) { return size_t(group * head_dim) * sizeof(double); }
+
+// Whether every key row starts on a 16-byte boundary (base and strides; the channels are contiguous).
+bool keys_vector_aligned(const ForwardParams& p) {
+  const int64_t bytes = p.element_type == ElementType::kF32 ? 4 : 2;
+  const TensorStrides& st = p.k_strides;
+  return reinterpret_cast<uintptr_t>(p.k) % 16 == 0 && (st.b * bytes) % 16 == 0 && (st.s * bytes) % 16 == 0 &&
+         (st.h * bytes) % 16 == 0;
 }
 
 unsigned grid_for(int64_t items, int threads) {
@@ -306,21 +400,22 @@ std::vector<T> read_back(const GpuDevice& device, const T* data, int64_t count) 
   return host;
 }
 
-// The shard's scores (sequences, q̄, s[h, t]) for steps 1-3.
-void launch_scores(const GpuDevice& device, const StepParams& sp, int64_t batch) {
+// The shard's sequences and q̄ (steps 1-3), then the step's score kernel.
+template <CpSelectStep kStep>
+void launch_tiles(const GpuDevice& device, const StepParams& sp, int64_t batch, const Strided& global_max) {
   sequences_kernel<<<grid_for(batch, kElementThreads), kElementThreads, 0, device.stream>>>(sp);
   check(cudaGetLastError(), "sequences_kernel launch");
   qbar_kernel<<<dim3(unsigned(sp.p.num_q_heads), unsigned(batch)), 128, 0, device.stream>>>(sp);
   check(cudaGetLastError(), "qbar_kernel launch");
   if (sp.max_candidates == 0) return;
   const size_t shared = score_shared_bytes(sp.p.group_size, sp.p.head_dim);
-  check(cudaFuncSetAttribute(reinterpret_cast<const void*>(&scores_kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(shared)),
+  check(cudaFuncSetAttribute(reinterpret_cast<const void*>(&tile_kernel<kStep>),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)),
         "cudaFuncSetAttribute");
-  const dim3 grid(unsigned((sp.max_candidates + kTileKeys - 1) / kTileKeys), unsigned(sp.num_kv_heads),
-                  unsigned(batch));
-  scores_kernel<<<grid, kTileKeys, shared, device.stream>>>(sp);
-  check(cudaGetLastError(), "scores_kernel launch");
+  const dim3 grid(unsigned((sp.max_candidates + kTileKeys - 1) / kTileKeys),
+                  kStep == CpSelectStep::kTopk ? 1u : unsigned(sp.num_kv_heads), unsigned(batch));
+  tile_kernel<kStep><<<grid, kTileKeys, shared, device.stream>>>(sp, global_max);
+  check(cudaGetLastError(), "tile_kernel launch");
 }
 
 }  // namespace
@@ -353,12 +448,12 @@ void cp_select_run(const GpuDevice& device, const CpSelectCall& call, ScratchCar
   int64_t* positions = carver.take<int64_t>(uint64_t(2 * batch));
   sp.sequences = carver.take<CpShardSequence>(uint64_t(batch));
   sp.segment_lengths = carver.take<int32_t>(uint64_t(batch * sets));
-  if (scores_needed) {
-    sp.qbar = carver.take<double>(uint64_t(batch * heads * pr.head_dim));
-    sp.scores = carver.take<double>(uint64_t(batch * heads * sp.max_candidates));
+  sp.parts = (sp.max_candidates + kPartKeys - 1) / kPartKeys;
+  if (scores_needed) sp.qbar = carver.take<double>(uint64_t(batch * heads * pr.head_dim));
+  if (call.step == CpSelectStep::kMax) sp.max_parts = carver.take<MaxPart>(uint64_t(batch * heads * sp.parts));
+  if (call.step == CpSelectStep::kSum) {
+    sp.digit_parts = carver.take<unsigned long long>(uint64_t(batch * heads * sp.parts * kDigits));
   }
-  unsigned long long* digit_sums =
-      call.step == CpSelectStep::kSum ? carver.take<unsigned long long>(uint64_t(batch * heads * kDigits)) : nullptr;
   double* z = nullptr;
   int32_t* ids = nullptr;
   void* topk_scratch = nullptr;
@@ -385,6 +480,8 @@ void cp_select_run(const GpuDevice& device, const CpSelectCall& call, ScratchCar
   sp.heads_per_set = params.heads_per_set;
   sp.score_scale = params.score_scale;
   sp.positions = positions;
+  sp.vector_keys = keys_vector_aligned(sp.p);
+  sp.z = z;
   // kv_start and kv_total live in host memory. (Copies from pageable host memory are staged before
   // cudaMemcpyAsync returns, so the host vectors of this function may go out of scope while the copies are queued.)
   std::vector<int64_t> host_positions(size_t(2 * batch));
@@ -453,34 +550,21 @@ void cp_select_run(const GpuDevice& device, const CpSelectCall& call, ScratchCar
           "cudaMemcpyAsync");
   }
 
-  launch_scores(device, sp, batch);
-  const unsigned exp_blocks = grid_for(sp.max_candidates, kReduceThreads);
   switch (call.step) {
     case CpSelectStep::kMax:
-      max_kernel<<<dim3(unsigned(heads), unsigned(batch)), kReduceThreads, 0, device.stream>>>(sp, strided(call.out));
-      check(cudaGetLastError(), "max_kernel launch");
+      launch_tiles<CpSelectStep::kMax>(device, sp, batch, Strided{});
+      max_parts_kernel<<<dim3(unsigned(heads), unsigned(batch)), kReduceThreads, 0, device.stream>>>(
+          sp, strided(call.out));
+      check(cudaGetLastError(), "max_parts_kernel launch");
       break;
     case CpSelectStep::kSum:
-      check(cudaMemsetAsync(digit_sums, 0, size_t(batch * heads * kDigits) * sizeof(unsigned long long),
-                            device.stream),
-            "cudaMemsetAsync");
-      if (sp.max_candidates > 0) {
-        exp_kernel<<<dim3(exp_blocks, unsigned(heads), unsigned(batch)), kReduceThreads, 0, device.stream>>>(
-            sp, strided(call.global_max), digit_sums);
-        check(cudaGetLastError(), "exp_kernel launch");
-      }
-      digits_kernel<<<grid_for(batch * heads, kElementThreads), kElementThreads, 0, device.stream>>>(
-          digit_sums, int32_t(batch * heads), int32_t(heads), strided(call.out));
-      check(cudaGetLastError(), "digits_kernel launch");
+      launch_tiles<CpSelectStep::kSum>(device, sp, batch, strided(call.global_max));
+      digit_parts_kernel<<<dim3(unsigned(heads), unsigned(batch)), kReduceThreads, 0, device.stream>>>(
+          sp, strided(call.out));
+      check(cudaGetLastError(), "digit_parts_kernel launch");
       break;
     case CpSelectStep::kTopk: {
-      if (sp.max_candidates > 0) {
-        exp_kernel<<<dim3(exp_blocks, unsigned(heads), unsigned(batch)), kReduceThreads, 0, device.stream>>>(
-            sp, strided(call.global_max), nullptr);
-        check(cudaGetLastError(), "exp_kernel launch");
-        vote_kernel<<<dim3(exp_blocks, unsigned(sets), unsigned(batch)), kReduceThreads, 0, device.stream>>>(sp, z);
-        check(cudaGetLastError(), "vote_kernel launch");
-      }
+      launch_tiles<CpSelectStep::kTopk>(device, sp, batch, strided(call.global_max));
       if (sp.max_candidates == 0) {  // no key on this shard: every slot −1 / −inf
         check(cudaMemsetAsync(ids, 0xff, size_t(batch * sets * params.top_k) * sizeof(int32_t), device.stream),
               "cudaMemsetAsync");
