@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kTileKeys) tile_kernel(const StepParams sp, St
       score_chains(sp, qbar, l0, offset, valid, sum);
 #pragma unroll
       for (int i = 0; i < kHeadChains; ++i) {
-        if (l0 + i >= group) break;
+        if (l0 + i >= group) continue;
         const int32_t h = hk * group + l0 + i;
         const int64_t row = int64_t(b) * sp.p.num_q_heads + h;
         const double score = __dmul_rn(sp.score_scale, sum[i]);
