@@ -64,6 +64,7 @@ struct StepParams {
   int32_t* segment_lengths = nullptr;    // [B · n_sets]: candidates of (b, set)
   double* qbar = nullptr;                // [B, Hq, D]
   bool vector_keys = false;              // k and its row strides 16-byte aligned: 16-byte key loads
+  bool single_query_rows = false;        // every sequence has at most one query row (decode): exact products
   int64_t parts = 0;                     // row stride of max_parts and digit_parts: ceil(max_candidates / kPartKeys)
   MaxPart* max_parts = nullptr;          // step 1: [B, Hq, parts]
   unsigned long long* digit_parts = nullptr;  // step 2: [B, Hq, parts, kDigits]
@@ -154,6 +155,12 @@ __device__ __forceinline__ void load_key_batch(const StepParams& sp, int64_t off
 // sum[i] = q̄_{l0+i} · key over the channels in order, one rounded product and one rounded add per channel (the CPU's
 // sequential sum, select_scores.cpp). `qbar` is the kv group's rows in shared memory (every thread reads the same
 // element: a broadcast); chains past the group repeat the last head and are not used.
+// kExactProducts (every sequence has at most one query row): q̄ is then a query element widened, so it and the key
+// element each carry at most 24 significant bits and lie within fp32's exponent range; their product is exact in
+// float64 (at most 48 bits, never subnormal: |product| >= 2^-298), and fma(q̄, k, sum) rounds once what
+// sum + (q̄·k) rounds once: the same bits as the rounded product and add, zeros' signs, infinities and NaN included,
+// for half the float64 instructions.
+template <bool kExactProducts>
 __device__ __forceinline__ void score_chains(const StepParams& sp, const double* qbar, int32_t l0, int64_t offset,
                                              bool valid, double (&sum)[kHeadChains]) {
   const int32_t d = sp.p.head_dim, last = sp.p.group_size - 1;
@@ -173,7 +180,9 @@ __device__ __forceinline__ void score_chains(const StepParams& sp, const double*
       if (c >= n) break;
       const double k = double(key[c]);
 #pragma unroll
-      for (int i = 0; i < kHeadChains; ++i) sum[i] = __dadd_rn(sum[i], __dmul_rn(q[i][c0 + c], k));
+      for (int i = 0; i < kHeadChains; ++i) {
+        sum[i] = kExactProducts ? __fma_rn(q[i][c0 + c], k, sum[i]) : __dadd_rn(sum[i], __dmul_rn(q[i][c0 + c], k));
+      }
     }
   }
 }
@@ -227,7 +236,7 @@ __device__ __forceinline__ void store_digit_part(const StepParams& sp, int64_t r
 //   step 2: e = exp(s − m_h) (m_h the global maximum) and the partial digit sums of kPartKeys candidates;
 //   step 3: vote[t] = 0 + e_0[t]/Z_0 + e_1[t]/Z_1 + ... over each set's heads.
 // Nothing per candidate and head is stored: each step rescores (the calls are stateless).
-template <CpSelectStep kStep>
+template <CpSelectStep kStep, bool kExactProducts>
 __global__ void __launch_bounds__(kTileKeys) tile_kernel(const StepParams sp, Strided global_max) {
   extern __shared__ double qbar[];  // [group][D]: the q̄ rows of the kv head in hand
   const int32_t b = blockIdx.z;
@@ -250,7 +259,7 @@ __global__ void __launch_bounds__(kTileKeys) tile_kernel(const StepParams sp, St
     const int64_t offset = valid ? key_row_offset(sp.p, sp.p.k_strides, s, local) : 0;
     for (int32_t l0 = 0; l0 < group; l0 += kHeadChains) {
       double sum[kHeadChains];
-      score_chains(sp, qbar, l0, offset, valid, sum);
+      score_chains<kExactProducts>(sp, qbar, l0, offset, valid, sum);
 #pragma unroll
       for (int i = 0; i < kHeadChains; ++i) {
         if (l0 + i >= group) continue;
@@ -401,6 +410,16 @@ std::vector<T> read_back(const GpuDevice& device, const T* data, int64_t count) 
 }
 
 // The shard's sequences and q̄ (steps 1-3), then the step's score kernel.
+template <CpSelectStep kStep, bool kExactProducts>
+void launch_tile_kernel(const GpuDevice& device, const StepParams& sp, dim3 grid, size_t shared,
+                        const Strided& global_max) {
+  check(cudaFuncSetAttribute(reinterpret_cast<const void*>(&tile_kernel<kStep, kExactProducts>),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)),
+        "cudaFuncSetAttribute");
+  tile_kernel<kStep, kExactProducts><<<grid, kTileKeys, shared, device.stream>>>(sp, global_max);
+  check(cudaGetLastError(), "tile_kernel launch");
+}
+
 template <CpSelectStep kStep>
 void launch_tiles(const GpuDevice& device, const StepParams& sp, int64_t batch, const Strided& global_max) {
   sequences_kernel<<<grid_for(batch, kElementThreads), kElementThreads, 0, device.stream>>>(sp);
@@ -409,13 +428,13 @@ void launch_tiles(const GpuDevice& device, const StepParams& sp, int64_t batch, 
   check(cudaGetLastError(), "qbar_kernel launch");
   if (sp.max_candidates == 0) return;
   const size_t shared = score_shared_bytes(sp.p.group_size, sp.p.head_dim);
-  check(cudaFuncSetAttribute(reinterpret_cast<const void*>(&tile_kernel<kStep>),
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)),
-        "cudaFuncSetAttribute");
   const dim3 grid(unsigned((sp.max_candidates + kTileKeys - 1) / kTileKeys),
                   kStep == CpSelectStep::kTopk ? 1u : unsigned(sp.num_kv_heads), unsigned(batch));
-  tile_kernel<kStep><<<grid, kTileKeys, shared, device.stream>>>(sp, global_max);
-  check(cudaGetLastError(), "tile_kernel launch");
+  if (sp.single_query_rows) {
+    launch_tile_kernel<kStep, true>(device, sp, grid, shared, global_max);
+  } else {
+    launch_tile_kernel<kStep, false>(device, sp, grid, shared, global_max);
+  }
 }
 
 }  // namespace
@@ -481,6 +500,7 @@ void cp_select_run(const GpuDevice& device, const CpSelectCall& call, ScratchCar
   sp.score_scale = params.score_scale;
   sp.positions = positions;
   sp.vector_keys = keys_vector_aligned(sp.p);
+  sp.single_query_rows = pr.max_seq_q <= 1;
   sp.z = z;
   // kv_start and kv_total live in host memory. (Copies from pageable host memory are staged before
   // cudaMemcpyAsync returns, so the host vectors of this function may go out of scope while the copies are queued.)
