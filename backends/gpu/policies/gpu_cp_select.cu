@@ -6,7 +6,8 @@
 // __ddiv_rn, so nvcc's FMA contraction cannot fuse them):
 //   q̄_h      the float64 mean of the call's query rows (sequential sum over rows, then one divide);
 //   s[h, t]   0, then for c = 0..D-1 one product q̄_h[c]·K[t, c] and one add, then the product with the score scale:
-//             the CPU's sequential channel-order sum (select_scores.cpp), each key element widened exactly;
+//             the CPU's sequential channel-order sum (select_scores.cpp), each key element widened exactly (with one
+//             query row per sequence the products are exact and one fma per channel gives the same bits);
 //   max       the first (by position) of the largest scores, NaN skipped: the std::max fold's value, bit for bit;
 //   exp       src/common/glibc_exp.h: glibc's exp, the function std::exp is on the CPU;
 //   Z_h       FixedPointSum digits summed as integers (exact: any grouping gives the same digits);
