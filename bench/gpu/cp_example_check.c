@@ -212,7 +212,10 @@ int main(int argc, char** argv) {
   for (int g = 0; g < gpus; ++g) {
     rank_job job = {g, gpus, reps, n, q, k, v, comms[g], got + (size_t)g * q_count, 0.0, -1};
     jobs[g] = job;
-    pthread_create(&threads[g], NULL, run_rank, &jobs[g]);
+    if (pthread_create(&threads[g], NULL, run_rank, &jobs[g]) != 0) {  /* the started ranks would wait forever */
+      fprintf(stderr, "cp_example_check: cannot start the thread of rank %d\n", g);
+      return 1;
+    }
   }
   for (int g = 0; g < gpus; ++g) pthread_join(threads[g], NULL);
   int failed = 0;
