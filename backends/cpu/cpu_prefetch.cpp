@@ -3,8 +3,9 @@
 // Per sequence b the union U_b of its valid indices (all H_idx rows) is sorted, so compact row c holds token U_b[c]
 // and order is kept: positions[b, c] = U_b[c] (-1 past |U_b|), remapped[b, r, s] = the compact row of
 // indices[b, r, s] (-1 stays -1), counts[b] = |U_b|. Rows of k_dst/v_dst past |U_b| are left untouched.
-// Unions are built and checked for the whole batch before anything is written, then rebuilt per sequence by the
-// work items (cheap: O(H_idx·k log) against the O(|U|·Hkv·D) copy), so nothing is allocated.
+// validate_prefetch has already checked every index and every union against C, so nothing here can fail once
+// the first output is written; each work item rebuilds its sequence's union in thread scratch (O(H_idx·k log),
+// cheap against the O(|U|·Hkv·D) copy). An empty batch binds no scratch at all: H_idx·k may then be any extent.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -67,21 +68,6 @@ void cpu_kv_prefetch(const PrefetchProblem& problem, const ExecContext& exec) {
   const size_t row_bytes = size_t(head_dim) * sparsa_dtype_size(problem.k_src.t.dtype);
 
   const size_t max_ids = size_t(n_index_heads * slots);
-
-  // Every union checked before any output is written.
-  {
-    ScratchLayout layout;
-    const size_t ids_at = layout.add<int64_t>(max_ids);
-    layout.bind(policy_scratch(exec, 0));  // no work item runs yet
-    int64_t* ids = layout.get<int64_t>(ids_at, max_ids);
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t n_ids = sequence_union(indices, b, n_tokens, ids);
-      if (n_ids > capacity) {
-        fail(SPARSA_STATUS_SHAPE_MISMATCH, "k_dst: ", capacity, " compact rows (extent 1) but sequence ", b,
-             " selects ", n_ids, " distinct tokens");
-      }
-    }
-  }
 
   // Per sequence: positions, remapped, counts and the gather.
   parallel_items(exec, batch, [&](int64_t b, int worker) {
