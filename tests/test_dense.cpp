@@ -1,6 +1,7 @@
 // §0 common conventions and §1 DENSE, against the float64 reference.
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "test_util.h"
 
@@ -268,5 +269,81 @@ TEST_P(Dense, HalfPrecisionDecodeOverLongKeyRangesMatchesTheRoundedReference) {
         for (int b = 0; b < c.B; ++b) pairs += int64_t(c.Hq) * c.skv[size_t(b) % c.skv.size()];
         EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], pairs);
         EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_DENSE], pairs);
+      }
+}
+
+TEST_P(Dense, HalfPrecisionPrefillGivesTheSameBitsWhetherOrNotItsKeysAreWidenedOnce) {
+  // On a 16-bit cache the CPU backend widens a (sequence, kv head)'s K and V once for all the query blocks that walk
+  // them when there is enough work per worker, and per tile otherwise (cpu_engine.h, QueryBlockPlan). One thread
+  // (every pair widened once) and three (two blocks per pair are too few for three workers: per tile) must agree
+  // bit for bit, non-finite K/V rows included: rows that see them are NaN, the others match the reference.
+  constexpr int kSq = 256, kSkv = 300, kD = 128;
+  constexpr int kNanKey = 200, kInfKey = 250;  // causal, offset 44: rows >= 156 see the first, rows >= 206 the second
+  struct Case {
+    const char* name;
+    int32_t kind;
+    bool causal;
+  };
+  const Case cases[] = {{"DENSE causal", SPARSA_POLICY_DENSE, true},
+                        {"DENSE", SPARSA_POLICY_DENSE, false},
+                        {"SINK_WINDOW causal", SPARSA_POLICY_SINK_WINDOW, true}};
+  int counter = 0;
+  for (const Case& cs : cases)
+    for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
+      for (bool non_finite : {false, true}) {
+        ST_RNG(rng, counter++);
+        SCOPED_TRACE(::testing::Message() << cs.name << " dtype=" << dtype << " non-finite K/V=" << non_finite);
+        ref::Problem p = st::make_problem(1, 1, 1, kD, {kSq}, {kSkv}, cs.causal);
+        st::fill(p, Pattern::kNeedles, rng);
+        p = st::rounded(p, dtype);
+        sparsa_policy policy = st::make_policy(cs.kind);
+        policy.sink_tokens = 4;
+        policy.sink_window = 96;
+        const ref::Output want = ref::attend(p, cs.kind == SPARSA_POLICY_DENSE ? ref::dense(p)
+                                                                                 : ref::sink_window(p, 4, 96));
+        if (non_finite) {
+          p.k[0][size_t(kNanKey) * kD + 3] = std::numeric_limits<double>::quiet_NaN();
+          p.v[0][size_t(kInfKey) * kD + 5] = std::numeric_limits<double>::infinity();
+        }
+        st::RunOptions opt;
+        opt.dtype = dtype;
+        std::vector<st::RunResult> runs;
+        for (int threads : {1, 3}) {
+          st::Context c(GetParam(), threads);
+          ASSERT_EQ(c.status(), SPARSA_STATUS_SUCCESS);
+          runs.push_back(st::run(c, p, policy, opt));
+          st::expect_ok(runs.back());
+          if (GetParam() == SPARSA_DEVICE_CPU && threads == 1) {
+            // The panel of one pair (K and V, kSkv fp32 rows each) lives in the context's scratch: proof it was used.
+            uint64_t bytes = 0;
+            ASSERT_EQ(sparsa_context_scratch_bytes(c.get(), &bytes), SPARSA_STATUS_SUCCESS);
+            EXPECT_GE(bytes, uint64_t(2) * kSkv * kD * sizeof(float));
+          }
+        }
+        ASSERT_EQ(runs[0].out.o[0].size(), runs[1].out.o[0].size());
+        EXPECT_EQ(std::memcmp(runs[0].out.o[0].data(), runs[1].out.o[0].data(), runs[0].out.o[0].size() * sizeof(double)),
+                  0);
+        EXPECT_EQ(std::memcmp(runs[0].out.lse[0].data(), runs[1].out.lse[0].data(),
+                              runs[0].out.lse[0].size() * sizeof(double)),
+                  0);
+        const int offset = kSkv - kSq;
+        for (int i = 0; i < kSq; ++i) {
+          const auto sees = [&](int key) {
+            if (cs.causal && key > i + offset) return false;
+            if (cs.kind == SPARSA_POLICY_DENSE) return true;
+            return key < 4 || i + offset - key < 96;
+          };
+          const bool poisoned = non_finite && (sees(kNanKey) || sees(kInfKey));
+          const double* got = &runs[0].out.o[0][size_t(i) * kD];
+          const double* ref_row = &want.o[0][size_t(i) * kD];
+          for (int c = 0; c < kD; ++c) {
+            if (poisoned) {
+              ASSERT_TRUE(std::isnan(got[c])) << "row " << i << " sees a non-finite key and must be NaN";
+            } else {
+              ASSERT_NEAR(got[c], ref_row[c], st::kTolHalf * std::max(1.0, std::fabs(ref_row[c])))
+                  << "row " << i << " col " << c;
+            }
+          }
+        }
       }
 }

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -115,6 +116,20 @@ int8_t quantize(float x, float scale) {
   return int8_t(std::max(-kInt8Max, std::min(kInt8Max, q)));
 }
 
+// NaN and ±Inf are the values whose exponent field is all ones. An integer OR over the row vectorises; a float
+// probe (Σ x − x) does not, since its adds may not be reordered, and as a serial chain it cost more than the
+// widening of the tile it checked.
+bool all_finite(const float* row, int d) {
+  constexpr uint32_t kExponentMask = 0x7f800000u;
+  uint32_t non_finite = 0;
+  for (int c = 0; c < d; ++c) {
+    uint32_t bits;
+    std::memcpy(&bits, row + c, sizeof bits);
+    non_finite |= uint32_t((bits & kExponentMask) == kExponentMask);
+  }
+  return non_finite == 0;
+}
+
 // Where a key tile's K and V rows are read from.
 struct KvRows {
   const float* base = nullptr;
@@ -129,7 +144,8 @@ struct KvRows {
 class RowTile {
  public:
   RowTile(const AttentionProblem& problem, int32_t b, int32_t h, int heads, Positions rows, int rows_per_head,
-          int max_keys, const BlockWalk* quantized_walk, float* out_rows, ThreadScratch& scratch)
+          int max_keys, const BlockWalk* quantized_walk, const KvPanel* panel, float* out_rows,
+          ThreadScratch& scratch)
       : problem_(problem),
         b_(b),
         h_(h),
@@ -145,6 +161,7 @@ class RowTile {
         max_keys_(std::max(max_keys, 1)),
         kernels_(select_microkernels()),
         quant_(quantized_walk),
+        panel_(panel),
         o_(out_rows) {
     // Carve every buffer from one reservation so the scratch vector is resized at most once per call.
     const size_t qt_floats = size_t(d_) * row_stride_;
@@ -205,7 +222,7 @@ class RowTile {
     if (quant_) {
       scores_quantized(keys, nk, vis, coverage);
     } else {
-      const KvRows k = kv_rows(problem_.k, keys, nk, k_tile_, vis, coverage);
+      const KvRows k = kv_rows(false, keys, nk, vis, coverage);
       kernels_.qk_tile(k.base, k.stride, nk, qt_, row_stride_, nr_pad_, d_, st_, row_stride_);
     }
     if (coverage == TileCoverage::kPartial) apply_mask(vis, keys, nk);
@@ -240,7 +257,7 @@ class RowTile {
     }
 
     // 4. O += P · V.
-    const KvRows v = kv_rows(problem_.v, keys, nk, v_tile_, vis, coverage);
+    const KvRows v = kv_rows(true, keys, nk, vis, coverage);
     kernels_.pv_tile(st_, row_stride_, nr_, nk, v.base, v.stride, d_, o_);
     return true;
   }
@@ -248,6 +265,7 @@ class RowTile {
   // Asks the caches for the K and V rows of a tile that comes later (the rows are 4 KiB-strided, which the hardware
   // prefetchers do not follow), so its conversion does not wait on memory. Every position must be < seq_len_k.
   void prefetch_keys(Positions keys, int nk) const {
+    if (panel_) return;  // panel rows are consecutive: the hardware prefetchers follow them
     constexpr int64_t kCacheLine = 64;
     const int64_t row_bytes = int64_t(d_) * element_bytes(problem_.dtype);
     for (int j = 0; j < nk; ++j) {
@@ -307,8 +325,16 @@ class RowTile {
   // rows in place is slower: tokens usually sit Hkv·D floats apart, a multiple of 4 KiB, so a tile's rows fight
   // over the same L1 sets; the copy costs ~2% of the tile's flops.
   // A row holding NaN/Inf poisons the tile rows that see its key and is then zeroed (see the file comment).
-  KvRows kv_rows(const TensorArg& kv, Positions keys, int nk, float* tile, const RowVisibility& vis,
-                 TileCoverage coverage) {
+  // With a panel, a block walk's tile (consecutive keys) is read where the panel holds it.
+  KvRows kv_rows(bool values, Positions keys, int nk, const RowVisibility& vis, TileCoverage coverage) {
+    if (panel_ && !keys.list) {
+      const uint8_t* non_finite = values ? panel_->v_non_finite : panel_->k_non_finite;
+      for (int j = 0; j < nk; ++j)
+        if (non_finite[keys.first + j]) poison_rows_seeing(keys.at(j), vis, coverage);
+      return {(values ? panel_->v : panel_->k) + keys.first * panel_->stride, panel_->stride};
+    }
+    const TensorArg& kv = values ? problem_.v : problem_.k;
+    float* tile = values ? v_tile_ : k_tile_;
     for (int j = 0; j < nk; ++j) {
       float* row = tile + size_t(j) * kv_stride_;
       load_row_f32(problem_.dtype, kv.t.data, problem_.kv_offset(kv, b_, keys.at(j), hk_), d_, row);
@@ -317,16 +343,13 @@ class RowTile {
     return {tile, kv_stride_};
   }
 
-  static bool all_finite(const float* row, int d) {
-    float probe = 0.f;  // x - x is 0 for finite x and NaN for ±Inf and NaN: one vectorisable pass
-    for (int c = 0; c < d; ++c) probe += row[c] - row[c];
-    return probe == 0.f;
-  }
-
-  void quarantine_key(float* row, int64_t key, const RowVisibility& vis, TileCoverage coverage) {
+  void poison_rows_seeing(int64_t key, const RowVisibility& vis, TileCoverage coverage) {
     for (int r = 0; r < nr_; ++r) {
       if (coverage == TileCoverage::kAll || visible(vis, position(r), key)) poisoned_[r] = 1.f;
     }
+  }
+  void quarantine_key(float* row, int64_t key, const RowVisibility& vis, TileCoverage coverage) {
+    poison_rows_seeing(key, vis, coverage);
     std::fill(row, row + d_, 0.f);
   }
 
@@ -422,6 +445,7 @@ class RowTile {
   int max_keys_;
   const Microkernels& kernels_;
   const BlockWalk* quant_;
+  const KvPanel* panel_;  // null: key tiles are widened (gathered) into k_tile_ / v_tile_
   float* o_;  // the caller's out_rows [nr, D], used as the unnormalised accumulator
   int64_t row_min_ = 0, row_max_ = 0;
   float *qt_ = nullptr, *st_ = nullptr, *k_tile_ = nullptr, *v_tile_ = nullptr;
@@ -443,6 +467,36 @@ size_t attention_tile_floats(int head_dim, int64_t rows, int64_t keys, bool quan
     floats +=
         size_t(rows) * d + 2 * size_t(rows) + d + scratch_floats<int8_t>(size_t(rows) * d) + scratch_floats<int8_t>(kv);
   return floats;
+}
+
+size_t kv_panel_floats(int head_dim, int64_t capacity) {
+  const size_t rows = size_t(std::max<int64_t>(capacity, 0));
+  return 2 * rows * size_t(head_dim + kStridePad) + scratch_floats<uint8_t>(2 * rows);
+}
+
+KvPanel kv_panel_in(float* base, int head_dim, int64_t capacity) {
+  KvPanel panel;
+  panel.stride = head_dim + kStridePad;  // the tiles' row stride, for the same reason (microkernels.h)
+  panel.k = base;
+  panel.v = base + capacity * panel.stride;
+  panel.k_non_finite = reinterpret_cast<uint8_t*>(base + 2 * capacity * panel.stride);
+  panel.v_non_finite = panel.k_non_finite + capacity;
+  return panel;
+}
+
+void fill_kv_panel(const AttentionProblem& problem, int32_t b, int32_t hk, int64_t key_begin, int64_t key_end,
+                   const KvPanel& panel) {
+  const int d = problem.head_dim;
+  for (int64_t key = key_begin; key < key_end; ++key) {
+    for (const bool values : {false, true}) {
+      const TensorArg& kv = values ? problem.v : problem.k;
+      float* row = (values ? panel.v : panel.k) + key * panel.stride;
+      load_row_f32(problem.dtype, kv.t.data, problem.kv_offset(kv, b, key, hk), d, row);
+      const bool finite = all_finite(row, d);
+      if (!finite) std::fill(row, row + d, 0.f);
+      (values ? panel.v_non_finite : panel.k_non_finite)[key] = finite ? 0 : 1;
+    }
+  }
 }
 
 void attend_block_walk(const AttentionProblem& problem, int32_t b, int32_t h, int64_t row_begin, int64_t row_end,
@@ -467,7 +521,7 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
   // A key tile never holds more keys than the sequence has, whatever block_k says: scratch follows the problem.
   const int max_keys = int(std::max<int64_t>(1, std::min<int64_t>(walk.block_k, seq_k)));
   RowTile tile(problem, b, h_first, n_heads, Positions{nullptr, row_begin}, nr, max_keys,
-               walk.quantized_qk ? &walk : nullptr, out_rows, scratch);
+               walk.quantized_qk ? &walk : nullptr, walk.panel, out_rows, scratch);
   bool first_computed = true;
   auto block_keys = [&](int64_t n) {
     const int64_t key_begin = int64_t(walk.key_blocks[n]) * walk.block_k;
@@ -497,7 +551,7 @@ void attend_index_tile(const AttentionProblem& problem, int32_t b, int32_t h_fir
                        int rows_per_head, const int64_t* keys, int64_t n_keys, const RowVisibility& vis,
                        float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
   RowTile tile(problem, b, h_first, n_heads, Positions{rows, 0}, rows_per_head, int(kIndexTileKeys), nullptr,
-               out_rows, scratch);
+               nullptr, out_rows, scratch);
   // Keys are ascending: with a causal predicate nothing past the last row's horizon is visible.
   int64_t key_end = n_keys;
   if (vis.causal) {

@@ -53,10 +53,23 @@ struct ThreadScratch {
   }
 };
 
+// K and V rows of one (sequence, kv head), widened to fp32 once for every key of the sequence, `stride` floats apart
+// (fill_kv_panel, cpu_engine.h). A block walk that has one reads its key tiles in place: a 16-bit cache otherwise
+// widens each key tile again for every query block that walks it. A K or V row that holds NaN/Inf is stored as
+// zeros and flagged, so the walk poisons exactly the rows it would have poisoned converting the tile itself.
+struct KvPanel {
+  float* k = nullptr;
+  float* v = nullptr;
+  uint8_t* k_non_finite = nullptr;  // per key: 1 when its K row holds NaN/Inf
+  uint8_t* v_non_finite = nullptr;  // per key: 1 when its V row holds NaN/Inf
+  int64_t stride = 0;               // floats between consecutive keys' rows
+};
+
 // Block walk parameters (SPARGE-specific fields are inert for other policies).
 struct BlockWalk {
   const int32_t* key_blocks = nullptr;  // ascending key block ids
   int64_t n_key_blocks = 0;
+  const KvPanel* panel = nullptr;       // the walk's (b, kv head) already widened; null: widen each tile
   int32_t block_k = 64;
   float pv_skip_lambda = -std::numeric_limits<float>::infinity();  // §4.7; -inf = off
   // §4 quantized path: int8 Q (per quant_block_q-row block of the sequence) and int8 centred K (per block_k-row

@@ -100,6 +100,8 @@ class CpuBackend final : public Backend {
     if (policy.p.kind == SPARSA_POLICY_TOKEN_SPARSE) plan_token_sparse(problem, policy, exec_);
     if (policy.p.kind == SPARSA_POLICY_TOKEN_INDICES) plan_token_indices(problem, policy, exec_);
     if (policy.p.kind == SPARSA_POLICY_DENSE) plan_dense(problem, exec_);
+    if (policy.p.kind == SPARSA_POLICY_SINK_WINDOW) plan_query_blocks(problem, kDefaultBlockQ, exec_);
+    if (policy.p.kind == SPARSA_POLICY_BLOCK_SPARSE) plan_query_blocks(problem, policy.p.block_q, exec_);
     for (int w = 0; w < pool_.size(); ++w) {
       loop_scratch(exec_, w).reserve(loop_floats);
       policy_scratch(exec_, w).reserve(size_t(rows) * (d + 1) + size_t(problem.max_seq_k) + 2);

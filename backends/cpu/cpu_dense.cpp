@@ -17,19 +17,46 @@ RowVisibility causal_visibility(const AttentionProblem& problem, int32_t b) {
   return vis;
 }
 
-void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec, int32_t block_q,
-                      int32_t block_k, const RowVisibility& vis, const KeyBlockLister& lister) {
-  const int d = problem.head_dim;
-  const int64_t max_q_blocks = (problem.max_seq_q + block_q - 1) / block_q;
-  const int64_t max_key_blocks = (problem.max_seq_k + block_k - 1) / block_k;
+QueryBlockPlan query_block_plan(const AttentionProblem& problem, int32_t block_q, int workers) {
+  QueryBlockPlan plan;
+  plan.q_blocks = (problem.max_seq_q + block_q - 1) / block_q;
+  if (problem.num_kv_heads <= 0) return plan;
   // Stack the g query heads of a kv group when their rows are few (decode) and there are still enough groups to
   // keep every worker busy. Stacking never changes a row's arithmetic, so the choice cannot change results.
   const int32_t group = problem.num_q_heads / problem.num_kv_heads;
   const bool stack = group > 1 && problem.max_seq_q > 0 && int64_t(problem.max_seq_q) * group <= kMaxStackedRows &&
-                     int64_t(problem.batch) * problem.num_kv_heads * max_q_blocks >= worker_count(exec);
-  const int32_t heads_per_item = stack ? group : 1;
+                     int64_t(problem.batch) * problem.num_kv_heads * plan.q_blocks >= workers;
+  plan.heads_per_item = stack ? group : 1;
+  // Panels: the widened rows are the ones each tile would get, read at the tiles' stride, so they change no bits.
+  const int64_t items_per_pair = int64_t(group / plan.heads_per_item) * plan.q_blocks;
+  if (problem.dtype == SPARSA_DTYPE_F32 || items_per_pair < 2 || problem.max_seq_k <= 0) return plan;
+  const size_t panel_floats = kv_panel_floats(problem.head_dim, problem.max_seq_k);
+  const int64_t fit = int64_t(kKvPanelBudgetBytes / (panel_floats * sizeof(float)));
+  const int64_t panels = std::min<int64_t>(fit, int64_t(problem.batch) * problem.num_kv_heads);
+  if (panels < 1 || panels * items_per_pair < workers) return plan;
+  plan.panels_per_phase = panels;
+  plan.panel_floats = panel_floats;
+  return plan;
+}
+
+void plan_query_blocks(const AttentionProblem& problem, int32_t block_q, const ExecContext& exec) {
+  const QueryBlockPlan plan = query_block_plan(problem, block_q, worker_count(exec));
+  if (plan.panels_per_phase > 0)
+    run_scratch(exec, kRunScratchKvPanels).reserve(size_t(plan.panels_per_phase) * plan.panel_floats);
+}
+
+void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec, int32_t block_q,
+                      int32_t block_k, const RowVisibility& vis, const KeyBlockLister& lister) {
+  const int d = problem.head_dim;
+  const QueryBlockPlan plan = query_block_plan(problem, block_q, worker_count(exec));
+  const int64_t max_q_blocks = plan.q_blocks;
+  const int64_t max_key_blocks = (problem.max_seq_k + block_k - 1) / block_k;
+  const int32_t heads_per_item = plan.heads_per_item;
   const int32_t head_items = problem.num_q_heads / heads_per_item;
   const int64_t items = int64_t(problem.batch) * head_items * max_q_blocks;
+  // With panels, work runs in phases of panels_per_phase (b, kv head) pairs; these are the current phase's.
+  float* panels = nullptr;
+  int64_t phase_first_pair = 0;
   const auto work_item = [&](int64_t item, int worker) {
     // Item order: the last query blocks first (under a causal mask they carry the most keys).
     const int64_t q_block = max_q_blocks - 1 - item % max_q_blocks;
@@ -56,6 +83,12 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
     RunCounters* counters = &(*exec.counters)[size_t(worker)];
     BlockWalk walk;
     walk.block_k = block_k;
+    KvPanel panel;
+    if (panels) {
+      const int64_t pair = int64_t(b) * problem.num_kv_heads + kv_head_of(problem, h_first);
+      panel = kv_panel_in(panels + size_t(pair - phase_first_pair) * plan.panel_floats, d, problem.max_seq_k);
+      walk.panel = &panel;
+    }
     // One stacked walk when every head lists the same key blocks, else one walk per head.
     bool same_blocks = true;
     int64_t n_blocks[kMaxStackedRows] = {};
@@ -82,7 +115,32 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
       for (int64_t r = 0; r < nr; ++r)
         sink.write_row(problem, b, row_begin + r, h_first + l, rows + (l * nr + r) * d, lse[l * nr + r]);
   };
-  parallel_items(exec, items, work_item);
+  if (plan.panels_per_phase == 0) {
+    parallel_items(exec, items, work_item);
+    return;
+  }
+
+  // Items are numbered (b, kv head)-pair-major, so a phase's items are one contiguous range.
+  panels = run_scratch(exec, kRunScratchKvPanels).reserve(size_t(plan.panels_per_phase) * plan.panel_floats);
+  const int64_t pairs = int64_t(problem.batch) * problem.num_kv_heads;
+  const int64_t items_per_pair = items / pairs;
+  const int64_t chunks = (problem.max_seq_k + kKvPanelChunkKeys - 1) / kKvPanelChunkKeys;
+  const auto widen_item = [&](int64_t item, int) {
+    const int64_t pair = phase_first_pair + item / chunks;
+    const int32_t b = int32_t(pair / problem.num_kv_heads);
+    const int32_t hk = int32_t(pair % problem.num_kv_heads);
+    const int64_t key_begin = item % chunks * kKvPanelChunkKeys;
+    const int64_t key_end = std::min(problem.seq_len_k(b), key_begin + kKvPanelChunkKeys);
+    if (key_begin >= key_end) return;
+    fill_kv_panel(problem, b, hk, key_begin, key_end,
+                  kv_panel_in(panels + size_t(pair - phase_first_pair) * plan.panel_floats, d, problem.max_seq_k));
+  };
+  const auto phase_item = [&](int64_t item, int worker) { work_item(phase_first_pair * items_per_pair + item, worker); };
+  for (phase_first_pair = 0; phase_first_pair < pairs; phase_first_pair += plan.panels_per_phase) {
+    const int64_t phase_pairs = std::min(plan.panels_per_phase, pairs - phase_first_pair);
+    parallel_items(exec, phase_pairs * chunks, widen_item);
+    parallel_items(exec, phase_pairs * items_per_pair, phase_item);
+  }
 }
 
 namespace {
@@ -148,7 +206,10 @@ void run_dense_decode(const AttentionProblem& problem, const OutputSink& sink, c
 }  // namespace
 
 void plan_dense(const AttentionProblem& problem, const ExecContext& exec) {
-  if (!use_decode_ranges(problem)) return;
+  if (!use_decode_ranges(problem)) {
+    plan_query_blocks(problem, kDefaultBlockQ, exec);
+    return;
+  }
   const size_t range_floats = decode_range_floats(problem);
   run_scratch(exec, kRunScratchDecodeRanges).reserve(size_t(problem.batch) * decode_ranges(problem) * range_floats);
   for (int w = 0; w < worker_count(exec); ++w) {

@@ -21,7 +21,7 @@
 
 namespace sparsa::cpu {
 
-constexpr int kRunScratchSlots = 5;
+constexpr int kRunScratchSlots = 6;
 constexpr int kRunScratchDeltaStaging = 0;  // Δ: the base policy's fp32 output [rows, Hq, D] + lse
 constexpr int kRunScratchDeltaKeys = 1;     // Δ: the list 0..Skv−1 as int64, shared read-only by all workers
 constexpr int kRunScratchSelection = 2;     // selection policies: per-run plans, q̄, selections; TOKEN_INDICES'
@@ -30,6 +30,7 @@ constexpr int kRunScratchSelectionVotes = 3;  // selection policies: softmax sta
                                               // TOKEN_SELECT's decode key lists
 constexpr int kRunScratchDecodeRanges = 4;  // dense decode: each key range's rows + LSE (items write disjoint
                                             // parts); selection policies' decode: each list slice's rows + LSE
+constexpr int kRunScratchKvPanels = 5;  // run_query_blocks: the K/V panels of the (b, kv head) pairs of one phase
 
 // Tiling DENSE and SINK_WINDOW run at (and report BLOCKS_* at): query rows per work item × keys per tile.
 constexpr int32_t kDefaultBlockQ = 128;
@@ -176,6 +177,30 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
 
 // Visibility of the problem's causal flag for sequence b (bottom-right offset).
 RowVisibility causal_visibility(const AttentionProblem& problem, int32_t b);
+
+// How run_query_blocks lays out a problem's work. A work item is one query block of `heads_per_item` query heads
+// (the GQA group, stacked, when its decode-sized rows fit one tile; else 1). On a 16-bit cache, when more than one
+// item walks each (sequence, kv head), that pair's K and V are widened once into a KvPanel before its items run:
+// `panels_per_phase` pairs at a time (0: no panels — fp32, one item per pair, too few items per phase to keep
+// every worker busy, or a panel over kKvPanelBudgetBytes).
+constexpr size_t kKvPanelBudgetBytes = size_t(64) << 20;  // run scratch all panels of a phase may take together
+constexpr int64_t kKvPanelChunkKeys = 256;                 // keys per widening work item
+struct QueryBlockPlan {
+  int32_t heads_per_item = 1;
+  int64_t q_blocks = 0;          // query blocks per (b, h): ceil(max_seq_q / block_q)
+  int64_t panels_per_phase = 0;
+  size_t panel_floats = 0;       // run scratch of one panel (kv_panel_floats of max_seq_k keys)
+};
+QueryBlockPlan query_block_plan(const AttentionProblem& problem, int32_t block_q, int workers);
+// Grows the run scratch run_query_blocks' panels take for this problem (nothing when it uses none).
+void plan_query_blocks(const AttentionProblem& problem, int32_t block_q, const ExecContext& exec);
+
+// Floats of one KvPanel for `capacity` keys, its layout inside them, and the widening of keys [key_begin, key_end)
+// of (b, kv head hk) into it (attention_loop.cpp).
+size_t kv_panel_floats(int head_dim, int64_t capacity);
+KvPanel kv_panel_in(float* base, int head_dim, int64_t capacity);
+void fill_kv_panel(const AttentionProblem& problem, int32_t b, int32_t hk, int64_t key_begin, int64_t key_end,
+                   const KvPanel& panel);
 
 }  // namespace sparsa::cpu
 
