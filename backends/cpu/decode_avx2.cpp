@@ -92,31 +92,87 @@ struct Avx2 {
     }
   }
 
+  // Two keys at a time where every head of a block has a nonzero probability for both: their broadcasts stay in
+  // registers across the row's chunks and each output chunk is loaded and stored once per pair instead of once per
+  // key. Per output element the FMAs still run key by key in order, so the bits are those of one key at a time.
   template <int32_t kDtype, int kChunks>
   __attribute__((target("avx2,fma,f16c"))) static void accumulate(const DecodeTile& tile, const float* st,
                                                                 int st_stride, float* o) {
+    int j = 0;
+    for (; j + 2 <= tile.nk; j += 2) {
+      const float* p0 = st + int64_t(j) * st_stride;
+      const float* p1 = p0 + st_stride;
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+        const unsigned char* v0 = tile.v_rows[j] + hk * tile.v_head_bytes;
+        const unsigned char* v1 = tile.v_rows[j + 1] + hk * tile.v_head_bytes;
+        const int first = hk * tile.group, end = first + tile.group;
+        for (int h = first; h < end; h += kPairHeads) {
+          const int n = std::min(kPairHeads, end - h);
+          bool all_nonzero = true;
+          for (int l = 0; l < n; ++l) all_nonzero &= p0[h + l] != 0.f && p1[h + l] != 0.f;
+          if (all_nonzero && n == kPairHeads) {
+            accumulate_pair<kDtype, kChunks, kPairHeads>(v0, v1, p0 + h, p1 + h, o + int64_t(h) * kChunks * kLanes);
+          } else {
+            accumulate_key<kDtype, kChunks>(v0, p0, h, h + n, o);
+            accumulate_key<kDtype, kChunks>(v1, p1, h, h + n, o);
+          }
+        }
+      }
+    }
+    for (; j < tile.nk; ++j) {
+      const float* p = st + int64_t(j) * st_stride;
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk)
+        accumulate_key<kDtype, kChunks>(tile.v_rows[j] + hk * tile.v_head_bytes, p, hk * tile.group,
+                                        (hk + 1) * tile.group, o);
+    }
+  }
+
+ private:
+  static constexpr int kPairHeads = 4;  // 8 broadcasts + 2 V chunks + the output chunk in the 16 ymm registers
+
+  template <int32_t kDtype, int kChunks, int kHeads>
+  __attribute__((target("avx2,fma,f16c"))) static void accumulate_pair(const unsigned char* v0,
+                                                                     const unsigned char* v1, const float* p0,
+                                                                     const float* p1, float* o) {
     constexpr int kBytes = 2 * kLanes;
     constexpr int kRowFloats = kChunks * kLanes;
-    for (int j = 0; j < tile.nk; ++j) {
-      const float* st_row = st + int64_t(j) * st_stride;
-      for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-        const unsigned char* v_row = tile.v_rows[j] + hk * tile.v_head_bytes;
-        for (int l0 = 0; l0 < tile.group; l0 += kMaxHeadList) {
-          // The heads with a nonzero probability for this key (a zero one adds nothing, and 0·inf would be NaN).
-          int heads[kMaxHeadList];
-          int n_heads = 0;
-          for (int l = l0; l < std::min(tile.group, l0 + kMaxHeadList); ++l)
-            if (st_row[hk * tile.group + l] != 0.f) heads[n_heads++] = hk * tile.group + l;
-          if (n_heads == 0) continue;
+    __m256 w0[kHeads], w1[kHeads];
+#pragma GCC unroll 4
+    for (int l = 0; l < kHeads; ++l) {
+      w0[l] = _mm256_broadcast_ss(p0 + l);
+      w1[l] = _mm256_broadcast_ss(p1 + l);
+    }
 #pragma GCC unroll 32
-          for (int x = 0; x < kChunks; ++x) {
-            const __m256 v = widen8<kDtype>(v_row + x * kBytes);
-            for (int i = 0; i < n_heads; ++i) {
-              float* o_chunk = o + int64_t(heads[i]) * kRowFloats + x * kLanes;
-              _mm256_storeu_ps(o_chunk, _mm256_fmadd_ps(_mm256_broadcast_ss(st_row + heads[i]), v,
-                                                        _mm256_loadu_ps(o_chunk)));
-            }
-          }
+    for (int x = 0; x < kChunks; ++x) {
+      const __m256 a = widen8<kDtype>(v0 + x * kBytes);
+      const __m256 b = widen8<kDtype>(v1 + x * kBytes);
+#pragma GCC unroll 4
+      for (int l = 0; l < kHeads; ++l) {
+        float* o_chunk = o + int64_t(l) * kRowFloats + x * kLanes;
+        _mm256_storeu_ps(o_chunk, _mm256_fmadd_ps(w1[l], b, _mm256_fmadd_ps(w0[l], a, _mm256_loadu_ps(o_chunk))));
+      }
+    }
+  }
+
+  // One key's V row into the heads [h_begin, h_end) with a nonzero probability (a zero one adds nothing, and 0·inf
+  // would be NaN).
+  template <int32_t kDtype, int kChunks>
+  __attribute__((target("avx2,fma,f16c"))) static void accumulate_key(const unsigned char* v_row, const float* p,
+                                                                    int h_begin, int h_end, float* o) {
+    constexpr int kBytes = 2 * kLanes;
+    constexpr int kRowFloats = kChunks * kLanes;
+    for (int l0 = h_begin; l0 < h_end; l0 += kMaxHeadList) {
+      int heads[kMaxHeadList];
+      int n_heads = 0;
+      for (int l = l0; l < std::min(h_end, l0 + kMaxHeadList); ++l)
+        if (p[l] != 0.f) heads[n_heads++] = l;
+      if (n_heads == 0) continue;
+#pragma GCC unroll 32
+      for (int x = 0; x < kChunks; ++x) {
+        const __m256 v = widen8<kDtype>(v_row + x * kBytes);
+        for (int i = 0; i < n_heads; ++i) {
+          float* o_chunk = o + int64_t(heads[i]) * kRowFloats + x * kLanes;
+          _mm256_storeu_ps(o_chunk, _mm256_fmadd_ps(_mm256_broadcast_ss(p + heads[i]), v, _mm256_loadu_ps(o_chunk)));
         }
       }
     }
