@@ -272,8 +272,8 @@ TEST_P(Dense, HalfPrecisionDecodeOverLongKeyRangesMatchesTheRoundedReference) {
       }
 }
 
-TEST_P(Dense, HalfPrecisionPrefillGivesTheSameBitsWhetherOrNotItsKeysAreWidenedOnce) {
-  // On a 16-bit cache the CPU backend widens a (sequence, kv head)'s K and V once for all the query blocks that walk
+TEST(CpuBackend, HalfPrecisionPrefillGivesTheSameBitsWhetherOrNotItsKeysAreWidenedOnce) {
+  // The CPU backend's own choice, so a CPU test. On a 16-bit cache it widens a (sequence, kv head)'s K and V once for all the query blocks that walk
   // them when there is enough work per worker, and per tile otherwise (cpu_engine.h, QueryBlockPlan). One thread
   // (every pair widened once) and three (two blocks per pair are too few for three workers: per tile) must agree
   // bit for bit, non-finite K/V rows included: rows that see them are NaN, the others match the reference.
@@ -309,11 +309,11 @@ TEST_P(Dense, HalfPrecisionPrefillGivesTheSameBitsWhetherOrNotItsKeysAreWidenedO
         opt.dtype = dtype;
         std::vector<st::RunResult> runs;
         for (int threads : {1, 3}) {
-          st::Context c(GetParam(), threads);
+          st::Context c(SPARSA_DEVICE_CPU, threads);
           ASSERT_EQ(c.status(), SPARSA_STATUS_SUCCESS);
           runs.push_back(st::run(c, p, policy, opt));
           st::expect_ok(runs.back());
-          if (GetParam() == SPARSA_DEVICE_CPU && threads == 1) {
+          if (threads == 1) {
             // The panel of one pair (K and V, kSkv fp32 rows each) lives in the context's scratch: proof it was used.
             uint64_t bytes = 0;
             ASSERT_EQ(sparsa_context_scratch_bytes(c.get(), &bytes), SPARSA_STATUS_SUCCESS);
