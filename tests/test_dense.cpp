@@ -272,11 +272,12 @@ TEST_P(Dense, HalfPrecisionDecodeOverLongKeyRangesMatchesTheRoundedReference) {
       }
 }
 
-TEST(CpuBackend, HalfPrecisionPrefillGivesTheSameBitsWhetherOrNotItsKeysAreWidenedOnce) {
-  // The CPU backend's own choice, so a CPU test. On a 16-bit cache it widens a (sequence, kv head)'s K and V once for all the query blocks that walk
-  // them when there is enough work per worker, and per tile otherwise (cpu_engine.h, QueryBlockPlan). One thread
-  // (every pair widened once) and three (two blocks per pair are too few for three workers: per tile) must agree
-  // bit for bit, non-finite K/V rows included: rows that see them are NaN, the others match the reference.
+TEST(CpuBackend, PrefillGivesTheSameBitsWhetherOrNotItsKeysAreLoadedOnceIntoPanels) {
+  // The CPU backend's own choice, so a CPU test. It converts a (sequence, kv head)'s K and V once into a panel for
+  // all the query blocks that walk them when there is enough work per worker, and per key tile otherwise
+  // (cpu_engine.h, QueryBlockPlan). One thread (every pair in a panel) and three (two blocks per pair are too few for
+  // three workers: per tile) must agree bit for bit, non-finite K/V rows included: rows that see them are NaN, the
+  // others match the reference.
   constexpr int kSq = 256, kSkv = 300, kD = 128;
   constexpr int kNanKey = 200, kInfKey = 250;  // causal, offset 44: rows >= 156 see the first, rows >= 206 the second
   struct Case {
@@ -289,7 +290,7 @@ TEST(CpuBackend, HalfPrecisionPrefillGivesTheSameBitsWhetherOrNotItsKeysAreWiden
                         {"SINK_WINDOW causal", SPARSA_POLICY_SINK_WINDOW, true}};
   int counter = 0;
   for (const Case& cs : cases)
-    for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
+    for (int32_t dtype : {SPARSA_DTYPE_F32, SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
       for (bool non_finite : {false, true}) {
         ST_RNG(rng, counter++);
         SCOPED_TRACE(::testing::Message() << cs.name << " dtype=" << dtype << " non-finite K/V=" << non_finite);

@@ -130,8 +130,8 @@ TEST_P(Invariants, WarmedUpRunsOfTheSameProblemAllocateNoMoreScratch) {
 }
 
 TEST_P(Invariants, PlanGrowsScratchUpFrontAndTheRunAfterItGrowsNothing) {
-  // fp16 too: there the block policies widen each (sequence, kv head)'s K/V once into run scratch (one thread: two
-  // query heads per kv head, so every pair is walked twice).
+  // fp32 and fp16, one thread: the block policies load each (sequence, kv head)'s K/V once into panels in run
+  // scratch (two query heads per kv head, so every pair is walked twice).
   ST_RNG(rng, 0);
   ref::Problem p = st::make_problem(2, 4, 2, 64, {128}, {128}, true);
   st::fill(p, Pattern::kRandom, rng);

@@ -445,7 +445,7 @@ class RowTile {
   int max_keys_;
   const Microkernels& kernels_;
   const BlockWalk* quant_;
-  const KvPanel* panel_;  // null: key tiles are widened (gathered) into k_tile_ / v_tile_
+  const KvPanel* panel_;  // null: key tiles are converted (gathered) into k_tile_ / v_tile_
   float* o_;  // the caller's out_rows [nr, D], used as the unnormalised accumulator
   int64_t row_min_ = 0, row_max_ = 0;
   float *qt_ = nullptr, *st_ = nullptr, *k_tile_ = nullptr, *v_tile_ = nullptr;

@@ -53,10 +53,11 @@ struct ThreadScratch {
   }
 };
 
-// K and V rows of one (sequence, kv head), widened to fp32 once for every key of the sequence, `stride` floats apart
-// (fill_kv_panel, cpu_engine.h). A block walk that has one reads its key tiles in place: a 16-bit cache otherwise
-// widens each key tile again for every query block that walks it. A K or V row that holds NaN/Inf is stored as
-// zeros and flagged, so the walk poisons exactly the rows it would have poisoned converting the tile itself.
+// K and V rows of one (sequence, kv head), converted to fp32 once for every key of the sequence, `stride` floats
+// apart (fill_kv_panel, cpu_engine.h). A block walk that has one reads its key tiles in place: without it, each
+// query block that walks a key tile converts (gathers, widens) the tile's rows again. A K or V row that holds NaN/Inf
+// is stored as zeros and flagged, so the walk poisons exactly the rows it would have poisoned converting the tile
+// itself.
 struct KvPanel {
   float* k = nullptr;
   float* v = nullptr;

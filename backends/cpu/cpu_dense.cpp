@@ -27,9 +27,9 @@ QueryBlockPlan query_block_plan(const AttentionProblem& problem, int32_t block_q
   const bool stack = group > 1 && problem.max_seq_q > 0 && int64_t(problem.max_seq_q) * group <= kMaxStackedRows &&
                      int64_t(problem.batch) * problem.num_kv_heads * plan.q_blocks >= workers;
   plan.heads_per_item = stack ? group : 1;
-  // Panels: the widened rows are the ones each tile would get, read at the tiles' stride, so they change no bits.
+  // Panels: the converted rows are the ones each tile would get, read at the tiles' stride, so they change no bits.
   const int64_t items_per_pair = int64_t(group / plan.heads_per_item) * plan.q_blocks;
-  if (problem.dtype == SPARSA_DTYPE_F32 || items_per_pair < 2 || problem.max_seq_k <= 0) return plan;
+  if (items_per_pair < 2 || problem.max_seq_k <= 0) return plan;
   const size_t panel_floats = kv_panel_floats(problem.head_dim, problem.max_seq_k);
   const int64_t fit = int64_t(kKvPanelBudgetBytes / (panel_floats * sizeof(float)));
   const int64_t panels = std::min<int64_t>(fit, int64_t(problem.batch) * problem.num_kv_heads);
@@ -125,7 +125,7 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
   const int64_t pairs = int64_t(problem.batch) * problem.num_kv_heads;
   const int64_t items_per_pair = items / pairs;
   const int64_t chunks = (problem.max_seq_k + kKvPanelChunkKeys - 1) / kKvPanelChunkKeys;
-  const auto widen_item = [&](int64_t item, int) {
+  const auto fill_item = [&](int64_t item, int) {
     const int64_t pair = phase_first_pair + item / chunks;
     const int32_t b = int32_t(pair / problem.num_kv_heads);
     const int32_t hk = int32_t(pair % problem.num_kv_heads);
@@ -138,7 +138,7 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
   const auto phase_item = [&](int64_t item, int worker) { work_item(phase_first_pair * items_per_pair + item, worker); };
   for (phase_first_pair = 0; phase_first_pair < pairs; phase_first_pair += plan.panels_per_phase) {
     const int64_t phase_pairs = std::min(plan.panels_per_phase, pairs - phase_first_pair);
-    parallel_items(exec, phase_pairs * chunks, widen_item);
+    parallel_items(exec, phase_pairs * chunks, fill_item);
     parallel_items(exec, phase_pairs * items_per_pair, phase_item);
   }
 }

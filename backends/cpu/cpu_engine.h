@@ -179,12 +179,13 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
 RowVisibility causal_visibility(const AttentionProblem& problem, int32_t b);
 
 // How run_query_blocks lays out a problem's work. A work item is one query block of `heads_per_item` query heads
-// (the GQA group, stacked, when its decode-sized rows fit one tile; else 1). On a 16-bit cache, when more than one
-// item walks each (sequence, kv head), that pair's K and V are widened once into a KvPanel before its items run:
-// `panels_per_phase` pairs at a time (0: no panels — fp32, one item per pair, too few items per phase to keep
-// every worker busy, or a panel over kKvPanelBudgetBytes).
+// (the GQA group, stacked, when its decode-sized rows fit one tile; else 1). When more than one item walks each
+// (sequence, kv head), that pair's K and V are converted once into a KvPanel before its items run, fp32 rows
+// included (copied: a tile's rows sit Hkv·D elements apart in the cache and stall on memory every time they are
+// gathered): `panels_per_phase` pairs at a time (0: no panels — one item per pair, too few items per phase to
+// keep every worker busy, or a panel over kKvPanelBudgetBytes).
 constexpr size_t kKvPanelBudgetBytes = size_t(64) << 20;  // run scratch all panels of a phase may take together
-constexpr int64_t kKvPanelChunkKeys = 256;                 // keys per widening work item
+constexpr int64_t kKvPanelChunkKeys = 256;                 // keys per panel-filling work item
 struct QueryBlockPlan {
   int32_t heads_per_item = 1;
   int64_t q_blocks = 0;          // query blocks per (b, h): ceil(max_seq_q / block_q)
