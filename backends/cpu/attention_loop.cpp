@@ -130,6 +130,16 @@ bool all_finite(const float* row, int d) {
   return non_finite == 0;
 }
 
+// Loads key `key`'s row of kv head hk in sequence b of `kv` as fp32 into row (D floats). A row holding NaN/Inf is
+// stored as zeros, so that 0 · NaN cannot carry it into rows that do not see the key; returns whether it was finite.
+bool load_kv_row(const AttentionProblem& problem, const TensorArg& kv, int32_t b, int64_t key, int32_t hk,
+                 float* row) {
+  load_row_f32(problem.dtype, kv.t.data, problem.kv_offset(kv, b, key, hk), problem.head_dim, row);
+  if (all_finite(row, problem.head_dim)) return true;
+  std::fill(row, row + problem.head_dim, 0.f);
+  return false;
+}
+
 // Where a key tile's K and V rows are read from.
 struct KvRows {
   const float* base = nullptr;
@@ -337,8 +347,7 @@ class RowTile {
     float* tile = values ? v_tile_ : k_tile_;
     for (int j = 0; j < nk; ++j) {
       float* row = tile + size_t(j) * kv_stride_;
-      load_row_f32(problem_.dtype, kv.t.data, problem_.kv_offset(kv, b_, keys.at(j), hk_), d_, row);
-      if (!all_finite(row, d_)) quarantine_key(row, keys.at(j), vis, coverage);
+      if (!load_kv_row(problem_, kv, b_, keys.at(j), hk_, row)) poison_rows_seeing(keys.at(j), vis, coverage);
     }
     return {tile, kv_stride_};
   }
@@ -347,10 +356,6 @@ class RowTile {
     for (int r = 0; r < nr_; ++r) {
       if (coverage == TileCoverage::kAll || visible(vis, position(r), key)) poisoned_[r] = 1.f;
     }
-  }
-  void quarantine_key(float* row, int64_t key, const RowVisibility& vis, TileCoverage coverage) {
-    poison_rows_seeing(key, vis, coverage);
-    std::fill(row, row + d_, 0.f);
   }
 
   void apply_mask(const RowVisibility& vis, Positions keys, int nk) {
@@ -407,10 +412,8 @@ class RowTile {
     float max_abs = 0.f;
     for (int j = 0; j < nk; ++j) {
       float* row = centred + size_t(j) * d_;
-      load_row_f32(problem_.dtype, problem_.k.t.data, problem_.kv_offset(problem_.k, b_, keys.at(j), hk_), d_, row);
-      if (!all_finite(row, d_)) {  // zeroed, then centred like the others: it cannot widen the block's scale
-        quarantine_key(row, keys.at(j), vis, coverage);
-      }
+      // A non-finite row is zeroed, then centred like the others: it cannot widen the block's scale.
+      if (!load_kv_row(problem_, problem_.k, b_, keys.at(j), hk_, row)) poison_rows_seeing(keys.at(j), vis, coverage);
       for (int c = 0; c < d_; ++c) {
         row[c] -= quant_->k_mean[c];
         max_abs = std::max(max_abs, std::fabs(row[c]));
@@ -486,14 +489,10 @@ KvPanel kv_panel_in(float* base, int head_dim, int64_t capacity) {
 
 void fill_kv_panel(const AttentionProblem& problem, int32_t b, int32_t hk, int64_t key_begin, int64_t key_end,
                    const KvPanel& panel) {
-  const int d = problem.head_dim;
   for (int64_t key = key_begin; key < key_end; ++key) {
     for (const bool values : {false, true}) {
       const TensorArg& kv = values ? problem.v : problem.k;
-      float* row = (values ? panel.v : panel.k) + key * panel.stride;
-      load_row_f32(problem.dtype, kv.t.data, problem.kv_offset(kv, b, key, hk), d, row);
-      const bool finite = all_finite(row, d);
-      if (!finite) std::fill(row, row + d, 0.f);
+      const bool finite = load_kv_row(problem, kv, b, key, hk, (values ? panel.v : panel.k) + key * panel.stride);
       (values ? panel.v_non_finite : panel.k_non_finite)[key] = finite ? 0 : 1;
     }
   }

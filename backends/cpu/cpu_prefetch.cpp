@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../../src/error.h"
 #include "cpu_select_util.h"
 #include "cpu_utilities.h"
 
@@ -36,17 +35,13 @@ void copy_row(const TensorArg& src, const TensorArg& dst, size_t row_bytes, int6
 }
 
 // Writes the ascending, deduplicated valid ids of sequence b (all H_idx rows) to ids (room for H_idx·k) and
-// returns their count. Throws INDEX_OUT_OF_RANGE for an entry outside [-1, n_tokens).
-int64_t sequence_union(const TensorArg& indices, int64_t b, int64_t n_tokens, int64_t* ids) {
+// returns their count. Every entry is -1 or a token id (validate_prefetch).
+int64_t sequence_union(const TensorArg& indices, int64_t b, int64_t* ids) {
   int64_t n = 0;
   for (int64_t row = 0; row < indices.extent(1); ++row) {
     for (int64_t slot = 0; slot < indices.extent(2); ++slot) {
       const int32_t id = index_at(indices, b, row, slot);
       if (id == kUnusedSlot) continue;
-      if (id < 0 || id >= n_tokens) {
-        fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "indices: entry [", b, ", ", row, ", ", slot, "] is ", id,
-             ", expected -1 or a token id in [0, ", n_tokens, ")");
-      }
       ids[n++] = id;
     }
   }
@@ -61,7 +56,6 @@ void cpu_kv_prefetch(const PrefetchProblem& problem, const ExecContext& exec) {
   const int64_t batch = indices.extent(0);
   const int64_t n_index_heads = indices.extent(1);
   const int64_t slots = indices.extent(2);
-  const int64_t n_tokens = problem.k_src.extent(1);
   const int64_t n_kv_heads = problem.k_src.extent(2);
   const int64_t head_dim = problem.k_src.extent(3);
   const int64_t capacity = problem.k_dst.extent(1);
@@ -75,7 +69,7 @@ void cpu_kv_prefetch(const PrefetchProblem& problem, const ExecContext& exec) {
     const size_t ids_at = layout.add<int64_t>(max_ids);
     layout.bind(policy_scratch(exec, worker));
     int64_t* ids = layout.get<int64_t>(ids_at, max_ids);
-    const int64_t n_ids = sequence_union(indices, b, n_tokens, ids);
+    const int64_t n_ids = sequence_union(indices, b, ids);
 
     const TensorArg& positions = problem.positions;
     for (int64_t c = 0; c < capacity; ++c) {
