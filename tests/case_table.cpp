@@ -132,10 +132,11 @@ std::vector<std::vector<int>> plant_needles(ref::Problem& p, const AttentionCase
   return planted;
 }
 
-// §0 "Precision of selections" for TOKEN_SELECT off the CPU. The relative vote bound of token_select_score.cu for
-// sequence b: eps = 10E + 2^-16, E = score_scale · 2^-20 · max_h ‖q̄_h‖ · max_t ‖k_t‖, where the device scores in
-// fp32 (fp16/bf16 keys in 16-byte aligned rows, head_dim a multiple of 8 up to 256); float64 scoring elsewhere
-// agrees with the oracle to rounding (1e-12).
+// §0 "Precision of selections" for TOKEN_SELECT off the CPU. The relative vote bound for sequence b: eps = 10E +
+// 2^-16, E = score_scale · 2^-17 · max_h ‖q̄_h‖ · max_t ‖k_t‖, where the device scores in fp32 (fp16/bf16 keys in
+// 16-byte aligned rows, head_dim a multiple of 8 up to 256): the bound of the tensor-core kernel
+// (token_select_score_tc.cu), which also covers the FMA kernel's 2^-20 (token_select_score.cu); float64 scoring
+// elsewhere agrees with the oracle to rounding (1e-12).
 double select_vote_bound(const AttentionCase& c, const ref::Problem& p, int b) {
   const bool fp32_scores = c.dtype != SPARSA_DTYPE_F32 && c.kv_row_pad == 0 && c.kv_head_pad == 0 && p.D % 8 == 0 &&
                            p.D <= 256;
@@ -153,7 +154,7 @@ double select_vote_bound(const AttentionCase& c, const ref::Problem& p, int b) {
   for (int t = 0; t < p.skv[b]; ++t)
     for (int hk = 0; hk < p.Hkv; ++hk) max_k = std::max(max_k, std::sqrt(ref::dot(p.k_row(b, t, hk), p.k_row(b, t, hk), p.D)));
   const double score_scale = c.select_scale_scores ? p.softmax_scale() : 1.0;
-  return 10.0 * score_scale * std::ldexp(1.0, -20) * max_q * max_k + std::ldexp(1.0, -16);
+  return 10.0 * score_scale * std::ldexp(1.0, -17) * max_q * max_k + std::ldexp(1.0, -16);
 }
 
 struct SelectionAudit {

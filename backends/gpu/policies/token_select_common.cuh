@@ -163,6 +163,29 @@ __device__ __forceinline__ void accumulate(const double* q, double k0, double k1
   }
 }
 
+// The work of a score block: sequence b = blockIdx.z, query heads [head0, head0 + heads) (blockIdx.y = kv head ·
+// chunk of kHeads), candidate tiles blockIdx.x, blockIdx.x + gridDim.x, ... of `tiles`. Inactive: the sequence does
+// not select, hit the cache, or has no tile for this block.
+struct ScoreBlock {
+  int32_t b = 0, head0 = 0, heads = 0, tiles = 0;
+  SequenceInfo info;
+  bool active = false;
+};
+
+template <int kHeads>
+__device__ __forceinline__ ScoreBlock score_block(const SelectParams& sp) {
+  ScoreBlock block;
+  block.b = blockIdx.z;
+  block.info = sp.sequences[block.b];
+  const int32_t group = sp.p.group_size, chunks_per_group = (group + kHeads - 1) / kHeads;
+  const int32_t kv_head = blockIdx.y / chunks_per_group;
+  block.head0 = kv_head * group + (blockIdx.y % chunks_per_group) * kHeads;
+  block.heads = min(kHeads, (kv_head + 1) * group - block.head0);
+  block.tiles = (block.info.candidates + kScoreTile - 1) / kScoreTile;
+  block.active = block.info.mode == kSelects && sp.skip[block.b] == 0 && int32_t(blockIdx.x) < block.tiles;
+  return block;
+}
+
 __device__ __forceinline__ int32_t* selection_of(const SelectParams& sp, int32_t b, int32_t set) {
   return sp.selections + b * sp.selection_stride + int64_t(set) * sp.top_k;
 }
@@ -181,6 +204,12 @@ inline unsigned tile_blocks(const GpuDevice& device, int32_t tiles, int64_t othe
 bool scores_in_fp32(const AttentionProblem& problem, const ForwardParams& p);
 // fp32 scoring: the score kernel's blocks along the candidates, each writing one (max, sum) partial per head.
 int32_t stat_partials(const GpuDevice& device, const AttentionProblem& problem, const SelectParams& sp);
+
+// fp32 scoring on the tensor cores (token_select_score_tc.cu): NVIDIA sm_80+, head_dim <= 128; its blocks per SM
+// (the grid of stat_partials) and its launch over (partials, kv heads · head chunks, batch).
+bool scores_on_fp32_tensor_cores(const GpuDevice& device, const AttentionProblem& problem);
+int32_t tc_score_blocks_per_sm();
+void launch_score_tc(const SelectParams& sp, dim3 grid, int32_t head_chunk, cudaStream_t stream);
 
 // Enqueues the score step of a run (scores, tile maxima and sums into sp's scratch): the fp32 kernel when
 // scores_in_fp32, else the float64 tensor-core kernel where it pays (Hopper, groups of 4 or more, head_dim <= 128),

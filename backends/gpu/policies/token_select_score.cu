@@ -13,29 +13,6 @@ SPARSA_GPU_NAMESPACE_BEGIN
 namespace token_select {
 namespace {
 
-// The work of a score block: sequence b = blockIdx.z, query heads [head0, head0 + heads) (blockIdx.y = kv head ·
-// chunk of kHeads), candidate tiles blockIdx.x, blockIdx.x + gridDim.x, ... of `tiles`. Inactive: the sequence does
-// not select, hit the cache, or has no tile for this block.
-struct ScoreBlock {
-  int32_t b = 0, head0 = 0, heads = 0, tiles = 0;
-  SequenceInfo info;
-  bool active = false;
-};
-
-template <int kHeads>
-__device__ __forceinline__ ScoreBlock score_block(const SelectParams& sp) {
-  ScoreBlock block;
-  block.b = blockIdx.z;
-  block.info = sp.sequences[block.b];
-  const int32_t group = sp.p.group_size, chunks_per_group = (group + kHeads - 1) / kHeads;
-  const int32_t kv_head = blockIdx.y / chunks_per_group;
-  block.head0 = kv_head * group + (blockIdx.y % chunks_per_group) * kHeads;
-  block.heads = min(kHeads, (kv_head + 1) * group - block.head0);
-  block.tiles = (block.info.candidates + kScoreTile - 1) / kScoreTile;
-  block.active = block.info.mode == kSelects && sp.skip[block.b] == 0 && int32_t(blockIdx.x) < block.tiles;
-  return block;
-}
-
 // Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ...; a tile's 256 key rows come in
 // steps of 32 bytes per row (one DRAM sector each), copied with cp.async into a ring of kStages stages, so that
 // kStages - 1 steps (16 or 24 KB per block) are in flight while one is computed. The ring runs across tiles (the next
@@ -784,7 +761,9 @@ bool scores_on_tensor_cores(const GpuDevice& device, const AttentionProblem& pro
 int32_t stat_partials(const GpuDevice& device, const AttentionProblem& problem, const SelectParams& sp) {
   const int32_t head_chunk = f32_head_chunk(sp.p.group_size);
   const int64_t score_y = int64_t(problem.num_kv_heads) * ((sp.p.group_size + head_chunk - 1) / head_chunk);
-  return int32_t(tile_blocks(device, sp.tiles, score_y * problem.batch, f32_blocks_per_sm(head_chunk)));
+  const int32_t blocks_per_sm =
+      scores_on_fp32_tensor_cores(device, problem) ? tc_score_blocks_per_sm() : f32_blocks_per_sm(head_chunk);
+  return int32_t(tile_blocks(device, sp.tiles, score_y * problem.batch, blocks_per_sm));
 }
 
 bool scores_in_fp32(const AttentionProblem& problem, const ForwardParams& p) {
@@ -801,7 +780,9 @@ void launch_scores(const GpuDevice& device, const AttentionProblem& problem, con
     const int32_t head_chunk = f32_head_chunk(group);
     const int64_t score_y = int64_t(problem.num_kv_heads) * ((group + head_chunk - 1) / head_chunk);
     const dim3 grid(unsigned(sp.stat_partials), unsigned(score_y), unsigned(batch));
-    if (sp.p.element_type == ElementType::kF16) {
+    if (scores_on_fp32_tensor_cores(device, problem)) {
+      launch_score_tc(sp, grid, head_chunk, stream);
+    } else if (sp.p.element_type == ElementType::kF16) {
       launch_score_f32<ElementType::kF16>(sp, grid, head_chunk, stream);
     } else {
       launch_score_f32<ElementType::kBF16>(sp, grid, head_chunk, stream);
