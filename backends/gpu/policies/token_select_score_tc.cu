@@ -10,7 +10,9 @@
 // SMs (ncu: L2 88 % busy, DRAM 78 %, 2.55 sectors per L2 read request, since a warp's load reads 64 bytes of each of
 // 8 rows): whole-line requests need K staged through shared memory. Tried and not kept: B fragments in registers
 // (128 registers, 2 blocks per SM: 600 µs, and 124 against 100 µs at 128K), two steps of rows in flight at 2 blocks
-// per SM (640 µs) against one at 3.
+// per SM (640 µs) against one at 3, and each warp staging its rows through a 3-step cp.async ring in shared memory,
+// whole rows per copy instruction (567 µs at 1M but 89 at 128K, with 46 % more instructions; its L2 requests carried
+// 2.0 sectors each, so whole-line requests need the bulk copy engine, not 16-byte copies).
 //
 // q̄ (float64) is split into three parts of the key's 16-bit type, q̄' = 2^σ_h·q̄_h ≈ hi + mid + lo, each part the
 // rounding of what the parts before it leave (the residual is formed in float64, exactly). σ_h = 0 for bf16 (fp32's
