@@ -186,6 +186,20 @@ __device__ __forceinline__ ScoreBlock score_block(const SelectParams& sp) {
   return block;
 }
 
+// fp32 scoring's block partial of head row0 + j (slot blockIdx.x of tile_max / tile_sum): the running (max, Σ exp)
+// pairs its `holders` lanes kept, combined in a fixed order. Called after a barrier, by thread j < heads.
+__device__ __forceinline__ void write_block_partial(const SelectParams& sp, int64_t row0, int j, const float* holder_max,
+                                                    const double* holder_sum, int holders) {
+  float m = -INFINITY;
+  for (int i = 0; i < holders; ++i) m = fmaxf(m, holder_max[i]);
+  double total = 0.0;
+  for (int i = 0; i < holders; ++i) {
+    if (holder_sum[i] > 0.0) total += holder_sum[i] * exp(double(holder_max[i]) - double(m));
+  }
+  sp.tile_max[(row0 + j) * sp.tiles + blockIdx.x] = m;
+  sp.tile_sum[(row0 + j) * sp.tiles + blockIdx.x] = total;
+}
+
 __device__ __forceinline__ int32_t* selection_of(const SelectParams& sp, int32_t b, int32_t set) {
   return sp.selections + b * sp.selection_stride + int64_t(set) * sp.top_k;
 }

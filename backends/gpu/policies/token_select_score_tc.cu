@@ -279,14 +279,7 @@ __global__ void __launch_bounds__(kTcThreads, kTcBlocksPerSm) score_tc_kernel(co
   __syncthreads();
   if (int32_t(threadIdx.x) < heads) {
     const int j = threadIdx.x;
-    float m = -INFINITY;
-    for (int i = 0; i < kTcHolders; ++i) m = fmaxf(m, holder_max[j][i]);
-    double total = 0.0;
-    for (int i = 0; i < kTcHolders; ++i) {
-      if (holder_sum[j][i] > 0.0) total += holder_sum[j][i] * exp(double(holder_max[j][i]) - double(m));
-    }
-    sp.tile_max[(row0 + j) * sp.tiles + blockIdx.x] = m;
-    sp.tile_sum[(row0 + j) * sp.tiles + blockIdx.x] = total;
+    write_block_partial(sp, row0, j, holder_max[j], holder_sum[j], kTcHolders);
   }
 #endif
 }
