@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <numeric>
 
 namespace st {
@@ -47,10 +48,36 @@ void round_in_place(ref::Problem& p, int32_t dtype) {
       for (double& x : rows) x = round_to_dtype(x, dtype);
 }
 
-std::vector<uint8_t> random_mask(const AttentionCase& c, const ref::Problem& p, Rng& rng) {
+constexpr int kTileKeys = 128, kHalfTileKeys = 64;  // MaskPattern::kSecondHalfOnly: the keys of a 128-key tile
+
+// The case's BLOCK_SPARSE mask [B, Hq, row blocks, key blocks] (MaskPattern, case_table.h).
+std::vector<uint8_t> block_mask(const AttentionCase& c, const ref::Problem& p, Rng& rng) {
   const int nqb = (p.max_sq() + c.block_q - 1) / c.block_q, nkb = (p.max_skv() + c.block_k - 1) / c.block_k;
   std::vector<uint8_t> mask(size_t(p.B) * p.Hq * nqb * nkb);
   for (auto& m : mask) m = rng.uniform(0, 1) < c.mask_density ? 1 : 0;
+  for (int b = 0; b < p.B; ++b) {
+    for (int h = 0; h < p.Hq; ++h) {
+      for (int r = 0; r < nqb; ++r) {
+        for (int k = 0; k < nkb; ++k) {
+          uint8_t& cell = mask[((size_t(b) * p.Hq + h) * nqb + r) * nkb + k];
+          const int first_key = k * c.block_k, first_row = r * c.block_q;
+          switch (c.mask_pattern) {
+            case MaskPattern::kOneCellPerRow: cell = k == (r * 7 + h * 3 + b) % nkb; break;
+            case MaskPattern::kBand:
+              cell = first_key + c.block_k > first_row - c.block_k && first_key < first_row + c.block_q + c.block_k;
+              break;
+            case MaskPattern::kSecondHalfOnly:
+              cell = first_key % kTileKeys >= kHalfTileKeys && (r + k + h) % 5 != 0;
+              break;
+            case MaskPattern::kEmptyRows:
+              if ((r + h) % 3 == 1) cell = 0;
+              break;
+            case MaskPattern::kRandom: break;
+          }
+        }
+      }
+    }
+  }
   return mask;
 }
 
@@ -81,12 +108,22 @@ std::vector<int32_t> random_indices(const AttentionCase& c, const ref::Problem& 
   return ids;
 }
 
-// Per-element comparison over every row of every sequence; LSE when both sides have it.
+// Per-element comparison over every row of every sequence; LSE when both sides have it. A row that sees no key
+// (want's LSE −inf) must be exactly 0 (§0), whatever the tolerance.
 void expect_close(const AttentionCase& c, const ref::Output& got, const ref::Output& want, double out_tol,
                   const char* who) {
-  int64_t bad = 0;
+  int64_t bad = 0, not_zero = 0;
   double worst = 0, worst_lse = 0;
   for (size_t b = 0; b < want.o.size(); ++b) {
+    if (want.lse.size() > b) {
+      const size_t hq = size_t(c.q_heads), d = size_t(c.head_dim), sq = want.o[b].size() / (hq * d);
+      for (size_t h = 0; h < hq && want.lse[b].size() == hq * sq; ++h) {
+        for (size_t i = 0; i < sq; ++i) {
+          if (want.lse[b][h * sq + i] != -std::numeric_limits<double>::infinity()) continue;
+          for (size_t e = 0; e < d; ++e) not_zero += got.o[b][(i * hq + h) * d + e] != 0.0;
+        }
+      }
+    }
     for (size_t e = 0; e < want.o[b].size(); ++e) {
       const double err = std::fabs(got.o[b][e] - want.o[b][e]);
       if (!(err <= out_tol + c.tol.out_rel * std::fabs(want.o[b][e]))) ++bad;  // NaN counts as bad
@@ -106,6 +143,7 @@ void expect_close(const AttentionCase& c, const ref::Output& got, const ref::Out
   }
   EXPECT_EQ(bad, 0) << who << " " << c.name << ": max |out - want| = " << worst << " (tol " << out_tol
                     << "), max |lse - want| = " << worst_lse;
+  EXPECT_EQ(not_zero, 0) << who << " " << c.name << ": elements of rows that see no key are not exactly 0";
 }
 
 // AttentionCase::needles: per sequence, `needles` candidate positions (between the sinks and the local window) whose
@@ -338,8 +376,13 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   } else if (c.policy == SPARSA_POLICY_BLOCK_SPARSE) {
     policy.block_q = c.block_q;
     policy.block_k = c.block_k;
-    opt.block_mask = random_mask(c, p, rng);
+    opt.block_mask = block_mask(c, p, rng);
     want = ref::attend(p, ref::block_sparse(p, c.block_q, c.block_k, opt.block_mask));
+    if (c.mask_pattern == MaskPattern::kEmptyRows) {  // the pattern must empty some rows, or it tests nothing
+      int64_t empty_rows = 0;
+      for (const auto& lse : want.lse) empty_rows += std::count(lse.begin(), lse.end(), -ref::kInf);
+      EXPECT_GT(empty_rows, 0) << c.name << ": no row sees nothing";
+    }
   } else if (sparge) {
     policy.block_q = c.block_q;
     policy.block_k = c.block_k;

@@ -33,6 +33,12 @@ Tolerance select_tolerance(int32_t dtype);
 // the base rows in out's dtype, the CPU stages them in f32); no LSE.
 Tolerance delta_tolerance(int32_t dtype);
 
+// BLOCK_SPARSE masks beyond the random one (each cell kept with mask_density), for walks that gather cells: a row r
+// of cells of (b, h) keeps one column (r·7 + h·3 + b) mod columns; a band of about one cell around the row block's
+// diagonal; only keys 64..127 of every 128-key tile, every fifth such cell dropped; or the random mask with every
+// third cell row of a head emptied (those rows see nothing: exact zeros and LSE −inf).
+enum class MaskPattern { kRandom, kOneCellPerRow, kBand, kSecondHalfOnly, kEmptyRows };
+
 struct AttentionCase {
   std::string name;
   // Shape.
@@ -52,6 +58,7 @@ struct AttentionCase {
   int sink_tokens = 8, sink_window = 32;
   int block_q = 64, block_k = 64;
   double mask_density = 0.5;  // BLOCK_SPARSE: each mask cell kept with this probability
+  MaskPattern mask_pattern = MaskPattern::kRandom;
   double sparge_lambda = 0;   // SPARGE with theta 1 (every causal block computed): the λ PV-skip threshold
   // TOKEN_INDICES: H_idx rows of `index_slots` ids (random, 8 % unused, 8 % repeats of the previous slot).
   int index_heads = 0, index_slots = 0, index_block_size = 1, index_n_init = 0, index_n_local = 0;
@@ -99,6 +106,7 @@ struct AttentionCase {
   AttentionCase& block_sparse_policy(int bq, int bk, double density) {
     policy = SPARSA_POLICY_BLOCK_SPARSE; block_q = bq; block_k = bk; mask_density = density; return *this;
   }
+  AttentionCase& mask(MaskPattern m) { mask_pattern = m; return *this; }
   AttentionCase& pv_skip_policy(int bq, int bk, double lambda) {
     policy = SPARSA_POLICY_SPARGE; block_q = bq; block_k = bk; sparge_lambda = lambda; return *this;
   }

@@ -15,6 +15,7 @@ namespace {
 using st::AttentionCase;
 using st::decode_row;
 using st::prefill_row;
+using st::MaskPattern;
 using st::Pattern;
 
 constexpr int32_t kF32 = SPARSA_DTYPE_F32, kF16 = SPARSA_DTYPE_F16, kBF16 = SPARSA_DTYPE_BF16;
@@ -242,7 +243,65 @@ const std::vector<AttentionCase> kSelectCases = {
         .expect_decisions_inside_bound(),
 };
 
+// §3 BLOCK_SPARSE masks whose cells the Hopper kernel walks as gathered 64-key halves (forward_wgmma.h:
+// wgmma_gathers_mask_cells: block_q a multiple of 64, block_k 8, 16, 32 or a multiple of 64, not both multiples of
+// 128), random (40 % of the cells) and structured (MaskPattern): one cell per row, a diagonal band, only the second
+// half of every 128-key tile, rows that see nothing. Elsewhere they take the backend's other block walks.
+AttentionCase cells_row(std::string name, int32_t dtype, int bq, int bk) {
+  constexpr double kCellDensity = 0.4;
+  return prefill_row(std::move(name), dtype).block_sparse_policy(bq, bk, kCellDensity);
+}
+const std::vector<AttentionCase> kMaskCellCases = {
+    // The last 128-row tile ends inside its first consumer half.
+    cells_row("cells_128x64_bf16_d128_noncausal_tail_gqa4", kBF16, 128, 64).dim(128).heads(8, 2)
+        .lengths({300}, {1001}),
+    cells_row("cells_128x64_f16_d64_causal_square_gqa8", kF16, 128, 64).heads(8, 1).lengths({777}, {777}).causal(),
+    // Bottom-right: row i sees keys <= i + 450.
+    cells_row("cells_64x64_bf16_d128_causal_sq_lt_skv", kBF16, 64, 64).dim(128).lengths({200}, {650}).causal(),
+    cells_row("cells_64x64_f16_d64_noncausal_odd", kF16, 64, 64).heads(4, 2).lengths({333}, {517}),
+    // The first 150 rows see nothing.
+    cells_row("cells_64x64_bf16_d64_causal_sq_gt_skv", kBF16, 64, 64).heads(2, 1).lengths({420}, {270}).causal(),
+    cells_row("cells_256x64_bf16_d64_causal_gqa8", kBF16, 256, 64).heads(8, 1).lengths({600}, {600}).causal(),
+    cells_row("cells_192x64_f16_d128_causal", kF16, 192, 64).dim(128).lengths({500}, {530}).causal(),
+    cells_row("cells_128x32_f16_d128_noncausal", kF16, 128, 32).dim(128).heads(2, 2).lengths({257}, {901}),
+    cells_row("cells_128x32_bf16_d64_causal", kBF16, 128, 32).lengths({400}, {400}).causal(),
+    cells_row("cells_64x16_f16_d64_noncausal", kF16, 64, 16).block_sparse_policy(64, 16, 0.2).lengths({190}, {430}),
+    cells_row("cells_128x8_bf16_d128_causal", kBF16, 128, 8).block_sparse_policy(128, 8, 0.3).dim(128).heads(2, 1)
+        .lengths({130}, {300}).causal(),
+    cells_row("cells_64x128_f16_d128_noncausal", kF16, 64, 128).dim(128).lengths({300}, {700}),
+    // |q| ~ 5: the running max moves between gathered tiles.
+    cells_row("cells_128x64_bf16_d128_large_scores", kBF16, 128, 64).dim(128).heads(2, 2).lengths({256}, {1200})
+        .scaled_q(5),
+    cells_row("cells_128x64_varlen_packed_bf16_d128_causal_gqa4", kBF16, 128, 64).dim(128).heads(8, 2).varlen()
+        .lengths({5, 130, 257, 1, 64}, {5, 200, 257, 90, 400}).causal(),
+    cells_row("cells_64x32_varlen_packed_f16_d64_noncausal", kF16, 64, 32).varlen()
+        .lengths({33, 140, 9}, {300, 17, 129}),
+    cells_row("cells_128x64_paged_ps16_bf16_d128_causal_gqa4", kBF16, 128, 64).dim(128).heads(8, 2).packed_q()
+        .paged(16).lengths({140, 30}, {500, 30}).causal(),
+    cells_row("cells_64x64_padded_seq_lens_f16_d64_no_lse", kF16, 64, 64).lengths({200, 200}, {30, 333}).no_lse(),
+    // 2 thread blocks, 80 halves: split-KV shares of the gathered walk.
+    cells_row("cells_128x64_split_kv_f16_d128_causal", kF16, 128, 64).dim(128).heads(2, 2).lengths({9}, {5000})
+        .causal(),
+    cells_row("cells_128x64_one_cell_per_row_bf16_d128", kBF16, 128, 64).mask(MaskPattern::kOneCellPerRow).dim(128)
+        .heads(4, 2).lengths({512}, {1000}),
+    cells_row("cells_64x32_one_cell_per_row_f16_d64_causal", kF16, 64, 32).mask(MaskPattern::kOneCellPerRow)
+        .lengths({450}, {450}).causal(),
+    cells_row("cells_64x64_band_f16_d64_causal", kF16, 64, 64).mask(MaskPattern::kBand).lengths({700}, {700})
+        .causal(),
+    cells_row("cells_128x32_band_bf16_d128_noncausal", kBF16, 128, 32).mask(MaskPattern::kBand).dim(128).heads(2, 1)
+        .lengths({600}, {650}),
+    cells_row("cells_128x64_second_half_only_bf16_d128", kBF16, 128, 64).mask(MaskPattern::kSecondHalfOnly).dim(128)
+        .lengths({400}, {900}),
+    cells_row("cells_64x16_second_half_only_f16_d64_causal", kF16, 64, 16).mask(MaskPattern::kSecondHalfOnly)
+        .lengths({300}, {380}).causal(),
+    cells_row("cells_128x64_empty_rows_bf16_d128_causal", kBF16, 128, 64).mask(MaskPattern::kEmptyRows).dim(128)
+        .heads(4, 2).lengths({500}, {500}).causal(),
+    cells_row("cells_64x64_empty_rows_f16_d64_noncausal", kF16, 64, 64).mask(MaskPattern::kEmptyRows)
+        .lengths({333}, {600}),
+};
+
 SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
+SPARSA_BACKEND_TABLE(MaskCellCases, AttentionCase, kMaskCellCases);
 SPARSA_BACKEND_TABLE(DecodeCases, AttentionCase, kDecodeCases);
 SPARSA_BACKEND_TABLE(DeltaCases, AttentionCase, kDeltaCases);
 SPARSA_BACKEND_TABLE(WgmmaCases, AttentionCase, kWgmmaCases);
@@ -253,6 +312,7 @@ TEST_P(PrefillCases, MatchesReference) { st::check_case(ctx(), row(), st::test_s
 TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DeltaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(WgmmaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(MaskCellCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(PvSkipCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(SelectCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 
