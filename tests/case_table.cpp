@@ -386,15 +386,31 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   } else if (sparge) {
     policy.block_q = c.block_q;
     policy.block_k = c.block_k;
-    policy.sparge_theta = 1.f;  // every block computed: only the λ test decides
-    policy.sparge_lambda = float(c.sparge_lambda);
     ref::SpargeParams sp;
     sp.bq = c.block_q;
     sp.bk = c.block_k;
-    sp.theta = ref::kInf;  // above any similarity: every block forced, as theta 1 gives the library (sim <= 1)
-    sp.lambda = c.sparge_lambda;
+    if (c.sparge_predicts) {
+      policy.sparge_theta = float(c.sparge_theta);
+      policy.sparge_topk_fraction = float(c.sparge_topk_fraction);
+      sp.theta = c.sparge_theta;
+      sp.topk_fraction = c.sparge_topk_fraction;
+      opt.block_mask_out = true;
+    } else {
+      policy.sparge_theta = 1.f;  // every block computed: only the λ test decides
+      policy.sparge_lambda = float(c.sparge_lambda);
+      sp.theta = ref::kInf;  // above any similarity: every block forced, as theta 1 gives the library (sim <= 1)
+      sp.lambda = c.sparge_lambda;
+    }
     sparge_want = ref::sparge(p, std::vector<ref::SpargeParams>(p.Hq, sp));
     want = sparge_want.out;
+    if (c.sparge_predicts) {
+      reference_decides = sparge_want.topk_margin >= kSelectionMargin && sparge_want.theta_margin >= kSelectionMargin;
+      if (!reference_decides) std::printf("[ note     ] %s: prediction too close to call, CPU backend only\n", c.name.c_str());
+      // The prediction must drop cells and keep some, or the row tests no prediction.
+      const int64_t kept = std::count(sparge_want.mask.begin(), sparge_want.mask.end(), uint8_t(1));
+      EXPECT_GT(kept, 0) << c.name;
+      EXPECT_LT(size_t(kept), sparge_want.mask.size() / 2) << c.name << ": the prediction must drop cells";
+    }
   } else if (token_select) {
     policy.select_n_init = c.select_n_init;
     policy.select_top_k = c.select_top_k;
@@ -489,7 +505,9 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
               << "needle " << needle << " of sequence " << b << ", set " << set;
         }
   }
-  if (sparge) {
+  if (sparge && c.sparge_predicts) {
+    if (reference_decides) EXPECT_EQ(r.block_mask, sparge_want.mask) << "predicted mask";
+  } else if (sparge) {
     EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], sparge_want.pv_blocks_skipped);
     // The row's inputs must make λ skip some blocks and keep others.
     EXPECT_GT(sparge_want.pv_blocks_skipped, 0) << "inputs";
@@ -516,6 +534,7 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   }
   if (sparge) {
     EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], on_cpu.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED]);
+    EXPECT_EQ(r.block_mask, on_cpu.block_mask) << "predicted mask";
   }
   if (token_indices || token_select) {
     EXPECT_EQ(r.selected, on_cpu.selected) << "selected_indices";

@@ -60,6 +60,10 @@ struct AttentionCase {
   double mask_density = 0.5;  // BLOCK_SPARSE: each mask cell kept with this probability
   MaskPattern mask_pattern = MaskPattern::kRandom;
   double sparge_lambda = 0;   // SPARGE with theta 1 (every causal block computed): the λ PV-skip threshold
+  // SPARGE's prediction instead (§4 steps 1-6, no λ): theta and the top-k fraction; the predicted mask
+  // (block_mask_out) is checked too.
+  bool sparge_predicts = false;
+  double sparge_theta = 1, sparge_topk_fraction = 0;
   // TOKEN_INDICES: H_idx rows of `index_slots` ids (random, 8 % unused, 8 % repeats of the previous slot).
   int index_heads = 0, index_slots = 0, index_block_size = 1, index_n_init = 0, index_n_local = 0;
   bool head_map = false;     // a permuted head_map (h·3 + 1) mod H_idx
@@ -109,6 +113,10 @@ struct AttentionCase {
   AttentionCase& mask(MaskPattern m) { mask_pattern = m; return *this; }
   AttentionCase& pv_skip_policy(int bq, int bk, double lambda) {
     policy = SPARSA_POLICY_SPARGE; block_q = bq; block_k = bk; sparge_lambda = lambda; return *this;
+  }
+  AttentionCase& sparge_prediction_policy(int bq, int bk, double theta, double topk_fraction) {
+    policy = SPARSA_POLICY_SPARGE; block_q = bq; block_k = bk; sparge_predicts = true; sparge_theta = theta;
+    sparge_topk_fraction = topk_fraction; return *this;
   }
   AttentionCase& token_select_policy(int n_init, int top_k, int n_local) {
     policy = SPARSA_POLICY_TOKEN_SELECT; select_n_init = n_init; select_top_k = top_k; select_n_local = n_local;

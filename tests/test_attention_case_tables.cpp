@@ -300,7 +300,26 @@ const std::vector<AttentionCase> kMaskCellCases = {
         .lengths({333}, {600}),
 };
 
+// §4 SPARGE's prediction in its default cells (block_q 128 × block_k 64), no λ: θ = -1 makes every block
+// self-similar (none forced), so the top-k fraction 0.3 alone drops cells; the predicted mask is checked exactly.
+// On sm_90 the kept cells are walked as gathered 64-key halves.
+AttentionCase prediction_row(std::string name, int32_t dtype) {
+  constexpr int kDefaultBlockQ = 128, kDefaultBlockK = 64;
+  constexpr double kEveryBlockSelfSimilar = -1, kTopkFraction = 0.3;
+  return prefill_row(std::move(name), dtype)
+      .sparge_prediction_policy(kDefaultBlockQ, kDefaultBlockK, kEveryBlockSelfSimilar, kTopkFraction);
+}
+const std::vector<AttentionCase> kSpargePredictionCases = {
+    prediction_row("sparge_bf16_d128_noncausal_gqa4", kBF16).dim(128).heads(8, 2).lengths({1000}, {1000}),
+    // seq_lens_k: the second sequence is shorter (bottom-right causal).
+    prediction_row("sparge_bf16_d128_causal_padded_batch2", kBF16).dim(128).lengths({900, 900}, {900, 650})
+        .causal(),
+    prediction_row("sparge_f16_d64_noncausal_odd", kF16).heads(4, 1).lengths({517}, {1111}),
+    prediction_row("sparge_f16_d64_causal", kF16).heads(4, 1).lengths({777}, {777}).causal(),
+};
+
 SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
+SPARSA_BACKEND_TABLE(SpargePredictionCases, AttentionCase, kSpargePredictionCases);
 SPARSA_BACKEND_TABLE(MaskCellCases, AttentionCase, kMaskCellCases);
 SPARSA_BACKEND_TABLE(DecodeCases, AttentionCase, kDecodeCases);
 SPARSA_BACKEND_TABLE(DeltaCases, AttentionCase, kDeltaCases);
@@ -313,6 +332,7 @@ TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_se
 TEST_P(DeltaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(WgmmaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(MaskCellCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(SpargePredictionCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(PvSkipCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(SelectCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 
