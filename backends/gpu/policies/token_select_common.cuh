@@ -1,6 +1,7 @@
-// TOKEN_SELECT's device state, shared by its two files: gpu_token_select.cu (prepare, cache lookup, merge, vote,
-// lists and the run; its file comment describes the whole chain) and token_select_score.cu (the float64 score
-// kernels). Parameters, launch constants and the device helpers both use.
+// TOKEN_SELECT's device state, shared by its files: gpu_token_select.cu (prepare, cache lookup, merge, vote, lists
+// and the run; its file comment describes the whole chain), token_select_score.cu (the fp32 FMA and float64 score
+// kernels, and the choice among them) and token_select_score_tc.cu (fp32 scores on the tensor cores). Parameters,
+// launch constants and the device helpers they use.
 #pragma once
 
 #include <algorithm>

@@ -1,7 +1,8 @@
 // TOKEN_SELECT's scores (§6): s[h, t] = q̄_h·K[t, h/g] over a sequence's candidates, with each tile's softmax max
 // and sum per head, for the vote that follows (gpu_token_select.cu: the run). fp16/bf16 keys in 16-byte aligned rows
-// with head_dim a multiple of 8 (<= 256) are scored in fp32 (score_f32_kernel, with the error bound of §0 stated
-// above it); everything else in float64 as on the CPU, with FMAs (score_kernel) or float64 tensor-core MMA on Hopper
+// with head_dim a multiple of 8 (<= 256) are scored in fp32: on NVIDIA tensor cores up to head_dim 128
+// (token_select_score_tc.cu), else with FMAs (score_f32_kernel, with the error bound of §0 stated above it);
+// everything else in float64 as on the CPU, with FMAs (score_kernel) or float64 tensor-core MMA on Hopper
 // (score_mma_kernel), both on the exact widening described in gpu_token_select.cu. launch_scores chooses.
 #include "../../../src/error.h"
 #include "token_select_common.cuh"
