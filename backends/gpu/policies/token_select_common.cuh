@@ -226,9 +226,9 @@ bool scores_on_fp32_tensor_cores(const GpuDevice& device, const AttentionProblem
 int32_t tc_score_blocks_per_sm();
 void launch_score_tc(const SelectParams& sp, dim3 grid, int32_t head_chunk, cudaStream_t stream);
 
-// Enqueues the score step of a run (scores, tile maxima and sums into sp's scratch): the fp32 kernel when
-// scores_in_fp32, else the float64 tensor-core kernel where it pays (Hopper, groups of 4 or more, head_dim <= 128),
-// else the float64 FMA kernel.
+// Enqueues the score step of a run (scores, tile maxima and sums into sp's scratch): when scores_in_fp32, the fp32
+// tensor-core kernel where scores_on_fp32_tensor_cores, else the fp32 FMA kernel; otherwise the float64 tensor-core
+// kernel where it pays (Hopper, groups of 4 or more, head_dim <= 128), else the float64 FMA kernel.
 void launch_scores(const GpuDevice& device, const AttentionProblem& problem, const SelectParams& sp, int32_t tiles,
                    int64_t batch);
 
