@@ -56,13 +56,12 @@ namespace {
 
 constexpr int kTcThreads = 256;
 constexpr int kTcWarps = kTcThreads / kWarpLanes;
-constexpr int kTcBlocksPerSm = 3;    // <= 85 registers a thread
-constexpr int kTcStepsInFlight = 1;  // steps whose rows are loaded ahead of the one being scored
-constexpr int kTcMmaRows = 16;       // keys of one m16n8k16
+constexpr int kTcBlocksPerSm = 3;  // <= 85 registers a thread
+constexpr int kTcMmaRows = 16;     // keys of one m16n8k16
 constexpr int kTcKeysPerStep = kTcWarps * kTcMmaRows;
 constexpr int kTcStepsPerTile = kScoreTile / kTcKeysPerStep;
 constexpr int kTcPairDims = 32;         // dims of one pair of MMAs: 4 lanes × 16 bytes of a row
-constexpr int kTcMaxHeadDim = 128;      // A pieces and q̄ fragments stay in registers up to here
+constexpr int kTcMaxHeadDim = 128;      // a step's A pieces stay in registers up to here
 constexpr int kTcElementsPerPiece = 8;  // 16-bit elements in one 16-byte load
 constexpr int kTcRowsPerLane = 2;       // rows r and r + 8
 constexpr int kTcHolders = kTcWarps * (kTcMmaRows / kTcRowsPerLane);  // lanes per block that keep one head's stats
@@ -105,9 +104,8 @@ __device__ __forceinline__ void split3(double x, double (&parts)[3]) {
 }
 
 // Block (x, y = kv head · head chunk, b) walks candidate tiles x, x + gridDim.x, ... (as score_f32_kernel); warp w
-// scores keys [16w, 16w + 16) of each step of 128. The rows of the next kTcStepsInFlight steps are in flight while a
-// step is scored: a step's registers are refilled as soon as its MMAs have consumed them, so the loads stay in flight
-// through the scores' stores and statistics.
+// scores keys [16w, 16w + 16) of each step of 128. The next step's rows are loaded into the registers of this one as
+// soon as its MMAs have consumed them, so the loads stay in flight through the scores' stores and statistics.
 template <ElementType kType, int kHeads, int kPairs>
 __global__ void __launch_bounds__(kTcThreads, kTcBlocksPerSm) score_tc_kernel(const SelectParams sp) {
 #if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
@@ -188,9 +186,8 @@ __global__ void __launch_bounds__(kTcThreads, kTcBlocksPerSm) score_tc_kernel(co
     const int32_t tile = int32_t(blockIdx.x) + (it / kTcStepsPerTile) * int32_t(gridDim.x);
     return tile * kScoreTile + (it % kTcStepsPerTile) * kTcKeysPerStep + warp * kTcMmaRows + row;
   };
-  using StepRows = uint4[kPairs][kTcRowsPerLane];  // a lane's pieces of one step
-  StepRows ring[kTcStepsInFlight];                   // step it's rows sit in ring[it % kTcStepsInFlight]
-  auto load_step = [&](int32_t it, StepRows& pieces) {
+  uint4 pieces[kPairs][kTcRowsPerLane];  // this lane's pieces of one step
+  auto load_step = [&](int32_t it) {
 #pragma unroll
     for (int half = 0; half < kTcRowsPerLane; ++half) {
       const int32_t cand = candidate(it, r + 8 * half);
@@ -216,55 +213,46 @@ __global__ void __launch_bounds__(kTcThreads, kTcBlocksPerSm) score_tc_kernel(co
 #pragma unroll
   for (int i = 0; i < kHeadsPerLane; ++i) factor[i] = head_factor[i * 4 + c];
 
+  if (steps > 0) load_step(0);
+  for (int32_t it = 0; it < steps; ++it) {
+    // hm[mma][·] and lo[·] in the C layout: {row r col 2c, row r col 2c+1, row r+8 col 2c, row r+8 col 2c+1}.
+    float hm[kHmMmas][4] = {}, lo[4] = {};
 #pragma unroll
-  for (int slot = 0; slot < kTcStepsInFlight; ++slot) {
-    if (slot < steps) load_step(slot, ring[slot]);
-  }
-  for (int32_t first = 0; first < steps; first += kTcStepsInFlight) {
+    for (int p = 0; p < kPairs; ++p) {
 #pragma unroll
-    for (int slot = 0; slot < kTcStepsInFlight; ++slot) {
-      const int32_t it = first + slot;
-      if (it >= steps) break;
-      StepRows& pieces = ring[slot];
-      // hm[mma][·] and lo[·] in the C layout: {row r col 2c, row r col 2c+1, row r+8 col 2c, row r+8 col 2c+1}.
-      float hm[kHmMmas][4] = {}, lo[4] = {};
+      for (int m = 0; m < 2; ++m) {
+        const uint32_t a[4] = {(&pieces[p][0].x)[2 * m], (&pieces[p][1].x)[2 * m], (&pieces[p][0].x)[2 * m + 1],
+                               (&pieces[p][1].x)[2 * m + 1]};
 #pragma unroll
-      for (int p = 0; p < kPairs; ++p) {
+        for (int mma = 0; mma <= kHmMmas; ++mma) {
+          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // C = 0: no chained accumulator (the bound above)
+          const uint2 b_regs = b_fragments[((p * 2 + m) * (kHmMmas + 1) + mma) * kWarpLanes + lane];
+          mma::mma_16816(TcTag<kType>{}, d, a, b_regs.x, b_regs.y);
+          float* sum = mma < kHmMmas ? hm[mma] : lo;
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          const uint32_t a[4] = {(&pieces[p][0].x)[2 * m], (&pieces[p][1].x)[2 * m], (&pieces[p][0].x)[2 * m + 1],
-                                 (&pieces[p][1].x)[2 * m + 1]};
-#pragma unroll
-          for (int mma = 0; mma <= kHmMmas; ++mma) {
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // C = 0: no chained accumulator (the bound above)
-            const uint2 b_regs = b_fragments[((p * 2 + m) * (kHmMmas + 1) + mma) * kWarpLanes + lane];
-            mma::mma_16816(TcTag<kType>{}, d, a, b_regs.x, b_regs.y);
-            float* sum = mma < kHmMmas ? hm[mma] : lo;
-#pragma unroll
-            for (int v = 0; v < 4; ++v) sum[v] += d[v];
-          }
+          for (int v = 0; v < 4; ++v) sum[v] += d[v];
         }
       }
-      if (it + kTcStepsInFlight < steps) load_step(it + kTcStepsInFlight, pieces);
+    }
+    if (it + 1 < steps) load_step(it + 1);
 
-      // Lane (r, c): head i·4 + c for keys r and r + 8; lo of head c sits in column 2c (and of head 4 + c in 2c + 1).
+    // Lane (r, c): head i·4 + c for keys r and r + 8; lo of head c sits in column 2c (and of head 4 + c in 2c + 1).
 #pragma unroll
-      for (int half = 0; half < kTcRowsPerLane; ++half) {
-        const int32_t cand = candidate(it, r + 8 * half);
-        if (cand >= info.candidates) continue;
+    for (int half = 0; half < kTcRowsPerLane; ++half) {
+      const int32_t cand = candidate(it, r + 8 * half);
+      if (cand >= info.candidates) continue;
 #pragma unroll
-        for (int i = 0; i < kHeadsPerLane; ++i) {
-          const int32_t j = i * 4 + c;
-          if (j >= heads) continue;
-          const float part_lo = lo[2 * half + i];
-          const float score = ((part_lo + hm[i][2 * half + 1]) + hm[i][2 * half]) * factor[i];
-          sp.scores32[(row0 + j) * sp.score_stride + cand] = score;
-          if (score > run_max[i]) {
-            run_sum[i] = run_sum[i] * double(expf(run_max[i] - score)) + 1.0;
-            run_max[i] = score;
-          } else {
-            run_sum[i] += double(expf(score - run_max[i]));
-          }
+      for (int i = 0; i < kHeadsPerLane; ++i) {
+        const int32_t j = i * 4 + c;
+        if (j >= heads) continue;
+        const float part_lo = lo[2 * half + i];
+        const float score = ((part_lo + hm[i][2 * half + 1]) + hm[i][2 * half]) * factor[i];
+        sp.scores32[(row0 + j) * sp.score_stride + cand] = score;
+        if (score > run_max[i]) {
+          run_sum[i] = run_sum[i] * double(expf(run_max[i] - score)) + 1.0;
+          run_max[i] = score;
+        } else {
+          run_sum[i] += double(expf(score - run_max[i]));
         }
       }
     }
