@@ -247,9 +247,9 @@ const std::vector<AttentionCase> kSelectCases = {
 // wgmma_gathers_mask_cells: block_q a multiple of 64, block_k 8, 16, 32 or a multiple of 64, not both multiples of
 // 128), random (40 % of the cells) and structured (MaskPattern): one cell per row, a diagonal band, only the second
 // half of every 128-key tile, rows that see nothing. Elsewhere they take the backend's other block walks.
-AttentionCase cells_row(std::string name, int32_t dtype, int bq, int bk) {
-  constexpr double kCellDensity = 0.4;
-  return prefill_row(std::move(name), dtype).block_sparse_policy(bq, bk, kCellDensity);
+constexpr double kCellDensity = 0.4;
+AttentionCase cells_row(std::string name, int32_t dtype, int bq, int bk, double density = kCellDensity) {
+  return prefill_row(std::move(name), dtype).block_sparse_policy(bq, bk, density);
 }
 const std::vector<AttentionCase> kMaskCellCases = {
     // The last 128-row tile ends inside its first consumer half.
@@ -265,9 +265,8 @@ const std::vector<AttentionCase> kMaskCellCases = {
     cells_row("cells_192x64_f16_d128_causal", kF16, 192, 64).dim(128).lengths({500}, {530}).causal(),
     cells_row("cells_128x32_f16_d128_noncausal", kF16, 128, 32).dim(128).heads(2, 2).lengths({257}, {901}),
     cells_row("cells_128x32_bf16_d64_causal", kBF16, 128, 32).lengths({400}, {400}).causal(),
-    cells_row("cells_64x16_f16_d64_noncausal", kF16, 64, 16).block_sparse_policy(64, 16, 0.2).lengths({190}, {430}),
-    cells_row("cells_128x8_bf16_d128_causal", kBF16, 128, 8).block_sparse_policy(128, 8, 0.3).dim(128).heads(2, 1)
-        .lengths({130}, {300}).causal(),
+    cells_row("cells_64x16_f16_d64_noncausal", kF16, 64, 16, 0.2).lengths({190}, {430}),
+    cells_row("cells_128x8_bf16_d128_causal", kBF16, 128, 8, 0.3).dim(128).heads(2, 1).lengths({130}, {300}).causal(),
     cells_row("cells_64x128_f16_d128_noncausal", kF16, 64, 128).dim(128).lengths({300}, {700}),
     // |q| ~ 5: the running max moves between gathered tiles.
     cells_row("cells_128x64_bf16_d128_large_scores", kBF16, 128, 64).dim(128).heads(2, 2).lengths({256}, {1200})
