@@ -26,6 +26,12 @@ constexpr int kUnusedSlotPercent = 8, kRepeatSlotPercent = 16;  // TOKEN_INDICES
 constexpr double kSinkBlockScore = 30;  // natural-log score of a sink-block row against key 0
 constexpr double kSinkBlockNoise = 0.5;
 constexpr double kNoiseClamp = 3;
+// AttentionCase::sparse_inputs (case_table.h).
+constexpr double kSparseNoise = 0.7, kSparseLean = 0.5, kSparseKeyAlongU = 1.2, kSparseKeyNoise = 0.05;
+constexpr double kDirectionClamp = 2;
+constexpr int kPlantedKeys = 4, kTieRun = 24;
+// TOKEN_SPARSE scored in float64 (the CPU backend; a device off its fp32 path) agrees with the oracle to rounding.
+constexpr double kFloat64SparseBound = 1e-12;
 
 // AttentionCase::sink_blocks: replaces the pattern's values.
 void plant_sink_blocks(ref::Problem& p, int block_q, Rng& rng) {
@@ -40,6 +46,45 @@ void plant_sink_blocks(ref::Problem& p, int block_q, Rng& rng) {
       for (int h = 0; h < p.Hq; ++h) p.q[b][(size_t(i) * p.Hq + h) * p.D] = a;
     }
   }
+}
+
+// AttentionCase::sparse_inputs: replaces the pattern's values. Returns the planted keys per sequence and kv head.
+std::vector<std::vector<std::vector<int>>> plant_sparse_inputs(ref::Problem& p, const AttentionCase& c, Rng& rng) {
+  std::vector<std::vector<std::vector<int>>> planted(p.B, std::vector<std::vector<int>>(p.Hkv));
+  for (auto* t : {&p.q, &p.k, &p.v})
+    for (auto& rows : *t)
+      for (double& x : rows) x = kSparseNoise * std::clamp(rng.normal(), -kNoiseClamp, kNoiseClamp);
+  const int g = p.group(), D = p.D;
+  const size_t key_row = size_t(p.Hkv) * D;
+  for (int b = 0; b < p.B; ++b) {
+    const int L = p.sq[b];
+    if (c.sparse_inputs == SparseInputs::kTiedRuns) {
+      for (int t = 0; t < L; ++t)
+        if (t % kTieRun != 0) std::copy_n(&p.k[b][size_t(t - t % kTieRun) * key_row], key_row, &p.k[b][t * key_row]);
+      continue;
+    }
+    if (c.sparse_inputs != SparseInputs::kNeedles && c.sparse_inputs != SparseInputs::kSinks) continue;
+    const int first_window_row = std::max(0, L - c.sparse_window);
+    for (int hk = 0; hk < p.Hkv; ++hk) {
+      std::vector<double> u(D);
+      for (double& e : u) e = std::clamp(rng.normal(), -kDirectionClamp, kDirectionClamp);
+      for (int i = first_window_row; i < L; ++i)
+        for (int h = hk * g; h < (hk + 1) * g; ++h)
+          for (int d = 0; d < D; ++d) p.q[b][(size_t(i) * p.Hq + h) * D + d] += kSparseLean * u[d];
+      std::vector<int>& keys = planted[b][hk];
+      if (c.sparse_inputs == SparseInputs::kSinks) {
+        for (int t = 0; t < std::min(kPlantedKeys, first_window_row); ++t) keys.push_back(t);
+      } else {
+        // Candidates only (keys 1 .. first window row − 2): the window is kept whatever the scores.
+        for (int n = 0; n < kPlantedKeys && first_window_row > 2 * kPlantedKeys; ++n)
+          keys.push_back(rng.integer(1, first_window_row - 2));
+      }
+      for (int t : keys)
+        for (int d = 0; d < D; ++d)
+          p.k[b][(size_t(t) * p.Hkv + hk) * D + d] = kSparseKeyAlongU * u[d] + kSparseKeyNoise * rng.normal();
+    }
+  }
+  return planted;
 }
 
 void round_in_place(ref::Problem& p, int32_t dtype) {
@@ -241,6 +286,111 @@ SelectionAudit audit_selection(const AttentionCase& c, const ref::Problem& p, co
   return audit;
 }
 
+using Sets = std::vector<std::vector<ref::IndexSet>>;  // [b][h]
+
+// §0 "Precision of selections" for TOKEN_SPARSE: the relative bound eps for sequence b of token_sparse_score.cu's
+// header, 8E + 2^-12 with E = scale · D · 2^-22 · max ‖q_r‖ (window rows) · max ‖k_j‖, where a device scores in
+// fp32 (fp16/bf16, head_dim a multiple of 16 up to 128); float64 scoring agrees with the oracle to rounding.
+double sparse_score_bound(const AttentionCase& c, const ref::Problem& p, int b, bool on_device) {
+  const bool fp32_scores = on_device && c.dtype != SPARSA_DTYPE_F32 && p.D % 16 == 0 && p.D <= 128;
+  if (!fp32_scores) return kFloat64SparseBound;
+  const int L = p.sq[b];
+  double max_q = 0.0, max_k = 0.0;
+  for (int i = std::max(0, L - c.sparse_window); i < L; ++i)
+    for (int h = 0; h < p.Hq; ++h)
+      max_q = std::max(max_q, std::sqrt(ref::dot(p.q_row(b, i, h), p.q_row(b, i, h), p.D)));
+  for (int t = 0; t < L; ++t)
+    for (int hk = 0; hk < p.Hkv; ++hk)
+      max_k = std::max(max_k, std::sqrt(ref::dot(p.k_row(b, t, hk), p.k_row(b, t, hk), p.D)));
+  const double E = p.softmax_scale() * p.D * std::ldexp(1.0, -22) * max_q * max_k;
+  return 8.0 * E + std::ldexp(1.0, -12);
+}
+
+// The backend's TOKEN_SPARSE sets from selected_indices [B, Hq, cap]: ascending ids below L, then -1 padding.
+Sets sparse_sets(const AttentionCase& c, const ref::Problem& p, const std::vector<int32_t>& selected, int64_t cap) {
+  Sets sets(p.B, std::vector<ref::IndexSet>(p.Hq));
+  for (int b = 0; b < p.B; ++b) {
+    for (int h = 0; h < p.Hq; ++h) {
+      const int32_t* row = &selected[(size_t(b) * p.Hq + h) * cap];
+      ref::IndexSet& set = sets[b][h];
+      for (int64_t s = 0; s < cap && row[s] >= 0; ++s) {
+        const bool ascending = set.empty() || row[s] > set.back();
+        EXPECT_TRUE(row[s] < p.sq[b] && ascending) << c.name << ": b=" << b << " h=" << h << " slot " << s << " holds "
+                                                   << row[s] << " (sets are ascending ids below L)";
+        if (row[s] < p.sq[b] && ascending) set.push_back(row[s]);
+      }
+    }
+  }
+  return sets;
+}
+
+// Every (sequence, head) of the backend's sets against the oracle's scores: the window is kept, the budget is one the
+// coverage count can give within eps, and every candidate whose score is farther than eps from the top-budget
+// threshold is kept or dropped as the oracle does; a dense sequence keeps every row.
+SelectionAudit audit_sparse_sets(const AttentionCase& c, const ref::Problem& p, const ref::TokenSparseResult& oracle,
+                                 const Sets& sets, bool on_device) {
+  SelectionAudit audit;
+  const double tau = double(float(c.sparse_coverage));  // the value the library receives
+  for (int b = 0; b < p.B; ++b) {
+    const int L = p.sq[b], n = L - c.sparse_window;
+    if (oracle.ran_dense[b]) {
+      for (int h = 0; h < p.Hq; ++h) EXPECT_EQ(sets[b][h].size(), size_t(L)) << c.name << ": b=" << b << " runs dense";
+      continue;
+    }
+    const double eps = sparse_score_bound(c, p, b, on_device);
+    int count_lo = 0, count_hi = 0;  // coverage counts certainly reached / possibly reached
+    for (double cum : oracle.cumsum[b]) {
+      count_lo += cum * (1 + eps) < tau;
+      count_hi += cum * (1 - eps) < tau;
+    }
+    audit.within_bound += count_hi - count_lo;
+    audit.decided += n - (count_hi - count_lo);
+    const auto budget_of = [&](int count) { return std::max(c.sparse_min_tokens, n - (count + (count > 0 ? 1 : 0))); };
+    for (int h = 0; h < p.Hq; ++h) {
+      std::vector<uint8_t> kept(L, 0);
+      for (int t : sets[b][h]) kept[t] = 1;
+      const int budget = int(std::count(kept.begin(), kept.begin() + n, uint8_t(1)));
+      for (int t = n; t < L; ++t) EXPECT_TRUE(kept[t]) << c.name << ": b=" << b << " h=" << h << " window row " << t;
+      EXPECT_GE(budget, budget_of(count_hi)) << c.name << ": b=" << b << " h=" << h << " budget below the bound";
+      EXPECT_LE(budget, budget_of(count_lo)) << c.name << ": b=" << b << " h=" << h << " budget above the bound";
+      const std::vector<double>& score = oracle.head_score[b][h];
+      std::vector<double> sorted = score;
+      std::sort(sorted.begin(), sorted.end());
+      const auto at_least = [&](double x) {
+        return int64_t(sorted.end() - std::lower_bound(sorted.begin(), sorted.end(), x));
+      };
+      const auto above = [&](double x) {
+        return int64_t(sorted.end() - std::upper_bound(sorted.begin(), sorted.end(), x));
+      };
+      for (int j = 0; j < n; ++j) {
+        const int64_t may_beat = at_least(score[j] * (1 - eps) / (1 + eps)) - 1;  // others that could rank above j
+        const int64_t sure_beat = above(score[j] * (1 + eps) / (1 - eps));  // others that rank above j for certain
+        const bool must_keep = may_beat < budget, must_drop = sure_beat >= budget;
+        if (!must_keep && !must_drop) {
+          ++audit.within_bound;
+          continue;
+        }
+        ++audit.decided;
+        if ((must_keep && !kept[j]) || (must_drop && kept[j])) ++audit.disagreements;
+      }
+    }
+  }
+  return audit;
+}
+
+// §5 steps 7-8 over the given sets (the oracle's attention, ref::attend): causal attention inside each head's
+// compressed sequence, every other row exactly 0.
+ref::Visibility sparse_visibility(const ref::Problem& p, const Sets& sets) {
+  std::vector<std::vector<std::vector<uint8_t>>> member(p.B);
+  for (int b = 0; b < p.B; ++b) {
+    member[b].assign(p.Hq, std::vector<uint8_t>(p.sq[b], 0));
+    for (int h = 0; h < p.Hq; ++h)
+      for (int t : sets[b][h]) member[b][h][t] = 1;
+  }
+  return ref::make_visibility(p,
+                              [&](int b, int h, int i, int j) { return member[b][h][i] && member[b][h][j] && j <= i; });
+}
+
 }  // namespace
 
 double Tolerance::lse_bound(double want) const { return std::max(lse_floor, lse_abs + lse_rel * std::fabs(want)); }
@@ -270,6 +420,14 @@ Tolerance delta_tolerance(int32_t dtype) {
   Tolerance t;
   t.out = dtype == SPARSA_DTYPE_F32 ? kDeltaTolF32 : dtype == SPARSA_DTYPE_F16 ? kDeltaTolF16 : kDeltaTolBF16;
   t.out_vs_cpu = t.out;
+  return t;
+}
+
+Tolerance token_sparse_tolerance(int32_t dtype) {
+  Tolerance t;
+  t.out = t.out_vs_cpu = 2 * kernel_out_tolerance(dtype);
+  t.lse_abs = kLseAbs;
+  t.lse_rel = kLseRelPrefill;
   return t;
 }
 
@@ -338,6 +496,22 @@ AttentionCase select_row(std::string name, int32_t dtype) {
   return c;
 }
 
+AttentionCase sparse_row(std::string name, int32_t dtype) {
+  AttentionCase c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  c.seq_q = {512};
+  c.seq_k = {512};
+  c.is_causal = true;
+  c.kv_lengths = false;
+  c.policy = SPARSA_POLICY_TOKEN_SPARSE;
+  c.stats_vs_cpu = true;
+  c.tol = token_sparse_tolerance(dtype);
+  return c;
+}
+
 void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   Rng rng(seed);
   SCOPED_TRACE(::testing::Message() << c.name << ", rng seed " << seed);
@@ -348,6 +522,9 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   for (auto& rows : p.q)
     for (double& x : rows) x *= c.q_scale;
   const std::vector<std::vector<int>> needles = plant_needles(p, c, rng);
+  const bool token_sparse = c.policy == SPARSA_POLICY_TOKEN_SPARSE;
+  std::vector<std::vector<std::vector<int>>> sparse_planted;  // [b][kv head]
+  if (token_sparse) sparse_planted = plant_sparse_inputs(p, c, rng);
   round_in_place(p, c.dtype);  // the kernels read dtype-rounded inputs; so does the reference
 
   sparsa_policy policy = make_policy(c.policy);
@@ -369,6 +546,7 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   const bool token_select = c.policy == SPARSA_POLICY_TOKEN_SELECT;
   bool reference_decides = true;  // false: a selection too close to call, compared with the CPU backend only
   const bool token_indices = c.policy == SPARSA_POLICY_TOKEN_INDICES;
+  ref::TokenSparseResult sparse_want;
   if (c.policy == SPARSA_POLICY_SINK_WINDOW) {
     policy.sink_tokens = c.sink_tokens;
     policy.sink_window = c.sink_window;
@@ -430,6 +608,20 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
     want = select_want.out;
     reference_decides = select_want.topk_margin >= kSelectionMargin;
     if (!reference_decides) std::printf("[ note     ] %s: top-k vote too close to call, CPU backend only\n", c.name.c_str());
+  } else if (token_sparse) {
+    policy.token_sparse_window = c.sparse_window;
+    policy.token_sparse_pool_kernel = c.sparse_pool;
+    policy.token_sparse_min_tokens = c.sparse_min_tokens;
+    policy.token_sparse_coverage = float(c.sparse_coverage);
+    ref::TokenSparseParams tp;
+    tp.window = c.sparse_window;
+    tp.pool_kernel = c.sparse_pool;
+    tp.min_tokens = c.sparse_min_tokens;
+    tp.coverage = double(policy.token_sparse_coverage);
+    sparse_want = ref::token_sparse(p, tp);
+    opt.selected_sets = c.q_heads;
+    opt.selected_cap = p.max_skv();
+    want = sparse_want.out;
   } else if (token_indices) {
     ref::TokenIndicesParams tp;
     tp.h_idx = c.index_heads;
@@ -491,6 +683,37 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
     }
     reference_decides = true;
   }
+  if (token_sparse) {
+    // §0 on every backend (the CPU's float64 scores within rounding of the oracle's): decisions outside the bound
+    // agree with the oracle, the output is the oracle's attention over the backend's own sets.
+    const Sets sets = sparse_sets(c, p, r.selected, opt.selected_cap);
+    const SelectionAudit audit = audit_sparse_sets(c, p, sparse_want, sets, on_device);
+    std::printf("[ AUDIT    ] %s: %lld decisions outside the bound, %lld inside\n", c.name.c_str(),
+                static_cast<long long>(audit.decided), static_cast<long long>(audit.within_bound));
+    EXPECT_EQ(audit.disagreements, 0) << c.name << ": decisions outside the bound differ from the oracle";
+    if (c.rows_dropped) EXPECT_GT(audit.decided, 0) << c.name << ": no decision outside the bound";
+    if (c.decisions_inside_bound) EXPECT_GT(audit.within_bound, 0) << c.name << ": no decision inside the bound";
+    int64_t dropped = 0;
+    for (int b = 0; b < p.B; ++b) {
+      for (int h = 0; h < p.Hq; ++h) {
+        const ref::IndexSet& set = sets[b][h];
+        dropped += p.sq[b] - int64_t(set.size());
+        for (int t : sparse_planted[b][h / p.group()]) {
+          EXPECT_TRUE(std::binary_search(set.begin(), set.end(), t))
+              << c.name << ": planted key " << t << " of b=" << b << " dropped by head " << h;
+        }
+      }
+    }
+    EXPECT_EQ(dropped > 0, c.rows_dropped) << c.name << ": " << dropped << " rows dropped";
+    int64_t pairs = sparse_want.pairs_computed;
+    if (sets != sparse_want.selected) {
+      const ref::Visibility own = sparse_visibility(p, sets);
+      want = ref::attend(p, own);
+      pairs = ref::count_pairs(own);
+    }
+    EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_COMPUTED], pairs) << "pairs of the backend's own sets";
+    EXPECT_EQ(r.stats[SPARSA_STAT_PAIRS_DENSE], ref::dense_pairs(p));
+  }
   if (reference_decides) expect_close(c, r.out, want, c.tol.out, "vs the float64 reference:");
   if (token_select) {
     if (reference_decides && !own_selection) {
@@ -523,7 +746,11 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   const RunResult on_cpu = run(cpu, p, policy, opt);
   expect_ok(on_cpu);
   if (on_cpu.status != SPARSA_STATUS_SUCCESS) return;
-  if (token_select && r.selected != on_cpu.selected) {
+  if (token_sparse) {  // whatever the sets, the backends count the same dense pairs and blocks
+    for (int stat : {SPARSA_STAT_PAIRS_DENSE, SPARSA_STAT_BLOCKS_COMPUTED})
+      EXPECT_EQ(r.stats[stat], on_cpu.stats[stat]) << "stat " << stat;
+  }
+  if ((token_select || token_sparse) && r.selected != on_cpu.selected) {
     std::printf("[ note     ] %s: sets differ from the CPU backend's inside the §0 bound (audited above)\n",
                 c.name.c_str());
     return;
@@ -536,7 +763,7 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
     EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], on_cpu.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED]);
     EXPECT_EQ(r.block_mask, on_cpu.block_mask) << "predicted mask";
   }
-  if (token_indices || token_select) {
+  if (token_indices || token_select || token_sparse) {
     EXPECT_EQ(r.selected, on_cpu.selected) << "selected_indices";
   }
 }

@@ -29,6 +29,9 @@ Tolerance prefill_tolerance(int32_t dtype);
 Tolerance decode_tolerance(int32_t dtype);
 // TOKEN_SELECT rows: out within t·(1 + |ref|), t = 1e-4 (f32), 4e-3 (f16), 3e-2 (bf16); LSE within 2e-3·(1 + |ref|).
 Tolerance select_tolerance(int32_t dtype);
+// TOKEN_SPARSE rows: out within twice the kernel tolerance (4e-4 / 8e-3 / 6e-2) against the reference (over the
+// backend's own sets off the CPU) and against the CPU backend; LSE within 1e-3 + 1e-4·|ref|.
+Tolerance token_sparse_tolerance(int32_t dtype);
 // Δ rows: out 4e-4 (f32), 8e-3 (f16), 6e-2 (bf16), both against the reference and the CPU backend (the GPU corrects
 // the base rows in out's dtype, the CPU stages them in f32); no LSE.
 Tolerance delta_tolerance(int32_t dtype);
@@ -38,6 +41,13 @@ Tolerance delta_tolerance(int32_t dtype);
 // diagonal; only keys 64..127 of every 128-key tile, every fifth such cell dropped; or the random mask with every
 // third cell row of a head emptied (those rows see nothing: exact zeros and LSE −inf).
 enum class MaskPattern { kRandom, kOneCellPerRow, kBand, kSecondHalfOnly, kEmptyRows };
+
+// TOKEN_SPARSE inputs (0.7·N(0, 1) clamped at ±2.1 in q, k, v), then per kv head a direction u the window queries of
+// its group lean on (q += 0.5·u), and keys along u (1.2·u + noise, ~4-5 more score than the rest) that every head of
+// the group must keep: four needles between the sinks and the window, or the first four keys (sinks). kTiedRuns:
+// keys constant over runs of 24 tokens, so pooled scores tie exactly inside a run and the top-budget threshold falls
+// on tied candidates (decisions inside any error bound).
+enum class SparseInputs { kRandom, kNeedles, kSinks, kTiedRuns };
 
 struct AttentionCase {
   std::string name;
@@ -74,7 +84,13 @@ struct AttentionCase {
   int select_n_init = 16, select_top_k = 128, select_n_local = 32;
   bool select_per_kv_head = false, select_scale_scores = false;
   int needles = 0;
-  bool decisions_inside_bound = false;  // non-CPU backends: the §0 audit must find decisions inside the bound
+  bool decisions_inside_bound = false;  // the §0 audit (TOKEN_SELECT off the CPU, TOKEN_SPARSE everywhere) must
+                                        // find decisions inside the bound
+  // TOKEN_SPARSE (§5; causal, Sq == Skv): window W, pool kernel, min_tokens, coverage τ.
+  int sparse_window = 32, sparse_pool = 7, sparse_min_tokens = 64;
+  double sparse_coverage = 0.3;
+  SparseInputs sparse_inputs = SparseInputs::kRandom;
+  bool rows_dropped = true;  // the backend's sets drop rows (false: every sequence runs dense)
   // §8 Δ over the policy above (SPARSA_POLICY_FLAG_DELTA; causal, no LSE).
   bool delta = false;
   int gamma = 64, tail_min = 128;
@@ -126,6 +142,12 @@ struct AttentionCase {
   AttentionCase& scale_scores() { select_scale_scores = true; return *this; }
   AttentionCase& with_needles(int n) { needles = n; return *this; }
   AttentionCase& expect_decisions_inside_bound() { decisions_inside_bound = true; return *this; }
+  AttentionCase& token_sparse_policy(int window, int min_tokens, double coverage) {
+    policy = SPARSA_POLICY_TOKEN_SPARSE; sparse_window = window; sparse_min_tokens = min_tokens;
+    sparse_coverage = coverage; return *this;
+  }
+  AttentionCase& sparse_structure(SparseInputs s) { sparse_inputs = s; return *this; }
+  AttentionCase& expect_no_rows_dropped() { rows_dropped = false; return *this; }
   AttentionCase& token_indices_policy(int h_idx, int slots) {
     policy = SPARSA_POLICY_TOKEN_INDICES; index_heads = h_idx; index_slots = slots; return *this;
   }
@@ -154,6 +176,10 @@ AttentionCase decode_row(std::string name, int32_t dtype);
 AttentionCase delta_row(std::string name, int32_t dtype);
 // A TOKEN_SELECT row: Hq 32, Hkv 8, D 128, Sq 1, Skv 3000, causal, n_init 16, top_k 128, n_local 32, select tolerance.
 AttentionCase select_row(std::string name, int32_t dtype);
+
+// A TOKEN_SPARSE row: Hq 4, Hkv 2, D 64, Sq = Skv = 512, causal, W 32, pool 7, min_tokens 64, τ 0.3, token sparse
+// tolerance.
+AttentionCase sparse_row(std::string name, int32_t dtype);
 
 // Runs the row on ctx and checks it (see the top of this file). `seed` seeds its inputs.
 void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed);

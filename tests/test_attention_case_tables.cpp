@@ -1,9 +1,10 @@
-// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §4's PV skip, §6 TOKEN_SELECT, §7 TOKEN_INDICES and §8
-// DELTA on every backend, as case tables (one row per case: shape, layout, policy, inputs pattern, tolerance;
-// case_table.h). The rows pick the kernel paths of the GPU backend: the tensor-core prefill kernels (mma.sync, and
-// wgmma on sm_90), the portable kernel (f32, head_dim 96/256), split-KV with its combine kernel, the tensor-core and
-// CUDA-core decode kernels (rows off 16-byte boundaries), TOKEN_SELECT's score kernels and vote, TOKEN_INDICES' key
-// sets and list walk, Δ's query-row map, the λ PV skip in the forward tiles; every row runs on the CPU backend too.
+// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §4's PV skip, §5 TOKEN_SPARSE, §6 TOKEN_SELECT, §7
+// TOKEN_INDICES and §8 DELTA on every backend, as case tables (one row per case: shape, layout, policy, inputs
+// pattern, tolerance; case_table.h). The rows pick the kernel paths of the GPU backend: the tensor-core prefill
+// kernels (mma.sync, and wgmma on sm_90), the portable kernel (f32, head_dim 96/256), split-KV with its combine
+// kernel, the tensor-core and CUDA-core decode kernels (rows off 16-byte boundaries), TOKEN_SPARSE's score kernels and
+// budget, TOKEN_SELECT's score kernels and vote, TOKEN_INDICES' key sets and list walk, Δ's query-row map, the λ PV
+// skip in the forward tiles; every row runs on the CPU backend too.
 // Each is checked against the float64 reference, and on a non-CPU backend against the CPU backend as well.
 #include "case_table.h"
 
@@ -17,6 +18,7 @@ using st::decode_row;
 using st::prefill_row;
 using st::MaskPattern;
 using st::Pattern;
+using st::SparseInputs;
 
 constexpr int32_t kF32 = SPARSA_DTYPE_F32, kF16 = SPARSA_DTYPE_F16, kBF16 = SPARSA_DTYPE_BF16;
 
@@ -115,6 +117,9 @@ const std::vector<AttentionCase> kDeltaCases = {
         .lengths({250}, {250}).with_delta(10, 0),
     st::delta_row("short_sequences_all_dense_base_skipped", kBF16).lengths({100, 100}, {100, 100}),
     st::delta_row("sq_exceeds_skv_empty_rows", kF16).lengths({300}, {200}).with_delta(16, 32),
+    // Δ over DENSE is dense attention on every row, on a sequence whose anchors' causal horizons span many key tiles
+    // (L mod γ = 3 as at 4099: cut 131, 20 anchors, the last reaching 1280 keys).
+    st::delta_row("dense_base_bf16_d128_gqa2_long_anchors", kBF16).heads(2, 1).dense_policy().lengths({1411}, {1411}),
 };
 
 // Shapes of the Hopper wgmma prefill kernel (forward_wgmma.cu takes f16/bf16 with D 64/128 on sm_90): 128-row query
@@ -243,6 +248,49 @@ const std::vector<AttentionCase> kSelectCases = {
         .expect_decisions_inside_bound(),
 };
 
+// §5 TOKEN_SPARSE (token_sparse_score.cu: the fp32 tensor-core score kernel for fp16/bf16 with head_dim a multiple
+// of 16 up to 128, the float64 one for the rest; 256-key scoring chunks, the coverage budget, the per-head
+// top-budget, the gathered causal attention and the zeroed rows): needles and sinks every head of their group must
+// keep, runs of tied keys that put the top-budget threshold among tied candidates, ragged and paged batches with
+// sequences on both sides of the dense fallback (L <= min_tokens + W), τ 0 and 1, windows wider than a 128-row tile.
+// Every backend is audited as §0 states (case_table.cpp: decisions outside the scores' error bound, float64 rounding
+// on the CPU, agree with the reference; the budget is one the coverage count can give; the output is the
+// reference's attention over the backend's own sets, dropped rows exactly 0 with LSE −inf).
+// Defaults: Hq 4, Hkv 2, D 64, Sq = Skv = 512, W 32, pool 7, min_tokens 64, τ 0.3, padded without seq_lens_k;
+// outputs within twice the kernel tolerance.
+const std::vector<AttentionCase> kTokenSparseCases = {
+    st::sparse_row("needles_f16_d64_gqa2", kF16).lengths({900}, {900}).sparse_structure(SparseInputs::kNeedles),
+    st::sparse_row("sinks_bf16_d128_gqa8", kBF16).dim(128).heads(8, 1).lengths({1000}, {1000})
+        .token_sparse_policy(64, 100, 0.2).sparse_structure(SparseInputs::kSinks),
+    // Sequences 1 (90 <= 64 + 32) and 3 run dense, 0 and 2 sparse.
+    st::sparse_row("ragged_varlen_needles_f16_d64_gqa4", kF16).heads(4, 1).varlen()
+        .lengths({900, 90, 613, 1}, {900, 90, 613, 1}).sparse_structure(SparseInputs::kNeedles),
+    // L = min_tokens + W = 96 runs dense; one more token and the sequence is sparse.
+    st::sparse_row("fallback_threshold_varlen_f16_d64", kF16).heads(2, 2).varlen()
+        .lengths({96, 97, 98, 103, 95}, {96, 97, 98, 103, 95}).token_sparse_policy(32, 64, 0.5),
+    st::sparse_row("padded_batch2_f32_d40_no_lse", kF32).dim(40).heads(2, 2).lengths({500, 500}, {500, 500})
+        .token_sparse_policy(32, 64, 0.1).no_lse(),
+    // W > 128: two window-row tiles per scoring chunk.
+    st::sparse_row("wide_window_bf16_d128_gqa2", kBF16).dim(128).heads(2, 1).lengths({1500}, {1500})
+        .token_sparse_policy(160, 128, 0.05).sparse_structure(SparseInputs::kNeedles),
+    // τ = 1: the budget is min_tokens exactly (a fixed keep fraction, as the benchmark uses).
+    st::sparse_row("coverage_one_keeps_min_tokens_bf16_d128", kBF16).dim(128).heads(4, 4).lengths({2048}, {2048})
+        .token_sparse_policy(64, 256, 1.0),
+    // The default W, min_tokens and τ: several 256-key scoring chunks and a long coverage descent.
+    st::sparse_row("long_defaults_f16_d128", kF16).dim(128).heads(2, 1).lengths({2000}, {2000})
+        .token_sparse_policy(128, 1024, 0.005).sparse_structure(SparseInputs::kSinks),
+    st::sparse_row("paged_kv_sinks_f16_d64", kF16).packed_q().paged(16).lengths({700, 333}, {700, 333})
+        .sparse_structure(SparseInputs::kSinks),
+    // The top-budget threshold falls among exactly tied candidates: decisions inside the bound on every backend.
+    st::sparse_row("tied_runs_bf16_d128_gqa4", kBF16).dim(128).heads(4, 1).lengths({1700}, {1700})
+        .token_sparse_policy(64, 256, 0.3).sparse_structure(SparseInputs::kTiedRuns).expect_decisions_inside_bound(),
+    st::sparse_row("tied_runs_varlen_f16_d64", kF16).heads(4, 2).varlen().lengths({1200, 700}, {1200, 700})
+        .token_sparse_policy(32, 128, 0.4).sparse_structure(SparseInputs::kTiedRuns).expect_decisions_inside_bound(),
+    // τ = 0: dense causal attention everywhere.
+    st::sparse_row("zero_coverage_dense_f16_d64", kF16).lengths({300}, {300}).token_sparse_policy(32, 64, 0.0)
+        .expect_no_rows_dropped(),
+};
+
 // §3 BLOCK_SPARSE masks whose cells the Hopper kernel walks as gathered 64-key halves (forward_wgmma.h:
 // wgmma_gathers_mask_cells: block_q a multiple of 64, block_k 8, 16, 32 or a multiple of 64, not both multiples of
 // 128), random (40 % of the cells) and structured (MaskPattern): one cell per row, a diagonal band, only the second
@@ -325,6 +373,7 @@ SPARSA_BACKEND_TABLE(DeltaCases, AttentionCase, kDeltaCases);
 SPARSA_BACKEND_TABLE(WgmmaCases, AttentionCase, kWgmmaCases);
 SPARSA_BACKEND_TABLE(PvSkipCases, AttentionCase, kPvSkipCases);
 SPARSA_BACKEND_TABLE(SelectCases, AttentionCase, kSelectCases);
+SPARSA_BACKEND_TABLE(TokenSparseCases, AttentionCase, kTokenSparseCases);
 
 TEST_P(PrefillCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
@@ -334,5 +383,6 @@ TEST_P(MaskCellCases, MatchesReference) { st::check_case(ctx(), row(), st::test_
 TEST_P(SpargePredictionCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(PvSkipCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(SelectCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(TokenSparseCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 
 }  // namespace
