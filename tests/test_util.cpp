@@ -27,6 +27,13 @@ constexpr uint16_t kBF16Poison = 0x7FDAu;     // a quiet NaN
 constexpr int32_t kIndexPoison = 0x5A5A5A5A;
 constexpr uint8_t kMaskPoison = 0xA5;
 constexpr int64_t kStatPoison = -0x5A5A5A5A5A5A5A5ALL;
+// RunOptions::second_poison: negative NaNs, a negative id, a mask byte that is neither 0 nor 1.
+constexpr uint32_t kF32Poison2 = 0xFFABABABu;
+constexpr uint16_t kF16Poison2 = 0xFEABu;
+constexpr uint16_t kBF16Poison2 = 0xFFABu;
+constexpr int32_t kIndexPoison2 = int32_t(0xABABABABu);
+constexpr uint8_t kMaskPoison2 = 0xAB;
+constexpr int64_t kStatPoison2 = int64_t(0xABABABABABABABABull);
 // Finite garbage placed in in-bounds padding the library must not attend to (large enough to show if used).
 constexpr double kPaddingGarbage = 300.0;
 // CPU worker threads of test contexts (the machine is shared).
@@ -424,39 +431,36 @@ AttentionView make_view(const Context& ctx, int32_t dtype, bool packed, const st
   return v;
 }
 
-// Sets every storage element of `buf` to the dtype's poison (NaN for floats).
-void poison(Buffer& buf) {
-  for (size_t e = 0; e < buf.elements(); ++e) {
-    uint8_t* at = buf.host().data() + e * sparsa_dtype_size(buf.dtype());
-    switch (buf.dtype()) {
-      case SPARSA_DTYPE_F32: std::memcpy(at, &kF32Poison, 4); break;
-      case SPARSA_DTYPE_F16: std::memcpy(at, &kF16Poison, 2); break;
-      case SPARSA_DTYPE_BF16: std::memcpy(at, &kBF16Poison, 2); break;
-      case SPARSA_DTYPE_I32: std::memcpy(at, &kIndexPoison, 4); break;
-      case SPARSA_DTYPE_I64: std::memcpy(at, &kStatPoison, 8); break;
-      case SPARSA_DTYPE_U8: *at = kMaskPoison; break;
-      default: break;
-    }
+// The bytes of the dtype's poison (NaN for floats) in the first or the second set; null for other dtypes.
+const void* poison_of(int32_t dtype, bool second) {
+  switch (dtype) {
+    case SPARSA_DTYPE_F32: return second ? &kF32Poison2 : &kF32Poison;
+    case SPARSA_DTYPE_F16: return second ? &kF16Poison2 : &kF16Poison;
+    case SPARSA_DTYPE_BF16: return second ? &kBF16Poison2 : &kBF16Poison;
+    case SPARSA_DTYPE_I32: return second ? &kIndexPoison2 : &kIndexPoison;
+    case SPARSA_DTYPE_I64: return second ? &kStatPoison2 : &kStatPoison;
+    case SPARSA_DTYPE_U8: return second ? &kMaskPoison2 : &kMaskPoison;
+    default: return nullptr;
   }
 }
 
-bool is_poison(const Buffer& buf, size_t e) {
+// Sets every storage element of `buf` to the dtype's poison.
+void poison(Buffer& buf, bool second = false) {
+  const void* pattern = poison_of(buf.dtype(), second);
+  if (pattern == nullptr) return;
   const size_t size = sparsa_dtype_size(buf.dtype());
-  const uint8_t* at = const_cast<Buffer&>(buf).host().data() + e * size;
-  switch (buf.dtype()) {
-    case SPARSA_DTYPE_F32: return std::memcmp(at, &kF32Poison, 4) == 0;
-    case SPARSA_DTYPE_F16: return std::memcmp(at, &kF16Poison, 2) == 0;
-    case SPARSA_DTYPE_BF16: return std::memcmp(at, &kBF16Poison, 2) == 0;
-    case SPARSA_DTYPE_I32: return std::memcmp(at, &kIndexPoison, 4) == 0;
-    case SPARSA_DTYPE_I64: return std::memcmp(at, &kStatPoison, 8) == 0;
-    case SPARSA_DTYPE_U8: return *at == kMaskPoison;
-    default: return false;
-  }
+  for (size_t e = 0; e < buf.elements(); ++e) std::memcpy(buf.host().data() + e * size, pattern, size);
 }
 
-bool all_poison(const Buffer& buf) {
+bool is_poison(const Buffer& buf, size_t e, bool second = false) {
+  const void* pattern = poison_of(buf.dtype(), second);
+  const size_t size = sparsa_dtype_size(buf.dtype());
+  return pattern != nullptr && std::memcmp(const_cast<Buffer&>(buf).host().data() + e * size, pattern, size) == 0;
+}
+
+bool all_poison(const Buffer& buf, bool second = false) {
   for (size_t e = 0; e < buf.elements(); ++e)
-    if (!is_poison(buf, e)) return false;
+    if (!is_poison(buf, e, second)) return false;
   return true;
 }
 
@@ -551,28 +555,28 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
 
   // Outputs, poisoned.
   AttentionView out = make_view(ctx, opt.dtype, q_packed, p.sq, sq_max, Hq, D, opt.gap, opt.head_major);
-  poison(*out.buf);
+  poison(*out.buf, opt.second_poison);
   std::unique_ptr<Buffer> lse, stats, selected, mask_out;
   if (opt.lse) {
     const std::vector<int64_t> shape = q_packed ? std::vector<int64_t>{Hq, q.row_offset.back()}
                                                 : std::vector<int64_t>{B, Hq, sq_max};
     lse = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_F32, shape);
-    poison(*lse);
+    poison(*lse, opt.second_poison);
   }
   if (opt.stats) {
     stats = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I64, std::vector<int64_t>{SPARSA_STAT_COUNT});
-    poison(*stats);
+    poison(*stats, opt.second_poison);
   }
   if (opt.selected_sets > 0) {
     selected = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32,
                                         std::vector<int64_t>{B, opt.selected_sets, opt.selected_cap});
-    poison(*selected);
+    poison(*selected, opt.second_poison);
   }
   const int nqb = (sq_max + policy_in.block_q - 1) / std::max(1, policy_in.block_q);
   const int nkb = (skv_max + policy_in.block_k - 1) / std::max(1, policy_in.block_k);
   if (opt.block_mask_out) {
     mask_out = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_U8, std::vector<int64_t>{B, Hq, nqb, nkb});
-    poison(*mask_out);
+    poison(*mask_out, opt.second_poison);
   }
 
   // Policy inputs.
@@ -645,7 +649,7 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
     EXPECT_EQ(r.plan_status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
     sparsa_context_scratch_bytes(ctx.get(), &r.scratch_after_plan);
     for (Buffer* b : {out.buf.get(), lse.get(), stats.get(), selected.get(), mask_out.get()})
-      if (b && !all_poison(*b)) ADD_FAILURE() << "sparsa_attention_plan wrote an output";
+      if (b && !all_poison(*b, opt.second_poison)) ADD_FAILURE() << "sparsa_attention_plan wrote an output";
   }
   r.status = sparsa_attention_run(ctx.get(), &args, &policy);
   r.message = sparsa_last_error_message();
@@ -675,13 +679,13 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
       for (int h = 0; h < Hq; ++h)
         for (int d = 0; d < D; ++d) in_view[out.at(b, i, h, d)] = 1;
   for (Buffer* b : {out.buf.get(), lse.get(), stats.get(), selected.get(), mask_out.get()})
-    if (b && !all_poison(*b)) r.untouched = false;
+    if (b && !all_poison(*b, opt.second_poison)) r.untouched = false;
   if (r.status != SPARSA_STATUS_SUCCESS) return r;
 
   size_t unwritten = 0, gap_written = 0;
   for (size_t e = 0; e < in_view.size(); ++e) {
-    if (in_view[e] && is_poison(*out.buf, e)) ++unwritten;
-    if (!in_view[e] && !is_poison(*out.buf, e)) ++gap_written;
+    if (in_view[e] && is_poison(*out.buf, e, opt.second_poison)) ++unwritten;
+    if (!in_view[e] && !is_poison(*out.buf, e, opt.second_poison)) ++gap_written;
   }
   if (unwritten) r.unwritten.push_back("out: " + std::to_string(unwritten) + " elements not written");
   if (gap_written) r.unwritten.push_back("out: " + std::to_string(gap_written) + " stride-gap elements written");
@@ -689,7 +693,7 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
                            {"selected_indices", selected.get()}, {"block_mask_out", mask_out.get()}}) {
     if (!buf) continue;
     size_t n = 0;
-    for (size_t e = 0; e < buf->elements(); ++e) n += is_poison(*buf, e);
+    for (size_t e = 0; e < buf->elements(); ++e) n += is_poison(*buf, e, opt.second_poison);
     if (n) r.unwritten.push_back(std::string(name) + ": " + std::to_string(n) + " elements not written");
   }
 

@@ -247,6 +247,9 @@ struct RunOptions {
   std::vector<int32_t> head_map;             // [Hq]
   uint64_t page_shuffle_seed = 1;
   bool plan_first = false;  // call sparsa_attention_plan before the run and record the scratch sizes
+  // Outputs poisoned with a second set of patterns (other NaN payloads and sentinels), so that a result depending on
+  // an output's earlier contents differs between runs; "not written" is judged by the same set.
+  bool second_poison = false;
 };
 
 struct RunResult {
