@@ -272,9 +272,9 @@ typedef struct sparsa_selection_cache sparsa_selection_cache;
 /**
  * Creates an empty cache for up to `max_batch` sequences, `num_q_heads` query heads, `num_kv_heads` kv heads,
  * `head_dim` D and selections of up to `max_top_k` tokens per set (per kv head when select_per_kv_head is on).
- * A run whose shapes exceed these fails with SHAPE_MISMATCH. The cache allocates max_batch · (num_q_heads · head_dim
- * · 8 + num_kv_heads · max_top_k · 4) bytes here (OUT_OF_MEMORY when that fails); a size that does not fit int64 is
- * INVALID_ARGUMENT.
+ * A run whose shapes exceed these fails with SHAPE_MISMATCH. The cache allocates about max_batch · (num_q_heads ·
+ * head_dim · 8 · c + num_kv_heads · max_top_k · 4) bytes here, c = 1 on the CPU and 2 on a GPU (a run writes its mean
+ * query beside the cached one), OUT_OF_MEMORY when that fails; a size that does not fit int64 is INVALID_ARGUMENT.
  */
 SPARSA_API sparsa_status sparsa_selection_cache_create(sparsa_context* ctx, int32_t max_batch, int32_t num_q_heads,
                                                        int32_t num_kv_heads, int32_t head_dim, int32_t max_top_k,

@@ -8,14 +8,16 @@
 // waits for the host and can be captured in a CUDA graph.
 //
 // A run's launches, in stream order (nothing is decided on the host beyond the shapes):
-//   prepare   (Hq × B)      per-sequence mode (no rows / dense / selects), candidate counts, q̄ (float64)
-//   lookup    (B)           [cache only] cosine vs the cached concat q̄ and the cached ids' range: hit → skip flag,
-//                           miss → store q̄; counts both
+//   prepare   (Hq × B)      per-sequence mode (no rows / dense / selects), candidate counts, q̄ (float64); with a
+//                           cache, each head's share of the lookup, and the sequence's last block decides: cosine vs
+//                           the cached concat q̄ and the cached ids' range: hit → skip flag, miss → store q̄; counts
 //   score     (tiles, Hkv·chunks, B)  dot products of a 256-candidate tile for a chunk of the group's heads, the
 //                           tile's softmax max/sum per head, exp(s - tile max) kept in scratch (token_select_score.cu):
-//                           fp32 for fp16/bf16 keys (score_f32_kernel), else float64 (score_mma_kernel on sm_90
-//                           with groups >= 4 and head_dim <= 128, elsewhere score_kernel)
-//   merge     (Hq × B)      per head: max and denominator over the tiles
+//                           fp32 for fp16/bf16 keys (score_tc_kernel on tensor cores, else score_f32_kernel), else
+//                           float64 (score_mma_kernel on sm_90 with groups >= 4 and head_dim <= 128, elsewhere
+//                           score_kernel)
+//   merge     (Hq × B)      per head: max and denominator over the tiles (float64 scoring; with fp32 scoring the
+//                           last score block of each grid column merges its heads' partials: no launch)
 //   vote      (tiles, sets, B) vote[t] = Σ_h exp(s - m_h) / Z_h over the set's heads (fp32 scoring: its log, as a
 //                           running log-sum-exp, log_vote_kernel)
 //   device_topk             T (token ids, ascending) straight into the cache slot (or scratch); skipped on a hit
@@ -50,8 +52,56 @@ using namespace token_select;  // the parameters, constants and device helpers s
 
 // ---- Kernels ----
 
-// Block (h, b): the sequence's mode and candidate count (h = 0), q̄_h = mean of the call's rows of head h.
+// The last prepare block of sequence b: may the cached T of slot b be reused (cos(q̄, cached) >= theta and every
+// cached id still a candidate)? Hit: skip the selection. Miss: the slot takes this call's q̄ (already in its other
+// copy) and layout now and its T from device_topk later. Counts both. The partials are summed in head order, so
+// the decision is deterministic.
+__device__ void decide_lookup(const SelectParams& sp, int32_t b, bool same_layout) {
+  __shared__ int32_t hit;
+  const int32_t heads = sp.p.num_q_heads;
+  const int64_t qbar_len = int64_t(heads) * sp.p.head_dim;
+  if (threadIdx.x < kWarpLanes) {  // one warp: lane l adds heads l, l + lanes, ..., then a fixed shuffle tree
+    double v[kLookupSums] = {0.0, 0.0, 0.0, 0.0};
+    for (int32_t h = threadIdx.x; h < heads; h += kWarpLanes) {
+      const double* partial = sp.lookup_partials + (int64_t(b) * heads + h) * kLookupSums;
+      for (int j = 0; j < kLookupSums; ++j) v[j] += __ldcg(partial + j);  // written by other blocks: not from L1
+    }
+    for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) {
+      for (int j = 0; j < kLookupSums; ++j) v[j] += warp_shfl_xor(v[j], offset);
+    }
+    if (threadIdx.x == 0) {
+      hit = same_layout && v[3] == 0.0 && v[1] > 0.0 && v[2] > 0.0 &&
+            v[0] / (sqrt(v[1]) * sqrt(v[2])) >= sp.cache_theta;
+    }
+  }
+  __syncthreads();
+  int32_t* slot = sp.cache.slots + int64_t(b) * kSlotFields;
+  if (hit) {
+    if (threadIdx.x == 0) {
+      sp.skip[b] = 1;
+      atomicAdd(&sp.cache.totals[0], 1ull);
+      stats_add(sp.stats, SPARSA_STAT_CACHE_HITS, 1);
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    slot[kSlotFilled] = 1;
+    slot[kSlotQbarCopy] ^= 1;  // this run's q̄, written beside the cached one by the prepare blocks
+    slot[kSlotQbarLength] = int32_t(qbar_len);
+    slot[kSlotSets] = sp.n_sets;
+    slot[kSlotTopK] = sp.top_k;
+    atomicAdd(&sp.cache.totals[1], 1ull);
+    stats_add(sp.stats, SPARSA_STAT_CACHE_MISSES, 1);
+  }
+}
+
+// Block (h, b): the sequence's mode and candidate count (h = 0), q̄_h = mean of the call's rows of head h. With a
+// selection cache, the block also adds up its head's share of the lookup (§6.5, the CPU's can_reuse): q̄_h·cached_h,
+// |q̄_h|², |cached_h|² and whether its slice of the cached ids leaves the candidates; the sequence's last block to
+// finish decides (decide_lookup). A separate lookup kernel would cost a launch and wait for all of q̄ anyway.
 __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const SelectParams sp) {
+  __shared__ double scratch[kLookupSums * kPrepareThreads / kWarpLanes], sums[kLookupSums];
+  __shared__ int32_t is_last;
   const int32_t h = blockIdx.x, b = blockIdx.y;
   const SequenceView s = make_sequence_view(sp.p, b, h);
   const int64_t always_kept = int64_t(sp.n_init) + sp.n_local;
@@ -64,77 +114,70 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const SelectPa
     }
     for (int32_t set = threadIdx.x; set < sp.n_sets; set += blockDim.x) sp.segment_lengths[b * sp.n_sets + set] = candidates;
   }
-  if (mode != kSelects) return;
+  if (mode != kSelects) return;  // the same for every head: a sequence's blocks all arrive below, or none does
+  if (threadIdx.x == 0 && sp.merge_arrivals != nullptr) sp.merge_arrivals[int64_t(b) * sp.p.num_q_heads + h] = 0;
+  const bool lookup = sp.cache.slots != nullptr;
+  const int64_t qbar_len = int64_t(sp.p.num_q_heads) * sp.p.head_dim;
+  const int32_t* slot = lookup ? sp.cache.slots + int64_t(b) * kSlotFields : nullptr;
+  // Read before this block arrives: the deciding block rewrites the slot (and which q̄ copy is cached) only after
+  // every block of the sequence has arrived; T changes later still (device_topk).
+  const bool same_layout = lookup && slot[kSlotFilled] != 0 && slot[kSlotQbarLength] == qbar_len &&
+                           slot[kSlotSets] == sp.n_sets && slot[kSlotTopK] == sp.top_k;
   double* qbar = sp.qbar + (int64_t(b) * sp.p.num_q_heads + h) * sp.p.head_dim;
+  const double* cached = nullptr;
+  double* next = nullptr;  // the slot's other q̄ copy: the cached one if this run misses
+  if (lookup) {
+    const int32_t copy = slot[kSlotQbarCopy] & 1;
+    double* copies = sp.cache.qbars + (2 * int64_t(b)) * sp.cache.qbar_capacity + int64_t(h) * sp.p.head_dim;
+    cached = copies + copy * sp.cache.qbar_capacity;
+    next = copies + (copy ^ 1) * sp.cache.qbar_capacity;
+  }
+  double v[kLookupSums] = {0.0, 0.0, 0.0, 0.0};  // q̄·cached, |q̄|², |cached|², cached ids outside C
   for (int32_t d = threadIdx.x; d < sp.p.head_dim; d += blockDim.x) {
     double sum = 0.0;
     for (int32_t i = 0; i < s.seq_q; ++i) sum += double(load_value(sp.p.q, query_row_offset(sp.p.q_strides, s, i) + d, sp.p.element_type));
-    qbar[d] = sum / double(s.seq_q);
-  }
-}
-
-// Block b: may the cached T of slot b be reused (§6.5, the CPU's can_reuse)? Hit: skip the selection. Miss: the
-// slot takes this call's q̄ and layout now and its T from device_topk later. Counts both.
-__global__ void __launch_bounds__(kReduceThreads) cache_lookup_kernel(const SelectParams sp) {
-  __shared__ double scratch[3 * kReduceThreads / kWarpLanes], sums[3];
-  __shared__ int32_t ids_outside;
-  const int32_t b = blockIdx.x;
-  const SequenceInfo info = sp.sequences[b];
-  if (info.mode != kSelects) return;  // dense and empty sequences leave their slot alone and count nothing
-  const SequenceView s = make_sequence_view(sp.p, b, 0);
-  const int64_t qbar_len = int64_t(sp.p.num_q_heads) * sp.p.head_dim;
-  int32_t* slot = sp.cache.slots + int64_t(b) * kSlotFields;
-  const double* now = sp.qbar + b * qbar_len;
-  double* cached = sp.cache.qbars + b * sp.cache.qbar_capacity;
-  const bool same_layout = slot[kSlotFilled] != 0 && slot[kSlotQbarLength] == qbar_len &&
-                           slot[kSlotSets] == sp.n_sets && slot[kSlotTopK] == sp.top_k;
-  if (threadIdx.x == 0) ids_outside = 0;
-  double v[3] = {0.0, 0.0, 0.0};  // q̄·cached, |q̄|², |cached|²
-  if (same_layout) {
-    for (int64_t i = threadIdx.x; i < qbar_len; i += blockDim.x) {
-      v[0] = fma(now[i], cached[i], v[0]);
-      v[1] = fma(now[i], now[i], v[1]);
-      v[2] = fma(cached[i], cached[i], v[2]);
+    const double mean = sum / double(s.seq_q);
+    qbar[d] = mean;
+    if (lookup) next[d] = mean;
+    if (same_layout) {
+      v[0] = fma(mean, cached[d], v[0]);
+      v[1] = fma(mean, mean, v[1]);
+      v[2] = fma(cached[d], cached[d], v[2]);
     }
   }
-  __syncthreads();
+  if (!lookup) return;
   if (same_layout) {
     const int32_t* ids = sp.cache.selections + b * sp.cache.selection_capacity;
     const int64_t first = sp.n_init, last = int64_t(s.seq_k) - sp.n_local;
-    for (int64_t i = threadIdx.x; i < int64_t(sp.n_sets) * sp.top_k; i += blockDim.x) {
-      if (ids[i] < first || ids[i] >= last) ids_outside = 1;
+    const int64_t count = int64_t(sp.n_sets) * sp.top_k, share = (count + sp.p.num_q_heads - 1) / sp.p.num_q_heads;
+    const int64_t end = min(count, (h + 1) * share);
+    for (int64_t i = h * share + threadIdx.x; i < end; i += blockDim.x) {
+      if (ids[i] < first || ids[i] >= last) v[3] = 1.0;
     }
   }
-  block_reduce<3, false>(v, scratch, sums);  // also orders ids_outside
-  const bool hit = same_layout && ids_outside == 0 && sums[1] > 0.0 && sums[2] > 0.0 &&
-                   sums[0] / (sqrt(sums[1]) * sqrt(sums[2])) >= sp.cache_theta;
-  if (hit) {
-    if (threadIdx.x == 0) {
-      sp.skip[b] = 1;
-      atomicAdd(&sp.cache.totals[0], 1ull);
-      stats_add(sp.stats, SPARSA_STAT_CACHE_HITS, 1);
-    }
-    return;
-  }
-  for (int64_t i = threadIdx.x; i < qbar_len; i += blockDim.x) cached[i] = now[i];  // reads finished above
+  block_reduce<kLookupSums, false>(v, scratch, sums);
   if (threadIdx.x == 0) {
-    slot[kSlotFilled] = 1;
-    slot[kSlotQbarLength] = int32_t(qbar_len);
-    slot[kSlotSets] = sp.n_sets;
-    slot[kSlotTopK] = sp.top_k;
-    atomicAdd(&sp.cache.totals[1], 1ull);
-    stats_add(sp.stats, SPARSA_STAT_CACHE_MISSES, 1);
+    double* partial = sp.lookup_partials + (int64_t(b) * sp.p.num_q_heads + h) * kLookupSums;
+    for (int j = 0; j < kLookupSums; ++j) partial[j] = sums[j];
+    __threadfence();  // the partial is visible before the arrival (q̄ is read by later launches only)
+    // Wraps to 0 at the last arrival, so the counter is ready for the next run without a reset.
+    is_last = atomicInc(reinterpret_cast<unsigned int*>(&sp.cache.slots[int64_t(b) * kSlotFields + kSlotArrivals]),
+                        unsigned(sp.p.num_q_heads - 1)) == unsigned(sp.p.num_q_heads - 1);
   }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  decide_lookup(sp, b, same_layout);
 }
 
-// Block (h, b): m_h = max over the tiles (fp32 scoring: the score blocks' partials), Z_h = Σ sum · exp(max - m_h).
+// Float64 scoring, block (h, b): m_h = max over the tiles, Z_h = Σ sum · exp(max - m_h) (fp32 scoring merges in
+// the score kernel: merge_partials_if_last).
 __global__ void __launch_bounds__(kReduceThreads) merge_kernel(const SelectParams sp) {
   __shared__ double scratch[kReduceThreads / kWarpLanes], result[1];
   const int32_t h = blockIdx.x, b = blockIdx.y;
   const SequenceInfo info = sp.sequences[b];
   if (info.mode != kSelects || sp.skip[b] != 0) return;
-  const int32_t candidate_tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
-  const int32_t tiles = sp.scores32 != nullptr ? min(sp.stat_partials, candidate_tiles) : candidate_tiles;
+  const int32_t tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
   const int64_t row = int64_t(b) * sp.p.num_q_heads + h;
   const double* maxima = sp.tile_max + row * sp.tiles;
   const double* sums = sp.tile_sum + row * sp.tiles;
@@ -184,16 +227,43 @@ __global__ void __launch_bounds__(kScoreTile) vote_kernel(const SelectParams sp)
 // head, the others' exp(s - m) fall far below fp32's range while their order still decides the top-k. The top-k of
 // the log votes is that of the votes (log is increasing).
 constexpr int kLogVoteLoads = 8;  // heads' scores a thread loads before using any
+// Consecutive candidates per thread: 4 (one 16-byte load per head, four chains to fold) where a grid of such tiles
+// still fills the GPU, else 1 (at 128K candidates, 4 per thread leaves a quarter of the threads to hide the latency).
+constexpr int kLogVoteWideColumns = 4;
+
+// Folds x into the running log-sum-exp (max, Σ exp(x - max)).
+__device__ __forceinline__ void fold_log_sum_exp(float x, float& running_max, float& running_sum) {
+  if (x > running_max) {
+    running_sum = running_sum * expf(running_max - x) + 1.0f;
+    running_max = x;
+  } else {
+    running_sum += expf(x - running_max);
+  }
+}
+
+// Block (x, set, b) walks tiles of kScoreTile · kColumns candidates; a thread takes kColumns consecutive ones (one
+// float4 per head when 4: a score row's stride is a multiple of kScoreTile, so the last group of a row stays inside
+// it, and lanes past the candidates compute values nobody reads). Each candidate's fold runs over the heads in order,
+// whatever kColumns is, so the votes do not depend on it.
+template <int kColumns>
 __global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams sp) {
+  static_assert(kColumns == 1 || kColumns == 4, "one float or one float4 per head");
+  static_assert(kScoreTile % kColumns == 0, "score rows' strides keep every candidate group whole");
+  constexpr int kTile = kScoreTile * kColumns;
   __shared__ float head_lse[kVoteHeadsPerPass];
   const int32_t set = blockIdx.y, b = blockIdx.z;
   const SequenceInfo info = sp.sequences[b];
   if (info.mode != kSelects || sp.skip[b] != 0) return;
-  const int32_t tiles = (info.candidates + kScoreTile - 1) / kScoreTile;
+  const int32_t tiles = (info.candidates + kTile - 1) / kTile;
   const int64_t first_row = int64_t(b) * sp.p.num_q_heads + int64_t(set) * sp.heads_per_set;
   for (int32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int32_t c = tile * kScoreTile + threadIdx.x;
-    float running_max = -INFINITY, running_sum = 0.0f;
+    const int32_t c = tile * kTile + threadIdx.x * kColumns;
+    float running_max[kColumns], running_sum[kColumns];
+#pragma unroll
+    for (int k = 0; k < kColumns; ++k) {
+      running_max[k] = -INFINITY;
+      running_sum[k] = 0.0f;
+    }
     for (int32_t h0 = 0; h0 < sp.heads_per_set; h0 += kVoteHeadsPerPass) {
       const int32_t n = min(kVoteHeadsPerPass, sp.heads_per_set - h0);
       __syncthreads();  // the previous pass's values are read
@@ -204,27 +274,41 @@ __global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams
       __syncthreads();
       if (c < info.candidates) {
         for (int32_t j0 = 0; j0 < n; j0 += kLogVoteLoads) {
-          float x[kLogVoteLoads];  // loaded together, then folded in
+          float x[kLogVoteLoads][kColumns];  // loaded together, then folded in
 #pragma unroll
           for (int i = 0; i < kLogVoteLoads; ++i) {
-            x[i] = j0 + i < n ? sp.scores32[(first_row + h0 + j0 + i) * sp.score_stride + c] - head_lse[j0 + i] : -INFINITY;
+            if (j0 + i >= n) continue;
+            const float* at = sp.scores32 + (first_row + h0 + j0 + i) * sp.score_stride + c;
+            if constexpr (kColumns == 4) {
+              const float4 v = *reinterpret_cast<const float4*>(at);
+              x[i][0] = v.x;
+              x[i][1] = v.y;
+              x[i][2] = v.z;
+              x[i][3] = v.w;
+            } else {
+              x[i][0] = *at;
+            }
           }
 #pragma unroll
           for (int i = 0; i < kLogVoteLoads; ++i) {
             if (j0 + i < n) {  // a condition, not a break: the loop stays unrollable
-              if (x[i] > running_max) {
-                running_sum = running_sum * expf(running_max - x[i]) + 1.0f;
-                running_max = x[i];
-              } else {
-                running_sum += expf(x[i] - running_max);
-              }
+              const float lse = head_lse[j0 + i];
+#pragma unroll
+              for (int k = 0; k < kColumns; ++k) fold_log_sum_exp(x[i][k] - lse, running_max[k], running_sum[k]);
             }
           }
         }
       }
     }
     if (c < info.candidates) {
-      sp.log_votes[(int64_t(b) * sp.n_sets + set) * sp.score_stride + c] = running_max + logf(running_sum);
+      float* out = sp.log_votes + (int64_t(b) * sp.n_sets + set) * sp.score_stride + c;
+      if constexpr (kColumns == 4) {
+        *reinterpret_cast<float4*>(out) =
+            make_float4(running_max[0] + logf(running_sum[0]), running_max[1] + logf(running_sum[1]),
+                        running_max[2] + logf(running_sum[2]), running_max[3] + logf(running_sum[3]));
+      } else {
+        *out = running_max[0] + logf(running_sum[0]);
+      }
     }
   }
 }
@@ -297,7 +381,7 @@ class DeviceSelectionCache final : public SelectionCacheState {
     const uint64_t slots = uint64_t(std::max(dims.max_batch, 0));
     const uint64_t slots_at = 2 * sizeof(unsigned long long);
     const uint64_t qbars_at = align(slots_at + slots * kSlotFields * sizeof(int32_t));
-    const uint64_t selections_at = qbars_at + slots * uint64_t(view_.qbar_capacity) * sizeof(double);
+    const uint64_t selections_at = qbars_at + 2 * slots * uint64_t(view_.qbar_capacity) * sizeof(double);
     bytes_ = selections_at + slots * uint64_t(view_.selection_capacity) * sizeof(int32_t);
     check(cudaMalloc(&memory_, bytes_), "cudaMalloc (selection cache)");
     const cudaError_t cleared = cudaMemsetAsync(memory_, 0, qbars_at, device_->stream);
@@ -438,6 +522,7 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   sp.segment_lengths = carver.take<int32_t>(uint64_t(segments));
   sp.skip = carver.take<int32_t>(uint64_t(batch));
   sp.qbar = carver.take<double>(uint64_t(batch * heads * problem.head_dim));
+  sp.lookup_partials = carver.take<double>(uint64_t(batch * heads) * kLookupSums);
   const uint64_t tile_stats = uint64_t(batch * heads) * uint64_t(shape.tiles);
   sp.tile_max = carver.take<double>(tile_stats);
   sp.tile_sum = carver.take<double>(tile_stats);
@@ -445,6 +530,7 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   sp.head_sum = carver.take<double>(uint64_t(batch * heads));
   if (scores_in_fp32(problem, sp.p)) {
     sp.scores32 = carver.take<float>(uint64_t(batch * heads) * uint64_t(shape.score_stride));
+    sp.merge_arrivals = carver.take<unsigned int>(uint64_t(batch * heads));  // a score grid has <= Hq columns
     sp.stat_partials = stat_partials(device, problem, sp);
   } else {
     sp.scores = carver.take<double>(uint64_t(batch * heads) * uint64_t(shape.score_stride));
@@ -478,18 +564,23 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   const cudaStream_t stream = device.stream;
   prepare_kernel<<<dim3(unsigned(heads), unsigned(batch)), kPrepareThreads, 0, stream>>>(sp);
   check(cudaGetLastError(), "token_select prepare_kernel launch");
-  if (cache != nullptr) {
-    cache_lookup_kernel<<<unsigned(batch), kReduceThreads, 0, stream>>>(sp);
-    check(cudaGetLastError(), "token_select cache_lookup_kernel launch");
-  }
   if (!shape.all_dense) {
     launch_scores(device, problem, sp, shape.tiles, batch);
-    merge_kernel<<<dim3(unsigned(heads), unsigned(batch)), kReduceThreads, 0, stream>>>(sp);
-    check(cudaGetLastError(), "token_select merge_kernel launch");
-    const dim3 vote_grid(tile_blocks(device, shape.tiles, segments), unsigned(shape.n_sets), unsigned(batch));
-    if (sp.scores32 != nullptr) {
-      log_vote_kernel<<<vote_grid, kScoreTile, 0, stream>>>(sp);
+    if (sp.scores32 != nullptr) {  // m_h, Z_h: merged by the score kernel's last blocks
+      constexpr int64_t kWideTile = int64_t(kScoreTile) * kLogVoteWideColumns;
+      const int64_t wide_tiles = (shape.max_candidates + kWideTile - 1) / kWideTile;
+      if (wide_tiles * segments >= int64_t(device.multiprocessors) * kScoreBlocksPerSm) {
+        const dim3 vote_grid(tile_blocks(device, int32_t(wide_tiles), segments), unsigned(shape.n_sets),
+                             unsigned(batch));
+        log_vote_kernel<kLogVoteWideColumns><<<vote_grid, kScoreTile, 0, stream>>>(sp);
+      } else {
+        const dim3 vote_grid(tile_blocks(device, shape.tiles, segments), unsigned(shape.n_sets), unsigned(batch));
+        log_vote_kernel<1><<<vote_grid, kScoreTile, 0, stream>>>(sp);
+      }
     } else {
+      const dim3 vote_grid(tile_blocks(device, shape.tiles, segments), unsigned(shape.n_sets), unsigned(batch));
+      merge_kernel<<<dim3(unsigned(heads), unsigned(batch)), kReduceThreads, 0, stream>>>(sp);
+      check(cudaGetLastError(), "token_select merge_kernel launch");
       vote_kernel<<<vote_grid, kScoreTile, 0, stream>>>(sp);
     }
     check(cudaGetLastError(), "token_select vote_kernel launch");

@@ -15,7 +15,7 @@ SPARSA_GPU_NAMESPACE_BEGIN
 namespace token_select {
 
 constexpr int kPrepareThreads = 128;
-constexpr int kReduceThreads = 1024;  // lookup and merge: one block per sequence or head, few loads per thread
+constexpr int kReduceThreads = 1024;  // merge: one block per head, few loads per thread
 constexpr int kScoreThreads = 128;
 constexpr int kScoreTile = 2 * kScoreThreads;  // candidates per score/vote tile: two rows per score thread
 constexpr int kPieceBytes = 16;                // one vector load / one cp.async
@@ -34,7 +34,19 @@ constexpr double kF16Rescale = 0x1p1008;
 constexpr double kWideRescale = 0x1p896;  // bf16 and f32
 
 enum SequenceMode : int32_t { kNoRows = 0, kDense = 1, kSelects = 2 };
-enum CacheSlotField : int32_t { kSlotFilled = 0, kSlotQbarLength = 1, kSlotSets = 2, kSlotTopK = 3, kSlotFields = 4 };
+// A slot's fields. kSlotArrivals counts the prepare blocks of the current run that finished their lookup share;
+// kSlotQbarCopy says which of the slot's two q̄ copies is the cached one (the run writes its q̄ into the other, and
+// a miss makes that one current: no copy after the decision).
+enum CacheSlotField : int32_t {
+  kSlotFilled = 0,
+  kSlotQbarLength = 1,
+  kSlotSets = 2,
+  kSlotTopK = 3,
+  kSlotArrivals = 4,
+  kSlotQbarCopy = 5,
+  kSlotFields = 6
+};
+constexpr int kLookupSums = 4;  // per head: q̄·cached, |q̄|², |cached|², cached ids outside the candidates
 
 struct SequenceInfo {
   int32_t mode = kNoRows;
@@ -45,7 +57,7 @@ struct SequenceInfo {
 struct CacheView {
   int32_t* slots = nullptr;                // [max_batch, kSlotFields]
   unsigned long long* totals = nullptr;    // hits, misses since creation or reset
-  double* qbars = nullptr;                 // [max_batch, qbar_capacity]
+  double* qbars = nullptr;                 // [max_batch, 2, qbar_capacity]: the cached q̄ and the next one
   int32_t* selections = nullptr;           // [max_batch, selection_capacity]
   int64_t qbar_capacity = 0, selection_capacity = 0;
 };
@@ -64,8 +76,10 @@ struct SelectParams {
   int32_t* segment_lengths = nullptr;  // [B * n_sets]: |C| per top-k segment
   int32_t* skip = nullptr;             // [B]: nothing to select (no rows, dense or a cache hit)
   double* qbar = nullptr;              // [B, Hq, D]
+  double* lookup_partials = nullptr;   // [B, Hq, kLookupSums]: each head's share of the cache lookup
   double* tile_max = nullptr;          // [B, Hq, tiles]: per tile (float64 scoring) or per score block (fp32)
   double* tile_sum = nullptr;
+  unsigned int* merge_arrivals = nullptr;  // [B, Hq]: fp32 scoring, score blocks of a grid column done (prepare zeroes)
   double* head_max = nullptr;          // [B, Hq]
   double* head_sum = nullptr;
   double* scores = nullptr;            // [B, Hq, score_stride]: exp(s - tile max) (float64 scoring)
@@ -199,6 +213,39 @@ __device__ __forceinline__ void write_block_partial(const SelectParams& sp, int6
   }
   sp.tile_max[(row0 + j) * sp.tiles + blockIdx.x] = m;
   sp.tile_sum[(row0 + j) * sp.tiles + blockIdx.x] = total;
+}
+
+// fp32 scoring, called by every thread of an active score block after its partials are written: the last active
+// block of the grid's (y, b) column merges all of the column's partials of its heads into m_h = max and
+// Z_h = Σ sum · exp(max - m_h) (head_max / head_sum), one warp per head in a fixed order. The float64 path's
+// merge_kernel does the same in a launch of its own, which would wait for the whole grid.
+__device__ __forceinline__ void merge_partials_if_last(const SelectParams& sp, const ScoreBlock& block, int64_t row0) {
+  __shared__ int32_t is_last;
+  const int32_t partials = min(int32_t(gridDim.x), block.tiles);  // the column's active blocks, one partial each
+  __threadfence();  // this thread's partial writes are visible before the block's arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int* arrivals = sp.merge_arrivals + int64_t(block.b) * sp.p.num_q_heads + blockIdx.y;
+    is_last = atomicAdd(arrivals, 1u) == unsigned(partials - 1);
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int warps = blockDim.x / kWarpLanes, warp = threadIdx.x / kWarpLanes, lane = threadIdx.x % kWarpLanes;
+  for (int j = warp; j < block.heads; j += warps) {
+    const double* maxima = sp.tile_max + (row0 + j) * sp.tiles;  // other blocks' writes: loaded past L1
+    const double* sums = sp.tile_sum + (row0 + j) * sp.tiles;
+    double m = -INFINITY;
+    for (int32_t t = lane; t < partials; t += kWarpLanes) m = fmax(m, __ldcg(maxima + t));
+    for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) m = fmax(m, warp_shfl_xor(m, offset));
+    double z = 0.0;
+    for (int32_t t = lane; t < partials; t += kWarpLanes) z += __ldcg(sums + t) * exp(__ldcg(maxima + t) - m);
+    for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) z += warp_shfl_xor(z, offset);
+    if (lane == 0) {
+      sp.head_max[row0 + j] = m;
+      sp.head_sum[row0 + j] = z;
+    }
+  }
 }
 
 __device__ __forceinline__ int32_t* selection_of(const SelectParams& sp, int32_t b, int32_t set) {

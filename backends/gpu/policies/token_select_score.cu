@@ -677,6 +677,7 @@ __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) s
     const int j = threadIdx.x;
     write_block_partial(sp, row0, j, holder_max[j], holder_sum[j], kHolders);
   }
+  merge_partials_if_last(sp, block, row0);
 }
 
 template <ElementType kType, int kLanesPerKey>

@@ -269,6 +269,7 @@ __global__ void __launch_bounds__(kTcThreads, kTcBlocksPerSm) score_tc_kernel(co
     const int j = threadIdx.x;
     write_block_partial(sp, row0, j, holder_max[j], holder_sum[j], kTcHolders);
   }
+  merge_partials_if_last(sp, block, row0);
 #endif
 }
 

@@ -17,7 +17,8 @@
 //     |ŝ_h − ŝ_h*| <= eps · ŝ_h*   and   |s_l − s_l*| <= eps · s_l*,   eps = 8E + 2^-12,
 // against the float64 oracle (*). Every top-budget decision whose oracle score is farther than eps (relative) from
 // the threshold, and every coverage count whose cumulative sum is farther than eps·τ from τ, agrees with the CPU.
-// tests/gpu/test_gpu_token_sparse.cpp checks exactly that, on inputs with decisions on both sides of eps.
+// tests/case_table.cpp (audit_sparse_sets, the TokenSparseCases rows) checks exactly that, on inputs with decisions
+// on both sides of eps.
 //
 // float64 (score_f64_kernel; everything else, HIP included): dot products, exponentials and sums in float64 as on
 // the CPU (tensor-core DMMA m8n8k4 on sm_80+, FMAs elsewhere); scores agree with the CPU's to ~1e-15 relative.

@@ -472,9 +472,9 @@ pub struct sparsa_selection_cache {
 extern "C" {
     #[doc = " Creates an empty cache for up to `max_batch` sequences, `num_q_heads` query heads, `num_kv_heads` kv heads,"]
     #[doc = " `head_dim` D and selections of up to `max_top_k` tokens per set (per kv head when select_per_kv_head is on)."]
-    #[doc = " A run whose shapes exceed these fails with SHAPE_MISMATCH. The cache allocates max_batch · (num_q_heads · head_dim"]
-    #[doc = " · 8 + num_kv_heads · max_top_k · 4) bytes here (OUT_OF_MEMORY when that fails); a size that does not fit int64 is"]
-    #[doc = " INVALID_ARGUMENT."]
+    #[doc = " A run whose shapes exceed these fails with SHAPE_MISMATCH. The cache allocates about max_batch · (num_q_heads ·"]
+    #[doc = " head_dim · 8 · c + num_kv_heads · max_top_k · 4) bytes here, c = 1 on the CPU and 2 on a GPU (a run writes its mean"]
+    #[doc = " query beside the cached one), OUT_OF_MEMORY when that fails; a size that does not fit int64 is INVALID_ARGUMENT."]
     pub fn sparsa_selection_cache_create(
         ctx: *mut sparsa_context,
         max_batch: i32,
