@@ -11,7 +11,7 @@ namespace st {
 
 enum class SkipKind {
   // BackendTest skips the test on this backend before its body runs (host memory handed to a device context,
-  // checks a backend cannot make by design).
+  // checks a backend cannot make by design, a rule of device memory on the CPU backend).
   kNotRunHere,
   // The test runs and may skip with this reason (backend unavailable on this machine, an UNSUPPORTED answer).
   kMaySkip,

@@ -1,5 +1,10 @@
 // §0 merge of partial attention states (sparsa_merge_states), and the exactness of merging disjoint key sets.
 #include <cmath>
+#include <cstring>
+#include <limits>
+#include <ostream>
+#include <string>
+#include <vector>
 
 #include "test_util.h"
 
@@ -131,6 +136,70 @@ TEST_P(Merge, ShapeMismatchWritesNothing) {
   sparsa_tensor o = st::host_tensor(out.data(), SPARSA_DTYPE_F32, {2, 3, 4, 8});
   EXPECT_EQ(sparsa_merge_states(ctx().get(), &oa, &l, &ob, &l, &o, nullptr), SPARSA_STATUS_SHAPE_MISMATCH);
   for (float x : out) ASSERT_TRUE(std::isnan(x));
+}
+
+// sparsa_merge_states on every backend (device memory through st::Buffer), one row per case: head dims below, at
+// and past one 32-thread row group of the device kernel, the merged state written in place into o_a, its LSE into
+// its own buffer, in place into lse_a, or not at all (out_lse NULL). Rows where both states or only a are empty
+// (-inf) are planted; the result is compared with the float64 formula (ref::merge_row) within 1e-5.
+enum class MergedLse { kOwnBuffer, kInPlace, kNotRequested };
+
+struct MergeRow {
+  std::string name;
+  int head_dim = 64;
+  MergedLse lse = MergedLse::kOwnBuffer;
+};
+inline void PrintTo(const MergeRow& r, std::ostream* os) { *os << r.name; }
+
+const std::vector<MergeRow> kMergeRows = {
+    {"f32_d16_lse_own_buffer", 16, MergedLse::kOwnBuffer},
+    {"f32_d32_lse_in_place", 32, MergedLse::kInPlace},
+    {"f32_d64_lse_not_requested", 64, MergedLse::kNotRequested},
+    {"f32_d80_lse_in_place", 80, MergedLse::kInPlace},
+    {"f32_d128_lse_own_buffer", 128, MergedLse::kOwnBuffer},
+};
+
+SPARSA_BACKEND_TABLE(MergeCases, MergeRow, kMergeRows);
+
+TEST_P(MergeCases, InPlaceMatchesTheFormula) {
+  const MergeRow& r = row();
+  constexpr double kTol = 1e-5;  // absolute, outputs and LSE
+  ST_RNG(rng, 0);
+  const int B = 2, S = 5, H = 3, D = r.head_dim;
+  State a = random_state(rng, B, S, H, D, 0.2), b = random_state(rng, B, S, H, D, 0.2);
+  a.lse[0] = b.lse[0] = -INFINITY;  // (b0, h0, s0): both empty
+  a.lse[1] = -INFINITY;             // (b0, h0, s1): only b
+  b.lse[1] = 0.5f;
+  const State want = reference_merge(a, b, B, S, H, D);
+  st::Buffer oa(ctx(), SPARSA_DTYPE_F32, {B, S, H, D}), ob(ctx(), SPARSA_DTYPE_F32, {B, S, H, D});
+  st::Buffer la(ctx(), SPARSA_DTYPE_F32, {B, H, S}), lb(ctx(), SPARSA_DTYPE_F32, {B, H, S});
+  st::Buffer lo(ctx(), SPARSA_DTYPE_F32, {B, H, S});
+  std::memcpy(oa.host().data(), a.o.data(), a.o.size() * 4);
+  std::memcpy(ob.host().data(), b.o.data(), b.o.size() * 4);
+  std::memcpy(la.host().data(), a.lse.data(), a.lse.size() * 4);
+  std::memcpy(lb.host().data(), b.lse.data(), b.lse.size() * 4);
+  std::fill(lo.as<float>(), lo.as<float>() + lo.elements(), std::numeric_limits<float>::quiet_NaN());
+  for (st::Buffer* buf : {&oa, &ob, &la, &lb, &lo}) buf->upload();
+  const sparsa_tensor toa = oa.tensor(), tob = ob.tensor(), tla = la.tensor(), tlb = lb.tensor(), tlo = lo.tensor();
+  const sparsa_tensor* out_lse = r.lse == MergedLse::kInPlace ? &tla : r.lse == MergedLse::kOwnBuffer ? &tlo : nullptr;
+  ASSERT_EQ(sparsa_merge_states(ctx().get(), &toa, &tla, &tob, &tlb, &toa, out_lse), SPARSA_STATUS_SUCCESS)
+      << sparsa_last_error_message();
+  for (st::Buffer* buf : {&oa, &la, &lo}) buf->download();
+  for (size_t e = 0; e < want.o.size(); ++e) {
+    ASSERT_NEAR(oa.as<float>()[e], want.o[e], kTol) << "out element " << e;
+  }
+  for (int d = 0; d < D; ++d) ASSERT_EQ(oa.as<float>()[d], 0.0f) << "both states -inf gives 0, d " << d;
+  const float* lse = r.lse == MergedLse::kInPlace ? la.as<float>() : lo.as<float>();
+  for (size_t e = 0; e < want.lse.size(); ++e) {
+    if (r.lse == MergedLse::kNotRequested) {
+      ASSERT_TRUE(std::isnan(lse[e])) << "out_lse is NULL, yet lse element " << e << " was written";
+      EXPECT_EQ(la.as<float>()[e], a.lse[e]) << "lse_a changed without out_lse";
+    } else if (std::isinf(want.lse[e])) {
+      ASSERT_EQ(lse[e], want.lse[e]) << "lse element " << e;
+    } else {
+      ASSERT_NEAR(lse[e], want.lse[e], kTol) << "lse element " << e;
+    }
+  }
 }
 
 // Attention over two disjoint key sets, merged, equals attention over their union (§0: exact for disjoint sets).

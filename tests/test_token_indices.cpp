@@ -1,5 +1,9 @@
 // §7 TOKEN_INDICES: each query head attends (causally) to the deduplicated union of its index row, optional block
-// expansion, n_init and n_local; out-of-range indices are errors.
+// expansion, n_init and n_local; out-of-range indices are errors in host memory and unused slots in device memory.
+#include <cstdint>
+#include <limits>
+#include <vector>
+
 #include "test_util.h"
 
 namespace {
@@ -161,6 +165,46 @@ TEST_P(TokenIndices, IndexOutsideItsRangeIsAnErrorNotACrash) {
   const st::RunResult r = st::run(ctx(), p, indices_policy(tp), opt);
   EXPECT_EQ(r.status, SPARSA_STATUS_INDEX_OUT_OF_RANGE) << r.message;
   EXPECT_TRUE(r.untouched);
+}
+
+// The header's promise for index tensors in device memory (sparsa.h, TOKEN_INDICES `indices`): their contents are
+// not read by the host (that would need a synchronisation inside the run), so an id outside its range is ignored like
+// a -1 slot: no error, no out-of-bounds read (bench/gpu/run_device.sh runs the suite under compute-sanitizer
+// memcheck). Bad ids planted in every seventh slot (past N, far past it, below -1) must give bit for bit the run with
+// those slots -1. Host memory refuses such ids instead (IndexOutsideItsRangeIsAnErrorNotACrash), so the CPU instance
+// is listed as not run in tests/expected_skips.cpp.
+TEST_P(TokenIndices, IdsOutsideTheirRangeInDeviceMemoryActAsUnusedSlots) {
+  ST_RNG(rng, 0);
+  const int Hq = 4, Skv = 3000, k = 96;
+  ref::Problem p = st::make_problem(1, Hq, 2, 128, {1}, {Skv}, true);
+  st::fill(p, Pattern::kRandom, rng);
+  p = st::rounded(p, SPARSA_DTYPE_BF16);
+  ref::TokenIndicesParams clean;
+  clean.h_idx = Hq;
+  clean.k = k;
+  for (int e = 0; e < Hq * k; ++e) clean.indices.push_back(rng.integer(0, Skv - 1));
+  std::vector<int32_t> planted(clean.indices.begin(), clean.indices.end());
+  const int32_t bad[] = {Skv, Skv + 5, 1 << 30, -7, std::numeric_limits<int32_t>::min()};
+  for (size_t e = 0; e < planted.size(); e += 7) {
+    planted[e] = bad[(e / 7) % (sizeof bad / sizeof bad[0])];
+    clean.indices[e] = -1;
+  }
+  st::RunOptions opt;
+  opt.dtype = SPARSA_DTYPE_BF16;
+  const st::RunResult want = check(ctx(), p, clean, opt);  // the -1 run, against the reference
+  ASSERT_EQ(want.status, SPARSA_STATUS_SUCCESS) << want.message;
+  opt.indices = planted;
+  opt.h_idx = Hq;
+  opt.k = k;
+  opt.selected_sets = Hq;
+  opt.selected_cap = Skv;
+  const st::RunResult got = st::run(ctx(), p, indices_policy(clean), opt);
+  st::expect_ok(got);
+  ASSERT_EQ(got.status, SPARSA_STATUS_SUCCESS) << got.message;
+  EXPECT_EQ(got.out.o, want.out.o) << "out-of-range device ids must act as -1 slots";
+  EXPECT_EQ(got.out.lse, want.out.lse);
+  EXPECT_EQ(got.selected, want.selected);
+  EXPECT_EQ(got.stats, want.stats);
 }
 
 TEST_P(TokenIndices, MissingIndicesIsANullPointer) {

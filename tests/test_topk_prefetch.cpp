@@ -1,8 +1,14 @@
-// §7 utilities: top-k from draft scores (token and block ids), STS head mapping, and the KV prefetch whose compact
-// buffer a TOKEN_INDICES decode run can use in place of the full cache.
+// §7 utilities: top-k from draft scores (token and block ids; a case table on every backend), STS head mapping, and
+// the KV prefetch whose compact buffer a TOKEN_INDICES decode run can use in place of the full cache.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <ostream>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "test_util.h"
 
@@ -14,52 +20,172 @@ SPARSA_BACKEND_SUITE(TopK);
 SPARSA_BACKEND_SUITE(KvPrefetch);
 SPARSA_BACKEND_SUITE(HeadMapping);
 
-// Reference of sparsa_topk_from_scores for one row: block sums (tail over its real tokens), top-k, ascending ids.
-ref::IndexSet reference_topk(const float* scores, int N, int k, int block_size) {
-  const int n_blocks = (N + block_size - 1) / block_size;
-  std::vector<double> block(n_blocks, 0.0);
-  for (int t = 0; t < N; ++t) block[t / block_size] += scores[t];
-  return ref::top_k(block, k);
-}
+// ------------------------------------------------------------------------------------------------------ top-k
+// sparsa_topk_from_scores as a case table, one row per case, on every backend (device memory through st::Buffer):
+// random rows with every k and block size, ties, NaN and signed zeros, a million values keeping 2048 and many
+// segments of 32K keeping half, each compared exactly with a host reference of the header's contract.
+enum class Scores {
+  kNormal,             // N(0, 1)
+  kCoarseNormal,       // N(0, 1) rounded to multiples of 1/64: exact ties at the threshold
+  kTailBlockWins,      // U(0, 1), the last 4 tokens of every row 3: a short tail block wins only summed over them
+  kOneAboveEqual,      // 1 everywhere, token 40 2: every other decision is a tie
+  kSpecialValues,      // 1 everywhere; 40: 2, 7: NaN, 250: +inf, 100..139: alternating -0 / +0 around 120: -inf
+  kAllEqual,           // 0.5 everywhere
+  kClusteredWithTies,  // U(0, 1e-3) (few exponents: most digits of a radix pass in few bins), 5000 ties at 7 above
+};
 
-// Runs sparsa_topk_from_scores and compares every row with the reference.
-void check_topk(const st::Context& ctx, const std::vector<float>& scores, int B, int H, int N, int k, int block_size) {
-  std::vector<int32_t> out(size_t(B) * H * k, -7);
-  sparsa_tensor s = st::host_tensor(const_cast<float*>(scores.data()), SPARSA_DTYPE_F32, {B, H, N});
-  sparsa_tensor o = st::host_tensor(out.data(), SPARSA_DTYPE_I32, {B, H, k});
-  ASSERT_EQ(sparsa_topk_from_scores(ctx.get(), &s, k, block_size, &o), SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
-  for (int row = 0; row < B * H; ++row) {
-    const ref::IndexSet want = reference_topk(scores.data() + size_t(row) * N, N, k, block_size);
-    const std::vector<int32_t> got(out.begin() + size_t(row) * k, out.begin() + size_t(row + 1) * k);
-    EXPECT_EQ(got, std::vector<int32_t>(want.begin(), want.end())) << "row " << row;
+struct TopKRow {
+  std::string name;
+  Scores scores = Scores::kNormal;
+  int batch = 1, heads = 1, count = 1, k = 1, block_size = 1;
+  int out_stride = 1;  // > 1: out_indices strided by this in its last dimension (the device's strided writes)
+
+  TopKRow& shape(int b, int h, int n) {
+    batch = b;
+    heads = h;
+    count = n;
+    return *this;
   }
+  TopKRow& keep(int kept) {
+    k = kept;
+    return *this;
+  }
+  TopKRow& blocks(int size) {
+    block_size = size;
+    return *this;
+  }
+  TopKRow& strided_out(int stride) {
+    out_stride = stride;
+    return *this;
+  }
+};
+inline void PrintTo(const TopKRow& r, std::ostream* os) { *os << r.name; }
+TopKRow topk_row(std::string name, Scores scores) {
+  TopKRow r;
+  r.name = std::move(name);
+  r.scores = scores;
+  return r;
 }
 
-TEST_P(TopK, TokenIdsOfTheKLargestScoresSortedAscending) {
-  ST_RNG(rng, 0);
-  const int B = 2, H = 3, N = 300;
-  std::vector<float> scores(size_t(B) * H * N);
-  for (float& x : scores) x = float(rng.normal());
-  for (int k : {1, 17, 300}) check_topk(ctx(), scores, B, H, N, k, 1);
+const std::vector<TopKRow> kTopKRows = {
+    // Random rows: every k, token and block ids (62 full 16-token blocks and a tail of 8), a strided output.
+    topk_row("normal_b2_h3_n1000_k1", Scores::kNormal).shape(2, 3, 1000).keep(1),
+    topk_row("normal_b2_h3_n1000_k17", Scores::kNormal).shape(2, 3, 1000).keep(17),
+    topk_row("normal_b2_h3_n1000_k_all", Scores::kNormal).shape(2, 3, 1000).keep(1000),
+    topk_row("normal_b2_h3_n1000_bs16_k1", Scores::kNormal).shape(2, 3, 1000).blocks(16).keep(1),
+    topk_row("normal_b2_h3_n1000_bs16_k7", Scores::kNormal).shape(2, 3, 1000).blocks(16).keep(7),
+    topk_row("normal_b2_h3_n1000_bs16_k_all", Scores::kNormal).shape(2, 3, 1000).blocks(16).keep(63),
+    topk_row("normal_b2_h3_n1000_k33_out_stride3", Scores::kNormal).shape(2, 3, 1000).keep(33).strided_out(3),
+    // The tail block is summed over its real tokens (no averaging, no padding).
+    topk_row("tail_block_h2_n100_bs16_k1", Scores::kTailBlockWins).shape(1, 2, 100).blocks(16).keep(1),
+    topk_row("tail_block_h2_n100_bs16_k3", Scores::kTailBlockWins).shape(1, 2, 100).blocks(16).keep(3),
+    topk_row("tail_block_h2_n100_bs16_k_all", Scores::kTailBlockWins).shape(1, 2, 100).blocks(16).keep(7),
+    // Ties: the smaller id wins, among tokens and among blocks (block 5 holds token 40, then blocks 0 and 1).
+    topk_row("ties_n64_k5", Scores::kOneAboveEqual).shape(1, 1, 64).keep(5),
+    topk_row("ties_n64_bs8_k3", Scores::kOneAboveEqual).shape(1, 1, 64).blocks(8).keep(3),
+    // NaN below every number (-inf included), -0 == +0 (a tie: the smaller id), k through the zero run and the NaN.
+    topk_row("special_n300_k1", Scores::kSpecialValues).shape(1, 1, 300).keep(1),
+    topk_row("special_n300_k2", Scores::kSpecialValues).shape(1, 1, 300).keep(2),
+    topk_row("special_n300_k5", Scores::kSpecialValues).shape(1, 1, 300).keep(5),
+    topk_row("special_n300_k260_inside_zeros", Scores::kSpecialValues).shape(1, 1, 300).keep(260),
+    topk_row("special_n300_k299_all_but_nan", Scores::kSpecialValues).shape(1, 1, 300).keep(299),
+    topk_row("special_n300_k_all", Scores::kSpecialValues).shape(1, 1, 300).keep(300),
+    topk_row("all_equal_n4096_k1000", Scores::kAllEqual).shape(1, 1, 4096).keep(1000),
+    // Long segments: many blocks per segment in every radix pass of the device's top-k.
+    topk_row("clustered_n1m_k2048", Scores::kClusteredWithTies).shape(1, 1, 1 << 20).keep(2048),
+    topk_row("clustered_n1m_bs4_k2048", Scores::kClusteredWithTies).shape(1, 1, 1 << 20).blocks(4).keep(2048),
+    topk_row("coarse_b2_h16_n32768_k_half", Scores::kCoarseNormal).shape(2, 16, 32768).keep(16384),
+};
+
+SPARSA_BACKEND_TABLE(TopKCases, TopKRow, kTopKRows);
+
+std::vector<float> topk_scores(const TopKRow& r, st::Rng& rng) {
+  const size_t rows = size_t(r.batch) * r.heads, n = size_t(r.count);
+  std::vector<float> s(rows * n);
+  switch (r.scores) {
+    case Scores::kNormal:
+      for (float& x : s) x = float(rng.normal());
+      break;
+    case Scores::kCoarseNormal:
+      for (float& x : s) x = float(std::round(rng.normal() * 64.0) / 64.0);
+      break;
+    case Scores::kTailBlockWins:
+      for (float& x : s) x = float(rng.uniform(0, 1));
+      for (size_t row = 0; row < rows; ++row)
+        for (size_t t = n - 4; t < n; ++t) s[row * n + t] = 3.0f;
+      break;
+    case Scores::kOneAboveEqual:
+      std::fill(s.begin(), s.end(), 1.0f);
+      s[40] = 2.0f;
+      break;
+    case Scores::kSpecialValues:
+      std::fill(s.begin(), s.end(), 1.0f);
+      s[40] = 2.0f;
+      s[7] = std::numeric_limits<float>::quiet_NaN();
+      s[250] = std::numeric_limits<float>::infinity();
+      for (int t = 100; t < 140; ++t) s[t] = (t % 2) ? -0.0f : 0.0f;
+      s[120] = -std::numeric_limits<float>::infinity();
+      break;
+    case Scores::kAllEqual:
+      std::fill(s.begin(), s.end(), 0.5f);
+      break;
+    case Scores::kClusteredWithTies:
+      for (float& x : s) x = float(rng.uniform(0, 1)) * 1e-3f;
+      for (int i = 0; i < 5000; ++i) s[size_t(rng.integer(0, int(s.size()) - 1))] = 7.0f;
+      break;
+  }
+  return s;
 }
 
-TEST_P(TopK, BlockIdsRankBlockSumsAndTheTailBlockSumsItsRealTokens) {
-  ST_RNG(rng, 0);
-  const int B = 1, H = 2, N = 100;  // 16-token blocks: 6 full + a tail of 4
-  std::vector<float> scores(size_t(B) * H * N);
-  for (float& x : scores) x = float(rng.uniform(0, 1));
-  // Make the 4-token tail block win only if summed over its real tokens (no averaging, no padding).
-  for (int h = 0; h < H; ++h)
-    for (int t = 96; t < 100; ++t) scores[size_t(h) * N + t] = 3.0f;
-  for (int k : {1, 3, 7}) check_topk(ctx(), scores, B, H, N, k, 16);
+// The header's contract for one row (sparsa.h, sparsa_topk_from_scores; ALGORITHMS.md §0 and §7): block sums over
+// [id·bs, (id+1)·bs) in float64 (the tail over its real tokens); larger first, NaN below every number, ties (-0 ==
+// +0 included) to the smaller id; the k ids ascending.
+std::vector<int32_t> reference_topk(const float* scores, int count, int k, int block_size) {
+  const int ids = (count + block_size - 1) / block_size;
+  std::vector<double> value(ids, 0.0);
+  for (int t = 0; t < count; ++t) value[t / block_size] += double(scores[t]);
+  std::vector<int32_t> order(ids);
+  std::iota(order.begin(), order.end(), 0);
+  auto before = [&](int32_t a, int32_t b) {
+    const bool nan_a = std::isnan(value[a]), nan_b = std::isnan(value[b]);
+    if (nan_a != nan_b) return nan_b;
+    if (!nan_a && value[a] != value[b]) return value[a] > value[b];
+    return a < b;
+  };
+  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
+  std::vector<int32_t> kept(order.begin(), order.begin() + k);
+  std::sort(kept.begin(), kept.end());
+  return kept;
 }
 
-TEST_P(TopK, TiesPreferSmallerIndex) {
-  const int N = 64;
-  std::vector<float> scores(N, 1.0f);
-  scores[40] = 2.0f;
-  check_topk(ctx(), scores, 1, 1, N, 5, 1);  // {0, 1, 2, 3, 40}
-  check_topk(ctx(), scores, 1, 1, N, 3, 8);  // block 5 holds 40, then blocks 0 and 1
+TEST_P(TopKCases, MatchesTheReferenceExactly) {
+  const TopKRow& r = row();
+  st::Rng rng(st::test_seed(0));
+  const std::vector<float> scores = topk_scores(r, rng);
+  const int64_t s = r.out_stride;
+  st::Buffer in(ctx(), SPARSA_DTYPE_F32, {r.batch, r.heads, r.count});
+  st::Buffer out(ctx(), SPARSA_DTYPE_I32, {r.batch, r.heads, r.k}, {int64_t(r.heads) * r.k * s, r.k * s, s});
+  std::memcpy(in.host().data(), scores.data(), scores.size() * sizeof(float));
+  constexpr int32_t kPoison = int32_t(0xabababab);  // negative: never an id
+  std::fill(out.as<int32_t>(), out.as<int32_t>() + out.elements(), kPoison);
+  in.upload();
+  out.upload();
+  const sparsa_tensor ts = in.tensor(), to = out.tensor();
+  ASSERT_EQ(sparsa_topk_from_scores(ctx().get(), &ts, r.k, r.block_size, &to), SPARSA_STATUS_SUCCESS)
+      << sparsa_last_error_message();
+  out.download();
+  const int32_t* got = out.as<int32_t>();
+  for (size_t e = 0; e < out.elements(); ++e) {
+    if (e % size_t(s) != 0) {
+      ASSERT_EQ(got[e], kPoison) << "element " << e << " between the strided slots written";
+    }
+  }
+  for (int row_id = 0; row_id < r.batch * r.heads; ++row_id) {
+    const std::vector<int32_t> want = reference_topk(&scores[size_t(row_id) * r.count], r.count, r.k, r.block_size);
+    for (int j = 0; j < r.k; ++j) {
+      ASSERT_EQ(got[(size_t(row_id) * r.k + j) * s], want[j]) << "row " << row_id << ", slot " << j << " of " << r.k;
+    }
+  }
 }
 
 TEST_P(TopK, KOutsideOneToCountIsAShapeMismatch) {

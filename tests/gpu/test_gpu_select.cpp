@@ -1,8 +1,8 @@
-// GPU tests of the selection machinery: the device top-k (through sparsa_topk_from_scores), the device selection
-// cache under CUDA-graph replay against the CPU backend (the oracle) on identical inputs, and sparsa_kv_prefetch from
-// pinned host and device sources. The TOKEN_SELECT cases without a cache are rows of the backend-parameterised case
-// table (tests/test_attention_case_tables.cpp, SelectCases). Outputs are poisoned before every run; everything skips
-// cleanly without a CUDA device.
+// What only CUDA has in the selection machinery: the device selection cache under CUDA-graph replay against the CPU
+// backend (the oracle) on identical inputs, and sparsa_kv_prefetch from pinned (CUDA_HOST) and device sources. The
+// device top-k is the backend-parameterised table TopKCases (tests/test_topk_prefetch.cpp), the TOKEN_SELECT cases
+// without a cache are rows of SelectCases (tests/test_attention_case_tables.cpp). Outputs are poisoned before every
+// run; everything skips cleanly without a CUDA device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sparsa/sparsa.h>
@@ -40,100 +40,6 @@ struct Context {
   sparsa_context* ctx = nullptr;
   sparsa_status status = SPARSA_STATUS_SUCCESS;
 };
-
-// =====================================================================================================================
-// Device top-k through sparsa_topk_from_scores
-// =====================================================================================================================
-
-// Host reference: larger first, NaN last, ties (incl. -0 == +0) to the smaller id; the k ids ascending.
-std::vector<int32_t> reference_topk(const std::vector<double>& values, int k) {
-  std::vector<int32_t> order(values.size());
-  std::iota(order.begin(), order.end(), 0);
-  auto before = [&](int32_t a, int32_t b) {
-    const bool na = std::isnan(values[a]), nb = std::isnan(values[b]);
-    if (na != nb) return nb;
-    if (!na && values[a] != values[b]) return values[a] > values[b];
-    return a < b;
-  };
-  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
-  std::vector<int32_t> ids(order.begin(), order.begin() + k);
-  std::sort(ids.begin(), ids.end());
-  return ids;
-}
-
-// Runs topk_from_scores on the device for scores [B, H, N] and checks every row; out_stride2 > 1 writes a strided
-// output (the grouped/strided output path of device_topk).
-void check_device_topk(const std::vector<float>& scores, int B, int H, int N, int k, int block_size,
-                       int out_stride2 = 1) {
-  Context gpu(SPARSA_DEVICE_CUDA);
-  ASSERT_EQ(gpu.status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
-  DeviceBuffer s(scores.size() * 4), o(size_t(B) * H * k * out_stride2 * 4);
-  s.upload(scores.data());
-  o.poison();
-  sparsa_tensor ts = make_tensor(s.data(), SPARSA_DTYPE_F32, {B, H, N}, SPARSA_DEVICE_CUDA);
-  sparsa_tensor to = make_tensor(o.data(), SPARSA_DTYPE_I32, {B, H, k}, SPARSA_DEVICE_CUDA,
-                                 {int64_t(H) * k * out_stride2, int64_t(k) * out_stride2, out_stride2});
-  SPARSA_OK(sparsa_topk_from_scores(gpu.ctx, &ts, k, block_size, &to));
-  std::vector<int32_t> out(size_t(B) * H * k * out_stride2);
-  o.download(out.data());
-  const int n_ids = (N + block_size - 1) / block_size;
-  for (int row = 0; row < B * H; ++row) {
-    std::vector<double> ids(n_ids, 0.0);
-    for (int t = 0; t < N; ++t) ids[t / block_size] += double(scores[size_t(row) * N + t]);
-    const std::vector<int32_t> want = reference_topk(ids, k);
-    for (int j = 0; j < k; ++j) {
-      ASSERT_EQ(out[(size_t(row) * k + j) * out_stride2], want[j]) << "row " << row << " slot " << j << " of " << k;
-    }
-  }
-}
-
-TEST(GpuTopK, RandomRowsAllKAndBlockSizes) {
-  SKIP_WITHOUT_GPU();
-  std::mt19937 rng(1);
-  std::normal_distribution<float> normal;
-  const int B = 2, H = 3, N = 1000;
-  std::vector<float> scores(size_t(B) * H * N);
-  for (float& x : scores) x = normal(rng);
-  for (int k : {1, 17, 1000}) check_device_topk(scores, B, H, N, k, 1);
-  for (int k : {1, 7, 63}) check_device_topk(scores, B, H, N, k, 16);  // float64 block sums, 62 full + a tail
-  check_device_topk(scores, B, H, N, 33, 1, 3);                        // strided output
-}
-
-TEST(GpuTopK, TiesNaNAndSignedZeros) {
-  SKIP_WITHOUT_GPU();
-  const int N = 300;
-  std::vector<float> scores(N, 1.0f);
-  scores[40] = 2.0f;
-  scores[7] = std::numeric_limits<float>::quiet_NaN();
-  scores[250] = std::numeric_limits<float>::infinity();
-  for (int t = 100; t < 140; ++t) scores[t] = (t % 2) ? -0.0f : 0.0f;
-  scores[120] = -std::numeric_limits<float>::infinity();
-  for (int k : {1, 2, 5, 260, 299, 300}) check_device_topk(scores, 1, 1, N, k, 1);
-  std::vector<float> all_equal(4096, 0.5f);
-  check_device_topk(all_equal, 1, 1, 4096, 1000, 1);
-}
-
-TEST(GpuTopK, OneMillionValuesKeep2048) {
-  SKIP_WITHOUT_GPU();
-  std::mt19937 rng(2);
-  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
-  const int N = 1 << 20;
-  std::vector<float> scores(N);
-  for (float& x : scores) x = uniform(rng) * 1e-3f;  // clustered exponents: most digits of a pass in few bins
-  for (int i = 0; i < 5000; ++i) scores[rng() % N] = 7.0f;  // many exact ties above the rest
-  check_device_topk(scores, 1, 1, N, 2048, 1);
-  check_device_topk(scores, 1, 1, N, 2048, 4);
-}
-
-TEST(GpuTopK, ManySegmentsOf32KKeepHalf) {
-  SKIP_WITHOUT_GPU();
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal;
-  const int B = 2, H = 16, N = 32768;
-  std::vector<float> scores(size_t(B) * H * N);
-  for (float& x : scores) x = std::round(normal(rng) * 64.0f) / 64.0f;  // coarse values: ties at the boundary
-  check_device_topk(scores, B, H, N, 16384, 1);
-}
 
 // =====================================================================================================================
 // TOKEN_SELECT: the same inputs on the CPU backend and on the device

@@ -1,3 +1,7 @@
+// Stays in sparsa_gpu_tests: the Sage path's P·V precision depends on the device (FP8 on sm_89+, fp16/bf16 below),
+// and a CUDA-graph replay; the GpuSparge rows' smooth inputs and per-row θ/τ/λ/head parameters are not yet
+// expressible as rows of SpargePredictionCases (tests/test_attention_case_tables.cpp), so they stay until they are.
+//
 // §4 SPARGE on the CUDA backend against the CPU backend (the project's oracle) on the same inputs: the predicted
 // block mask (block_mask_out) must be equal, the stats equal, the outputs and LSE close. Every GPU output is
 // poisoned before the run (NaN for out/lse, 0xAB for the mask) so an unwritten element fails.
