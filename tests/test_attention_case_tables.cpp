@@ -303,6 +303,14 @@ const std::vector<AttentionCase> kTokenSparseCases = {
         .token_sparse_policy(64, 256, 0.3).sparse_structure(SparseInputs::kTiedRuns).expect_decisions_inside_bound(),
     st::sparse_row("tied_runs_varlen_f16_d64", kF16).heads(4, 2).varlen().lengths({1200, 700}, {1200, 700})
         .token_sparse_policy(32, 128, 0.4).sparse_structure(SparseInputs::kTiedRuns).expect_decisions_inside_bound(),
+    // The list attention's query-row map on the sm_90a kernel (bf16, head_dim 64 / 128): GQA, packed varlen with one
+    // sequence just above the dense threshold (150 + 64 = 214 < 230), paged K/V.
+    st::sparse_row("row_map_bf16_d128_gqa2", kBF16).dim(128).heads(4, 2).lengths({1000}, {1000})
+        .token_sparse_policy(64, 200, 0.3),
+    st::sparse_row("row_map_varlen_bf16_d64", kBF16).heads(4, 4).varlen().lengths({700, 230, 1200}, {700, 230, 1200})
+        .token_sparse_policy(64, 150, 0.5),
+    st::sparse_row("row_map_paged_bf16_d128", kBF16).dim(128).heads(2, 1).paged(16).lengths({900}, {900})
+        .token_sparse_policy(64, 256, 1.0),
     // τ = 0: dense causal attention everywhere.
     st::sparse_row("zero_coverage_dense_f16_d64", kF16).lengths({300}, {300}).token_sparse_policy(32, 64, 0.0)
         .expect_no_rows_dropped(),
