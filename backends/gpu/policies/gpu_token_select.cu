@@ -64,7 +64,7 @@ __device__ void decide_lookup(const SelectParams& sp, int32_t b, bool same_layou
     double v[kLookupSums] = {0.0, 0.0, 0.0, 0.0};
     for (int32_t h = threadIdx.x; h < heads; h += kWarpLanes) {
       const double* partial = sp.lookup_partials + (int64_t(b) * heads + h) * kLookupSums;
-      for (int j = 0; j < kLookupSums; ++j) v[j] += __ldcg(partial + j);  // written by other blocks: not from L1
+      for (int j = 0; j < kLookupSums; ++j) v[j] += load_written_by_other_blocks(partial + j);
     }
     for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) {
       for (int j = 0; j < kLookupSums; ++j) v[j] += warp_shfl_xor(v[j], offset);

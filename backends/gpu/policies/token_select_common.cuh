@@ -233,13 +233,15 @@ __device__ __forceinline__ void merge_partials_if_last(const SelectParams& sp, c
   __threadfence();
   const int warps = blockDim.x / kWarpLanes, warp = threadIdx.x / kWarpLanes, lane = threadIdx.x % kWarpLanes;
   for (int j = warp; j < block.heads; j += warps) {
-    const double* maxima = sp.tile_max + (row0 + j) * sp.tiles;  // other blocks' writes: loaded past L1
+    const double* maxima = sp.tile_max + (row0 + j) * sp.tiles;
     const double* sums = sp.tile_sum + (row0 + j) * sp.tiles;
     double m = -INFINITY;
-    for (int32_t t = lane; t < partials; t += kWarpLanes) m = fmax(m, __ldcg(maxima + t));
+    for (int32_t t = lane; t < partials; t += kWarpLanes) m = fmax(m, load_written_by_other_blocks(maxima + t));
     for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) m = fmax(m, warp_shfl_xor(m, offset));
     double z = 0.0;
-    for (int32_t t = lane; t < partials; t += kWarpLanes) z += __ldcg(sums + t) * exp(__ldcg(maxima + t) - m);
+    for (int32_t t = lane; t < partials; t += kWarpLanes) {
+      z += load_written_by_other_blocks(sums + t) * exp(load_written_by_other_blocks(maxima + t) - m);
+    }
     for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) z += warp_shfl_xor(z, offset);
     if (lane == 0) {
       sp.head_max[row0 + j] = m;

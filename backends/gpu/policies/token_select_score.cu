@@ -489,9 +489,10 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 // each lane keeps its 8 dims of q̄ (rounded to fp32) for the chunk's kHeads heads, multiplies them in with FMAs, and
 // the row's dot products are summed over its lanes with xor shuffles (reduce_heads; the tree's shape is fixed: the
 // same inputs give the same bits). Each s goes to scratch (fp32) from the lane that holds it, which also keeps a
-// running max and Σ exp(s - max) of its head; merge_kernel makes m_h and Z_h of the blocks' partials, and log_vote_kernel
-// (gpu_token_select.cu) ranks candidates by log vote = log Σ_h exp(s_h - lse_h), lse_h = m_h + log Z_h: in the log
-// domain no vote underflows fp32, however far a needle lifts a head's maximum.
+// running max and Σ exp(s - max) of its head; the grid column's last block makes m_h and Z_h of the blocks' partials
+// (merge_partials_if_last), and log_vote_kernel (gpu_token_select.cu) ranks candidates by log vote =
+// log Σ_h exp(s_h - lse_h), lse_h = m_h + log Z_h: in the log domain no vote underflows fp32, however far a needle
+// lifts a head's maximum.
 //
 // Error bound against the float64 oracle (ALGORITHMS.md §0). A score is a sum of <= 8 FMAs per lane and <= 5 tree
 // additions (<= 13 roundings, u = 2^-24) of products of a key element (exact in fp32) and q̄ rounded to fp32

@@ -1,6 +1,6 @@
 // TOKEN_SELECT's fp32 scores on the tensor cores (NVIDIA sm_80+): fp16/bf16 keys in 16-byte aligned rows, head_dim a
 // multiple of 8 up to 128. Same outputs as score_f32_kernel (token_select_score.cu): s itself to scores32 and one
-// (max, Σ exp) partial per head and block, which log_vote_kernel reads alike.
+// (max, Σ exp) partial per head and block, merged into m_h and Z_h by the grid column's last block alike.
 //
 // Why: score_f32_kernel multiplies on the CUDA cores (32 FMAs, the widening and a 16-lane shuffle tree per key row
 // and lane) and is instruction-bound at ~2.6 TB/s of K on an H200 (840 µs over 1M keys, GQA 32/8, D 128), while the

@@ -168,6 +168,18 @@ __device__ __forceinline__ void warp_sync() {
 #endif
 }
 
+// A load of a value another thread block of the same kernel wrote before its __threadfence() and an atomic this
+// block has since observed: past the per-SM L1, which is not coherent across blocks (a volatile load on HIP, as
+// device_topk.cu reads its histograms).
+template <typename T>
+__device__ __forceinline__ T load_written_by_other_blocks(const T* address) {
+#if SPARSA_GPU_IS_HIP
+  return *reinterpret_cast<const volatile T*>(address);
+#else
+  return __ldcg(address);
+#endif
+}
+
 // ---- Element conversions by raw bits (no dependency on the vendors' bf16 headers, identical on both) ----
 
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
