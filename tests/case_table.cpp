@@ -18,6 +18,7 @@ constexpr double kLseRelDecode = 1e-3;           // decode rows: 1e-3·max(1, |r
 constexpr double kCpuFactorPrefill = 2.0;        // prefill rows: |o − o_cpu| within twice `out`
 constexpr double kDeltaTolF32 = 4e-4, kDeltaTolF16 = 8e-3, kDeltaTolBF16 = 6e-2;
 constexpr double kSelectTolF32 = 1e-4, kSelectLse = 2e-3;
+constexpr double kSpargeLse = 2e-3;  // SPARGE rows on smooth inputs: 2e-3·max(1, |ref|)
 // A selection decision closer than this (relative gap at the top-k boundary) is too close to call: the CPU backend
 // scores in float64 like the reference, but summation orders differ (the spec tests use the same bound).
 constexpr double kSelectionMargin = 1e-9;
@@ -45,6 +46,46 @@ void plant_sink_blocks(ref::Problem& p, int block_q, Rng& rng) {
       if ((i / block_q) % 2 != 0) continue;
       for (int h = 0; h < p.Hq; ++h) p.q[b][(size_t(i) * p.Hq + h) * p.D] = a;
     }
+  }
+}
+
+// AttentionCase::smooth: replaces the pattern's values (case_table.h).
+constexpr int kSmoothFrequencies = 4;
+constexpr double kTwoPi = 6.28318530717958647692;
+constexpr double kNoisyBlockNoise = 3;
+void plant_smooth_inputs(ref::Problem& p, const AttentionCase& c, Rng& rng) {
+  const int D = p.D;
+  // Each sinusoid pair carries 2·D/kSmoothFrequencies of variance: together as much as the noise's D.
+  const double amplitude = std::sqrt(2.0 * D / kSmoothFrequencies);
+  const double period = c.smooth_period_blocks * std::max(c.block_q, c.block_k);
+  std::vector<double> sink(D);
+  for (double& x : sink) x = rng.normal();
+  const double sink_norm = std::sqrt(ref::dot(sink.data(), sink.data(), D));
+  const auto listed = [](const std::vector<int>& blocks, int block) {
+    return std::find(blocks.begin(), blocks.end(), block) != blocks.end();
+  };
+  const auto features = [&](double* x, double pos, double noise, bool with_sink) {
+    for (int d = 0; d < D; ++d) x[d] = noise * rng.normal();
+    for (int f = 0; f < kSmoothFrequencies; ++f) {
+      const double omega = kTwoPi / (period * (f + 1));
+      x[2 * f] += amplitude * std::cos(omega * pos);
+      x[2 * f + 1] += amplitude * std::sin(omega * pos);
+    }
+    if (with_sink)
+      for (int d = 0; d < D; ++d) x[d] += c.sink_strength * sink[d] / sink_norm;
+  };
+  const bool with_sink = c.sink_strength > 0;
+  for (int b = 0; b < p.B; ++b) {
+    const int shift = p.skv[b] - p.sq[b];  // bottom-right: query i sits at key position i + shift
+    for (int i = 0; i < p.sq[b]; ++i)
+      for (int h = 0; h < p.Hq; ++h)
+        features(&p.q[b][(size_t(i) * p.Hq + h) * D], i + shift,
+                 listed(c.noisy_q_blocks, i / c.block_q) ? kNoisyBlockNoise : 1.0, with_sink);
+    for (int j = 0; j < p.skv[b]; ++j)
+      for (int h = 0; h < p.Hkv; ++h)
+        features(&p.k[b][(size_t(j) * p.Hkv + h) * D], j,
+                 listed(c.noisy_k_blocks, j / c.block_k) ? kNoisyBlockNoise : 1.0, with_sink && j < c.block_k);
+    for (double& x : p.v[b]) x = rng.normal();
   }
 }
 
@@ -438,6 +479,35 @@ Tolerance select_tolerance(int32_t dtype) {
   return t;
 }
 
+Tolerance sparge_tolerance(int32_t dtype) {
+  Tolerance t;
+  t.out = t.out_vs_cpu = kernel_out_tolerance(dtype);
+  t.lse_floor = t.lse_rel = kSpargeLse;
+  return t;
+}
+
+AttentionCase sparge_row(std::string name, int32_t dtype) {
+  constexpr int kBlock = 64;
+  constexpr double kTheta = 0.3, kTau = 0.9;
+  AttentionCase c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  c.seq_q = {512};
+  c.seq_k = {512};
+  c.is_causal = true;
+  c.policy = SPARSA_POLICY_SPARGE;
+  c.block_q = c.block_k = kBlock;
+  c.sparge_predicts = true;
+  c.sparge_theta = kTheta;
+  c.sparge_tau = kTau;
+  c.smooth = true;
+  c.stats_vs_cpu = true;
+  c.tol = sparge_tolerance(dtype);
+  return c;
+}
+
 AttentionCase prefill_row(std::string name, int32_t dtype) {
   AttentionCase c;
   c.name = std::move(name);
@@ -517,7 +587,11 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   SCOPED_TRACE(::testing::Message() << c.name << ", rng seed " << seed);
   const int B = int(c.seq_q.size());
   ref::Problem p = make_problem(B, c.q_heads, c.kv_heads, c.head_dim, c.seq_q, c.seq_k, c.is_causal);
-  fill(p, c.pattern, rng);
+  if (c.smooth) {
+    plant_smooth_inputs(p, c, rng);  // instead of the pattern's values: SPARGE's long rows need no second fill
+  } else {
+    fill(p, c.pattern, rng);
+  }
   if (c.sink_blocks) plant_sink_blocks(p, c.block_q, rng);
   for (auto& rows : p.q)
     for (double& x : rows) x *= c.q_scale;
@@ -541,6 +615,7 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   ref::Output want;
   ref::TokenIndicesResult indices_want;
   ref::SpargeResult sparge_want;
+  std::vector<ref::SpargeParams> per_head;  // SPARGE's parameters per query head
   const bool sparge = c.policy == SPARSA_POLICY_SPARGE;
   ref::TokenSelectResult select_want;
   const bool token_select = c.policy == SPARSA_POLICY_TOKEN_SELECT;
@@ -568,24 +643,44 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
     sp.bq = c.block_q;
     sp.bk = c.block_k;
     if (c.sparge_predicts) {
+      // The reference reads the float values the library reads.
       policy.sparge_theta = float(c.sparge_theta);
+      policy.sparge_tau = float(c.sparge_tau);
       policy.sparge_topk_fraction = float(c.sparge_topk_fraction);
-      sp.theta = c.sparge_theta;
-      sp.topk_fraction = c.sparge_topk_fraction;
+      policy.sparge_lambda = float(c.sparge_lambda);
+      policy.sparge_attention_sink = c.sparge_attention_sink ? 1 : 0;
+      sp.theta = policy.sparge_theta;
+      sp.tau = policy.sparge_tau;
+      sp.topk_fraction = policy.sparge_topk_fraction;
+      sp.lambda = policy.sparge_lambda;
+      sp.attention_sink = c.sparge_attention_sink;
       opt.block_mask_out = true;
+      opt.sparge_head_params = c.sparge_head_params;
+      per_head.assign(p.Hq, sp);
+      for (size_t e = 0; e < c.sparge_head_params.size(); ++e) {  // [Hq, 4]: theta, tau, top-k fraction, λ
+        const float x = c.sparge_head_params[e];
+        if (std::isnan(x)) continue;
+        ref::SpargeParams& hp = per_head[e / 4];
+        (e % 4 == 0 ? hp.theta : e % 4 == 1 ? hp.tau : e % 4 == 2 ? hp.topk_fraction : hp.lambda) = x;
+      }
     } else {
       policy.sparge_theta = 1.f;  // every block computed: only the λ test decides
       policy.sparge_lambda = float(c.sparge_lambda);
       sp.theta = ref::kInf;  // above any similarity: every block forced, as theta 1 gives the library (sim <= 1)
       sp.lambda = c.sparge_lambda;
+      per_head.assign(p.Hq, sp);
     }
-    sparge_want = ref::sparge(p, std::vector<ref::SpargeParams>(p.Hq, sp));
+    sparge_want = ref::sparge(p, per_head);
     want = sparge_want.out;
     if (c.sparge_predicts) {
-      reference_decides = sparge_want.topk_margin >= kSelectionMargin && sparge_want.theta_margin >= kSelectionMargin;
+      reference_decides = sparge_want.topk_margin >= kSelectionMargin && sparge_want.theta_margin >= kSelectionMargin &&
+                          sparge_want.tau_margin >= kSelectionMargin;
       if (!reference_decides) std::printf("[ note     ] %s: prediction too close to call, CPU backend only\n", c.name.c_str());
       // The prediction must drop cells and keep some, or the row tests no prediction.
       const int64_t kept = std::count(sparge_want.mask.begin(), sparge_want.mask.end(), uint8_t(1));
+      std::printf("[ sparge   ] %s: %lld of %zu cells kept, %lld PV blocks skipped\n", c.name.c_str(),
+                  static_cast<long long>(kept), sparge_want.mask.size(),
+                  static_cast<long long>(sparge_want.pv_blocks_skipped));
       EXPECT_GT(kept, 0) << c.name;
       EXPECT_LT(size_t(kept), sparge_want.mask.size() / 2) << c.name << ": the prediction must drop cells";
     }
@@ -729,7 +824,14 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
         }
   }
   if (sparge && c.sparge_predicts) {
-    if (reference_decides) EXPECT_EQ(r.block_mask, sparge_want.mask) << "predicted mask";
+    if (reference_decides) {
+      EXPECT_EQ(r.block_mask, sparge_want.mask) << "predicted mask";
+      EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], sparge_want.pv_blocks_skipped);
+    }
+    const bool any_lambda = std::any_of(per_head.begin(), per_head.end(),
+                                        [](const ref::SpargeParams& hp) { return hp.lambda > -ref::kInf; });
+    // A row with λ must skip PV blocks, or it tests no skip.
+    if (any_lambda) EXPECT_GT(sparge_want.pv_blocks_skipped, 0) << "inputs";
   } else if (sparge) {
     EXPECT_EQ(r.stats[SPARSA_STAT_PV_BLOCKS_SKIPPED], sparge_want.pv_blocks_skipped);
     // The row's inputs must make λ skip some blocks and keep others.

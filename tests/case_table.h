@@ -6,6 +6,7 @@
 //   prefill_row("dense_bf16_d128_causal", SPARSA_DTYPE_BF16).heads(8, 2).dim(128).lengths({77}, {301}).causal()
 #pragma once
 
+#include <limits>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -69,11 +70,15 @@ struct AttentionCase {
   int block_q = 64, block_k = 64;
   double mask_density = 0.5;  // BLOCK_SPARSE: each mask cell kept with this probability
   MaskPattern mask_pattern = MaskPattern::kRandom;
-  double sparge_lambda = 0;   // SPARGE with theta 1 (every causal block computed): the λ PV-skip threshold
-  // SPARGE's prediction instead (§4 steps 1-6, no λ): theta and the top-k fraction; the predicted mask
-  // (block_mask_out) is checked too.
+  // SPARGE with theta 1 (every causal block computed): the λ PV-skip threshold (−inf: no skip).
+  double sparge_lambda = -std::numeric_limits<double>::infinity();
+  // SPARGE's prediction instead (§4 steps 1-6, λ too when set): theta, tau (TopCdf, read when the top-k fraction is
+  // 0), the top-k fraction, key block 0 always kept, and per-head parameters [Hq, 4] (theta, tau, top-k fraction, λ;
+  // NaN: the scalar); the predicted mask (block_mask_out) is checked too.
   bool sparge_predicts = false;
-  double sparge_theta = 1, sparge_topk_fraction = 0;
+  double sparge_theta = 1, sparge_tau = 0.98, sparge_topk_fraction = 0;
+  bool sparge_attention_sink = false;
+  std::vector<float> sparge_head_params;
   // TOKEN_INDICES: H_idx rows of `index_slots` ids (random, 8 % unused, 8 % repeats of the previous slot).
   int index_heads = 0, index_slots = 0, index_block_size = 1, index_n_init = 0, index_n_local = 0;
   bool head_map = false;     // a permuted head_map (h·3 + 1) mod H_idx
@@ -102,6 +107,15 @@ struct AttentionCase {
   // kSinkBlockScore: the even blocks' later key blocks fall ~29 below their running max, the odd blocks' gains stay
   // within a few units of 0 (wide margins around any λ in between).
   bool sink_blocks = false;
+  // SPARGE's smooth inputs (replace the pattern's values): q and k rows are noise N(0, 1) plus 4 slow sinusoids of the
+  // token position (periods smooth_period_blocks·max(block_q, block_k) tokens and its multiples 2-4), so neighbouring
+  // tokens are alike, blocks are self-similar and the prediction drops blocks; the listed query/key blocks get 3x the
+  // noise, so their rows/columns are forced. sink_strength > 0: every query and the keys of key block 0 share a
+  // direction of that length, so key block 0 dominates and later key blocks fall below λ. v is N(0, 1).
+  bool smooth = false;
+  double smooth_period_blocks = 4;
+  std::vector<int> noisy_q_blocks, noisy_k_blocks;
+  double sink_strength = 0;
   // Tolerance.
   Tolerance tol;
 
@@ -134,6 +148,17 @@ struct AttentionCase {
     policy = SPARSA_POLICY_SPARGE; block_q = bq; block_k = bk; sparge_predicts = true; sparge_theta = theta;
     sparge_topk_fraction = topk_fraction; return *this;
   }
+  AttentionCase& tau(double t) { sparge_tau = t; return *this; }
+  AttentionCase& lambda(double l) { sparge_lambda = l; return *this; }
+  AttentionCase& keep_sink_block() { sparge_attention_sink = true; return *this; }
+  AttentionCase& per_head_params(std::vector<float> params) { sparge_head_params = std::move(params); return *this; }
+  AttentionCase& smooth_inputs(double period_blocks = 4) {
+    smooth = true; smooth_period_blocks = period_blocks; return *this;
+  }
+  AttentionCase& noisy_blocks(std::vector<int> q_blocks, std::vector<int> k_blocks) {
+    noisy_q_blocks = std::move(q_blocks); noisy_k_blocks = std::move(k_blocks); return *this;
+  }
+  AttentionCase& sink_direction(double strength) { sink_strength = strength; return *this; }
   AttentionCase& token_select_policy(int n_init, int top_k, int n_local) {
     policy = SPARSA_POLICY_TOKEN_SELECT; select_n_init = n_init; select_top_k = top_k; select_n_local = n_local;
     return *this;
@@ -167,6 +192,10 @@ struct AttentionCase {
 };
 inline void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
 
+// SPARGE rows on smooth inputs: out within the kernel tolerance (2e-4 / 4e-3 / 3e-2) against the reference and the
+// CPU backend; LSE within 2e-3·max(1, |ref|).
+Tolerance sparge_tolerance(int32_t dtype);
+
 // A row with the defaults of a prefill table (Hq = Hkv = 4, D 64, Sq = Skv = 64, non-causal, prefill tolerance) and
 // of a decode table (Hq 8, Hkv 2, D 128, Sq 1, Skv 1000, causal, decode tolerance).
 AttentionCase prefill_row(std::string name, int32_t dtype);
@@ -180,6 +209,11 @@ AttentionCase select_row(std::string name, int32_t dtype);
 // A TOKEN_SPARSE row: Hq 4, Hkv 2, D 64, Sq = Skv = 512, causal, W 32, pool 7, min_tokens 64, τ 0.3, token sparse
 // tolerance.
 AttentionCase sparse_row(std::string name, int32_t dtype);
+
+// A SPARGE prediction row on smooth inputs (AttentionCase::smooth, period 4 blocks): F16, Hq 4, Hkv 2, D 64, Sq = Skv
+// = 512, causal, block_q = block_k = 64, θ 0.3, τ 0.9, no top-k, no λ, stats compared with the CPU backend, SPARGE
+// tolerance.
+AttentionCase sparge_row(std::string name, int32_t dtype);
 
 // Runs the row on ctx and checks it (see the top of this file). `seed` seeds its inputs.
 void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed);

@@ -1,4 +1,4 @@
-// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §4's PV skip, §5 TOKEN_SPARSE, §6 TOKEN_SELECT, §7
+// ALGORITHMS.md §1 DENSE, §2 SINK_WINDOW, §3 BLOCK_SPARSE, §4 SPARGE, §5 TOKEN_SPARSE, §6 TOKEN_SELECT, §7
 // TOKEN_INDICES and §8 DELTA on every backend, as case tables (one row per case: shape, layout, policy, inputs
 // pattern, tolerance; case_table.h). The rows pick the kernel paths of the GPU backend: the tensor-core prefill
 // kernels (mma.sync, and wgmma on sm_90), the portable kernel (f32, head_dim 96/256), split-KV with its combine
@@ -8,6 +8,7 @@
 // Each is checked against the float64 reference, and on a non-CPU backend against the CPU backend as well.
 #include "case_table.h"
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -390,7 +391,43 @@ const std::vector<AttentionCase> kSpargePredictionCases = {
     prediction_row("sparge_f16_d64_causal", kF16).heads(4, 1).lengths({777}, {777}).causal(),
 };
 
+// §4 SPARGE's whole prediction (θ, TopCdf τ or top-k, forced rows/columns, the sink column) and λ PV skip on smooth
+// inputs (case_table.h: slow sinusoids of the position plus noise, so blocks are self-similar and the prediction drops
+// cells; noisy blocks forced; a sink direction making key block 0 dominate for λ): the GPU's predict kernels (shared-
+// and global-memory sorts of a row's key blocks), its gathered forward walk and PV skip, with per-head parameters,
+// ragged and padded batches, Sq > Skv. The predicted mask equals the reference's, and off the CPU the CPU backend's
+// with every stats counter. Defaults: F16, Hq 4, Hkv 2, D 64, Sq = Skv = 512, causal, 64 × 64 blocks, θ 0.3, τ 0.9.
+constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+const std::vector<AttentionCase> kSpargeSmoothCases = {
+    // 32 × 64 blocks; GQA 4 in one group (the reference's cost grows with the heads).
+    st::sparge_row("large_bf16_d128_causal_gqa4_tau", kBF16).dim(128).heads(4, 1).lengths({4096}, {4096})
+        .sparge_prediction_policy(128, 64, 0.3, 0).tau(0.9).noisy_blocks({7}, {21, 40}),
+    st::sparge_row("f16_d64_noncausal_tails_topk", kF16).causal(false).lengths({1000}, {1500})
+        .sparge_prediction_policy(64, 64, 0.3, 0.3),
+    st::sparge_row("varlen_f16_d128_causal_gqa4_ragged", kF16).dim(128).heads(8, 2).varlen()
+        .lengths({300, 1000, 17}, {300, 1200, 17}).sparge_prediction_policy(128, 64, 0.3, 0).tau(0.9),
+    st::sparge_row("padded_batch_seq_lens_k_bf16_noncausal", kBF16).causal(false).lengths({640, 640}, {700, 333}),
+    st::sparge_row("f32_d64_gqa8_small_blocks_sink", kF32).heads(8, 1).lengths({256}, {256})
+        .sparge_prediction_policy(32, 16, 0.3, 0).tau(0.9).keep_sink_block().noisy_blocks({}, {3}),
+    // 2500 key blocks of 16: more than the GPU sorts in shared memory, so a row's blocks sort in global scratch.
+    st::sparge_row("many_key_blocks_global_sort_f16", kF16).causal(false).heads(2, 1).lengths({256}, {40000})
+        .sparge_prediction_policy(128, 16, 0.3, 0).tau(0.9).smooth_inputs(64),
+    // Queries 0..399 see no key.
+    st::sparge_row("causal_sq_gt_skv_empty_blocks_f16", kF16).lengths({700}, {300}),
+    st::sparge_row("head_params_theta_tau_topk_f16", kF16).dim(128).lengths({1024}, {1024})
+        .sparge_prediction_policy(128, 64, 0.3, 0).tau(0.9)
+        .per_head_params({kNan, kNan, kNan, kNan, 1.0f, kNan, kNan, kNan, kNan, 0.6f, kNan, kNan, kNan, kNan, 0.25f,
+                          kNan}),
+    st::sparge_row("pv_skip_bf16_d128_bq128_bk64", kBF16).dim(128).lengths({1536}, {1536})
+        .sparge_prediction_policy(128, 64, 0.3, 0.5).tau(0.9).lambda(-4).sink_direction(14),
+    st::sparge_row("pv_skip_f32_small_blocks_head_lambda", kF32).lengths({256}, {256})
+        .sparge_prediction_policy(32, 16, 0.3, 0.5).tau(0.9).sink_direction(14)
+        .per_head_params({kNan, kNan, kNan, -2.f, kNan, kNan, kNan, -6.f, kNan, kNan, kNan, kNan, kNan, kNan, kNan,
+                          -1.f}),
+};
+
 SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
+SPARSA_BACKEND_TABLE(SpargeSmoothCases, AttentionCase, kSpargeSmoothCases);
 SPARSA_BACKEND_TABLE(SpargePredictionCases, AttentionCase, kSpargePredictionCases);
 SPARSA_BACKEND_TABLE(MaskCellCases, AttentionCase, kMaskCellCases);
 SPARSA_BACKEND_TABLE(DecodeCases, AttentionCase, kDecodeCases);
@@ -406,6 +443,7 @@ TEST_P(DeltaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_see
 TEST_P(WgmmaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(MaskCellCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(SpargePredictionCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(SpargeSmoothCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(PvSkipCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(SelectCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(TokenSparseCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }

@@ -1,15 +1,15 @@
-// Stays in sparsa_gpu_tests: the Sage path's P·V precision depends on the device (FP8 on sm_89+, fp16/bf16 below),
-// and a CUDA-graph replay; the GpuSparge rows' smooth inputs and per-row θ/τ/λ/head parameters are not yet
-// expressible as rows of SpargePredictionCases (tests/test_attention_case_tables.cpp), so they stay until they are.
+// §4 SPARGE's quantized (Sage) path on the CUDA backend, whose P·V precision depends on the device (FP8 e4m3 on
+// sm_89+, fp16/bf16 below), and a CUDA-graph replay. The other SPARGE rows on smooth inputs run on every backend as
+// the shared SpargeSmoothCases table (tests/test_attention_case_tables.cpp).
 //
-// §4 SPARGE on the CUDA backend against the CPU backend (the project's oracle) on the same inputs: the predicted
-// block mask (block_mask_out) must be equal, the stats equal, the outputs and LSE close. Every GPU output is
-// poisoned before the run (NaN for out/lse, 0xAB for the mask) so an unwritten element fails.
+// GpuSparge compares the CUDA backend with the CPU backend (the project's oracle) on the same inputs: the predicted
+// block mask (block_mask_out) must be equal, the stats equal, the outputs and LSE close (the Sage rows' FP8 P·V puts
+// them outside the float64 reference's tolerances, hence here). Every GPU output is poisoned before the run (NaN for
+// out/lse, 0xAB for the mask) so an unwritten element fails.
 //
 // Inputs are "smooth" (slow sinusoidal position features plus noise, periods a few blocks long): neighbouring
-// tokens are alike, so blocks are self-similar and the prediction actually drops blocks; chosen query/key blocks
-// get extra noise so that their rows/columns are forced, and an optional sink direction makes key block 0 dominate
-// (exercises the λ PV skip). Skips cleanly without a CUDA device.
+// tokens are alike, so blocks are self-similar and the prediction actually drops blocks; an optional sink direction
+// makes key block 0 dominate (exercises the λ PV skip). Skips cleanly without a CUDA device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sparsa/sparsa.h>
@@ -18,7 +18,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -34,10 +33,7 @@ using namespace sparsa_gpu_test;
 
 constexpr double kTwoPi = 6.28318530717958647692;
 constexpr uint8_t kMaskPoison = 0xAB;
-
-// ---- device memory ----
-
-// ---- one case ----
+constexpr double kPeriodBlocks = 4.0;  // slowest feature period, in max(block_q, block_k) units
 
 struct Case {
   std::string name;
@@ -49,11 +45,8 @@ struct Case {
   bool packed = false;  // packed q/out and k/v with cu_seqlens (else padded, with seq_lens_k)
   int32_t block_q = 64, block_k = 64;
   float theta = 0.3f, tau = 0.9f, topk_fraction = 0.f, lambda = -INFINITY;
-  bool attention_sink = false, quantized = false;
-  std::vector<float> head_params;  // [Hq, 4] or empty
-  std::vector<int32_t> noisy_q_blocks, noisy_k_blocks;
+  bool quantized = false;
   double sink_strength = 0.0;  // > 0: key block 0 and every query share a strong direction
-  double period_blocks = 4.0;  // slowest feature period, in max(block_q, block_k) units
   double out_tol = 0.0;        // 0: by dtype
 };
 
@@ -61,8 +54,8 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 // ---- FP8 P·V (§4 quantized path: V in e4m3 with per-channel scale on sm89+, fp16/bf16 otherwise) ----
 
-constexpr double kFp8Max = 448.0;            // largest finite e4m3
-constexpr double kFp8OutTolerance = 8e-2;    // max |gpu - cpu| / max(1, max |cpu|) of a Sage case with FP8 P·V
+constexpr double kFp8Max = 448.0;          // largest finite e4m3
+constexpr double kFp8OutTolerance = 8e-2;  // max |gpu - cpu| / max(1, max |cpu|) of a Sage case with FP8 P·V
 // rms(gpu - cpu) / rms(cpu) of a Sage case with FP8 P·V: e4m3 rounds P and V to 3 mantissa bits (~2.4 % rms
 // each), and on zero-mean random V the output shrinks as fast as the averaged error does (measured: 2.9 %).
 constexpr double kFp8RelativeRms = 5e-2;
@@ -115,17 +108,14 @@ Inputs make_inputs(const Case& c, std::mt19937_64& gen) {
   std::normal_distribution<double> normal(0.0, 1.0);
   constexpr int kFrequencies = 4;
   const double amplitude = std::sqrt(2.0 * D / kFrequencies);
-  const double period = c.period_blocks * std::max(c.block_q, c.block_k);
+  const double period = kPeriodBlocks * std::max(c.block_q, c.block_k);
   std::vector<double> sink(D);
   for (double& x : sink) x = normal(gen);
   double sink_norm = 0;
   for (double x : sink) sink_norm += x * x;
   sink_norm = std::sqrt(sink_norm);
-  auto noisy = [](const std::vector<int32_t>& blocks, int32_t block) {
-    return std::find(blocks.begin(), blocks.end(), block) != blocks.end();
-  };
-  auto features = [&](float* x, double pos, double noise, bool with_sink) {
-    for (int d = 0; d < D; ++d) x[d] = float(noise * normal(gen));
+  auto features = [&](float* x, double pos, bool with_sink) {
+    for (int d = 0; d < D; ++d) x[d] = float(normal(gen));
     for (int f = 0; f < kFrequencies; ++f) {
       const double omega = kTwoPi / (period * (f + 1));
       x[2 * f] += float(amplitude * std::cos(omega * pos));
@@ -141,12 +131,10 @@ Inputs make_inputs(const Case& c, std::mt19937_64& gen) {
     const int o = c.seq_k[b] - c.seq_q[b];
     for (int i = 0; i < c.seq_q[b]; ++i)
       for (int h = 0; h < c.q_heads; ++h)
-        features(&in.q[((size_t(b) * in.max_q + i) * c.q_heads + h) * D], i + o,
-                 noisy(c.noisy_q_blocks, i / c.block_q) ? 3.0 : 1.0, c.sink_strength > 0);
+        features(&in.q[((size_t(b) * in.max_q + i) * c.q_heads + h) * D], i + o, c.sink_strength > 0);
     for (int j = 0; j < c.seq_k[b]; ++j)
       for (int h = 0; h < c.kv_heads; ++h)
-        features(&in.k[((size_t(b) * in.max_k + j) * c.kv_heads + h) * D], j,
-                 noisy(c.noisy_k_blocks, j / c.block_k) ? 3.0 : 1.0, c.sink_strength > 0 && j < c.block_k);
+        features(&in.k[((size_t(b) * in.max_k + j) * c.kv_heads + h) * D], j, c.sink_strength > 0 && j < c.block_k);
   }
   for (float& x : in.v) x = float(normal(gen));
   return in;
@@ -268,7 +256,7 @@ RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_
   args.block_mask_out = &tmask;
   args.stats = &tstats;
   std::vector<int32_t> cu_q = ph.cu_q, cu_k = ph.cu_k, lens = ph.seq_lens_k;
-  sparsa_tensor tcu_q, tcu_k, tlens, thead;
+  sparsa_tensor tcu_q, tcu_k, tlens;
   if (!cu_q.empty()) {
     tcu_q = make_tensor(place(cu_q.data(), cu_q.size() * 4), SPARSA_DTYPE_I32, {int64_t(cu_q.size())}, dev);
     tcu_k = make_tensor(place(cu_k.data(), cu_k.size() * 4), SPARSA_DTYPE_I32, {int64_t(cu_k.size())}, dev);
@@ -287,13 +275,7 @@ RunResult run_case(const Case& c, const Inputs& in, const Physical& ph, bool on_
   policy.sparge_tau = c.tau;
   policy.sparge_topk_fraction = c.topk_fraction;
   policy.sparge_lambda = c.lambda;
-  policy.sparge_attention_sink = c.attention_sink ? 1 : 0;
   policy.sparge_quantized = c.quantized ? 1 : 0;
-  std::vector<float> head_params = c.head_params;
-  if (!head_params.empty()) {
-    thead = make_tensor(place(head_params.data(), head_params.size() * 4), SPARSA_DTYPE_F32, {c.q_heads, 4}, dev);
-    policy.sparge_head_params = &thead;
-  }
 
   if (capture) {
     result.status = sparsa_attention_plan(ctx, &args, &policy);
@@ -374,7 +356,8 @@ void expect_gpu_matches_cpu(const Case& c, const Inputs& in, const Physical& ph,
       }
     }
   EXPECT_EQ(nan_rows, 0) << "unwritten (NaN) output elements";
-  EXPECT_LE(worst, out_tolerance(c) * std::max(1.0, reference_max)) << "max |gpu - cpu| (|cpu| <= " << reference_max << ")";
+  EXPECT_LE(worst, out_tolerance(c) * std::max(1.0, reference_max))
+      << "max |gpu - cpu| (|cpu| <= " << reference_max << ")";
   const double relative_rms = std::sqrt(error_squares / std::max(reference_squares, 1e-300));
   if (c.quantized) {
     std::printf("[ sage ] %s: max |gpu - cpu| %.3g (|cpu| <= %.3g), relative rms %.3g\n", c.name.c_str(), worst,
@@ -416,124 +399,8 @@ TEST_P(GpuSparge, MatchesCpuBackend) {
 
 std::vector<Case> cases() {
   std::vector<Case> list;
+  // Quantized (Sage): the CPU emulation keeps V in fp32; the GPU's P·V runs in FP8 or fp16/bf16 (PvPrecision).
   Case c;
-  c.name = "large_bf16_d128_causal_gqa4_tau";
-  c.dtype = SPARSA_DTYPE_BF16;
-  c.head_dim = 128;
-  c.q_heads = 8;
-  c.kv_heads = 2;
-  c.seq_q = {4096};
-  c.seq_k = {4096};
-  c.block_q = 128;
-  c.block_k = 64;
-  c.noisy_q_blocks = {7};
-  c.noisy_k_blocks = {21, 40};
-  list.push_back(c);
-
-  c = Case{};
-  c.name = "f16_d64_noncausal_tails_topk";
-  c.causal = false;
-  c.seq_q = {1000};
-  c.seq_k = {1500};
-  c.topk_fraction = 0.3f;
-  list.push_back(c);
-
-  c = Case{};
-  c.name = "varlen_f16_d128_causal_gqa4_ragged";
-  c.head_dim = 128;
-  c.q_heads = 8;
-  c.kv_heads = 2;
-  c.packed = true;
-  c.seq_q = {300, 1000, 17};
-  c.seq_k = {300, 1200, 17};
-  c.block_q = 128;
-  c.block_k = 64;
-  list.push_back(c);
-
-  c = Case{};
-  c.name = "padded_batch_seq_lens_k_bf16_noncausal";
-  c.dtype = SPARSA_DTYPE_BF16;
-  c.causal = false;
-  c.seq_q = {640, 640};
-  c.seq_k = {700, 333};
-  list.push_back(c);
-
-  c = Case{};
-  c.name = "f32_d64_gqa8_small_blocks_sink";
-  c.dtype = SPARSA_DTYPE_F32;
-  c.q_heads = 8;
-  c.kv_heads = 1;
-  c.seq_q = {256};
-  c.seq_k = {256};
-  c.block_q = 32;
-  c.block_k = 16;
-  c.attention_sink = true;
-  c.noisy_k_blocks = {3};
-  list.push_back(c);
-
-  c = Case{};
-  c.name = "many_key_blocks_global_sort_f16";
-  c.causal = false;
-  c.q_heads = 2;
-  c.kv_heads = 1;
-  c.seq_q = {256};
-  c.seq_k = {40000};  // 2500 key blocks of 16: sorted in global scratch
-  c.block_q = 128;
-  c.block_k = 16;
-  c.period_blocks = 64;
-  list.push_back(c);
-
-  c = Case{};
-  c.name = "causal_sq_gt_skv_empty_blocks_f16";
-  c.seq_q = {700};
-  c.seq_k = {300};
-  list.push_back(c);
-
-  c = Case{};
-  c.name = "head_params_theta_tau_topk_f16";
-  c.head_dim = 128;
-  c.q_heads = 4;
-  c.kv_heads = 2;
-  c.seq_q = {1024};
-  c.seq_k = {1024};
-  c.block_q = 128;
-  c.block_k = 64;
-  {
-    const float nan = NAN;
-    c.head_params = {nan, nan, nan, nan, 1.0f, nan, nan, nan, nan, 0.6f, nan, nan, nan, nan, 0.25f, nan};
-  }
-  list.push_back(c);
-
-  c = Case{};
-  c.name = "pv_skip_bf16_d128_bq128_bk64";
-  c.dtype = SPARSA_DTYPE_BF16;
-  c.head_dim = 128;
-  c.seq_q = {2048};
-  c.seq_k = {2048};
-  c.block_q = 128;
-  c.block_k = 64;
-  c.topk_fraction = 0.5f;
-  c.lambda = -4.f;
-  c.sink_strength = 14.0;
-  list.push_back(c);
-
-  c = Case{};
-  c.name = "pv_skip_f32_small_blocks_head_lambda";
-  c.dtype = SPARSA_DTYPE_F32;
-  c.seq_q = {256};
-  c.seq_k = {256};
-  c.block_q = 32;
-  c.block_k = 16;
-  c.topk_fraction = 0.5f;
-  c.sink_strength = 14.0;
-  {
-    const float nan = NAN;
-    c.head_params = {nan, nan, nan, -2.f, nan, nan, nan, -6.f, nan, nan, nan, nan, nan, nan, nan, -1.f};
-  }
-  list.push_back(c);
-
-  // Quantized (Sage): the CPU emulation keeps V in fp32; the GPU's PV runs in fp16/bf16.
-  c = Case{};
   c.name = "sage_f32_d64_small_blocks";
   c.dtype = SPARSA_DTYPE_F32;
   c.seq_q = {256};
@@ -680,8 +547,10 @@ TEST(GpuSpargeSage, PvPrecisionFollowsDevice) {
     }
   EXPECT_EQ(nan_count, 0) << "unwritten (NaN) output elements";
   const double fp8_rms = std::sqrt(fp8_squares), half_rms = std::sqrt(half_squares), gap = std::sqrt(gap_squares);
-  std::printf("[ sage ] needles: |out - fp8 ref| %.3g, |out - fp16 ref| %.3g, |fp8 ref - fp16 ref| %.3g (root of summed squares); "
-              "max |out - fp8 ref| %.3g\n", fp8_rms, half_rms, gap, fp8_worst);
+  std::printf(
+      "[ sage ] needles: |out - fp8 ref| %.3g, |out - fp16 ref| %.3g, |fp8 ref - fp16 ref| %.3g (root of summed "
+      "squares); max |out - fp8 ref| %.3g\n",
+      fp8_rms, half_rms, gap, fp8_worst);
   ASSERT_GT(gap, 0.0);
   constexpr double kDistinct = 0.1;  // the run must sit this much closer to one reference than their distance
   switch (on_gpu ? expected_pv_precision() : PvPrecision::kHalf) {
