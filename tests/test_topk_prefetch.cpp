@@ -141,21 +141,10 @@ std::vector<float> topk_scores(const TopKRow& r, st::Rng& rng) {
 // [id·bs, (id+1)·bs) in float64 (the tail over its real tokens); larger first, NaN below every number, ties (-0 ==
 // +0 included) to the smaller id; the k ids ascending.
 std::vector<int32_t> reference_topk(const float* scores, int count, int k, int block_size) {
-  const int ids = (count + block_size - 1) / block_size;
-  std::vector<double> value(ids, 0.0);
+  std::vector<double> value((count + block_size - 1) / block_size, 0.0);
   for (int t = 0; t < count; ++t) value[t / block_size] += double(scores[t]);
-  std::vector<int32_t> order(ids);
-  std::iota(order.begin(), order.end(), 0);
-  auto before = [&](int32_t a, int32_t b) {
-    const bool nan_a = std::isnan(value[a]), nan_b = std::isnan(value[b]);
-    if (nan_a != nan_b) return nan_b;
-    if (!nan_a && value[a] != value[b]) return value[a] > value[b];
-    return a < b;
-  };
-  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
-  std::vector<int32_t> kept(order.begin(), order.begin() + k);
-  std::sort(kept.begin(), kept.end());
-  return kept;
+  const ref::IndexSet kept = ref::top_k(value, k);
+  return std::vector<int32_t>(kept.begin(), kept.end());
 }
 
 TEST_P(TopKCases, MatchesTheReferenceExactly) {

@@ -50,10 +50,16 @@ Output empty_output(const Problem& p) {
 }
 
 // Descending order of `score` with the smaller index first among equals (§0).
+// Larger first, ties in index order (stable); a NaN ranks below every number (sparsa.h's top-k), which also keeps
+// the comparison a strict weak order when scores hold NaN.
 std::vector<int> descending_order(const std::vector<double>& score) {
   std::vector<int> order(score.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return score[a] > score[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    const bool nan_a = std::isnan(score[a]), nan_b = std::isnan(score[b]);
+    if (nan_a || nan_b) return !nan_a;
+    return score[a] > score[b];
+  });
   return order;
 }
 

@@ -161,7 +161,7 @@ int delta_sparse_rows(int sq, int gamma, int tail_min);
 // §0 merge of two partial states, one row: o_* of length D.
 void merge_row(const double* o_a, double lse_a, const double* o_b, double lse_b, int D, double* o, double* lse);
 
-// Top-k with the smaller index winning ties (§0); returns the chosen ids sorted ascending. `margin` (optional)
+// Top-k with the smaller index winning ties (§0) and NaN below every number; returns the chosen ids sorted ascending. `margin` (optional)
 // receives the relative gap between the k-th and (k+1)-th largest scores (inf when k == n).
 IndexSet top_k(const std::vector<double>& score, int k, double* margin = nullptr);
 
