@@ -57,6 +57,7 @@ struct AttentionProblem {
   TensorArg q, k, v, out, lse;
   TensorArg cu_seqlens_q, cu_seqlens_k, page_table, seq_lens_k;
   TensorArg selected_indices, block_mask_out, stats;
+  TensorArg query_offsets;  // int32 [B]: §0's o per sequence; absent = bottom-right (Skv - Sq)
 
   SelectionCacheState* selection_cache = nullptr;  // backend state behind args->selection_cache, or null
 
@@ -77,6 +78,14 @@ struct AttentionProblem {
       return int64_t(cu[(b + 1) * cu_seqlens_k.t.strides[0]]) - cu[b * cu_seqlens_k.t.strides[0]];
     }
     return k.t.shape[1];
+  }
+  // §0's o of sequence b: row i is aligned with key i + o. The caller's value clamped to [-Sq, Skv] (beyond it every
+  // row sees no key, or every key, causally), else bottom-right.
+  int64_t causal_offset(int32_t b) const {
+    const int64_t sq = seq_len_q(b), sk = seq_len_k(b);
+    if (!query_offsets.present) return sk - sq;
+    const int64_t o = query_offsets.ptr<const int32_t>()[b * query_offsets.t.strides[0]];
+    return o < -sq ? -sq : (o > sk ? sk : o);
   }
   // Element offset of q/out row (b, i, h) from the tensor's data pointer.
   int64_t q_offset(const TensorArg& qo, int32_t b, int64_t i, int32_t h) const {

@@ -92,7 +92,7 @@ int64_t visible_keys_in(int64_t row, int64_t key_begin, int64_t key_end, bool ca
 PairCounts count_pairs(const AttentionProblem& pr, const sparsa_policy& p, const TensorArg& mask, int32_t b,
                        int32_t h) {
   PairCounts c;
-  const int64_t sq = pr.seq_len_q(b), skv = pr.seq_len_k(b), offset = skv - sq;
+  const int64_t sq = pr.seq_len_q(b), skv = pr.seq_len_k(b), offset = pr.causal_offset(b);
   for (int64_t i = 0; i < sq; ++i) c.dense += visible_keys_in(i, 0, skv, pr.causal, offset);
   const uint8_t* m = mask.ptr<const uint8_t>();  // indexed by offsets: an empty mask may have no data
   const int64_t head = b * mask.stride(0) + h * mask.stride(1);

@@ -18,7 +18,7 @@ static_assert(sizeof(sparsa_tensor) == SPARSA_END_OF(sparsa_tensor, strides), "s
 static_assert(sizeof(sparsa_context_options) == SPARSA_END_OF(sparsa_context_options, reserved0),
               "sparsa_context_options has tail padding");
 static_assert(sizeof(sparsa_policy) == SPARSA_END_OF(sparsa_policy, reserved0), "sparsa_policy has tail padding");
-static_assert(sizeof(sparsa_attention_args) == SPARSA_END_OF(sparsa_attention_args, stats),
+static_assert(sizeof(sparsa_attention_args) == SPARSA_END_OF(sparsa_attention_args, query_offsets),
               "sparsa_attention_args has tail padding");
 static_assert(sizeof(sparsa_sparge_tune_options) == SPARSA_END_OF(sparsa_sparge_tune_options, lambda_min),
               "sparsa_sparge_tune_options has tail padding");

@@ -526,6 +526,24 @@ void validate_delta(const AttentionProblem& pr, const sparsa_policy& p) {
 // Introspection outputs and the selection cache
 // ------------------------------------------------------------------------------------------------------------------
 
+// query_offsets: the block policies' visibility reads §0's o per sequence; the token policies and Δ define their rows
+// relative to the sequence's end, so they refuse it.
+void validate_query_offsets(const AttentionProblem& pr, const sparsa_policy& p, bool delta) {
+  if (policy_kind_info(p.kind)->always_causal || delta) {
+    fail(SPARSA_STATUS_UNSUPPORTED, "query_offsets: read by DENSE, SINK_WINDOW, BLOCK_SPARSE and SPARGE only, not by ",
+         delta ? "SPARSA_POLICY_FLAG_DELTA" : sparsa_policy_kind_name(p.kind));
+  }
+  expect_shape(pr.query_offsets, "query_offsets", {pr.batch}, "[B] from q");
+  if (!pr.contents_validated) return;
+  for (int32_t b = 0; b < pr.batch; ++b) {
+    const int64_t o = read_i32(pr.query_offsets, b), sq = pr.seq_len_q(b), sk = pr.seq_len_k(b);
+    if (o < -sq || o > sk) {
+      fail(SPARSA_STATUS_INDEX_OUT_OF_RANGE, "query_offsets[", b, "] = ", o, " outside [-Sq, Skv] = [", -sq, ", ", sk,
+           "] of sequence ", b);
+    }
+  }
+}
+
 // The largest N over the batch (padded k/v shortened by seq_lens_k count their real keys only).
 int64_t longest_key_count(const AttentionProblem& pr) {
   if (!pr.contents_validated) return pr.max_seq_k;
@@ -657,6 +675,7 @@ void validate_attention(const sparsa_context& ctx, const sparsa_attention_args* 
       {args.selected_indices, "selected_indices", false, &pr.selected_indices},
       {args.block_mask_out, "block_mask_out", false, &pr.block_mask_out},
       {args.stats, "stats", false, &pr.stats},
+      {args.query_offsets, "query_offsets", false, &pr.query_offsets},
   };
   for (const Slot& s : slots) *s.arg = read_tensor(s.t, s.name, s.required);
   for (const Slot& s : slots) {
@@ -672,7 +691,8 @@ void validate_attention(const sparsa_context& ctx, const sparsa_attention_args* 
   if (pr.lse.present) expect_dtype(pr.lse, "lse", SPARSA_DTYPE_F32);
   for (const Slot& s : slots) {
     const bool offsets =
-        s.arg == &pr.cu_seqlens_q || s.arg == &pr.cu_seqlens_k || s.arg == &pr.page_table || s.arg == &pr.seq_lens_k;
+        s.arg == &pr.cu_seqlens_q || s.arg == &pr.cu_seqlens_k || s.arg == &pr.page_table || s.arg == &pr.seq_lens_k ||
+        s.arg == &pr.query_offsets;
     if (offsets && s.arg->present) expect_dtype(*s.arg, s.name, SPARSA_DTYPE_I32);
   }
 
@@ -706,6 +726,7 @@ void validate_attention(const sparsa_context& ctx, const sparsa_attention_args* 
       break;
   }
   if (pp.delta) validate_delta(pr, p);
+  if (pr.query_offsets.present) validate_query_offsets(pr, p, pp.delta);
   validate_outputs(pr, rule, p);
   validate_selection_cache(ctx, args.selection_cache, p, pr);
 

@@ -587,6 +587,7 @@ void check_case(const Context& ctx, const AttentionCase& c, uint64_t seed) {
   SCOPED_TRACE(::testing::Message() << c.name << ", rng seed " << seed);
   const int B = int(c.seq_q.size());
   ref::Problem p = make_problem(B, c.q_heads, c.kv_heads, c.head_dim, c.seq_q, c.seq_k, c.is_causal);
+  p.query_offset = c.query_offsets;
   if (c.smooth) {
     plant_smooth_inputs(p, c, rng);  // instead of the pattern's values: SPARGE's long rows need no second fill
   } else {

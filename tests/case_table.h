@@ -57,6 +57,7 @@ struct AttentionCase {
   int q_heads = 4, kv_heads = 4, head_dim = 64;
   std::vector<int> seq_q{64}, seq_k{64};  // per sequence
   bool is_causal = false;
+  std::vector<int> query_offsets;  // args.query_offsets per sequence (§0's o); empty = not passed (bottom-right)
   // Layout (RunOptions).
   Layout layout = Layout::kPadded;
   bool kv_lengths = true;  // padded k/v carry seq_lens_k
@@ -126,6 +127,7 @@ struct AttentionCase {
     seq_q = std::move(sq); seq_k = std::move(skv); return *this;
   }
   AttentionCase& causal(bool on = true) { is_causal = on; return *this; }
+  AttentionCase& offsets(std::vector<int> o) { query_offsets = std::move(o); return *this; }
   AttentionCase& varlen() { layout = Layout::kVarlen; return *this; }
   AttentionCase& paged(int ps) { layout = Layout::kPaged; page_size = ps; return *this; }
   AttentionCase& packed_q() { q_packed = true; return *this; }

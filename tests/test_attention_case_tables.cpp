@@ -426,7 +426,37 @@ const std::vector<AttentionCase> kSpargeSmoothCases = {
                           -1.f}),
 };
 
+// args.query_offsets (§0's o per sequence): a run's rows placed inside a longer sequence whose keys it is given, as a
+// context-parallel shard runs them. Causal rows see keys <= i + o, SINK_WINDOW measures from i + o, SPARGE predicts
+// over all of the call's keys with the causal pruning at i + o; o = -Sq (no row sees a key) and o = Skv (every row
+// sees every key) are the ends of the range; a decode row at o sees a prefix. Defaults as the prefill table's.
+const std::vector<AttentionCase> kQueryOffsetCases = {
+    prefill_row("dense_f16_d64_causal_padded_batch2", kF16).lengths({64, 64}, {300, 250}).causal().offsets({100, 0}),
+    prefill_row("dense_bf16_d128_causal_gqa4_tiles", kBF16).dim(128).heads(8, 2).lengths({256}, {1024}).causal()
+        .offsets({384}),
+    prefill_row("dense_f16_d128_causal_range_ends", kF16).dim(128).lengths({50, 50}, {200, 200}).causal()
+        .offsets({-50, 200}),
+    prefill_row("dense_f32_d64_causal_portable", kF32).lengths({70}, {300}).causal().offsets({129}),
+    prefill_row("dense_f16_d64_noncausal_ignored", kF16).lengths({40}, {100}).offsets({3}),
+    prefill_row("varlen_f16_d128_causal", kF16).dim(128).varlen().lengths({64, 130, 1}, {300, 500, 40}).causal()
+        .offsets({0, 200, 7}),
+    prefill_row("paged_ps16_bf16_d128_gqa4_causal", kBF16).heads(8, 2).dim(128).packed_q().paged(16)
+        .lengths({40, 7}, {300, 70}).causal().offsets({128, 0}),
+    st::decode_row("decode_bf16_d128_prefix_split_kv", kBF16).lengths({1, 1}, {6000, 300}).offsets({2500, 299}),
+    prefill_row("sink_window_bf16_d128_causal", kBF16).dim(128).sink_window_policy(16, 100).lengths({200}, {900})
+        .causal().offsets({500}),
+    prefill_row("sink_window_f16_d64_noncausal", kF16).sink_window_policy(3, 70).lengths({100}, {500})
+        .offsets({250}),
+    prefill_row("block_sparse_f16_d128_causal_64x64", kF16).dim(128).block_sparse_policy(64, 64, 0.5)
+        .lengths({192}, {640}).causal().offsets({256}),
+    st::sparge_row("sparge_f16_d64_causal_shard_rows", kF16).lengths({512}, {2048}).offsets({1024})
+        .noisy_blocks({2}, {5, 20}),
+    st::sparge_row("sparge_bf16_d128_causal_topk_pv_skip", kBF16).dim(128).lengths({512}, {1536})
+        .sparge_prediction_policy(128, 64, 0.3, 0.3).tau(0.9).lambda(-4).sink_direction(14).offsets({768}),
+};
+
 SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);
+SPARSA_BACKEND_TABLE(QueryOffsetCases, AttentionCase, kQueryOffsetCases);
 SPARSA_BACKEND_TABLE(SpargeSmoothCases, AttentionCase, kSpargeSmoothCases);
 SPARSA_BACKEND_TABLE(SpargePredictionCases, AttentionCase, kSpargePredictionCases);
 SPARSA_BACKEND_TABLE(MaskCellCases, AttentionCase, kMaskCellCases);
@@ -438,6 +468,7 @@ SPARSA_BACKEND_TABLE(SelectCases, AttentionCase, kSelectCases);
 SPARSA_BACKEND_TABLE(TokenSparseCases, AttentionCase, kTokenSparseCases);
 
 TEST_P(PrefillCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
+TEST_P(QueryOffsetCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DecodeCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(DeltaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }
 TEST_P(WgmmaCases, MatchesReference) { st::check_case(ctx(), row(), st::test_seed(0)); }

@@ -39,6 +39,7 @@ struct Baseline {
   std::vector<int32_t> cu_q = {0, int32_t(kS), int32_t(2 * kS)};
   std::vector<int32_t> page_table = {0, 1, 2, 3};
   std::vector<int32_t> seq_lens = {int32_t(kS), int32_t(kS)};
+  std::vector<int32_t> query_offsets = {0, 0};
   std::vector<int32_t> indices = std::vector<int32_t>(kB * kHkv * 4, 1);
   std::vector<int32_t> head_map = {0, 0, 1, 1};
   std::vector<uint8_t> mask = std::vector<uint8_t>(kB * kHq * 1 * 1, 1);
@@ -53,7 +54,7 @@ struct Baseline {
   std::vector<int32_t> remapped = std::vector<int32_t>(kB * kHkv * 4);
 
   sparsa_tensor tq, tk, tv, tout, tlse, tcu_q, tpage, tseq, tidx, thead_map, tmask, tmask_out, tstats, tscores, ttopk,
-      thead_params, tlse_in, tk_dst, tv_dst, tpositions, tremapped;
+      thead_params, tlse_in, tk_dst, tv_dst, tpositions, tremapped, toffsets;
   sparsa_attention_args args;
   sparsa_policy policy;
   int32_t topk_k = 2;
@@ -71,6 +72,7 @@ struct Baseline {
     tcu_q = make_tensor(cu_q.data(), SPARSA_DTYPE_I32, {kB + 1});
     tpage = make_tensor(page_table.data(), SPARSA_DTYPE_I32, {kB, 2});
     tseq = make_tensor(seq_lens.data(), SPARSA_DTYPE_I32, {kB});
+    toffsets = make_tensor(query_offsets.data(), SPARSA_DTYPE_I32, {kB});
     tidx = make_tensor(indices.data(), SPARSA_DTYPE_I32, {kB, kHkv, 4});
     thead_map = make_tensor(head_map.data(), SPARSA_DTYPE_I32, {kHq});
     tmask = make_tensor(mask.data(), SPARSA_DTYPE_U8, {kB, kHq, 1, 1});
@@ -369,6 +371,44 @@ std::vector<Row> bad_input_rows() {
          b.args.selection_cache = b.foreign_cache;
        },
        SPARSA_STATUS_INVALID_ARGUMENT, "args.selection_cache"},
+      // query_offsets (§0's o per sequence).
+      {"query_offsets below -Sq",
+       [](Baseline& b) {
+         b.query_offsets[1] = -int32_t(kS) - 1;
+         b.args.query_offsets = &b.toffsets;
+       },
+       SPARSA_STATUS_INDEX_OUT_OF_RANGE, "query_offsets[1] = "},
+      {"query_offsets above Skv",
+       [](Baseline& b) {
+         b.query_offsets[0] = int32_t(kS) + 1;
+         b.args.query_offsets = &b.toffsets;
+       },
+       SPARSA_STATUS_INDEX_OUT_OF_RANGE, "query_offsets[0] = "},
+      {"query_offsets of shape [1]",
+       [](Baseline& b) {
+         b.toffsets = make_tensor(b.query_offsets.data(), SPARSA_DTYPE_I32, {1});
+         b.args.query_offsets = &b.toffsets;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "query_offsets"},
+      {"query_offsets as int64",
+       [](Baseline& b) {
+         b.toffsets = make_tensor(b.query_offsets.data(), SPARSA_DTYPE_I64, {1});
+         b.args.query_offsets = &b.toffsets;
+       },
+       SPARSA_STATUS_DTYPE_MISMATCH, "query_offsets"},
+      {"query_offsets with TOKEN_SELECT",
+       [](Baseline& b) {
+         b.use_policy(SPARSA_POLICY_TOKEN_SELECT);
+         b.args.query_offsets = &b.toffsets;
+       },
+       SPARSA_STATUS_UNSUPPORTED, "query_offsets: read by DENSE"},
+      {"query_offsets with delta",
+       [](Baseline& b) {
+         b.policy.flags = SPARSA_POLICY_FLAG_DELTA;
+         b.args.lse = nullptr;
+         b.args.query_offsets = &b.toffsets;
+       },
+       SPARSA_STATUS_UNSUPPORTED, "SPARSA_POLICY_FLAG_DELTA"},
       // Devices.
       {"CUDA tensor to a CPU context", [](Baseline& b) { b.tk.device_type = SPARSA_DEVICE_CUDA; },
        SPARSA_STATUS_DEVICE_MISMATCH, "k: tensor on CUDA"},

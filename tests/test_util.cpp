@@ -551,6 +551,11 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
     seq_lens = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32, std::vector<int64_t>{B});
     for (int b = 0; b < B; ++b) seq_lens->as<int32_t>()[b] = p.skv[b];
   }
+  std::unique_ptr<Buffer> query_offsets;
+  if (!p.query_offset.empty()) {
+    query_offsets = std::make_unique<Buffer>(ctx, SPARSA_DTYPE_I32, std::vector<int64_t>{B});
+    std::copy(p.query_offset.begin(), p.query_offset.end(), query_offsets->as<int32_t>());
+  }
 
   // Outputs, poisoned.
   AttentionView out = make_view(ctx, opt.dtype, q_packed, p.sq, sq_max, Hq, D, opt.gap, opt.head_major);
@@ -614,10 +619,11 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
   // Arguments.
   Buffer* all[] = {q.buf.get(), k_buf ? k_buf.get() : kv_view[0].buf.get(), v_buf ? v_buf.get() : kv_view[1].buf.get(),
                    out.buf.get(), lse.get(), stats.get(), selected.get(), mask_out.get(), cu_q.get(), cu_k.get(),
-                   page_table.get(), seq_lens.get(), mask_in.get(), head_params.get(), indices.get(), head_map.get()};
+                   page_table.get(), seq_lens.get(), mask_in.get(), head_params.get(), indices.get(), head_map.get(),
+                   query_offsets.get()};
   for (Buffer* b : all)
     if (b) b->upload();
-  sparsa_tensor t[12];
+  sparsa_tensor t[13];
   auto describe = [&](int slot, Buffer* b) -> const sparsa_tensor* {
     if (!b) return nullptr;
     t[slot] = b->tensor();
@@ -637,6 +643,7 @@ RunResult run(const Context& ctx, const ref::Problem& p, const sparsa_policy& po
   args.cu_seqlens_k = describe(9, cu_k.get());
   args.page_table = describe(10, page_table.get());
   args.seq_lens_k = describe(11, seq_lens.get());
+  args.query_offsets = describe(12, query_offsets.get());
   args.causal = p.causal ? 1 : 0;
   args.softmax_scale = float(p.scale);
   args.selection_cache = opt.cache;

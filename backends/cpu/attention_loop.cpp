@@ -615,7 +615,7 @@ int64_t dense_pairs(const AttentionProblem& problem, int32_t b) {
   const int64_t seq_q = problem.seq_len_q(b);
   const int64_t seq_k = problem.seq_len_k(b);
   if (!problem.causal) return seq_q * seq_k;
-  const int64_t offset = seq_k - seq_q;
+  const int64_t offset = problem.causal_offset(b);
   int64_t pairs = 0;
   for (int64_t i = 0; i < seq_q; ++i) pairs += std::clamp<int64_t>(i + offset + 1, 0, seq_k);
   return pairs;
@@ -625,7 +625,7 @@ int64_t dense_tiles(const AttentionProblem& problem, int32_t b, int32_t block_q,
   const int64_t seq_q = problem.seq_len_q(b);
   const int64_t seq_k = problem.seq_len_k(b);
   const int64_t key_blocks = (seq_k + block_k - 1) / block_k;
-  const int64_t offset = seq_k - seq_q;
+  const int64_t offset = problem.causal_offset(b);
   int64_t tiles = 0;
   for (int64_t row0 = 0; row0 < seq_q; row0 += block_q) {
     if (!problem.causal) {

@@ -13,7 +13,7 @@ namespace sparsa::cpu {
 RowVisibility causal_visibility(const AttentionProblem& problem, int32_t b) {
   RowVisibility vis;
   vis.causal = problem.causal;
-  vis.offset = problem.seq_len_k(b) - problem.seq_len_q(b);
+  vis.offset = problem.causal_offset(b);
   return vis;
 }
 
@@ -79,7 +79,7 @@ void run_query_blocks(const AttentionProblem& problem, const OutputSink& sink, c
     for (int32_t l = 0; l < heads_per_item; ++l) scratch_array<int32_t>(mine, ids_floats * l, size_t(max_key_blocks));
 
     RowVisibility seq_vis = vis;
-    seq_vis.offset = problem.seq_len_k(b) - seq_q;
+    seq_vis.offset = problem.causal_offset(b);
     RunCounters* counters = &(*exec.counters)[size_t(worker)];
     BlockWalk walk;
     walk.block_k = block_k;
@@ -149,10 +149,11 @@ namespace {
 // size, so the result does not depend on the thread count), each range is one work item that reads its K and V once
 // for all heads (attend_decode_keys), and the ranges' normalised rows are merged by LSE. fp32 problems keep the block
 // walk (its arithmetic is what the shared test vectors pin), and so do CPUs without the decode kernels (AVX-512F, or
-// AVX2 + FMA + F16C).
+// AVX2 + FMA + F16C). A causal row placed by query_offsets may see only a prefix of the keys: the block walk then.
 
 bool use_decode_ranges(const AttentionProblem& problem) {
   return problem.max_seq_q == 1 && problem.dtype != SPARSA_DTYPE_F32 && problem.num_q_heads > 0 &&
+         !(problem.causal && problem.query_offsets.present) &&
          problem.num_q_heads / problem.num_kv_heads <= kMaxStackedRows &&
          select_decode_kernels(problem.head_dim) != nullptr;
 }
@@ -231,7 +232,7 @@ void run_dense(const AttentionProblem& problem, const PolicyParams&, const Outpu
     int64_t key_end = seq_k;
     if (problem.causal) {
       const int64_t last_row = std::min(seq_q, (q_block + 1) * block_q) - 1;
-      key_end = std::clamp<int64_t>(last_row + seq_k - seq_q + 1, 0, seq_k);
+      key_end = std::clamp<int64_t>(last_row + problem.causal_offset(b) + 1, 0, seq_k);
     }
     const int64_t n = (key_end + block_k - 1) / block_k;
     for (int64_t j = 0; j < n; ++j) ids[j] = int32_t(j);

@@ -17,7 +17,7 @@ void run_sink_window(const AttentionProblem& problem, const PolicyParams& policy
   const auto list_blocks = [&](int32_t b, int32_t, int64_t q_block, int32_t* ids) {
     const int64_t seq_q = problem.seq_len_q(b);
     const int64_t seq_k = problem.seq_len_k(b);
-    const int64_t offset = seq_k - seq_q;
+    const int64_t offset = problem.causal_offset(b);
     const int64_t first_aligned = q_block * block_q + offset;
     const int64_t last_aligned = std::min(seq_q, (q_block + 1) * block_q) - 1 + offset;
     // Keys any row of the block may see: [0, sink) ∪ (first − window, last + window) (causal: up to last).

@@ -108,7 +108,7 @@ void sparge_predict_mask(const AttentionProblem& problem, const PolicyParams& po
   const int64_t block_k = policy.p.block_k;
   const int64_t n_query_blocks = ceil_div(seq_q, block_q);
   const int64_t n_key_blocks = ceil_div(seq_k, block_k);
-  const int64_t causal_offset = seq_k - seq_q;
+  const int64_t causal_offset = problem.causal_offset(b);
   const bool causal = problem.causal;
   const SpargeHeadParams params = sparge_head_params(policy, h);
   if (n_query_blocks == 0 || n_key_blocks == 0) return;

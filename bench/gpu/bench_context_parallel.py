@@ -11,9 +11,9 @@ the same processes and on the same cards:
   sparsa.distributed.cp_decode (the run on the shard, the all-gather of the partial states, the merge), against one
   sparsa run over the whole cache on rank 0's GPU;
 - causal prefill, bf16, H = 32 (GQA 32/8), D = 128, N tokens split zig-zag: DENSE, SINK_WINDOW 128 + 2048 and
-  BLOCK_SPARSE (128 x 128 blocks, 20 % of the causal blocks kept) through sparsa.distributed.prefill (DENSE K/V
-  all-gathered, the others sent where read: prefill_exchange_plan), against one sparsa run over the whole prompt on
-  rank 0's GPU.
+  BLOCK_SPARSE (128 x 128 blocks, 20 % of the causal blocks kept) and SPARGE (top-k 20 % of the key blocks, its
+  prediction included) through sparsa.distributed.prefill (DENSE and SPARGE K/V all-gathered, the others sent where
+  read: prefill_exchange_plan), against one sparsa run over the whole prompt on rank 0's GPU.
 
 Each figure is the slowest rank's, the host work of the Python path included, taken two ways: "steady" = steps
 enqueued back to back, per step (a serving loop's rate: host work counts where it exceeds the GPU's), and
@@ -226,7 +226,9 @@ def prefill_rows(options, ctx, group, timer, torch, sparsa, cp, device):
     block = 128
     mask = causal_block_mask(torch, n, block, 0.2, gen, device)
     policies = [("dense", sparsa.Dense()), ("sink_window", sparsa.SinkWindow(128, 2048)),
-                ("block_sparse", sparsa.BlockSparse(mask, block_q=block, block_k=block))]
+                ("block_sparse", sparsa.BlockSparse(mask, block_q=block, block_k=block)),
+                # every block self-similar on random inputs (theta -1), so the top-k keeps 20 % of the key blocks
+                ("sparge_topk", sparsa.Sparge(block_q=128, block_k=64, theta=-1.0, topk_fraction=0.2))]
     row_bytes = HKV * D * 2 * 2  # one token's K and V
     own = torch.zeros(n, dtype=torch.bool, device=device)
     for a, e in ranges:
@@ -238,6 +240,8 @@ def prefill_rows(options, ctx, group, timer, torch, sparsa, cp, device):
         for a, e in ranges:
             if name == "dense":
                 needed[:e] = True
+            elif name.startswith("sparge"):  # the prediction pools every key of the sequence
+                needed[:] = True
             elif name == "sink_window":
                 needed[:128] = True
                 needed[max(0, a - 2047):e] = True

@@ -42,6 +42,10 @@ type AttentionArgs struct {
 	SelectedIndices *Tensor // optional int32 [B, H_sel, cap] output
 	BlockMaskOut    *Tensor // optional uint8 SPARGE mask output
 	Stats           *Tensor // optional int64 [n] counters output (StatPairsComputed, ...)
+
+	// QueryOffsets: optional int32 [B], §0's offset o per sequence (row i aligned with key i + o); nil =
+	// bottom-right. DENSE, SINK_WINDOW, BLOCK_SPARSE and SPARGE without Δ.
+	QueryOffsets *Tensor
 }
 
 // fill puts the arguments' tensors in their slots.
@@ -58,6 +62,7 @@ func (a *AttentionArgs) fill(slots *tensorSlots) {
 	slots.set(C.GS_SELECTED_INDICES, a.SelectedIndices)
 	slots.set(C.GS_BLOCK_MASK_OUT, a.BlockMaskOut)
 	slots.set(C.GS_STATS, a.Stats)
+	slots.set(C.GS_QUERY_OFFSETS, a.QueryOffsets)
 }
 
 // Attention computes args.Out (and the optional outputs) under policy (nil = DENSE defaults). Every argument is

@@ -92,6 +92,7 @@ static void gs_build_attention(const sparsa_tensor* const* views, int32_t causal
   args->selected_indices = views[GS_SELECTED_INDICES];
   args->block_mask_out = views[GS_BLOCK_MASK_OUT];
   args->stats = views[GS_STATS];
+  args->query_offsets = views[GS_QUERY_OFFSETS];
   if (policy != NULL) {
     *local_policy = *policy;
     local_policy->block_mask = views[GS_POLICY_BLOCK_MASK];

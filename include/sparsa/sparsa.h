@@ -63,7 +63,7 @@ extern "C" {
 #endif
 
 #define SPARSA_VERSION_MAJOR 0
-#define SPARSA_VERSION_MINOR 3
+#define SPARSA_VERSION_MINOR 4
 #define SPARSA_VERSION_PATCH 0
 /** Encoded as MAJOR * 10000 + MINOR * 100 + PATCH, the same encoding `sparsa_version()` returns. */
 #define SPARSA_VERSION (SPARSA_VERSION_MAJOR * 10000 + SPARSA_VERSION_MINOR * 100 + SPARSA_VERSION_PATCH)
@@ -465,6 +465,17 @@ typedef struct sparsa_attention_args {
   /** out: int64 [n], n >= 1, on the run's device: the first min(n, SPARSA_STAT_COUNT) counters of
       sparsa_stat_index. Achieved sparsity = 1 - PAIRS_COMPUTED / PAIRS_DENSE. */
   const sparsa_tensor* stats;
+
+  /* Appended after sparsa 0.1 (an older caller's struct_size ends before them: they take their defaults). */
+  /** in, optional: int32 [B], the offset o of §0 per sequence: row i of sequence b is aligned with key i + o[b], so
+      causally it sees keys j <= i + o[b], and SINK_WINDOW measures its window from i + o[b]. NULL (default) = the
+      bottom-right alignment Skv_b - Sq_b. Lets a run cover rows [o, o + Sq) of a longer sequence whose keys it is
+      given in full (context-parallel prefill: a shard's query rows against every key, SPARGE predicting the mask
+      of the whole sequence). Read by DENSE, SINK_WINDOW, BLOCK_SPARSE and SPARGE without SPARSA_POLICY_FLAG_DELTA;
+      with the token policies or DELTA: SPARSA_STATUS_UNSUPPORTED. Values outside [-Sq_b, Skv_b] (where every row
+      sees no key, or every key, causally): in host memory SPARSA_STATUS_INDEX_OUT_OF_RANGE; in device memory they
+      are not read by the host and act as the nearer end of that range. */
+  const sparsa_tensor* query_offsets;
 } sparsa_attention_args;
 
 /** Fills the `size` bytes at `args` (the caller's sizeof) with struct_size = size and the defaults above (every

@@ -150,14 +150,14 @@ int64_t count_pairs(const Visibility& vis) {
 }
 
 Visibility dense(const Problem& p) {
-  return make_visibility(p, [&](int b, int, int i, int j) { return !p.causal || causal_allowed(i, j, p.sq[b], p.skv[b]); });
+  return make_visibility(p, [&](int b, int, int i, int j) { return !p.causal || causal_allowed(i, j, p.o(b)); });
 }
 
 int64_t dense_pairs(const Problem& p) { return count_pairs(dense(p)); }
 
 Visibility sink_window(const Problem& p, int n_sink, int window) {
   return make_visibility(p, [&](int b, int, int i, int j) {
-    const long aligned = long(i) + (p.skv[b] - p.sq[b]);  // i + o
+    const long aligned = long(i) + p.o(b);  // i + o
     if (p.causal) return j <= aligned && (j < n_sink || aligned - j < window);
     return j < n_sink || std::labs(aligned - j) < window;
   });
@@ -166,7 +166,7 @@ Visibility sink_window(const Problem& p, int n_sink, int window) {
 Visibility block_sparse(const Problem& p, int bq, int bk, const std::vector<uint8_t>& mask) {
   const int nqb = ceil_div(p.max_sq(), bq), nkb = ceil_div(p.max_skv(), bk);
   return make_visibility(p, [&](int b, int h, int i, int j) {
-    if (p.causal && !causal_allowed(i, j, p.sq[b], p.skv[b])) return false;
+    if (p.causal && !causal_allowed(i, j, p.o(b))) return false;
     return mask[((size_t(b) * p.Hq + h) * nqb + i / bq) * nkb + j / bk] != 0;
   });
 }
@@ -174,7 +174,7 @@ Visibility block_sparse(const Problem& p, int bq, int bk, const std::vector<uint
 bool block_causal_allowed(const Problem& p, int b, int I, int J, int bq, int bk) {
   if (!p.causal) return true;
   const int last_row = std::min((I + 1) * bq, p.sq[b]) - 1;
-  return causal_allowed(last_row, J * bk, p.sq[b], p.skv[b]);
+  return causal_allowed(last_row, J * bk, p.o(b));
 }
 
 BlockCounts block_counts(const Problem& p, int bq, int bk, const std::vector<uint8_t>& mask) {
@@ -328,7 +328,7 @@ SpargeResult sparge(const Problem& p, const std::vector<SpargeParams>& per_head)
             double local_max = -kInf;
             for (int c = 0; c < cols; ++c) {
               const int i = row0 + a, j = col0 + c;
-              if (p.causal && !causal_allowed(i, j, sq, skv)) continue;
+              if (p.causal && !causal_allowed(i, j, p.o(b))) continue;
               const double s = shape.quantized
                                    ? dot(&q_int[size_t(a) * D], &k_int[size_t(c) * D], D) * q_step * k_step * scale
                                    : p.score(b, h, i, j);
@@ -529,7 +529,7 @@ TokenSelectResult token_select(const Problem& p, const TokenSelectParams& tp, Se
   }
   const Visibility vis = make_visibility(p, [&](int b, int h, int i, int j) {
     const int set = tp.per_kv_head ? h / p.group() : 0;
-    return member[b][set][j] && causal_allowed(i, j, p.sq[b], p.skv[b]);
+    return member[b][set][j] && causal_allowed(i, j, p.o(b));
   });
   r.out = attend(p, vis);
   r.pairs_computed = count_pairs(vis);
@@ -561,7 +561,7 @@ TokenIndicesResult token_indices(const Problem& p, const TokenIndicesParams& tp)
   }
   const Visibility vis = make_visibility(p, [&](int b, int h, int i, int j) {
     // §7: "Each query head attends to the deduplicated union, causal" — causal by definition, like §6.
-    return member[b][h][j] && causal_allowed(i, j, p.sq[b], p.skv[b]);
+    return member[b][h][j] && causal_allowed(i, j, p.o(b));
   });
   r.out = attend(p, vis);
   r.pairs_computed = count_pairs(vis);

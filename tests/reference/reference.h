@@ -25,6 +25,10 @@ struct Problem {
   std::vector<Rows> q, k, v;
   bool causal = false;
   double scale = 0;  // 0 = 1/sqrt(D) (§0)
+  std::vector<int> query_offset;  // §0's o per sequence when the run sets args.query_offsets; empty = skv - sq
+
+  // §0's o: row i of sequence b is aligned with key i + o(b).
+  int o(int b) const { return query_offset.empty() ? skv[b] - sq[b] : query_offset[b]; }
 
   double softmax_scale() const;
   int group() const { return Hq / Hkv; }
@@ -49,8 +53,8 @@ struct Output {
 using Visibility = std::vector<std::vector<std::vector<uint8_t>>>;
 
 double dot(const double* a, const double* b, int n);
-// §0 bottom-right causal alignment.
-inline bool causal_allowed(int i, int j, int sq, int skv) { return j <= i + (skv - sq); }
+// §0 causal alignment: row i sees key j iff j <= i + o.
+inline bool causal_allowed(int i, int j, int o) { return j <= i + o; }
 
 Visibility make_visibility(const Problem& p, const std::function<bool(int b, int h, int i, int j)>& visible);
 // softmax(S)·V and LSE over the visible keys; a row with no visible key gets 0 and LSE -inf (§0).

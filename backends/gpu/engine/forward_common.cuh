@@ -24,7 +24,7 @@ struct SequenceView {
   int32_t seq_k = 0;       // Skv of this sequence
   int32_t q_row_base = 0;  // cu_seqlens_q[b] when packed, else 0
   int32_t k_row_base = 0;  // cu_seqlens_k[b] when packed, else 0
-  int32_t causal_offset = 0;  // o = Skv - Sq (bottom-right alignment)
+  int32_t causal_offset = 0;  // §0's o: Skv - Sq (bottom-right alignment) unless args.query_offsets sets it
   int32_t rows = 0;           // launch rows of this (b, h): seq_q unless a row map says otherwise
   int32_t delta_prefix = 0;   // kDeltaRows: s_p
   int32_t delta_anchors = 0;  // kDeltaRows: ceil(s_p / gamma)
@@ -50,6 +50,9 @@ __device__ __forceinline__ SequenceView make_sequence_view(const ForwardParams& 
   }
   if (p.seq_lens_k != nullptr) s.seq_k = p.seq_lens_k[b * p.seq_lens_k_stride];
   s.causal_offset = s.seq_k - s.seq_q;
+  if (p.query_offsets != nullptr) {  // the host checked host values; a device value is clamped (sparsa.h)
+    s.causal_offset = min(max(p.query_offsets[b * p.query_offsets_stride], -s.seq_q), s.seq_k);
+  }
   s.rows = s.seq_q;
   if (p.row_map == QueryRowMap::kDeltaRows) {
     s.delta_prefix = max(0, delta_sparse_prefix(s.seq_q, p.delta_gamma, p.delta_tail_min));

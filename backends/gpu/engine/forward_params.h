@@ -68,6 +68,8 @@ struct ForwardParams {
   const int32_t* page_table = nullptr;  // non-null selects the paged layout
   int64_t page_table_stride_b = 0, page_table_stride_p = 1;
   int32_t page_size = 0;
+  const int32_t* query_offsets = nullptr;  // §0's o per sequence (args.query_offsets); null = Skv - Sq
+  int64_t query_offsets_stride = 1;
 
   // Semantics.
   bool causal = false;

@@ -154,6 +154,10 @@ ForwardParams make_forward_params(const AttentionProblem& problem, const PolicyP
     p.seq_lens_k = problem.seq_lens_k.ptr<const int32_t>();
     p.seq_lens_k_stride = problem.seq_lens_k.stride(0);
   }
+  if (problem.query_offsets.present) {
+    p.query_offsets = problem.query_offsets.ptr<const int32_t>();
+    p.query_offsets_stride = problem.query_offsets.stride(0);
+  }
   if (problem.kv_layout == KvLayout::kPaged) {
     p.page_table = problem.page_table.ptr<const int32_t>();
     p.page_table_stride_b = problem.page_table.stride(0);

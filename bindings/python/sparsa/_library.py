@@ -122,6 +122,7 @@ class CAttentionArgs(ctypes.Structure):
         ("selected_indices", TensorPtr),
         ("block_mask_out", TensorPtr),
         ("stats", TensorPtr),
+        ("query_offsets", TensorPtr),
     ]
 
 

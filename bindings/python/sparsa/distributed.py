@@ -26,7 +26,7 @@ import numpy
 
 from . import _library as L
 from . import ops
-from .policy import BlockSparse, Dense, SinkWindow, TokenIndices, TokenSelect
+from .policy import BlockSparse, Dense, SinkWindow, Sparge, TokenIndices, TokenSelect
 
 
 # ---- Groups ------------------------------------------------------------------------------------------------------
@@ -466,13 +466,16 @@ def prefill(ctx, group, q, k, v, policy=None, *, total, softmax_scale=0.0):
     to their own last position (bottom-right causal alignment makes that the global causal mask), so a rank
     computes only the pairs the policy keeps. Supported: DENSE, SINK_WINDOW, BLOCK_SPARSE (the global mask
     [B, Hq, ceil(total/bq), ceil(total/bk)]; chunks multiples of block_q), and Δ on SINK_WINDOW or BLOCK_SPARSE
-    (chunks multiples of gamma). Not SPARGE: its prediction centres K by the mean over the whole sequence and its
-    top-k variant counts the call's key blocks, so a run over a key prefix predicts a different mask
+    (chunks multiples of gamma), and SPARGE without Δ (chunks multiples of block_q): its prediction centres K by the
+    mean over the whole sequence and its top-k variant counts all key blocks, so each chunk runs over every key with
+    query_offsets = the chunk's start, which places its rows and predicts the whole sequence's mask rows
     (docs/context_parallel.md). Returns this rank's out [B, 2·c, Hq, D]."""
     policy = policy if policy is not None else Dense()
-    if not isinstance(policy, (Dense, SinkWindow, BlockSparse)):
-        raise NotImplementedError(f"prefill: {policy!r} is not supported (DENSE, SINK_WINDOW and BLOCK_SPARSE, "
-                                  "with or without Δ, are)")
+    if not isinstance(policy, (Dense, SinkWindow, BlockSparse, Sparge)):
+        raise NotImplementedError(f"prefill: {policy!r} is not supported (DENSE, SINK_WINDOW, BLOCK_SPARSE, "
+                                  "with or without Δ, and SPARGE are)")
+    if isinstance(policy, Sparge) and policy.delta is not None:
+        raise NotImplementedError("prefill: SPARGE with Δ is not supported (query_offsets excludes Δ)")
     ranges = [zigzag_ranges(total, group.size, r) for r in range(group.size)]
     chunk = ranges[0][0][1] - ranges[0][0][0]
     plan = prefill_exchange_plan(total, group.size, policy) if hasattr(group, "all_to_all") else None
@@ -498,10 +501,23 @@ def prefill(ctx, group, q, k, v, policy=None, *, total, softmax_scale=0.0):
         if policy.delta is not None:
             outs.append(_delta_chunk(ctx, q_chunk, full_k, full_v, chunk_policy, policy.delta, start, end, total,
                                      softmax_scale))
+        elif isinstance(policy, Sparge):
+            _block_aligned(policy, start, chunk)
+            offsets = _like_int32(q_chunk, [start] * q_chunk.shape[0])
+            outs.append(ops.attention(ctx, q_chunk, full_k, full_v, policy=chunk_policy, causal=True,
+                                      softmax_scale=softmax_scale, query_offsets=offsets))
         else:
             outs.append(ops.attention(ctx, q_chunk, full_k[:, :end], full_v[:, :end], policy=chunk_policy,
                                       causal=True, softmax_scale=softmax_scale))
     return _concat(outs, 1)
+
+
+def _like_int32(x, values):
+    """An int32 tensor of `values` on x's device (torch) or in host memory (numpy)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        import torch
+        return torch.tensor(values, dtype=torch.int32, device=x.device)
+    return numpy.asarray(values, dtype=numpy.int32)
 
 
 def _contiguous(x):

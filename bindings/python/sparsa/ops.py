@@ -39,7 +39,7 @@ class _Views:
 
 
 def _attention_args(views, ctx, q, k, v, out, lse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, page_table,
-                    seq_lens_k, selection_cache, selected_indices, block_mask_out, stats):
+                    seq_lens_k, selection_cache, selected_indices, block_mask_out, stats, query_offsets=None):
     args = L.CAttentionArgs()
     L.call("sparsa_attention_args_init", ctypes.byref(args), ctypes.sizeof(args))
     args.q, args.k, args.v = views.ptr(q, "q"), views.ptr(k, "k"), views.ptr(v, "v")
@@ -53,6 +53,7 @@ def _attention_args(views, ctx, q, k, v, out, lse, causal, softmax_scale, cu_seq
     args.selected_indices = views.out_ptr(selected_indices, "selected_indices")
     args.block_mask_out = views.out_ptr(block_mask_out, "block_mask_out")
     args.stats = views.out_ptr(stats, "stats")
+    args.query_offsets = views.ptr(query_offsets, "query_offsets")
     check_same_device(views.named)
     return args
 
@@ -68,13 +69,14 @@ def _lse_shape(q_shape):
 
 def attention(ctx, q, k, v, out=None, *, policy=None, causal=False, softmax_scale=0.0, lse=None,
               cu_seqlens_q=None, cu_seqlens_k=None, page_table=None, seq_lens_k=None, selection_cache=None,
-              selected_indices=None, block_mask_out=None, stats=None):
+              selected_indices=None, block_mask_out=None, stats=None, query_offsets=None):
     """One attention run (sparsa_attention_run) under `policy` (default Dense()).
 
     q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] (packed [T, H, D] with cu_seqlens_*; paged caches with page_table +
     seq_lens_k). `out` defaults to a new tensor like q. `lse=True` / `stats=True` allocate those outputs; or pass
-    tensors for lse, stats, selected_indices, block_mask_out. Returns `out`, or an AttentionOutputs named tuple
-    when any optional output was asked for.
+    tensors for lse, stats, selected_indices, block_mask_out. `query_offsets` (int32 [B], the run's device): row i
+    of sequence b is aligned with key i + query_offsets[b] (default: bottom-right). Returns `out`, or an
+    AttentionOutputs named tuple when any optional output was asked for.
     """
     views = _Views(ctx.stream)
     q_view = views(q, "q")
@@ -88,7 +90,8 @@ def attention(ctx, q, k, v, out=None, *, policy=None, causal=False, softmax_scal
     if stats is True:
         stats = empty_like(q, (L.STAT_COUNT,), L.DTYPE_I64, "stats")
     args = _attention_args(views, ctx, q_view, k, v, out, lse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                           page_table, seq_lens_k, selection_cache, selected_indices, block_mask_out, stats)
+                           page_table, seq_lens_k, selection_cache, selected_indices, block_mask_out, stats,
+                           query_offsets)
     c_policy = (policy if policy is not None else Dense()).to_c(views.keep, ctx.stream)
     L.call("sparsa_attention_run", ctx.handle, ctypes.byref(args), ctypes.byref(c_policy))
     if lse is None and selected_indices is None and block_mask_out is None and stats is None:
@@ -98,12 +101,13 @@ def attention(ctx, q, k, v, out=None, *, policy=None, causal=False, softmax_scal
 
 def attention_plan(ctx, q, k, v, out, *, policy=None, causal=False, softmax_scale=0.0, lse=None,
                    cu_seqlens_q=None, cu_seqlens_k=None, page_table=None, seq_lens_k=None, selection_cache=None,
-                   selected_indices=None, block_mask_out=None, stats=None):
+                   selected_indices=None, block_mask_out=None, stats=None, query_offsets=None):
     """Validates like attention() and grows the context's scratch for this problem, computing nothing; later runs
     of the same shapes allocate nothing (needed before CUDA graph capture)."""
     views = _Views(ctx.stream)
     args = _attention_args(views, ctx, q, k, v, out, lse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                           page_table, seq_lens_k, selection_cache, selected_indices, block_mask_out, stats)
+                           page_table, seq_lens_k, selection_cache, selected_indices, block_mask_out, stats,
+                           query_offsets)
     c_policy = (policy if policy is not None else Dense()).to_c(views.keep, ctx.stream)
     L.call("sparsa_attention_plan", ctx.handle, ctypes.byref(args), ctypes.byref(c_policy))
 

@@ -150,7 +150,8 @@ def test_same_cut_decode_equals_one_context(kind, size):
         assert _relative(lse, want_lse) <= RTOL
 
 
-PREFILL_KINDS = ["dense", "sink_window", "block_sparse", "sink_window_delta", "block_sparse_delta"]
+PREFILL_KINDS = ["dense", "sink_window", "block_sparse", "sink_window_delta", "block_sparse_delta", "sparge_topk",
+                 "sparge_tau"]
 
 
 def _prefill_policy(kind, rng, batch, hq, total):
@@ -162,6 +163,10 @@ def _prefill_policy(kind, rng, batch, hq, total):
     if kind.startswith("block_sparse"):
         mask = (rng.random((batch, hq, total // 32, total // 32)) < 0.4).astype(np.uint8)
         return sparsa.BlockSparse(mask, block_q=32, block_k=32, delta=delta)
+    if kind == "sparge_topk":  # every block self-similar: the top-k of all key blocks decides (~47 % of causal cells)
+        return sparsa.Sparge(block_q=32, block_k=16, theta=-1.0, topk_fraction=0.3)
+    if kind == "sparge_tau":  # TopCdf; about a third of the query blocks fall below theta and are forced (~78 % kept)
+        return sparsa.Sparge(block_q=32, block_k=16, theta=0.035, tau=0.5)
     raise ValueError(kind)
 
 
@@ -239,8 +244,10 @@ def test_prefill_refuses_what_it_cannot_reproduce():
     group = cp.ThreadGroup(1).member(0)
     x = np.zeros((1, 64, 1, 16), np.float32)
     with sparsa.Context() as ctx:
-        with pytest.raises(NotImplementedError):  # a prefix run would predict a different mask
-            cp.prefill(ctx, group, x, x, x, sparsa.Sparge(block_q=32), total=64)
+        with pytest.raises(NotImplementedError):  # query_offsets excludes Δ
+            cp.prefill(ctx, group, x, x, x, sparsa.Sparge(block_q=32, delta=sparsa.Delta(gamma=32)), total=64)
+        with pytest.raises(ValueError):  # chunks of 32 rows, SPARGE blocks of 64
+            cp.prefill(ctx, group, x, x, x, sparsa.Sparge(block_q=64), total=64)
         with pytest.raises(ValueError):  # chunks of 32 rows, blocks of 64
             mask = np.ones((1, 1, 1, 1), np.uint8)
             cp.prefill(ctx, group, x, x, x, sparsa.BlockSparse(mask, block_q=64, block_k=64), total=64)

@@ -87,6 +87,7 @@ pub struct Attention<'a> {
     selected_indices: Option<sys::sparsa_tensor>,
     block_mask_out: Option<sys::sparsa_tensor>,
     stats: Option<sys::sparsa_tensor>,
+    query_offsets: Option<sys::sparsa_tensor>,
     selection_cache: *mut sys::sparsa_selection_cache,
     causal: bool,
     softmax_scale: f32,
@@ -108,6 +109,7 @@ impl<'a> Attention<'a> {
             selected_indices: None,
             block_mask_out: None,
             stats: None,
+            query_offsets: None,
             selection_cache: ptr::null_mut(),
             causal: false,
             softmax_scale: 0.0,
@@ -147,6 +149,12 @@ impl<'a> Attention<'a> {
     /// int32 [B] key count per sequence.
     pub fn seq_lens_k(mut self, t: &'a TensorRef<'_>) -> Self {
         self.seq_lens_k = Some(*t.raw());
+        self
+    }
+    /// int32 [B]: §0's offset o per sequence (row i aligned with key i + o); default bottom-right. DENSE,
+    /// SINK_WINDOW, BLOCK_SPARSE and SPARGE without Δ.
+    pub fn query_offsets(mut self, t: &'a TensorRef<'_>) -> Self {
+        self.query_offsets = Some(*t.raw());
         self
     }
     /// TokenSelect's selection cache (§6.5).
@@ -330,6 +338,7 @@ impl<'a> Attention<'a> {
         args.selected_indices = optional(&self.selected_indices);
         args.block_mask_out = optional(&self.block_mask_out);
         args.stats = optional(&self.stats);
+        args.query_offsets = optional(&self.query_offsets);
         args
     }
 }

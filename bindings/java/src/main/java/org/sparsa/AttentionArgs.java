@@ -47,7 +47,8 @@ public final class AttentionArgs {
     private static final int SELECTED_INDICES = 10;
     private static final int BLOCK_MASK_OUT = 11;
     private static final int STATS = 12;
-    private static final int KEPT_COUNT = 13;
+    private static final int QUERY_OFFSETS = 13;
+    private static final int KEPT_COUNT = 14;
 
     private final sparsa_attention_args raw = new sparsa_attention_args();
     private final Object[] kept = new Object[KEPT_COUNT];
@@ -156,6 +157,16 @@ public final class AttentionArgs {
     public Builder stats(Tensor value) {
       kept[STATS] = value;
       raw.setStats(Tensor.descriptorOf(value));
+      return this;
+    }
+
+    /**
+     * Optional int32 [B]: the offset o of each sequence (row i aligned with key i + o); null = bottom-right. Read by
+     * DENSE, SINK_WINDOW, BLOCK_SPARSE and SPARGE without Δ.
+     */
+    public Builder queryOffsets(Tensor value) {
+      kept[QUERY_OFFSETS] = value;
+      raw.setQuery_offsets(Tensor.descriptorOf(value));
       return this;
     }
 
