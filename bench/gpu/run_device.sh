@@ -6,6 +6,8 @@
 #   bash bench/gpu/run_device.sh [build|tests|python|bench|profile|cp|all]   (default all = tests + python + bench;
 #   cp = the context-parallel tests, the torchrun example on every GPU present, and both context-parallel benchmarks
 #   at G = 2, 4 and 8 where the machine has that many GPUs)
+#   SPARSA_PREBUILT=DIR skips the build and runs the binaries in DIR (libsparsa.so*, tests/sparsa_tests,
+#   tests/gpu/sparsa_gpu_tests), e.g. built on another machine for sm_90a and carried.
 #
 # GoogleTest: uses the machine's if present, else builds the source carried in .peers/googletest (a copy of
 # /usr/src/googletest, for a GPU machine without one). FlexAttention/SDPA peers come from the image's torch.
@@ -33,14 +35,20 @@ if [ -d "$ROOT/.peers/googletest" ]; then
   fi
 fi
 
-t0=$(date +%s)
-cmake -S "$ROOT" -B $BUILD -DCMAKE_BUILD_TYPE=Release ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} \
-  "-DCMAKE_CUDA_ARCHITECTURES=90a;80" -DSPARSA_BUILD_BINDINGS=OFF -DSPARSA_BUILD_TOOLS=OFF -DSPARSA_BUILD_BENCH=OFF \
-  > "$LOGS/configure.log" 2>&1 || { echo "configure failed"; tail -30 "$LOGS/configure.log"; exit 1; }
-grep "sparsa:" "$LOGS/configure.log"
-cmake --build $BUILD -j "$JOBS" --target sparsa sparsa_gpu_tests sparsa_tests > "$LOGS/build.log" 2>&1 ||
-  { echo "build failed"; grep -E -A3 "error" "$LOGS/build.log" | head -40; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s; warnings: $(grep -c 'warning' "$LOGS/build.log")"
+if [ -n "${SPARSA_PREBUILT:-}" ]; then  # binaries built elsewhere: lib*.so*, tests/sparsa_tests, tests/gpu/sparsa_gpu_tests
+  BUILD=$SPARSA_PREBUILT
+  export LD_LIBRARY_PATH=$BUILD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  echo "prebuilt binaries in $BUILD"
+else
+  t0=$(date +%s)
+  cmake -S "$ROOT" -B $BUILD -DCMAKE_BUILD_TYPE=Release ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} \
+    "-DCMAKE_CUDA_ARCHITECTURES=90a;80" -DSPARSA_BUILD_BINDINGS=OFF -DSPARSA_BUILD_TOOLS=OFF -DSPARSA_BUILD_BENCH=OFF \
+    > "$LOGS/configure.log" 2>&1 || { echo "configure failed"; tail -30 "$LOGS/configure.log"; exit 1; }
+  grep "sparsa:" "$LOGS/configure.log"
+  cmake --build $BUILD -j "$JOBS" --target sparsa sparsa_gpu_tests sparsa_tests > "$LOGS/build.log" 2>&1 ||
+    { echo "build failed"; grep -E -A3 "error" "$LOGS/build.log" | head -40; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s; warnings: $(grep -c 'warning' "$LOGS/build.log")"
+fi
 TESTS=$BUILD/tests/gpu/sparsa_gpu_tests
 SHARED=$BUILD/tests/sparsa_tests  # the backend-parameterised suite; its CUDA instances run here
 LIB=$(ls $BUILD/libsparsa.so.*.*.* | head -1)
@@ -99,11 +107,11 @@ fi
 if [ "$STEPS" = cp ]; then  # context parallelism (docs/context_parallel.md): needs >= 2 GPUs for the NCCL parts
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
   GPUS=$(nvidia-smi -L | wc -l)
-  echo "=== context-parallel and TOKEN_SELECT tests, CUDA instances ($GPUS GPUs) ==="
-  timeout 200 $SHARED --gtest_filter='*ContextParallel*/CUDA:*Merge*/CUDA:*TokenSelect*/CUDA:Backends/SelectCases.*_CUDA' \
+  echo "=== context-parallel, TOKEN_SELECT and query-offset tests, CUDA instances ($GPUS GPUs) ==="
+  timeout 200 $SHARED --gtest_filter='*ContextParallel*/CUDA:*Merge*/CUDA:*TokenSelect*/CUDA:Backends/SelectCases.*_CUDA:Backends/QueryOffsetCases.*_CUDA' \
     > "$OUT/cp_shared_cuda.log" 2>&1; echo "exit $?"
   for tool in memcheck racecheck; do
-    timeout 100 compute-sanitizer --tool $tool --error-exitcode 3 $SHARED --gtest_filter='*ContextParallel*/CUDA:*Merge*/CUDA' \
+    timeout 100 compute-sanitizer --tool $tool --error-exitcode 3 $SHARED --gtest_filter='*ContextParallel*/CUDA:*Merge*/CUDA:Backends/QueryOffsetCases.*_CUDA' \
       > "$LOGS/cp_$tool.log" 2>&1
     echo "$tool exit $? ; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/cp_$tool.log" | tail -1)"
   done
