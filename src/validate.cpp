@@ -526,11 +526,13 @@ void validate_delta(const AttentionProblem& pr, const sparsa_policy& p) {
 // Introspection outputs and the selection cache
 // ------------------------------------------------------------------------------------------------------------------
 
-// query_offsets: the block policies' visibility reads §0's o per sequence; the token policies and Δ define their rows
-// relative to the sequence's end, so they refuse it.
+// query_offsets: the block policies' and TOKEN_INDICES' visibility reads §0's o per sequence; TOKEN_SPARSE,
+// TOKEN_SELECT and Δ define their rows relative to the sequence's end (scoring window, q̄'s rows, anchors), so they
+// refuse it.
 void validate_query_offsets(const AttentionProblem& pr, const sparsa_policy& p, bool delta) {
-  if (policy_kind_info(p.kind)->always_causal || delta) {
-    fail(SPARSA_STATUS_UNSUPPORTED, "query_offsets: read by DENSE, SINK_WINDOW, BLOCK_SPARSE and SPARGE only, not by ",
+  if (p.kind == SPARSA_POLICY_TOKEN_SPARSE || p.kind == SPARSA_POLICY_TOKEN_SELECT || delta) {
+    fail(SPARSA_STATUS_UNSUPPORTED,
+         "query_offsets: read by DENSE, SINK_WINDOW, BLOCK_SPARSE, SPARGE and TOKEN_INDICES only, not by ",
          delta ? "SPARSA_POLICY_FLAG_DELTA" : sparsa_policy_kind_name(p.kind));
   }
   expect_shape(pr.query_offsets, "query_offsets", {pr.batch}, "[B] from q");

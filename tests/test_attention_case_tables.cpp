@@ -429,7 +429,8 @@ const std::vector<AttentionCase> kSpargeSmoothCases = {
 // args.query_offsets (§0's o per sequence): a run's rows placed inside a longer sequence whose keys it is given, as a
 // context-parallel shard runs them. Causal rows see keys <= i + o, SINK_WINDOW measures from i + o, SPARGE predicts
 // over all of the call's keys with the causal pruning at i + o; o = -Sq (no row sees a key) and o = Skv (every row
-// sees every key) are the ends of the range; a decode row at o sees a prefix. Defaults as the prefill table's.
+// sees every key) are the ends of the range; a decode row at o sees a prefix; TOKEN_INDICES rows placed after the
+// keys (a context-parallel shard) or inside them, n_local still counted from Skv. Defaults as the prefill table's.
 const std::vector<AttentionCase> kQueryOffsetCases = {
     prefill_row("dense_f16_d64_causal_padded_batch2", kF16).lengths({64, 64}, {300, 250}).causal().offsets({100, 0}),
     prefill_row("dense_bf16_d128_causal_gqa4_tiles", kBF16).dim(128).heads(8, 2).lengths({256}, {1024}).causal()
@@ -453,6 +454,12 @@ const std::vector<AttentionCase> kQueryOffsetCases = {
         .noisy_blocks({2}, {5, 20}),
     st::sparge_row("sparge_bf16_d128_causal_topk_pv_skip", kBF16).dim(128).lengths({512}, {1536})
         .sparge_prediction_policy(128, 64, 0.3, 0.3).tau(0.9).lambda(-4).sink_direction(14).offsets({768}),
+    st::decode_row("indices_decode_prefix_bf16_d128", kBF16).token_indices_policy(8, 900).lengths({1, 1}, {20000, 3000})
+        .offsets({9000, 2999}),
+    st::decode_row("indices_rows_after_keys_f16_d64_sq5_init_local", kF16).dim(64).token_indices_policy(2, 300)
+        .index_init_local(4, 64).lengths({5, 5}, {4000, 900}).offsets({4000, 500}),
+    st::decode_row("indices_blocks16_bf16_d128_sq3_paged", kBF16).token_indices_policy(8, 200).index_blocks(16)
+        .index_init_local(16, 128).paged(16).lengths({3, 3}, {9000, 5000}).offsets({6000, -1}),
 };
 
 SPARSA_BACKEND_TABLE(PrefillCases, AttentionCase, kPrefillCases);

@@ -242,7 +242,7 @@ void run_token_indices(const AttentionProblem& problem, const PolicyParams& poli
     std::iota(rows, rows + seq_q, int64_t{0});
     RowVisibility visibility;
     visibility.causal = problem.causal;
-    visibility.offset = seq_k - seq_q;
+    visibility.offset = problem.causal_offset(b);
     attend_heads_over_keys(problem, b, h_first, heads_per_item, rows, seq_q, keys, n_keys, visibility,
                            /*causal_prefix=*/problem.causal, sink, out_rows, lse_rows,
                            &(*exec.counters)[size_t(worker)], loop_scratch(exec, worker));

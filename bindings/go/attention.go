@@ -44,7 +44,7 @@ type AttentionArgs struct {
 	Stats           *Tensor // optional int64 [n] counters output (StatPairsComputed, ...)
 
 	// QueryOffsets: optional int32 [B], §0's offset o per sequence (row i aligned with key i + o); nil =
-	// bottom-right. DENSE, SINK_WINDOW, BLOCK_SPARSE and SPARGE without Δ.
+	// bottom-right. DENSE, SINK_WINDOW, BLOCK_SPARSE, SPARGE and TOKEN_INDICES without Δ.
 	QueryOffsets *Tensor
 }
 

@@ -471,8 +471,9 @@ typedef struct sparsa_attention_args {
       causally it sees keys j <= i + o[b], and SINK_WINDOW measures its window from i + o[b]. NULL (default) = the
       bottom-right alignment Skv_b - Sq_b. Lets a run cover rows [o, o + Sq) of a longer sequence whose keys it is
       given in full (context-parallel prefill: a shard's query rows against every key, SPARGE predicting the mask
-      of the whole sequence). Read by DENSE, SINK_WINDOW, BLOCK_SPARSE and SPARGE without SPARSA_POLICY_FLAG_DELTA;
-      with the token policies or DELTA: SPARSA_STATUS_UNSUPPORTED. Values outside [-Sq_b, Skv_b] (where every row
+      of the whole sequence), or rows that lie after a shard's keys (context-parallel decode of several rows). Read
+      by DENSE, SINK_WINDOW, BLOCK_SPARSE, SPARGE and TOKEN_INDICES (whose n_local still counts from Skv_b) without
+      SPARSA_POLICY_FLAG_DELTA; with TOKEN_SPARSE, TOKEN_SELECT or DELTA: SPARSA_STATUS_UNSUPPORTED. Values outside [-Sq_b, Skv_b] (where every row
       sees no key, or every key, causally): in host memory SPARSA_STATUS_INDEX_OUT_OF_RANGE; in device memory they
       are not read by the host and act as the nearer end of that range. */
   const sparsa_tensor* query_offsets;

@@ -354,8 +354,9 @@ void expect_same(const SelectCase& c, const SelectResult& gpu, const SelectResul
 }
 
 // The selection cache under CUDA-graph replay: one captured decode step replayed with a new query each time —
-// a miss (empty cache), a hit (a nearby query reuses T although a fresh vote differs), a miss (unrelated query) —
-// each compared with the CPU backend running the same steps on its own cache.
+// a miss (empty cache), a hit (a nearby query reuses T although a fresh vote differs), a miss (unrelated query), and
+// sequence 0 hitting while sequence 1 misses — each compared with the CPU backend running the same steps on its own
+// cache.
 TEST(GpuTokenSelectCache, GraphReplayHitThenMiss) {
   SKIP_WITHOUT_GPU();
   SelectCase c;
@@ -365,11 +366,19 @@ TEST(GpuTokenSelectCache, GraphReplayHitThenMiss) {
   std::mt19937 rng(5);
   SelectInputs in = make_select_inputs(c, rng);
   const SelectTensors t = build_select_tensors(c, in, rng);
-  std::vector<std::vector<uint8_t>> queries;  // q0, q0 + noise (cos > 0.5), unrelated
+  std::vector<std::vector<uint8_t>> queries;  // q0, q0 + noise (cos > 0.5), unrelated, then half of each
   std::normal_distribution<float> normal;
+  std::vector<float> unrelated;
   for (int step = 0; step < 3; ++step) {
     std::vector<float> q = in.q;
     for (float& x : q) x = step == 0 ? x : step == 1 ? x + 0.4f * normal(rng) : normal(rng);
+    if (step == 2) unrelated = q;
+    queries.push_back(encode_rounded(q, c.dtype));
+  }
+  {  // [B = 2, Sq = 1, Hq, D]: sequence 0 near step 2's query (a hit), sequence 1 unrelated to it (a miss)
+    std::vector<float> q = unrelated;
+    const size_t half = q.size() / 2;
+    for (size_t i = 0; i < q.size(); ++i) q[i] = i < half ? q[i] + 0.05f * normal(rng) : normal(rng);
     queries.push_back(encode_rounded(q, c.dtype));
   }
 
@@ -399,9 +408,9 @@ TEST(GpuTokenSelectCache, GraphReplayHitThenMiss) {
     ASSERT_EQ(captured, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
     ScopedGraphExec exec;
     CUDA_OK(cudaGraphInstantiate(exec.out(), graph.get(), 0));
-    const int64_t want_hits[3] = {0, 2, 0}, want_misses[3] = {2, 0, 2};
+    const int64_t want_hits[4] = {0, 2, 0, 1}, want_misses[4] = {2, 0, 2, 1};
     std::vector<int32_t> first_selection;
-    for (int step = 0; step < 3; ++step) {
+    for (int step = 0; step < 4; ++step) {
       SCOPED_TRACE("step " + std::to_string(step));
       cpu.set_q(queries[step]);
       const SelectResult want = cpu.run();
@@ -421,8 +430,8 @@ TEST(GpuTokenSelectCache, GraphReplayHitThenMiss) {
     }
     int64_t hits = -1, misses = -1;
     SPARSA_OK(sparsa_selection_cache_counts(gpu_cache, &hits, &misses));
-    EXPECT_EQ(hits, 2);
-    EXPECT_EQ(misses, 4);
+    EXPECT_EQ(hits, 3);
+    EXPECT_EQ(misses, 5);
     SPARSA_OK(sparsa_selection_cache_reset(gpu_cache));
     SPARSA_OK(sparsa_selection_cache_counts(gpu_cache, &hits, &misses));
     EXPECT_EQ(hits + misses, 0);

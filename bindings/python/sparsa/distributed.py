@@ -225,17 +225,35 @@ def _visible_head_and_tail(start, length, total, head, tail):
     """For a shard holding global positions [start, start + length) of a sequence of `total` keys: how many of its
     first keys lie in the global head [0, head) and how many of its last keys in the global tail
     [total - tail, total). Both pieces start (head) or end (tail) at the shard's own ends, so a run on the shard
-    expresses them as its own n_sink / window (n_init / n_local) for the decode row, local position length - 1."""
+    expresses them as its own n_init / n_local."""
     local_head = max(0, min(head - start, length))
     local_tail = max(0, min(start + length - (total - tail), length))
     return local_head, local_tail
 
 
+def _first_row_positions(rows, kv_start, kv_total):
+    """Local position of each sequence's first query row on this shard: the rows are the sequence's last `rows`
+    positions, kv_total - rows .. kv_total - 1."""
+    return kv_total.astype(numpy.int64) - rows - kv_start.astype(numpy.int64)
+
+
+def _run_offsets(rows, kv_start, kv_total, lengths):
+    """§0's o of the shard's run per sequence: the first query row's local position, clamped to [-rows, L] (rows
+    past the shard's end see all of its keys causally; SINK_WINDOW's window is shortened by the rest). One row needs
+    no query_offsets: bottom-right alignment puts it at L - 1, after every key of the shard."""
+    if rows == 1:
+        return lengths.astype(numpy.int64) - 1
+    return numpy.clip(_first_row_positions(rows, kv_start, kv_total), -rows, lengths.astype(numpy.int64))
+
+
 def _shard_policy_same_cut(q, policy, start, length, total):
-    """The shard's own policy when every sequence has the same cut (no index lists on the host), or None."""
+    """The shard's own policy when every sequence has the same cut (no index lists on the host), or None. The run
+    places the query rows at _run_offsets."""
     if isinstance(policy, SinkWindow):
-        sinks, window = _visible_head_and_tail(start, length, total, policy.sink_tokens, policy.window)
-        return SinkWindow(sinks, window)
+        rows, start_, total_, length_ = q.shape[1], numpy.array([start]), numpy.array([total]), numpy.array([length])
+        first = int(_first_row_positions(rows, start_, total_)[0])
+        beyond = first - int(_run_offsets(rows, start_, total_, length_)[0])  # the rows sit this far past o
+        return SinkWindow(max(0, min(policy.sink_tokens - start, length)), max(0, policy.window - beyond))
     if isinstance(policy, TokenIndices) and policy.block_size == 1:
         n_init, n_local = _visible_head_and_tail(start, length, total, policy.n_init, policy.n_local)
         indices = policy.indices
@@ -274,6 +292,9 @@ def _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, s
         return TokenIndices(token_select_indices(ctx, group, q, k, v, policy, kv_start, kv_total,
                                                  seq_lens_k=seq_lens_k, softmax_scale=softmax_scale))
     if isinstance(policy, SinkWindow):
+        if q.shape[1] > 1:  # one host-built list per head cannot hold a window that moves with the row
+            raise NotImplementedError("cp_decode: SINK_WINDOW over shards cut differently per sequence needs one "
+                                      "query row")
         rows = []
         for b in range(batch):
             n = int(kv_total[b])
@@ -302,13 +323,20 @@ def merge_gathered(ctx, outs, lses):
 
 
 def cp_decode(ctx, group, q, k, v, policy=None, *, kv_start, kv_total, seq_lens_k=None, softmax_scale=0.0):
-    """Decode attention over a KV cache split by position across the group's ranks. q [B, 1, Hq, D] (every rank
-    the same); k/v [B, L, Hkv, D] this rank's keys (seq_lens_k for ragged shards); kv_start / kv_total int32 [B].
-    Returns (out, lse) of the whole cache, the same on every rank (partial states all-gathered and merged)."""
+    """Decode attention over a KV cache split by position across the group's ranks. q [B, Sq, Hq, D] (every rank
+    the same): the sequences' last Sq positions (one decode row, or a speculative / chunked step of a few, causal
+    among them); k/v [B, L, Hkv, D] this rank's keys (seq_lens_k for ragged shards); kv_start / kv_total int32 [B].
+    With several rows each rank's run places them with query_offsets. Returns (out, lse) of the whole cache, the same on every
+    rank (partial states all-gathered and merged)."""
     policy = policy if policy is not None else Dense()
     shard_policy = _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, softmax_scale)
-    out, lse, _, _, _ = ops.attention(ctx, q, k, v, policy=shard_policy, lse=True, seq_lens_k=seq_lens_k,
-                                      softmax_scale=softmax_scale)
+    offsets = None
+    if q.shape[1] > 1:
+        host_start, host_total = _host_int32(kv_start, "kv_start"), _host_int32(kv_total, "kv_total")
+        lengths = _shard_lengths(k, seq_lens_k, len(host_start))
+        offsets = _like_int32(q, _run_offsets(q.shape[1], host_start, host_total, lengths).tolist())
+    out, lse, _, _, _ = ops.attention(ctx, q, k, v, policy=shard_policy, causal=True, lse=True,
+                                      seq_lens_k=seq_lens_k, softmax_scale=softmax_scale, query_offsets=offsets)
     return merge_gathered(ctx, group.all_gather(out), group.all_gather(lse))
 
 

@@ -28,8 +28,8 @@ def _split(lengths, size, rng):
             for r in range(size)]
 
 
-def _problem(rng, batch, hq, hkv, d, lengths, duplicates=0):
-    q = rng.standard_normal((batch, 1, hq, d)).astype(np.float32)
+def _problem(rng, batch, hq, hkv, d, lengths, duplicates=0, rows=1):
+    q = rng.standard_normal((batch, rows, hq, d)).astype(np.float32)
     k = rng.standard_normal((batch, max(lengths), hkv, d)).astype(np.float32)
     v = rng.standard_normal((batch, max(lengths), hkv, d)).astype(np.float32)
     k[:, :4] *= 3.0  # attention sinks
@@ -113,6 +113,42 @@ def test_known_index_set_decode_equals_one_context(kind, size):
     for out, lse, _ in _run_ranks(size, q, k, v, lengths, _split(lengths, size, rng), policy):
         assert _relative(out, want.out) <= RTOL
         assert _relative(lse, want.lse) <= RTOL
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("kind", ["dense", "sink_window_same_cut", "token_indices", "token_indices_same_cut",
+                                  "token_select"])
+def test_several_query_rows_equal_one_context(kind, size):
+    """Three query rows (a speculative or chunked step: the sequences' last three positions, causal among them):
+    every shard's run places them with query_offsets, also shards that end before them (SINK_WINDOW's window then
+    reaches back into some shards and not others)."""
+    rng = np.random.default_rng(20 + size)
+    same_cut = kind.endswith("same_cut")
+    lengths = [300, 300] if same_cut else [300, 187]
+    q, k, v = _problem(rng, 2, 8, 2, 32, lengths, rows=3)
+    if kind == "dense":
+        policy = sparsa.Dense()
+    elif kind == "sink_window_same_cut":
+        policy = sparsa.SinkWindow(sink_tokens=8, window=200)
+    elif kind.startswith("token_indices"):
+        indices = rng.integers(-1, min(lengths), (2, 2, 50)).astype(np.int32)
+        policy = sparsa.TokenIndices(indices, n_init=4, n_local=90)
+    else:
+        policy = sparsa.TokenSelect(n_init=8, n_local=16, top_k=32)
+    with sparsa.Context() as ctx:
+        want = sparsa.attention(ctx, q, k, v, policy=policy, causal=True, lse=True,
+                                seq_lens_k=np.array(lengths, np.int32))
+    shards = _even_split(lengths[0], 2, size) if same_cut else _split(lengths, size, rng)
+    for out, lse, _ in _run_ranks(size, q, k, v, lengths, shards, policy):
+        assert _relative(out, want.out) <= RTOL
+        assert _relative(lse, want.lse) <= RTOL
+
+
+def test_several_query_rows_refused_where_a_host_list_cannot_hold_them():
+    rng = np.random.default_rng(1)
+    q, k, v = _problem(rng, 2, 4, 2, 16, [100, 60], rows=2)
+    with pytest.raises(NotImplementedError):  # ragged cuts: SINK_WINDOW would need a window per row
+        _run_ranks(2, q, k, v, [100, 60], _split([100, 60], 2, rng), sparsa.SinkWindow(sink_tokens=4, window=16))
 
 
 def _even_split(length, batch, size):

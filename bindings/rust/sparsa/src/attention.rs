@@ -152,7 +152,7 @@ impl<'a> Attention<'a> {
         self
     }
     /// int32 [B]: §0's offset o per sequence (row i aligned with key i + o); default bottom-right. DENSE,
-    /// SINK_WINDOW, BLOCK_SPARSE and SPARGE without Δ.
+    /// SINK_WINDOW, BLOCK_SPARSE, SPARGE and TOKEN_INDICES without Δ.
     pub fn query_offsets(mut self, t: &'a TensorRef<'_>) -> Self {
         self.query_offsets = Some(*t.raw());
         self

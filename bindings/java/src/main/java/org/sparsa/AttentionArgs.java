@@ -162,7 +162,7 @@ public final class AttentionArgs {
 
     /**
      * Optional int32 [B]: the offset o of each sequence (row i aligned with key i + o); null = bottom-right. Read by
-     * DENSE, SINK_WINDOW, BLOCK_SPARSE and SPARGE without Δ.
+     * DENSE, SINK_WINDOW, BLOCK_SPARSE, SPARGE and TOKEN_INDICES without Δ.
      */
     public Builder queryOffsets(Tensor value) {
       kept[QUERY_OFFSETS] = value;
