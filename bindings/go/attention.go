@@ -114,7 +114,7 @@ func (c *Context) attention(plan bool, args *AttentionArgs, policy *Policy) erro
 	d := &in.slots.goData
 	result := C.gs_attention(cBool(plan), in.ctx, &in.slots.c, cBool(args.Causal), C.float(args.SoftmaxScale),
 		in.cache, in.policy, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13],
-		d[14], d[15])
+		d[14], d[15], d[16])
 	runtime.KeepAlive(c)
 	runtime.KeepAlive(args)
 	return check(result)
@@ -168,7 +168,7 @@ func (c *Context) SpargeTune(args *AttentionArgs, policy *Policy, options *Sparg
 	d := &slots.goData
 	result := C.gs_sparge_tune(ctx, &slots.c, cBool(args.Causal), C.float(args.SoftmaxScale), policyPtr, &cOptions,
 		d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14], d[15], d[16],
-		d[17])
+		d[17], d[18])
 	runtime.KeepAlive(c)
 	runtime.KeepAlive(args)
 	runtime.KeepAlive(outParams)

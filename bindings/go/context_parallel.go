@@ -69,7 +69,7 @@ func (c *Context) cpSelect(step C.int32_t, args *AttentionArgs, policy *Policy, 
 	d := &slots.goData
 	result := C.gs_cp_select(step, in.ctx, &slots.c, cBool(args.Causal), C.float(args.SoftmaxScale), in.cache,
 		in.policy, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14],
-		d[15], d[C.GS_CP_KV_START], d[C.GS_CP_KV_TOTAL], d[C.GS_CP_IN_A], d[C.GS_CP_IN_B], d[C.GS_CP_OUT_A],
+		d[15], d[16], d[C.GS_CP_KV_START], d[C.GS_CP_KV_TOTAL], d[C.GS_CP_IN_A], d[C.GS_CP_IN_B], d[C.GS_CP_OUT_A],
 		d[C.GS_CP_OUT_B])
 	runtime.KeepAlive(c)
 	runtime.KeepAlive(args)

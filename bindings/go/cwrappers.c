@@ -105,9 +105,9 @@ static void gs_build_attention(const sparsa_tensor* const* views, int32_t causal
 gs_result gs_attention(int32_t plan, sparsa_context* ctx, const gs_tensors* tensors, int32_t causal,
                        float softmax_scale, sparsa_selection_cache* cache, const sparsa_policy* policy, void* d0,
                        void* d1, void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9,
-                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15) {
-  void* const go_data[GS_POLICY_HEAD_MAP + 1] = {d0, d1, d2,  d3,  d4,  d5,  d6,  d7,
-                                                 d8, d9, d10, d11, d12, d13, d14, d15};
+                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15, void* d16) {
+  void* const go_data[GS_POLICY_HEAD_MAP + 1] = {d0, d1, d2,  d3,  d4,  d5,  d6,  d7, d8,
+                                                 d9, d10, d11, d12, d13, d14, d15, d16};
   sparsa_tensor local[GS_MAX_TENSORS];
   const sparsa_tensor* views[GS_MAX_TENSORS];
   gs_resolve(tensors, go_data, GS_POLICY_HEAD_MAP + 1, local, views);
@@ -122,9 +122,9 @@ gs_result gs_attention(int32_t plan, sparsa_context* ctx, const gs_tensors* tens
 gs_result gs_sparge_tune(sparsa_context* ctx, const gs_tensors* tensors, int32_t causal, float softmax_scale,
                          const sparsa_policy* policy, const sparsa_sparge_tune_options* options, void* d0, void* d1,
                          void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9, void* d10,
-                         void* d11, void* d12, void* d13, void* d14, void* d15, void* d16, void* d17) {
-  void* const go_data[GS_TUNE_METRICS + 1] = {d0,  d1,  d2,  d3,  d4,  d5,  d6,  d7,  d8,
-                                              d9,  d10, d11, d12, d13, d14, d15, d16, d17};
+                         void* d11, void* d12, void* d13, void* d14, void* d15, void* d16, void* d17, void* d18) {
+  void* const go_data[GS_TUNE_METRICS + 1] = {d0,  d1,  d2,  d3,  d4,  d5,  d6,  d7,  d8,  d9,
+                                              d10, d11, d12, d13, d14, d15, d16, d17, d18};
   sparsa_tensor local[GS_MAX_TENSORS];
   const sparsa_tensor* views[GS_MAX_TENSORS];
   gs_resolve(tensors, go_data, GS_TUNE_METRICS + 1, local, views);
@@ -138,10 +138,10 @@ gs_result gs_sparge_tune(sparsa_context* ctx, const gs_tensors* tensors, int32_t
 gs_result gs_cp_select(int32_t step, sparsa_context* ctx, const gs_tensors* tensors, int32_t causal,
                        float softmax_scale, sparsa_selection_cache* cache, const sparsa_policy* policy, void* d0,
                        void* d1, void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9,
-                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15, void* kv_start,
+                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15, void* d16, void* kv_start,
                        void* kv_total, void* in_a, void* in_b, void* out_a, void* out_b) {
   // The tuner's slots stay NULL (absent): Go never fills them for these calls.
-  void* const go_data[GS_MAX_TENSORS] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15,
+  void* const go_data[GS_MAX_TENSORS] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16,
                                          [GS_CP_KV_START] = kv_start, [GS_CP_KV_TOTAL] = kv_total,
                                          [GS_CP_IN_A] = in_a, [GS_CP_IN_B] = in_b, [GS_CP_OUT_A] = out_a,
                                          [GS_CP_OUT_B] = out_b};

@@ -82,21 +82,21 @@ gs_result gs_selection_cache_counts(const sparsa_selection_cache* cache, int64_t
 gs_result gs_attention(int32_t plan, sparsa_context* ctx, const gs_tensors* tensors, int32_t causal,
                        float softmax_scale, sparsa_selection_cache* cache, const sparsa_policy* policy, void* d0,
                        void* d1, void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9,
-                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15);
+                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15, void* d16);
 gs_result gs_sparge_tune(sparsa_context* ctx, const gs_tensors* tensors, int32_t causal, float softmax_scale,
                          const sparsa_policy* policy, const sparsa_sparge_tune_options* options, void* d0, void* d1,
                          void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9, void* d10,
-                         void* d11, void* d12, void* d13, void* d14, void* d15, void* d16, void* d17);
+                         void* d11, void* d12, void* d13, void* d14, void* d15, void* d16, void* d17, void* d18);
 
 // Steps of the context-parallel TOKEN_SELECT protocol (docs/context_parallel.md).
 enum gs_cp_step { GS_CP_SELECT_MAX = 1, GS_CP_SELECT_SUM, GS_CP_SELECT_TOPK, GS_CP_SELECT_INDICES };
 
-// Calls the sparsa_cp_select_* function of `step` (a gs_cp_step; any other value is INVALID_ARGUMENT). d0..d15 as
+// Calls the sparsa_cp_select_* function of `step` (a gs_cp_step; any other value is INVALID_ARGUMENT). d0..d16 as
 // for gs_attention, then the data of the GS_CP_* slots.
 gs_result gs_cp_select(int32_t step, sparsa_context* ctx, const gs_tensors* tensors, int32_t causal,
                        float softmax_scale, sparsa_selection_cache* cache, const sparsa_policy* policy, void* d0,
                        void* d1, void* d2, void* d3, void* d4, void* d5, void* d6, void* d7, void* d8, void* d9,
-                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15, void* kv_start,
+                       void* d10, void* d11, void* d12, void* d13, void* d14, void* d15, void* d16, void* kv_start,
                        void* kv_total, void* in_a, void* in_b, void* out_a, void* out_b);
 
 gs_result gs_merge_states(sparsa_context* ctx, const gs_tensors* tensors, void* o_a, void* lse_a, void* o_b,

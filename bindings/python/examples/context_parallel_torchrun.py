@@ -56,6 +56,10 @@ def main():
         local_k, local_v = k[:, start:end].contiguous().to(device), v[:, start:end].contiguous().to(device)
         out, lse = cp.cp_decode(ctx, group, local_q, local_k, local_v, policy, kv_start=kv_start,
                                 kv_total=kv_total)
+        # A step of three query rows (speculative decoding: the sequences' last three positions, causal among them).
+        step_q = torch.randn(batch, 3, hq, d, generator=generator)
+        step_out, _ = cp.cp_decode(ctx, group, step_q.to(device), local_k, local_v, policy, kv_start=kv_start,
+                                   kv_total=kv_total)
 
         # ---- Prefill: zig-zag chunks of one prompt, causal; DENSE all-gathers K/V, SINK_WINDOW sends each rank
         # only the keys its rows read (sparsa.distributed.prefill_exchange_plan). ------------------------------
@@ -72,7 +76,6 @@ def main():
                 selected = torch.full((batch, 1, n), -1, dtype=torch.int32)
                 want = sparsa.attention(host, q, k, v, policy=policy, lse=True, selected_indices=selected)
                 indices = cp.token_select_indices(ctx, group, local_q, local_k, local_v, policy, kv_start, kv_total)
-                # (On GPUs the selection steps run on the host for now: docs/context_parallel.md.)
                 mine_selected = [sorted(int(t) + start for t in indices[b, 0].cpu() if t >= 0) for b in range(batch)]
                 for b in range(batch):
                     expected = [int(t) for t in selected[b, 0] if start <= t < end]
@@ -80,6 +83,9 @@ def main():
                         errors.append(f"rank {rank}: sequence {b} index set differs from one device's")
                 if relative(out.cpu(), want.out) > RTOL or relative(lse.cpu(), want.lse) > RTOL:
                     errors.append(f"rank {rank}: decode output differs: {relative(out.cpu(), want.out):.3g}")
+                step_want = sparsa.attention(host, step_q, k, v, policy=policy, causal=True)
+                if relative(step_out.cpu(), step_want) > RTOL:
+                    errors.append(f"rank {rank}: three-row step differs: {relative(step_out.cpu(), step_want):.3g}")
                 for policy_p, prefill_out in zip(prefill_policies, prefill_outs):
                     whole = sparsa.attention(host, *prompt, policy=policy_p, causal=True)
                     expected = torch.cat([whole[:, a:e] for a, e in ranges], dim=1)
@@ -92,7 +98,8 @@ def main():
                 print(line, flush=True)
             failures = int(flag.item())
             if failures == 0 and rank == 0:
-                print(f"context-parallel decode and prefill match one device on {size} ranks", flush=True)
+                print(f"context-parallel decode, a three-row step and prefill match one device on {size} ranks",
+                      flush=True)
     dist.destroy_process_group()
     return 1 if failures else 0
 

@@ -341,4 +341,4 @@ def test_torchrun_example_on_two_gloo_processes():
             if process.poll() is None:
                 process.kill()
     assert all(p.returncode == 0 for p in processes), "\n".join(outputs)
-    assert "context-parallel decode and prefill match one device on 2 ranks" in outputs[0]
+    assert "context-parallel decode, a three-row step and prefill match one device on 2 ranks" in outputs[0]
