@@ -79,13 +79,11 @@ struct AttentionProblem {
     }
     return k.t.shape[1];
   }
-  // §0's o of sequence b: row i is aligned with key i + o. The caller's value clamped to [-Sq, Skv] (beyond it every
-  // row sees no key, or every key, causally), else bottom-right.
+  // §0's o of sequence b: row i is aligned with key i + o. The caller's value (the core checked it lies in
+  // [-Sq, Skv]), else bottom-right.
   int64_t causal_offset(int32_t b) const {
-    const int64_t sq = seq_len_q(b), sk = seq_len_k(b);
-    if (!query_offsets.present) return sk - sq;
-    const int64_t o = query_offsets.ptr<const int32_t>()[b * query_offsets.t.strides[0]];
-    return o < -sq ? -sq : (o > sk ? sk : o);
+    if (query_offsets.present) return query_offsets.ptr<const int32_t>()[b * query_offsets.t.strides[0]];
+    return seq_len_k(b) - seq_len_q(b);
   }
   // Element offset of q/out row (b, i, h) from the tensor's data pointer.
   int64_t q_offset(const TensorArg& qo, int32_t b, int64_t i, int32_t h) const {

@@ -232,27 +232,27 @@ def _visible_head_and_tail(start, length, total, head, tail):
 
 
 def _first_row_positions(rows, kv_start, kv_total):
-    """Local position of each sequence's first query row on this shard: the rows are the sequence's last `rows`
-    positions, kv_total - rows .. kv_total - 1."""
-    return kv_total.astype(numpy.int64) - rows - kv_start.astype(numpy.int64)
+    """Local position of each sequence's first query row on this shard (arrays or scalars): the rows are the
+    sequence's last `rows` positions, kv_total - rows .. kv_total - 1."""
+    return numpy.asarray(kv_total, numpy.int64) - rows - numpy.asarray(kv_start, numpy.int64)
 
 
 def _run_offsets(rows, kv_start, kv_total, lengths):
-    """§0's o of the shard's run per sequence: the first query row's local position, clamped to [-rows, L] (rows
-    past the shard's end see all of its keys causally; SINK_WINDOW's window is shortened by the rest). One row needs
-    no query_offsets: bottom-right alignment puts it at L - 1, after every key of the shard."""
+    """§0's o of the shard's run per sequence (arrays or scalars): the first query row's local position, clamped
+    to [-rows, L] (rows past the shard's end see all of its keys causally; SINK_WINDOW's window is shortened by the
+    rest). One row needs no query_offsets: bottom-right alignment puts it at L - 1, after every key of the shard."""
+    lengths = numpy.asarray(lengths, numpy.int64)
     if rows == 1:
-        return lengths.astype(numpy.int64) - 1
-    return numpy.clip(_first_row_positions(rows, kv_start, kv_total), -rows, lengths.astype(numpy.int64))
+        return lengths - 1
+    return numpy.clip(_first_row_positions(rows, kv_start, kv_total), -rows, lengths)
 
 
 def _shard_policy_same_cut(q, policy, start, length, total):
     """The shard's own policy when every sequence has the same cut (no index lists on the host), or None. The run
     places the query rows at _run_offsets."""
     if isinstance(policy, SinkWindow):
-        rows, start_, total_, length_ = q.shape[1], numpy.array([start]), numpy.array([total]), numpy.array([length])
-        first = int(_first_row_positions(rows, start_, total_)[0])
-        beyond = first - int(_run_offsets(rows, start_, total_, length_)[0])  # the rows sit this far past o
+        rows = q.shape[1]
+        beyond = int(_first_row_positions(rows, start, total) - _run_offsets(rows, start, total, length))  # past o
         return SinkWindow(max(0, min(policy.sink_tokens - start, length)), max(0, policy.window - beyond))
     if isinstance(policy, TokenIndices) and policy.block_size == 1:
         n_init, n_local = _visible_head_and_tail(start, length, total, policy.n_init, policy.n_local)
@@ -326,15 +326,15 @@ def cp_decode(ctx, group, q, k, v, policy=None, *, kv_start, kv_total, seq_lens_
     """Decode attention over a KV cache split by position across the group's ranks. q [B, Sq, Hq, D] (every rank
     the same): the sequences' last Sq positions (one decode row, or a speculative / chunked step of a few, causal
     among them); k/v [B, L, Hkv, D] this rank's keys (seq_lens_k for ragged shards); kv_start / kv_total int32 [B].
-    With several rows each rank's run places them with query_offsets. Returns (out, lse) of the whole cache, the same on every
-    rank (partial states all-gathered and merged)."""
+    With several rows each rank's run places them with query_offsets. Returns (out, lse) of the whole cache, the
+    same on every rank (partial states all-gathered and merged)."""
     policy = policy if policy is not None else Dense()
     shard_policy = _shard_policy(ctx, group, q, k, v, policy, kv_start, kv_total, seq_lens_k, softmax_scale)
     offsets = None
     if q.shape[1] > 1:
         host_start, host_total = _host_int32(kv_start, "kv_start"), _host_int32(kv_total, "kv_total")
         lengths = _shard_lengths(k, seq_lens_k, len(host_start))
-        offsets = _like_int32(q, _run_offsets(q.shape[1], host_start, host_total, lengths).tolist())
+        offsets = _like(q, _run_offsets(q.shape[1], host_start, host_total, lengths).astype(numpy.int32))
     out, lse, _, _, _ = ops.attention(ctx, q, k, v, policy=shard_policy, causal=True, lse=True,
                                       seq_lens_k=seq_lens_k, softmax_scale=softmax_scale, query_offsets=offsets)
     return merge_gathered(ctx, group.all_gather(out), group.all_gather(lse))
@@ -531,21 +531,13 @@ def prefill(ctx, group, q, k, v, policy=None, *, total, softmax_scale=0.0):
                                      softmax_scale))
         elif isinstance(policy, Sparge):
             _block_aligned(policy, start, chunk)
-            offsets = _like_int32(q_chunk, [start] * q_chunk.shape[0])
+            offsets = _like(q_chunk, numpy.full(q_chunk.shape[0], start, numpy.int32))
             outs.append(ops.attention(ctx, q_chunk, full_k, full_v, policy=chunk_policy, causal=True,
                                       softmax_scale=softmax_scale, query_offsets=offsets))
         else:
             outs.append(ops.attention(ctx, q_chunk, full_k[:, :end], full_v[:, :end], policy=chunk_policy,
                                       causal=True, softmax_scale=softmax_scale))
     return _concat(outs, 1)
-
-
-def _like_int32(x, values):
-    """An int32 tensor of `values` on x's device (torch) or in host memory (numpy)."""
-    if type(x).__module__.split(".")[0] == "torch":
-        import torch
-        return torch.tensor(values, dtype=torch.int32, device=x.device)
-    return numpy.asarray(values, dtype=numpy.int32)
 
 
 def _contiguous(x):
