@@ -1,4 +1,5 @@
-// SPARGE's quantized (Sage) forward, NVIDIA sm_80+ (forward_sage.h). Reads top to bottom:
+// SPARGE's quantized (Sage) forward, NVIDIA sm_80+ (forward_sage.h); on sm_90a with FP8 P·V and head dim 128 the
+// attention launch is forward_sage_wgmma.cu's instead (sage_plan picks). Reads top to bottom:
 //   pre-passes   Q → int8 per block_q block (+ each row's scale and LSE shift), centred K → int8 per block_k block,
 //                V → e4m3 transposed with per-channel scales (FP8 P·V), or V → fp16 when it cannot be read in
 //                place;
@@ -28,38 +29,28 @@
 
 #if SPARSA_GPU_HAS_MMA_SYNC
 #include "mma_primitives.cuh"
+#include "sage_tile.cuh"
 #endif
 
 #include <cmath>
 #include <type_traits>
 
-// FP8 conversions and mma exist from sm_89 on; the host pass parses the same code.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
-#define SPARSA_SAGE_FP8_DEVICE 0
-#else
-#define SPARSA_SAGE_FP8_DEVICE 1
-#endif
-
 SPARSA_GPU_NAMESPACE_BEGIN
 
-constexpr int kSageTileKeys = 64;  // keys per tile of the attention walk (the PV skip needs block_k == this)
 
 #if SPARSA_GPU_HAS_MMA_SYNC
 namespace {
 
-using namespace mma;  // the shared PTX wrappers (mma_primitives.cuh)
+using namespace mma;   // the shared PTX wrappers (mma_primitives.cuh)
+using namespace sage;  // the per-thread tile arithmetic both Sage kernels share (sage_tile.cuh)
 
 constexpr float kInt8Max = 127.f;       // §4 quantized path: symmetric int8
 constexpr float kQuantEpsilon = 1e-7f;  // scale = max|x| / 127 + 1e-7
 constexpr int kPrepThreads = 128;
 constexpr int kPrepWarps = kPrepThreads / 32;
-constexpr int kTileKeys = kSageTileKeys;
 constexpr int kRowPadBytes = 16;  // shared-memory row padding (bank spread, keeps 16-byte alignment)
 constexpr int kChunkBytes = 16;   // cp.async granule
 constexpr int kConvertRows = 64;  // V rows per thread block of the conversion pre-pass
-constexpr float kFp8Max = 448.f;  // largest finite e4m3: V per channel and P are scaled onto ±448
-constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P·448 = 2^(S − m + log2 448)
-constexpr int kFp8StepKeys = 32;  // keys per m16n8k32 step (the unit of the V^T key permutation)
 constexpr int kChannelMaxRows = 256;  // V rows per thread block of the channel-max pre-pass
 constexpr int kMaxHeadDim = 128;
 constexpr int kFp8TilePitch = kTileKeys + 4;  // bytes per channel row of the transposing pre-pass's shared tile
@@ -167,23 +158,6 @@ __global__ void __launch_bounds__(kPrepThreads) convert_values_kernel(const Sage
 
 // ---- FP8 (e4m3) helpers ----
 
-// Two floats → e4m3 pair (round to nearest even, saturating to ±448): `low` in bits 0-7, `high` in bits 8-15.
-__device__ __forceinline__ uint32_t e4m3_pair(float low, float high) {
-#if SPARSA_SAGE_FP8_DEVICE
-  uint16_t pair;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(high), "f"(low));
-  return pair;
-#else
-  (void)low;
-  (void)high;
-  __trap();
-  return 0;
-#endif
-}
-__device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
-  return e4m3_pair(x0, x1) | (e4m3_pair(x2, x3) << 16);
-}
-
 // D(16x8, f32) += A(16x32, e4m3) · B(32x8, e4m3).
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if SPARSA_SAGE_FP8_DEVICE
@@ -199,12 +173,6 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], 
   (void)b1;
   __trap();
 #endif
-}
-
-// The scale of one V channel from its max |V| (as float bits); an all-zero channel keeps scale 1.
-__device__ __forceinline__ float fp8_channel_scale(uint32_t abs_max_bits) {
-  const float abs_max = __uint_as_float(abs_max_bits);
-  return abs_max > 0.f ? abs_max / kFp8Max : 1.f;
 }
 
 // Where key `key` of a tile sits in its V^T row: inside each 32-key step, key 2t+i (i < 2) and 8+2t+i (i < 2) go to
@@ -290,8 +258,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
   constexpr int kRows = 16 * kWarps;                 // query rows per thread block
   constexpr int kI8Pitch = kHeadDim + kRowPadBytes;  // bytes per int8 row in shared memory
   constexpr int kVPitch = kHeadDim + kRowPadBytes / 2;  // 16-bit elements per V row
-  constexpr int kKeyBlocks8 = kTileKeys / 8;         // n-blocks of the S tile
-  constexpr int kDimBlocks8 = kHeadDim / 8;          // n-blocks of the O tile
+    constexpr int kDimBlocks8 = kHeadDim / 8;          // n-blocks of the O tile
   constexpr int kSteps32 = kHeadDim / 32;            // k-steps of the int8 mma
   constexpr int kI8Chunks = kHeadDim / kChunkBytes;  // cp.async chunks per int8 row
   constexpr int kVChunks = kHeadDim * 2 / kChunkBytes;
@@ -310,8 +277,8 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
   const SequenceView seq = make_sequence_view(p, blockIdx.z, blockIdx.y);
   const int32_t row_begin = blockIdx.x * kRows;
   if (row_begin >= seq.seq_q) return;
-  const int32_t row_end = min(row_begin + kRows, seq.seq_q);
-  const int32_t key_end = key_end_for_rows(p, seq, row_end);
+  const BlockRows block = block_rows(p, seq, row_begin, kRows);
+  const int32_t row_end = block.row_end, key_end = block.key_end;
   const int32_t tile_count = (key_end + kTileKeys - 1) / kTileKeys;
   // §4 step 7 (supports() guarantees one mask cell per tile): the first computed tile is never tested.
   const float skip_threshold = p.pv_skip_log2 != nullptr ? p.pv_skip_log2[seq.h] : -INFINITY;
@@ -351,10 +318,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     q_frag[kk][2] = *reinterpret_cast<const uint32_t*>(base + 16);
     q_frag[kk][3] = *reinterpret_cast<const uint32_t*>(base + 8 * kI8Pitch + 16);
   }
-  const int32_t my_rows[2] = {row_begin + warp_row0 + lane / 4, row_begin + warp_row0 + lane / 4 + 8};
-  float q_scale[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) q_scale[r] = my_rows[r] < row_end ? s.q_scale[q_row0 + my_rows[r]] : 0.f;
+  const FragmentRows rows = fragment_rows(s, q_row0, row_begin + warp_row0, row_end, lane);
   const bool warp_active = row_begin + warp_row0 < row_end;
 
   float o_acc[kDimBlocks8][4];
@@ -378,11 +342,11 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     }
     cp_async_commit();
     if constexpr (kFp8) {  // V^T rows of this tile (zero past the sequence end: written so by the pre-pass)
-      const uint8_t* rows = s.v_fp8 + kv_head_index * kHeadDim * s.fp8_keys + key_begin;
+      const uint8_t* v_rows = s.v_fp8 + kv_head_index * kHeadDim * s.fp8_keys + key_begin;
       for (int index = threadIdx.x; index < kHeadDim * kFp8Chunks; index += kThreads) {
         const int c = index / kFp8Chunks, chunk = index % kFp8Chunks;
         cp_async_16(shared_address(v_bytes + c * kFp8Pitch + chunk * kChunkBytes),
-                    rows + int64_t(c) * s.fp8_keys + chunk * kChunkBytes, kChunkBytes);
+                    v_rows + int64_t(c) * s.fp8_keys + chunk * kChunkBytes, kChunkBytes);
       }
     } else {
       for (int index = threadIdx.x; index < kTileKeys * kVChunks; index += kThreads) {
@@ -403,77 +367,29 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     __syncthreads();
 
     // S = Q_i8·K_i8ᵀ · s_q · s_k · scale, in the base-2 domain, masked.
-    float s_acc[kKeyBlocks8][4];
+    float s_acc[kKeyBlocks][4];
+    float factor[1][2];
     float tile_max[2] = {-INFINITY, -INFINITY};
     if (warp_active) {
-      int32_t dots[kKeyBlocks8][4];
+      int32_t dots[kKeyBlocks][4];
 #pragma unroll
-      for (int nb = 0; nb < kKeyBlocks8; ++nb) dots[nb][0] = dots[nb][1] = dots[nb][2] = dots[nb][3] = 0;
+      for (int nb = 0; nb < kKeyBlocks; ++nb) dots[nb][0] = dots[nb][1] = dots[nb][2] = dots[nb][3] = 0;
 #pragma unroll
       for (int kk = 0; kk < kSteps32; ++kk) {
 #pragma unroll
-        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
+        for (int nb = 0; nb < kKeyBlocks; ++nb) {
           const int8_t* base = k_tile + (nb * 8 + lane / 4) * kI8Pitch + kk * 32 + (lane % 4) * 4;
           mma_s8(dots[nb], q_frag[kk], *reinterpret_cast<const uint32_t*>(base),
                  *reinterpret_cast<const uint32_t*>(base + 16));
         }
       }
-      const int32_t tile_key_end = min(key_begin + kTileKeys, key_end);
-      const bool uniform = tile_rule_uniform(p, seq, row_begin, row_end, key_begin, tile_key_end);
-      // Interior tile: the rule admits the whole tile, every key exists and lies inside the causal horizon of the
-      // warp's first row; then no element needs a visibility test (warp-uniform).
-      const bool interior = uniform && key_begin + kTileKeys <= seq.seq_k &&
-                            (!p.causal || int64_t(key_begin + kTileKeys - 1) <=
-                                              int64_t(row_begin + warp_row0) + seq.causal_offset);
-      // One K quantization block spans the tile: one key scale, and one factor per row (the same float products,
-      // in the same order, as the per-key form below and the CPU emulation).
-      const bool one_key_block = p.mask_block_k % kTileKeys == 0;
-      if (interior && one_key_block) {
-        float row_factor[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) row_factor[r] = q_scale[r] * key_scale[0] * s.scale;
-#pragma unroll
-        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s_acc[nb][e] = float(dots[nb][e]) * row_factor[e / 2] * kLog2e;
-        }
-      } else {
-#pragma unroll
-        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int32_t row = my_rows[e / 2];
-            const int col = nb * 8 + 2 * (lane % 4) + e % 2;
-            const int32_t key = key_begin + col;
-            const bool visible =
-                interior || (key < seq.seq_k && (!p.causal || int64_t(key) <= int64_t(row) + seq.causal_offset) &&
-                             (uniform || key_visible(p, seq, row, key)));
-            s_acc[nb][e] = visible ? float(dots[nb][e]) * (q_scale[e / 2] * key_scale[col] * s.scale) * kLog2e
-                                   : -INFINITY;
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int nb = 0; nb < kKeyBlocks8; ++nb) m = fmaxf(m, fmaxf(s_acc[nb][2 * r], s_acc[nb][2 * r + 1]));
-        tile_max[r] = quad_max(m);
-      }
+      scale_and_mask(s_acc, factor[0], dots, s, seq, block, row_begin + warp_row0, key_begin, key_scale, rows, lane,
+                     tile_max);
     }
 
     // §4 step 7: max over the tile's real rows of (m_local − m_new) < λ drops the tile (block-uniform decision).
     if (skip_test) {
-      float gain = -INFINITY;
-      if (warp_active) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (my_rows[r] < row_end && tile_max[r] != -INFINITY) {
-            gain = fmaxf(gain, tile_max[r] - fmaxf(row_max[r], tile_max[r]));
-          }
-        }
-        for (int offset = 4; offset < 32; offset <<= 1) gain = fmaxf(gain, warp_shfl_xor(gain, offset));
-      }
+      const float gain = warp_active ? pv_skip_gain(tile_max, row_max, rows, row_end) : -INFINITY;
       if (lane == 0) warp_gain[warp] = gain;
       __syncthreads();
       float best_gain = warp_gain[0];
@@ -490,29 +406,10 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     }
     skip_test = skip_threshold > -INFINITY;  // every later computed tile is tested
 
-    // Online softmax: m = max(m, tile max), rescale O and l, P = 2^(S − m) (FP8: P·448 = 2^(S − m + log2 448),
-    // and l sums the same scaled P, so O / l needs no unscaling).
     if (warp_active) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const softmax::MaxUpdate step = softmax::update_max(row_max[r], tile_max[r], FastExp2{});
-        const float rescale = step.rescale;
-        const float p_reference = kFp8 ? step.reference - kLog2Fp8Max : step.reference;
-        row_max[r] = step.max;
-        float tile_sum = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < kKeyBlocks8; ++nb) {
-          s_acc[nb][2 * r] = fast_exp2(s_acc[nb][2 * r] - p_reference);
-          s_acc[nb][2 * r + 1] = fast_exp2(s_acc[nb][2 * r + 1] - p_reference);
-          tile_sum += s_acc[nb][2 * r] + s_acc[nb][2 * r + 1];
-        }
-        row_sum[r] = softmax::rescaled_sum(row_sum[r], rescale, tile_sum);
-#pragma unroll
-        for (int nd = 0; nd < kDimBlocks8; ++nd) {
-          o_acc[nd][2 * r] *= rescale;
-          o_acc[nd][2 * r + 1] *= rescale;
-        }
-      }
+      float rescale[2];
+      softmax_tile<kFp8>(s_acc, factor, tile_max, row_max, row_sum, rescale);
+      rescale_rows(o_acc, rescale);
     }
     cp_async_wait<0>();
     __syncthreads();  // V has landed
@@ -522,14 +419,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     if constexpr (kFp8) {
       if (warp_active) {
         uint32_t a[kTileKeys / kFp8StepKeys][4];
-#pragma unroll
-        for (int kk = 0; kk < kTileKeys / kFp8StepKeys; ++kk) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {  // registers: (row g, keys 0-15), (g+8, 0-15), (g, 16-31), (g+8, 16-31)
-            const int nb = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);
-            a[kk][r] = pack_e4m3x4(s_acc[nb][e], s_acc[nb][e + 1], s_acc[nb + 1][e], s_acc[nb + 1][e + 1]);
-          }
-        }
+        pack_p_e4m3(a, s_acc);
 #pragma unroll
         for (int nd = 0; nd < kDimBlocks8; ++nd) {
           float tile_pv[4] = {0.f, 0.f, 0.f, 0.f};
@@ -563,41 +453,7 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
     __syncthreads();  // every warp is done with the tiles before they are refilled
   }
 
-  // Normalise and write: O / l (0 for a row that saw nothing), and for FP8 × scale_c;
-  // LSE = (m + log2 l)·ln 2 + scale·q·mean(K) (FP8: l carries the factor 448, taken out of the log).
-  float channel_scale[kDimBlocks8][2];
-#pragma unroll
-  for (int nd = 0; nd < kDimBlocks8; ++nd) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      channel_scale[nd][e] = 1.f;
-      if constexpr (kFp8) {
-        const int col = nd * 8 + 2 * (lane % 4) + e;
-        channel_scale[nd][e] = fp8_channel_scale(s.v_abs_max[kv_head_index * kHeadDim + col]);
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float total = quad_sum(row_sum[r]);
-    const int32_t row = my_rows[r];
-    if (row >= row_end) continue;
-    const float inverse = softmax::finish_row(row_max[r], total).inverse;
-    const int64_t out_row = query_row_offset(p.out_strides, seq, row);
-#pragma unroll
-    for (int nd = 0; nd < kDimBlocks8; ++nd) {
-      const int col = nd * 8 + 2 * (lane % 4);
-      store_value(p.out, out_row + col, p.element_type, o_acc[nd][2 * r] * (inverse * channel_scale[nd][0]));
-      store_value(p.out, out_row + col + 1, p.element_type, o_acc[nd][2 * r + 1] * (inverse * channel_scale[nd][1]));
-    }
-    // Not softmax::finish_row's LSE: the FP8 scale of P and the row's smoothing shift enter inside its empty-row
-    // branch.
-    if (p.lse != nullptr && lane % 4 == 0) {
-      p.lse[seq.b * p.lse_strides.b + int64_t(seq.h) * p.lse_strides.h + (seq.q_row_base + row) * p.lse_strides.s] =
-          total > 0.f ? (row_max[r] + log2f(total) - (kFp8 ? kLog2Fp8Max : 0.f)) * kLn2 + s.q_shift[q_row0 + row]
-                      : -INFINITY;
-    }
-  }
+  store_rows<kFp8, kHeadDim>(s, seq, o_acc, row_max, row_sum, rows, row_end, q_row0, kv_head_index, lane);
 }
 
 template <typename Tag, int kHeadDim, int kWarps>
@@ -680,6 +536,7 @@ SageParams sage_plan(const GpuDevice& device, const ForwardParams& p, int32_t nu
   s.k_blocks = int32_t(k_blocks);
   s.warps = p.pv_skip_log2 != nullptr && p.mask_block_q == 128 ? 8 : 4;
   s.fp8_pv = sage_fp8_pv_available(device);
+  s.hopper = s.fp8_pv && sage_wgmma_supports(device, p);
   s.convert_v = !s.fp8_pv && (p.element_type == ElementType::kF32 || !p.kv_rows_aligned16);
   s.fp8_keys = int32_t((max_seq_k + kSageTileKeys - 1) / kSageTileKeys * kSageTileKeys);
   return s;
@@ -721,6 +578,7 @@ cudaError_t sage_launch(const SageParams& s, cudaStream_t stream) {
   }
   const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return status;
+  if (s.hopper) return sage_wgmma_launch(s, stream);
   if (s.fp8_pv) return launch_for_dim<E4m3Tag>(s, stream);
   if (s.convert_v || p.element_type == ElementType::kF16) return launch_for_dim<HalfTag>(s, stream);
   return launch_for_dim<BFloat16Tag>(s, stream);

@@ -113,39 +113,13 @@ static_assert(kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters ==
                   (1 + kConsumerWarpgroups) * kLaunchRegisters,
               "setmaxnreg split must hand the consumers exactly what the producer gives up");
 
-constexpr int kChunkBytes = 16;     // one cp.async / one swizzle unit
-constexpr int kChunkElems = 8;      // 2-byte elements per chunk
-constexpr int kSwizzleBytes = 128;  // row width of a swizzled column block (64 elements)
-constexpr int kSwizzleRows = 8;     // the XOR pattern repeats every 8 rows
-constexpr int kBlockElems = kSwizzleBytes / 2;  // elements per column block
-constexpr int kTileAlignment = 1024;  // kSwizzleRows × kSwizzleBytes: tiles start on a pattern boundary
-constexpr int kMmaK = 16;             // K of one wgmma (16-bit inputs)
+constexpr int kChunkBytes = kSwizzleChunkBytes;  // one cp.async / one swizzle unit
+constexpr int kChunkElems = 8;                   // 2-byte elements per chunk
+constexpr int kBlockElems = kSwizzleBytes / 2;   // elements per column block
+constexpr int kMmaK = 16;                        // K of one wgmma (16-bit inputs)
 
-// ---- Swizzled tiles and their wgmma descriptors ----
+// ---- wgmma descriptors of the tiles (the swizzle and the descriptor fields: wgmma_primitives.cuh) ----
 
-// Byte offset of 16-byte chunk `chunk` (0 .. D/8-1) of row `row` in a swizzled tile of kRows rows.
-template <int kRows>
-__device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
-  constexpr int kChunksPerBlock = kSwizzleBytes / kChunkBytes;
-  return uint32_t((chunk / kChunksPerBlock) * kRows * kSwizzleBytes + row * kSwizzleBytes +
-                  ((chunk % kChunksPerBlock) ^ (row % kSwizzleRows)) * kChunkBytes);
-}
-
-// wgmma shared-memory matrix descriptor (PTX ISA "matrix descriptor"), 64 bits: start address >> 4 (bits 0-13),
-// leading byte offset >> 4 (16-29), stride byte offset >> 4 (32-45), base offset (49-51, 0: tiles are 1024-byte
-// aligned), swizzle mode (62-63, 1 = 128 bytes). Every operand here has the same high word (stride 1024 bytes:
-// one 8-row group; 128-byte swizzle), so only the low word varies and the kernel keeps 32-bit halves (fewer live
-// registers than 64-bit descriptors hoisted out of the loop); the wgmma wrappers join them.
-constexpr uint32_t kSwizzle128Mode = 1;
-constexpr uint32_t kDescriptorHigh = ((kSwizzleRows * kSwizzleBytes) >> 4) | (kSwizzle128Mode << 30);
-__device__ __forceinline__ uint32_t descriptor_low(uint32_t address, uint32_t leading_bytes) {
-  return ((address & 0x3FFFF) >> 4) | (((leading_bytes >> 4) & 0x3FFF) << 16);
-}
-
-// K-major operand (Q as A, K as B of S = Q·Kᵀ): rows of the M/N dimension, 8-row groups 1024 bytes apart (stride
-// byte offset); a k-step's 32 bytes inside the 128-byte rows are addressed through the start address, and the
-// leading byte offset is unused by swizzled K-major layouts (16 bytes by convention).
-__device__ __forceinline__ uint32_t k_major_descriptor(uint32_t address) { return descriptor_low(address, kChunkBytes); }
 // Byte offset of k-step kk (16 elements of the head dim) inside a K-major tile of kRows rows.
 template <int kRows>
 __device__ __forceinline__ uint32_t k_step_offset(int kk) {
@@ -160,8 +134,6 @@ __device__ __forceinline__ uint32_t v_descriptor(uint32_t tile_address) {
   return descriptor_low(tile_address, kBlockKeys * kSwizzleBytes);
 }
 __device__ __forceinline__ uint32_t v_step_offset(int kk) { return uint32_t(kk * kMmaK * kSwizzleBytes); }
-// Moving a descriptor by a 16-byte multiple adds to its start-address field.
-__device__ __forceinline__ uint32_t advance_descriptor(uint32_t low, uint32_t bytes) { return low + (bytes >> 4); }
 
 // S(64 rows × 128 keys) = Q·Kᵀ of one consumer warpgroup: kHeadDim/16 k-steps over shared Q and K.
 template <typename Tag, int kHeadDim>
