@@ -86,25 +86,23 @@ __global__ void __launch_bounds__(kPrepThreads) quantize_queries_kernel(const Sa
   if (first >= seq.seq_q) return;
   const int32_t rows = int32_t(min(int64_t(p.mask_block_q), seq.seq_q - first));
   const int32_t dim = p.head_dim;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;  // a warp per row, a lane per 32nd channel
   float max_abs = 0.f;
-  for (int32_t e = threadIdx.x; e < rows * dim; e += blockDim.x) {
-    const int32_t r = e / dim, d = e % dim;
-    max_abs = fmaxf(max_abs, fabsf(load_value(p.q, query_row_offset(p.q_strides, seq, first + r) + d, p.element_type)));
+  for (int32_t r = warp; r < rows; r += kPrepWarps) {
+    const int64_t offset = query_row_offset(p.q_strides, seq, first + r);
+    for (int32_t d = lane; d < dim; d += 32) max_abs = fmaxf(max_abs, fabsf(load_value(p.q, offset + d, p.element_type)));
   }
   const float scale = quant_scale(block_max(max_abs, partials));
   const int64_t head_row0 = (int64_t(seq.b) * p.num_q_heads + seq.h) * s.max_seq_q;
   const double* mean = s.key_mean + (int64_t(seq.b) * s.num_kv_heads + seq.kv_head) * dim;
-  for (int32_t e = threadIdx.x; e < rows * dim; e += blockDim.x) {
-    const int32_t r = e / dim, d = e % dim;
-    const float x = load_value(p.q, query_row_offset(p.q_strides, seq, first + r) + d, p.element_type);
-    s.q_i8[(head_row0 + first + r) * dim + d] = quantize(x, scale);
-  }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int32_t r = warp; r < rows; r += kPrepWarps) {
     const int64_t offset = query_row_offset(p.q_strides, seq, first + r);
+    int8_t* q_row = s.q_i8 + (head_row0 + first + r) * dim;
     double dot = 0.0;
     for (int32_t d = lane; d < dim; d += 32) {
-      dot += double(load_value(p.q, offset + d, p.element_type)) * double(float(mean[d]));
+      const float x = load_value(p.q, offset + d, p.element_type);
+      q_row[d] = quantize(x, scale);
+      dot += double(x) * double(float(mean[d]));
     }
     for (int o = 16; o > 0; o >>= 1) dot += warp_shfl_xor(dot, o);
     if (lane == 0) {
@@ -126,15 +124,22 @@ __global__ void __launch_bounds__(kPrepThreads) quantize_keys_kernel(const SageP
   const int32_t rows = int32_t(min(int64_t(p.mask_block_k), seq.seq_k - first));
   const int32_t dim = p.head_dim;
   const double* mean = s.key_mean + (int64_t(seq.b) * s.num_kv_heads + hk) * dim;
-  auto centred = [&](int32_t r, int32_t d) {
-    return load_value(p.k, key_row_offset(p, p.k_strides, seq, first + r) + d, p.element_type) - float(mean[d]);
-  };
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;  // a warp per row, a lane per 32nd channel
   float max_abs = 0.f;
-  for (int32_t e = threadIdx.x; e < rows * dim; e += blockDim.x) max_abs = fmaxf(max_abs, fabsf(centred(e / dim, e % dim)));
+  for (int32_t r = warp; r < rows; r += kPrepWarps) {
+    const int64_t offset = key_row_offset(p, p.k_strides, seq, first + r);
+    for (int32_t d = lane; d < dim; d += 32) {
+      max_abs = fmaxf(max_abs, fabsf(load_value(p.k, offset + d, p.element_type) - float(mean[d])));
+    }
+  }
   const float scale = quant_scale(block_max(max_abs, partials));
   const int64_t head_row0 = (int64_t(seq.b) * s.num_kv_heads + hk) * s.max_seq_k;
-  for (int32_t e = threadIdx.x; e < rows * dim; e += blockDim.x) {
-    s.k_i8[(head_row0 + first + e / dim) * dim + e % dim] = quantize(centred(e / dim, e % dim), scale);
+  for (int32_t r = warp; r < rows; r += kPrepWarps) {
+    const int64_t offset = key_row_offset(p, p.k_strides, seq, first + r);
+    int8_t* k_row = s.k_i8 + (head_row0 + first + r) * dim;
+    for (int32_t d = lane; d < dim; d += 32) {
+      k_row[d] = quantize(load_value(p.k, offset + d, p.element_type) - float(mean[d]), scale);
+    }
   }
   if (threadIdx.x == 0) s.k_scale[(int64_t(seq.b) * s.num_kv_heads + hk) * s.k_blocks + blockIdx.x] = scale;
 }
@@ -225,12 +230,14 @@ __global__ void __launch_bounds__(kPrepThreads) quantize_values_fp8_kernel(const
     channel_scale[c] = fp8_channel_scale(s.v_abs_max[head * dim + c]);
   }
   __syncthreads();
-  for (int32_t e = threadIdx.x; e < kTileKeys * dim; e += blockDim.x) {
-    const int32_t r = e / dim, c = e % dim;
-    const float x = first + r < seq.seq_k
-                        ? load_value(p.v, key_row_offset(p, p.v_strides, seq, first + r) + c, p.element_type)
-                        : 0.f;
-    tile[c * kFp8TilePitch + fp8_key_position(r)] = uint8_t(e4m3_pair(x / channel_scale[c], 0.f) & 0xffu);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;  // a warp per key, a lane per 32nd channel
+  for (int32_t r = warp; r < kTileKeys; r += kPrepWarps) {
+    const bool valid = first + r < seq.seq_k;
+    const int64_t offset = valid ? key_row_offset(p, p.v_strides, seq, first + r) : 0;
+    for (int32_t c = lane; c < dim; c += 32) {
+      const float x = valid ? load_value(p.v, offset + c, p.element_type) : 0.f;
+      tile[c * kFp8TilePitch + fp8_key_position(r)] = uint8_t(e4m3_pair(x / channel_scale[c], 0.f) & 0xffu);
+    }
   }
   __syncthreads();
   constexpr int kWordsPerRow = kTileKeys / 4;
