@@ -24,6 +24,10 @@
 // the mask-cell tests and the row factors worked out once per block instead of per tile 26.8 ms; 128-key steps
 // (pairs of tiles) 22.4 ms; the scale applied inside the exponent's fused multiply-add 22.1 ms (7.7 G warp
 // instructions, 1.5 per cycle; barrier stalls 18 % of the cycles: the ring's block-wide barrier each step).
+// Measured and dropped: the ring on mbarriers instead of that barrier (each slot's copies completing on a "full"
+// barrier, each pair released by the warps on an "empty" one and refilled at the end of the next step, K scales read
+// from global memory) 24.2 ms; S of the next pair in flight is out of reach at 255 registers.
+// The pre-passes (Q, K, V^T quantization) add ~1.7 ms per run at this size and the prediction ~0.6–1.0 ms.
 #include "forward_sage.h"
 
 #include "../engine/forward_common.cuh"
