@@ -25,8 +25,9 @@
 // (pairs of tiles) 22.4 ms; the scale applied inside the exponent's fused multiply-add 22.1 ms (7.7 G warp
 // instructions, 1.5 per cycle; barrier stalls 18 % of the cycles: the ring's block-wide barrier each step).
 // Measured and dropped: the ring on mbarriers instead of that barrier (each slot's copies completing on a "full"
-// barrier, each pair released by the warps on an "empty" one and refilled at the end of the next step, K scales read
-// from global memory) 24.2 ms; S of the next pair in flight is out of reach at 255 registers.
+// barrier, each pair released by the warps on an "empty" one and refilled at the end of the next step) 24.2 ms with
+// the K scales read from global memory, 24.6 ms with them copied into the slots; S of the next pair in flight is
+// out of reach at 255 registers.
 // The pre-passes (Q, K, V^T quantization) add ~1.7 ms per run at this size and the prediction ~0.6–1.0 ms.
 #include "forward_sage.h"
 
