@@ -285,10 +285,9 @@ __global__ void __launch_bounds__(kWarps * 32) sage_attention_kernel(const SageP
   const int32_t row_begin = blockIdx.x * kRows;
   if (row_begin >= seq.seq_q) return;
   const BlockRows block = block_rows(p, seq, row_begin, kRows);
-  const int32_t row_end = block.row_end, key_end = block.key_end;
-  const int32_t tile_count = (key_end + kTileKeys - 1) / kTileKeys;
+  const int32_t row_end = block.row_end, key_end = block.key_end, tile_count = block.tile_count;
   // §4 step 7 (supports() guarantees one mask cell per tile): the first computed tile is never tested.
-  const float skip_threshold = p.pv_skip_log2 != nullptr ? p.pv_skip_log2[seq.h] : -INFINITY;
+  const float skip_threshold = block.skip_threshold;
   bool skip_test = false;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

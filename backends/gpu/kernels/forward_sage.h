@@ -68,7 +68,7 @@ cudaError_t sage_launch(const SageParams& s, cudaStream_t stream);
 // compute capability 9.x device, head dim 128, FP8 P·V, and a PV skip (if any) over 128-row query blocks.
 bool sage_wgmma_supports(const GpuDevice& device, const ForwardParams& p);
 // Sets its shared-memory size (at context creation, outside any capture); a no-op on other devices.
-cudaError_t sage_wgmma_prepare();
+cudaError_t sage_wgmma_prepare(int32_t compute_major);
 cudaError_t sage_wgmma_launch(const SageParams& s, cudaStream_t stream);
 
 SPARSA_GPU_NAMESPACE_END

@@ -14,7 +14,8 @@
 //                          lands in a fresh accumulator (scale-d = 0 on its first step) and is added to O in fp32,
 //                          because the tensor core's own FP8 accumulation is not full fp32.
 // Int8 and e4m3 operands have no transposed wgmma form, hence K-major tiles only (V^T is the pre-pass's copy).
-// Compiled to a stub for every target other than sm_90a; sage_wgmma_supports() asks whether sm_90a code was loaded.
+// Compiled to a stub for every target other than sm_90a; sage_wgmma_supports() asks whether sm_90a code was loaded
+// (hopper_code_loaded, forward_wgmma.h).
 //
 // What each step bought (H200, 2026-11-28, bf16 SPARGE N = 32K, H 32, D 128, top-k 0.5, the attention kernel alone,
 // torch profiler; bench/gpu/profile_sparge.py --kernels): the whole Sage run on the mma.sync kernel took 49.7 ms
@@ -33,6 +34,7 @@
 
 #include "../engine/forward_common.cuh"
 #include "../runtime/gpu_runtime.h"
+#include "forward_wgmma.h"
 
 #if !SPARSA_GPU_IS_HIP
 #include "mma_primitives.cuh"
@@ -115,11 +117,10 @@ __global__ void __launch_bounds__(kThreads, 1) sage_wgmma_kernel(const SageParam
   const int32_t row_begin = blockIdx.x * kRows;
   if (row_begin >= seq.seq_q) return;
   const BlockRows block = block_rows(p, seq, row_begin, kRows);
-  const int32_t row_end = block.row_end, key_end = block.key_end;
-  const int32_t tile_count = (key_end + kTileKeys - 1) / kTileKeys;
+  const int32_t row_end = block.row_end, key_end = block.key_end, tile_count = block.tile_count;
   // §4 step 7 (supports() guarantees one mask cell per tile and block_q = kRows): the first computed tile is never
   // tested, and the decision covers the whole block.
-  const float skip_threshold = p.pv_skip_log2 != nullptr ? p.pv_skip_log2[seq.h] : -INFINITY;
+  const float skip_threshold = block.skip_threshold;
   bool skip_test = false;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warpgroup = warp / 4;
@@ -314,27 +315,13 @@ __global__ void __launch_bounds__(kThreads, 1) sage_wgmma_kernel(const SageParam
 #endif  // SPARSA_SAGE_WGMMA_DEVICE
 }
 
-constexpr int32_t kHopperMajor = 9;
-
-// Was sm_90a machine code built into this library and picked for this device (the kernel of every other target is
-// a stub)? A query, no stream work: legal inside graph capture.
-bool sm90a_code_loaded() {
-  cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, sage_wgmma_kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  constexpr int kHopperBinaryVersion = 90;
-  return attributes.binaryVersion == kHopperBinaryVersion;
-}
-
 }  // namespace
 #endif  // !SPARSA_GPU_IS_HIP
 
 bool sage_wgmma_supports(const GpuDevice& device, const ForwardParams& p) {
 #if !SPARSA_GPU_IS_HIP
   return device.compute_major == kHopperMajor && p.head_dim == kHeadDim &&
-         (p.pv_skip_log2 == nullptr || p.mask_block_q == kRows) && sm90a_code_loaded();
+         (p.pv_skip_log2 == nullptr || p.mask_block_q == kRows) && hopper_code_loaded();
 #else
   (void)device;
   (void)p;
@@ -342,14 +329,12 @@ bool sage_wgmma_supports(const GpuDevice& device, const ForwardParams& p) {
 #endif
 }
 
-cudaError_t sage_wgmma_prepare() {
+cudaError_t sage_wgmma_prepare(int32_t compute_major) {
 #if !SPARSA_GPU_IS_HIP
-  int device = 0, major = 0;
-  cudaError_t status = cudaGetDevice(&device);
-  if (status == cudaSuccess) status = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (status != cudaSuccess || major != kHopperMajor) return status;
+  if (compute_major != kHopperMajor) return cudaSuccess;  // only a Hopper device launches it (and has the room)
   return cudaFuncSetAttribute(sage_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
 #else
+  (void)compute_major;
   return cudaSuccess;
 #endif
 }

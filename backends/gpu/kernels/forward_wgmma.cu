@@ -926,23 +926,25 @@ cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t 
   return combine_splits_launch(p, stream);  // the merge every split-KV kernel shares (forward_decode.cu)
 }
 
-constexpr int32_t kHopperMajor = 9;
+}  // namespace
+#endif  // !SPARSA_GPU_IS_HIP
 
-// Was sm_90a machine code built into this library and picked for this device? The kernel of every other target is
-// a stub, and its binary version says so (80 for the sm_80 build an sm_90 device would otherwise run). A query, no
-// stream work: legal inside graph capture (the module was loaded by forward_wgmma_prepare).
-bool sm90a_code_loaded() {
+bool hopper_code_loaded() {
+#if !SPARSA_GPU_IS_HIP
+  // The kernel of every other target is a stub, and its binary version says so (80 for the sm_80 build an sm_90
+  // device would otherwise run). The module was loaded by forward_wgmma_prepare.
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, forward_wgmma_kernel<BFloat16Tag, 128, kStagesFor<128>, kPingpongTurns>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attributes, forward_wgmma_kernel<BFloat16Tag, 128, kStagesFor<128>, kPingpongTurns>) !=
+      cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
   constexpr int kHopperBinaryVersion = 90;
   return attributes.binaryVersion == kHopperBinaryVersion;
+#else
+  return false;
+#endif
 }
-
-}  // namespace
-#endif  // !SPARSA_GPU_IS_HIP
 
 bool forward_wgmma_supports(const ForwardParams& p, int32_t compute_major, const char** reason) {
 #if !SPARSA_GPU_IS_HIP
@@ -970,7 +972,7 @@ bool forward_wgmma_supports(const ForwardParams& p, int32_t compute_major, const
     *reason = "delta rows need gamma > 0";
     return false;
   }
-  if (!sm90a_code_loaded()) {
+  if (!hopper_code_loaded()) {
     *reason = "wgmma path needs a build with sm_90a device code (CMAKE_CUDA_ARCHITECTURES containing 90a)";
     return false;
   }

@@ -26,6 +26,13 @@ __host__ __device__ inline bool wgmma_gathers_mask_cells(int32_t block_q, int32_
   return block_k % kWgmmaHalfKeys == 0 || (kWgmmaHalfKeys % block_k == 0 && block_k % kColumnBlock == 0);
 }
 
+constexpr int32_t kHopperMajor = 9;  // compute capability 9.x: the devices the sm_90a kernels run on
+
+// Was sm_90a machine code built into this library and picked for the current device? A query, no stream work:
+// legal inside graph capture. Every sm_90a kernel of the library (this one, forward_sage_wgmma.cu's) is in the same
+// image.
+bool hopper_code_loaded();
+
 // True when the wgmma kernel can run `p` on a device of compute capability `compute_major`.x (it needs 9.x and a
 // build that contains sm_90a code); otherwise false with a static reason.
 bool forward_wgmma_supports(const ForwardParams& p, int32_t compute_major, const char** reason);

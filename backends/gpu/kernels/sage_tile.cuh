@@ -69,11 +69,13 @@ __device__ __forceinline__ FragmentRows fragment_rows(const SageParams& s, int64
   return rows;
 }
 
-// What every tile of a thread block shares: its rows, where its keys end, and whether its rows lie in one mask cell
-// row (then a tile inside one cell column needs no per-element mask lookup). Worked out once per block: the integer
-// divisions by the cell sizes stay out of the tile loop.
+// What every tile of a thread block shares: its rows, where its keys end, its head's λ (§4 step 7, −inf: off), and
+// whether its rows lie in one mask cell row (then a tile inside one cell column needs no per-element mask lookup).
+// Worked out once per block: the integer divisions by the cell sizes stay out of the tile loop.
 struct BlockRows {
   int32_t row_begin, row_end, key_end;
+  int32_t tile_count;      // key tiles up to key_end
+  float skip_threshold;    // λ of the block's head in the base-2 domain
   bool rows_in_one_cell;   // every row of the block in one block_q cell row (the mask rule)
   bool tiles_in_one_cell;  // block_k a multiple of the tile: every tile lies in one cell column, under one key scale
 };
@@ -83,6 +85,8 @@ __device__ __forceinline__ BlockRows block_rows(const ForwardParams& p, const Se
   block.row_begin = row_begin;
   block.row_end = min(row_begin + rows, seq.seq_q);
   block.key_end = key_end_for_rows(p, seq, block.row_end);
+  block.tile_count = (block.key_end + kTileKeys - 1) / kTileKeys;
+  block.skip_threshold = p.pv_skip_log2 != nullptr ? p.pv_skip_log2[seq.h] : -INFINITY;
   block.rows_in_one_cell = p.rule == VisibilityRule::kBlockMask &&
                            row_begin / p.mask_block_q == (block.row_end - 1) / p.mask_block_q;
   block.tiles_in_one_cell = p.mask_block_k % kTileKeys == 0;

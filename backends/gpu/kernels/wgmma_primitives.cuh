@@ -143,18 +143,17 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[kRowsA][kCount]) {
   }
 }
 
-#define SPARSA_ACC8(d, i)                                                                                      \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
-      "+f"(d[i + 7])
-#define SPARSA_ACC32(d) SPARSA_ACC8(d, 0), SPARSA_ACC8(d, 8), SPARSA_ACC8(d, 16), SPARSA_ACC8(d, 24)
-#define SPARSA_ACC64(d) \
-  SPARSA_ACC32(d), SPARSA_ACC8(d, 32), SPARSA_ACC8(d, 40), SPARSA_ACC8(d, 48), SPARSA_ACC8(d, 56)
-#define SPARSA_INT8(d, i)                                                                                      \
-  "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), "+r"(d[i + 6]), \
-      "+r"(d[i + 7])
-#define SPARSA_INT32(d) SPARSA_INT8(d, 0), SPARSA_INT8(d, 8), SPARSA_INT8(d, 16), SPARSA_INT8(d, 24)
-#define SPARSA_INT64(d) \
-  SPARSA_INT32(d), SPARSA_INT8(d, 32), SPARSA_INT8(d, 40), SPARSA_INT8(d, 48), SPARSA_INT8(d, 56)
+// Eight accumulator operands d[i..i+7] with the constraint C ("+f": fp32, "+r": int32), and 32 or 64 of them.
+#define SPARSA_OPERANDS8(C, d, i) \
+  C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
+#define SPARSA_OPERANDS32(C, d) \
+  SPARSA_OPERANDS8(C, d, 0), SPARSA_OPERANDS8(C, d, 8), SPARSA_OPERANDS8(C, d, 16), SPARSA_OPERANDS8(C, d, 24)
+#define SPARSA_OPERANDS64(C, d)                                                                    \
+  SPARSA_OPERANDS32(C, d), SPARSA_OPERANDS8(C, d, 32), SPARSA_OPERANDS8(C, d, 40), SPARSA_OPERANDS8(C, d, 48), \
+      SPARSA_OPERANDS8(C, d, 56)
+#define SPARSA_ACC32(d) SPARSA_OPERANDS32("+f", d)
+#define SPARSA_ACC64(d) SPARSA_OPERANDS64("+f", d)
+#define SPARSA_INT64(d) SPARSA_OPERANDS64("+r", d)
 #define SPARSA_REGS32                                                                                           \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -217,13 +216,13 @@ __device__ __forceinline__ void wgmma_rs_e4m3_n128(float (&d)[64], const uint32_
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_low), "r"(b_high), "r"(accumulate));
 }
 #undef SPARSA_INT64
-#undef SPARSA_INT32
-#undef SPARSA_INT8
 #undef SPARSA_REGS64
 #undef SPARSA_REGS32
 #undef SPARSA_ACC64
 #undef SPARSA_ACC32
-#undef SPARSA_ACC8
+#undef SPARSA_OPERANDS64
+#undef SPARSA_OPERANDS32
+#undef SPARSA_OPERANDS8
 
 }  // namespace hopper
 SPARSA_GPU_NAMESPACE_END

@@ -190,7 +190,7 @@ class GpuBackend final : public Backend {
     // Kernel attributes are set here, not in run(), so that a run contains nothing but launches (graph capture).
     check(forward_mma_prepare(), "cudaFuncSetAttribute (tensor-core forward)");
     check(forward_wgmma_prepare(), "cudaFuncSetAttribute (wgmma forward)");
-    check(sage_wgmma_prepare(), "cudaFuncSetAttribute (Sage wgmma forward)");
+    check(sage_wgmma_prepare(device_.compute_major), "cudaFuncSetAttribute (Sage wgmma forward)");
     if (forward_simt_shared_bytes(kSimtMaxHeadDim) <= device_.max_shared_optin) {
       check(forward_simt_prepare(), "cudaFuncSetAttribute (portable forward)");
     }
