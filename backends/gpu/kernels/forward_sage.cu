@@ -90,7 +90,9 @@ __global__ void __launch_bounds__(kPrepThreads) quantize_queries_kernel(const Sa
   float max_abs = 0.f;
   for (int32_t r = warp; r < rows; r += kPrepWarps) {
     const int64_t offset = query_row_offset(p.q_strides, seq, first + r);
-    for (int32_t d = lane; d < dim; d += 32) max_abs = fmaxf(max_abs, fabsf(load_value(p.q, offset + d, p.element_type)));
+    for (int32_t d = lane; d < dim; d += 32) {
+      max_abs = fmaxf(max_abs, fabsf(load_value(p.q, offset + d, p.element_type)));
+    }
   }
   const float scale = quant_scale(block_max(max_abs, partials));
   const int64_t head_row0 = (int64_t(seq.b) * p.num_q_heads + seq.h) * s.max_seq_q;

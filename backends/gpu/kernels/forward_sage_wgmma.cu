@@ -19,8 +19,8 @@
 //
 // What each step bought (H200, 2026-11-28, bf16 SPARGE N = 32K, H 32, D 128, top-k 0.5, the attention kernel alone,
 // torch profiler; bench/gpu/profile_sparge.py --kernels): the whole Sage run on the mma.sync kernel took 49.7 ms
-// (bench_gpu.py, ab36e94; bf16 SPARGE 19.1 ms); this kernel on 64-key steps 31.3 ms; S of the next tile in flight during
-// the softmax (software pipeline) 31.9 ms, dropped (the kernel is bound by instruction issue, not by the tensor
+// (bench_gpu.py, ab36e94; bf16 SPARGE 19.1 ms); this kernel on 64-key steps 31.3 ms; S of the next tile in flight
+// during the softmax (software pipeline) 31.9 ms, dropped (the kernel is bound by instruction issue, not by the tensor
 // cores: ncu 13.4 G warp instructions against 7.1 G for the bf16 engine on the same mask, 1.8 issued per cycle);
 // the mask-cell tests and the row factors worked out once per block instead of per tile 26.8 ms; 128-key steps
 // (pairs of tiles) 22.4 ms; the scale applied inside the exponent's fused multiply-add 22.1 ms (7.7 G warp
@@ -79,8 +79,8 @@ constexpr int kPvSteps = kStepKeys / kFp8StepKeys;
 constexpr int kPvStepsPerTile = kTileKeys / kFp8StepKeys;
 constexpr int kDimBlocks = kHeadDim / 8;
 constexpr int kChunk = kSwizzleChunkBytes;
-constexpr int kRowChunks = kHeadDim / kChunk;  // 16-byte chunks per Q/K row
-constexpr int kVtChunks = kTileKeys / kChunk;  // 16-byte chunks per V^T channel row of a tile
+constexpr int kRowChunks = kHeadDim / kChunk;                        // 16-byte chunks per Q/K row
+constexpr int kVtChunks = kTileKeys / kChunk;                        // 16-byte chunks per V^T channel row of a tile
 constexpr int kCopiesPerThread = kTileKeys * kRowChunks / kThreads;  // of K chunks, and of V^T chunks, per tile
 static_assert(kTileKeys == kSwizzle64Bytes, "a V^T tile row is one 64-byte-swizzled row");
 static_assert(kTileKeys * kRowChunks % kThreads == 0 && kHeadDim * kVtChunks == kTileKeys * kRowChunks,
@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(kThreads, 1) sage_wgmma_kernel(const SageParam
     for (int copy = 0; copy < kCopiesPerThread; ++copy) {
       const int index = threadIdx.x + copy * kThreads;
       const int c = index / kVtChunks, chunk = index % kVtChunks;
-      cp_async_16(v_slot(slot) + swizzled64_offset(c, chunk), v_rows + int64_t(c) * s.fp8_keys + key_begin + chunk * kChunk,
-                  kChunk);
+      cp_async_16(v_slot(slot) + swizzled64_offset(c, chunk),
+                  v_rows + int64_t(c) * s.fp8_keys + key_begin + chunk * kChunk, kChunk);
     }
     float* key_scale = slot_key_scales + slot * kTileKeys;
     for (int r = threadIdx.x; r < kTileKeys; r += kThreads) {
@@ -231,9 +231,9 @@ __global__ void __launch_bounds__(kThreads, 1) sage_wgmma_kernel(const SageParam
     scale_and_mask(s_a, factor[0], reinterpret_cast<const int32_t(&)[kKeyBlocks][4]>(dots[0]), s, seq, block,
                    row_begin + warp * 16, tile_a * kTileKeys, slot_key_scales + slot * kTileKeys, rows, lane, max_a);
     if (tile_b < tile_count) {
-      scale_and_mask(s_b, factor[1], reinterpret_cast<const int32_t(&)[kKeyBlocks][4]>(dots[kKeyBlocks]), s, seq,
-                     block, row_begin + warp * 16, tile_b * kTileKeys, slot_key_scales + (slot + 1) * kTileKeys, rows,
-                     lane, max_b);
+      scale_and_mask(s_b, factor[1], reinterpret_cast<const int32_t(&)[kKeyBlocks][4]>(dots[kKeyBlocks]), s, seq, block,
+                     row_begin + warp * 16, tile_b * kTileKeys, slot_key_scales + (slot + 1) * kTileKeys, rows, lane,
+                     max_b);
     } else {
 #pragma unroll
       for (int nb = 0; nb < kKeyBlocks; ++nb) s_b[nb][0] = s_b[nb][1] = s_b[nb][2] = s_b[nb][3] = -INFINITY;
@@ -292,9 +292,8 @@ __global__ void __launch_bounds__(kThreads, 1) sage_wgmma_kernel(const SageParam
 #pragma unroll
     for (int kk = 0; kk < kPvSteps; ++kk) {
       const uint32_t v_descriptor = k_major_descriptor(v_slot(slot + kk / kPvStepsPerTile));
-      wgmma_rs_e4m3_n128(tile_pv, p_frag[kk],
-                         advance_descriptor(v_descriptor, (kk % kPvStepsPerTile) * kFp8StepKeys), kDescriptorHigh64,
-                         kk > 0 ? 1 : 0);
+      wgmma_rs_e4m3_n128(tile_pv, p_frag[kk], advance_descriptor(v_descriptor, (kk % kPvStepsPerTile) * kFp8StepKeys),
+                         kDescriptorHigh64, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
     wgmma_wait<0>();

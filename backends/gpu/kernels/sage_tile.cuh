@@ -25,8 +25,8 @@ SPARSA_GPU_NAMESPACE_BEGIN
 namespace sage {
 
 constexpr int kTileKeys = kSageTileKeys;
-constexpr int kKeyBlocks = kTileKeys / 8;  // 8-column blocks of an S tile
-constexpr float kFp8Max = 448.f;           // largest finite e4m3: V per channel and P are scaled onto ±448
+constexpr int kKeyBlocks = kTileKeys / 8;          // 8-column blocks of an S tile
+constexpr float kFp8Max = 448.f;                   // largest finite e4m3: V per channel and P are scaled onto ±448
 constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P·448 = 2^(S − m + log2 448)
 constexpr int kFp8StepKeys = 32;                   // keys per 8-bit k-step (the unit of the V^T key permutation)
 
@@ -87,8 +87,8 @@ __device__ __forceinline__ BlockRows block_rows(const ForwardParams& p, const Se
   block.key_end = key_end_for_rows(p, seq, block.row_end);
   block.tile_count = (block.key_end + kTileKeys - 1) / kTileKeys;
   block.skip_threshold = p.pv_skip_log2 != nullptr ? p.pv_skip_log2[seq.h] : -INFINITY;
-  block.rows_in_one_cell = p.rule == VisibilityRule::kBlockMask &&
-                           row_begin / p.mask_block_q == (block.row_end - 1) / p.mask_block_q;
+  block.rows_in_one_cell =
+      p.rule == VisibilityRule::kBlockMask && row_begin / p.mask_block_q == (block.row_end - 1) / p.mask_block_q;
   block.tiles_in_one_cell = p.mask_block_k % kTileKeys == 0;
   return block;
 }
@@ -109,8 +109,9 @@ __device__ __forceinline__ void scale_and_mask(float (&s_acc)[kKeyBlocks][4], fl
                        (block.tiles_in_one_cell || key_begin / p.mask_block_k == (tile_key_end - 1) / p.mask_block_k);
   // Interior tile: the rule admits the whole tile, every key exists and lies inside the causal horizon of the
   // warp's first row; then no element needs a visibility test (warp-uniform).
-  const bool interior = uniform && key_begin + kTileKeys <= seq.seq_k &&
-                        (!p.causal || int64_t(key_begin + kTileKeys - 1) <= int64_t(warp_first_row) + seq.causal_offset);
+  const bool interior =
+      uniform && key_begin + kTileKeys <= seq.seq_k &&
+      (!p.causal || int64_t(key_begin + kTileKeys - 1) <= int64_t(warp_first_row) + seq.causal_offset);
   const float row_factor[2] = {rows.q_scale[0] * s.scale * kLog2e, rows.q_scale[1] * s.scale * kLog2e};
   if (interior && block.tiles_in_one_cell) {  // one key scale for the tile: one factor per row
 #pragma unroll
@@ -153,7 +154,8 @@ __device__ __forceinline__ float pv_skip_gain(const float (&tile_max)[2], const 
   float gain = -INFINITY;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (rows.row[r] < row_end && tile_max[r] != -INFINITY) gain = fmaxf(gain, tile_max[r] - fmaxf(row_max[r], tile_max[r]));
+    if (rows.row[r] < row_end && tile_max[r] != -INFINITY)
+      gain = fmaxf(gain, tile_max[r] - fmaxf(row_max[r], tile_max[r]));
   }
   for (int offset = 4; offset < 32; offset <<= 1) gain = fmaxf(gain, warp_shfl_xor(gain, offset));
   return gain;
