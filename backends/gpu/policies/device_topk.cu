@@ -1,5 +1,5 @@
 // Segmented device top-k (device_topk.h says what and how). Reads top to bottom: order keys, per-segment state,
-// the four kernels (init, digit pass, count, ordered write), the launcher.
+// the phases (init, digit pass, count, ordered write), the one cooperative kernel that runs them, the launcher.
 //
 // Order keys: a value's bits mapped to an unsigned integer that sorts like the value (sign flipped for positives,
 // all bits flipped for negatives), -0 folded onto +0 and every NaN onto key 0, below -inf. The top-k is then "the k
@@ -8,10 +8,16 @@
 //
 // A segment's state (prefix, mask, remaining) says which high bits of K are known: elements whose masked key is
 // above the prefix are certainly taken, those equal to it are still undecided, and `remaining` of those are taken.
-// Each digit pass histograms the next 11 bits of the undecided elements; the last block to finish the segment
+// Each digit pass histograms the next 11 bits of the undecided elements; the last item to finish the segment
 // walks the histogram from the top and extends the prefix. When the chosen bin holds exactly `remaining` elements,
 // they are all taken and the segment is resolved without further passes.
 #include "device_topk.h"
+
+#if SPARSA_GPU_IS_HIP
+#include <hip/hip_cooperative_groups.h>
+#else
+#include <cooperative_groups.h>
+#endif
 
 #include <cstdint>
 
@@ -22,12 +28,14 @@ constexpr int kThreads = 256;
 constexpr int kDigitBits = 11;
 constexpr int kBins = 1 << kDigitBits;
 constexpr int kBinsPerThread = kBins / kThreads;
-constexpr int kElementsPerThread = 8;  // write pass: each thread compacts a contiguous run, in index order
-constexpr int kLoadsInFlight = 8;       // histogram/count passes: loads a thread issues before using any
-constexpr int64_t kElementsPerBlock = int64_t(kThreads) * kElementsPerThread;  // count and write passes
-// Digit passes: fewer elements per block than the write pass, so that one long segment (a decode's vote over 128K
-// candidates) spreads over many SMs instead of 16 blocks.
-constexpr int64_t kPassElementsPerBlock = 2048;
+constexpr int kElementsPerThread = 8;  // write phase: each thread compacts a contiguous run, in index order
+constexpr int kLoadsInFlight = 8;       // digit and count phases: loads a thread issues before using any
+// Elements of one item (one block's share of a segment) in every phase: few enough that one long segment (a
+// decode's vote over 128K candidates) spreads over many SMs.
+constexpr int64_t kElementsPerBlock = int64_t(kThreads) * kElementsPerThread;
+// Blocks per SM of the cooperative grid (at most what is resident). H200, TOKEN_SELECT's vote over 1M candidates
+// (512 items): 28.7–33.8 µs with 4, 39.2–46.4 µs with 2 (two items per block); over 128K (64 items) the same.
+constexpr int kMaxBlocksPerSm = 4;
 constexpr uint64_t kScratchAlignment = 256;
 // The ordered write packs a block's (greater, equal) counts into one 32-bit scan value.
 constexpr int kEqualBits = 16;
@@ -91,12 +99,21 @@ __device__ __forceinline__ int32_t* segment_output(const TopkArgs& a, int64_t s)
   return a.out + s * a.out_stride;
 }
 
-// ---- Kernels ----
+// ---- Phases ----
+// Each phase is a loop of items over the grid (one cooperative launch: every block is resident, and a grid barrier
+// separates the phases). An item is one block's share of one segment; every thread of the block takes part in it.
 
-// One block per segment: k_s, length and status; zeroes the segment's histogram.
-__global__ void __launch_bounds__(kThreads) topk_init_kernel(const TopkArgs a, SegmentState* states,
-                                                             uint32_t* histograms) {
-  const int64_t s = blockIdx.x;
+// Shared memory of one block, reused by every phase.
+struct PhaseShared {
+  uint32_t hist[kBins];
+  uint32_t scan_buffer[2 * kThreads];
+  unsigned int sums[2];
+  int32_t is_last;
+  uint32_t remaining_at_start;
+};
+
+// Segment s: k_s, length and status; zeroes the segment's histogram.
+__device__ void init_segment(const TopkArgs& a, SegmentState* states, uint32_t* histograms, int64_t s) {
   const bool skipped = a.skip != nullptr && a.skip[s / a.segments_per_skip] != 0;
   if (threadIdx.x == 0) {
     int64_t length = a.max_length;
@@ -116,35 +133,31 @@ __global__ void __launch_bounds__(kThreads) topk_init_kernel(const TopkArgs a, S
   for (int i = threadIdx.x; i < kBins; i += kThreads) histograms[s * kBins + i] = 0;
 }
 
-// One digit pass: bits [shift, shift + digit_bits) of the undecided elements; grid = segments × blocks_per_segment
-// (kPassElementsPerBlock elements each).
+// One digit pass over one item (kElementsPerBlock elements of segment item / blocks_per_segment): bits
+// [shift, shift + digit_bits) of the undecided elements.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, SegmentState* states,
-                                                             uint32_t* histograms, int32_t blocks_per_segment,
-                                                             int32_t shift, int32_t digit_bits) {
-  __shared__ uint32_t hist[kBins];
-  __shared__ uint32_t scan_buffer[2 * kThreads];
-  __shared__ int32_t is_last;
-  __shared__ uint32_t remaining_at_start;
-  const int64_t s = blockIdx.x / blocks_per_segment;
-  const int64_t part = blockIdx.x % blocks_per_segment;
+__device__ void digit_pass_item(const TopkArgs& a, SegmentState* states, uint32_t* histograms,
+                                int32_t blocks_per_segment, int32_t shift, int32_t digit_bits, int64_t item,
+                                PhaseShared& sh) {
+  const int64_t s = item / blocks_per_segment;
+  const int64_t part = item % blocks_per_segment;
   SegmentState* st = states + s;
-  if (st->status != kActive) return;  // uniform over the segment's blocks: only a pass's last block changes it
-  // Every state field is read here, before the first barrier: the last block's picking thread rewrites prefix,
+  if (st->status != kActive) return;  // uniform over the segment's items: only a pass's last item changes it
+  // Every state field is read here, before the first barrier: the last item's picking thread rewrites prefix,
   // mask, remaining and status below, and a read after the barriers would race with that write (a global
   // read-after-write between warps that racecheck does not see: `remaining` used to be read after the scan, so a
   // warp scheduled late could read the picker's new value and pick a second, wrong digit).
   const uint64_t mask = st->mask, prefix = st->prefix;
   const int64_t length = st->length;
-  if (threadIdx.x == 0) remaining_at_start = uint32_t(st->remaining);  // shared: no register held over the passes
-  for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+  if (threadIdx.x == 0) sh.remaining_at_start = uint32_t(st->remaining);  // shared: no register held over
+  for (int i = threadIdx.x; i < kBins; i += kThreads) sh.hist[i] = 0;
   __syncthreads();
 
-  // Histogram of this block's share. Clustered data (votes share their exponent bits) would serialise the shared
+  // Histogram of this item's share. Clustered data (votes share their exponent bits) would serialise the shared
   // atomics on one bin, so each thread merges runs of equal digits first.
   const T* row = static_cast<const T*>(a.values) + s * a.row_stride;
-  const int64_t begin = part * kPassElementsPerBlock;
-  const int64_t end = begin + kPassElementsPerBlock < length ? begin + kPassElementsPerBlock : length;
+  const int64_t begin = part * kElementsPerBlock;
+  const int64_t end = begin + kElementsPerBlock < length ? begin + kElementsPerBlock : length;
   const uint32_t digit_mask = (1u << digit_bits) - 1u;
   uint32_t run_digit = 0, run_count = 0;
   for (int64_t first = begin + threadIdx.x; first < end; first += int64_t(kThreads) * kLoadsInFlight) {
@@ -159,27 +172,27 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
       if (first + int64_t(u) * kThreads >= end || (keys[u] & mask) != prefix) continue;
       const uint32_t digit = uint32_t(keys[u] >> shift) & digit_mask;
       if (digit != run_digit) {
-        if (run_count != 0) atomicAdd(&hist[run_digit], run_count);
+        if (run_count != 0) atomicAdd(&sh.hist[run_digit], run_count);
         run_digit = digit;
         run_count = 0;
       }
       ++run_count;
     }
   }
-  if (run_count != 0) atomicAdd(&hist[run_digit], run_count);
+  if (run_count != 0) atomicAdd(&sh.hist[run_digit], run_count);
   __syncthreads();
   uint32_t* global_hist = histograms + s * kBins;
   for (int i = threadIdx.x; i < kBins; i += kThreads) {
-    if (hist[i] != 0) atomicAdd(&global_hist[i], hist[i]);
+    if (sh.hist[i] != 0) atomicAdd(&global_hist[i], sh.hist[i]);
   }
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&st->arrivals, 1u) == unsigned(blocks_per_segment - 1);
+  if (threadIdx.x == 0) sh.is_last = atomicAdd(&st->arrivals, 1u) == unsigned(blocks_per_segment - 1);
   __syncthreads();
-  if (!is_last) return;
+  if (!sh.is_last) return;
   __threadfence();
 
-  // Last block of the segment: walk the bins from the top to the one holding the remaining-th undecided element.
+  // Last item of the segment: walk the bins from the top to the one holding the remaining-th undecided element.
   // Thread t owns bins kBins-1-t*kBinsPerThread downwards (bins above 2^digit_bits are empty).
   const volatile uint32_t* counts = global_hist;  // written by other blocks' atomics: bypass the L1 cache
   uint32_t own[kBinsPerThread];
@@ -190,8 +203,8 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
     own_sum += own[j];
   }
   uint32_t total = 0;
-  uint32_t above = block_exclusive_scan(own_sum, scan_buffer, &total);
-  const uint32_t remaining = remaining_at_start;
+  uint32_t above = block_exclusive_scan(own_sum, sh.scan_buffer, &total);
+  const uint32_t remaining = sh.remaining_at_start;
   if (above < remaining && above + own_sum >= remaining) {
 #pragma unroll
     for (int j = 0; j < kBinsPerThread; ++j) {
@@ -212,16 +225,15 @@ __global__ void __launch_bounds__(kThreads) topk_pass_kernel(const TopkArgs a, S
   if (threadIdx.x == 0) st->arrivals = 0;
 }
 
-// Per block: how many of its elements are taken for sure (greater) and how many equal the threshold.
+// Per item: how many of its elements are taken for sure (greater) and how many equal the threshold.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) topk_count_kernel(const TopkArgs a, const SegmentState* states,
-                                                              int32_t* block_counts, int32_t blocks_per_segment) {
-  __shared__ unsigned int sums[2];
-  const int64_t s = blockIdx.x / blocks_per_segment;
-  const int64_t part = blockIdx.x % blocks_per_segment;
+__device__ void count_item(const TopkArgs& a, const SegmentState* states, int32_t* block_counts,
+                           int32_t blocks_per_segment, int64_t item, PhaseShared& sh) {
+  const int64_t s = item / blocks_per_segment;
+  const int64_t part = item % blocks_per_segment;
   const SegmentState& st = states[s];
   if (st.status == kSkipped) return;
-  if (threadIdx.x < 2) sums[threadIdx.x] = 0;
+  if (threadIdx.x < 2) sh.sums[threadIdx.x] = 0;
   __syncthreads();
   const uint64_t mask = st.mask, prefix = st.prefix;
   const T* row = static_cast<const T*>(a.values) + s * a.row_stride;
@@ -243,22 +255,19 @@ __global__ void __launch_bounds__(kThreads) topk_count_kernel(const TopkArgs a, 
       equal += masked == prefix;
     }
   }
-  if (greater != 0) atomicAdd(&sums[0], greater);
-  if (equal != 0) atomicAdd(&sums[1], equal);
+  if (greater != 0) atomicAdd(&sh.sums[0], greater);
+  if (equal != 0) atomicAdd(&sh.sums[1], equal);
   __syncthreads();
-  if (threadIdx.x < 2) block_counts[(s * blocks_per_segment + part) * 2 + threadIdx.x] = int32_t(sums[threadIdx.x]);
+  if (threadIdx.x < 2) block_counts[(s * blocks_per_segment + part) * 2 + threadIdx.x] = int32_t(sh.sums[threadIdx.x]);
 }
 
 // Stable compaction: selected element t goes to slot (greater before t) + min(equal before t, remaining), so the
-// output is in ascending index order. Block 0 of each segment also writes the count and the -1 padding.
+// output is in ascending index order. Item 0 of each segment also writes the count and the -1 padding.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) topk_write_kernel(const TopkArgs a, const SegmentState* states,
-                                                              const int32_t* block_counts,
-                                                              int32_t blocks_per_segment) {
-  __shared__ uint32_t scan_buffer[2 * kThreads];
-  __shared__ unsigned int before_block[2];
-  const int64_t s = blockIdx.x / blocks_per_segment;
-  const int64_t part = blockIdx.x % blocks_per_segment;
+__device__ void write_item(const TopkArgs& a, const SegmentState* states, const int32_t* block_counts,
+                           int32_t blocks_per_segment, int64_t item, PhaseShared& sh) {
+  const int64_t s = item / blocks_per_segment;
+  const int64_t part = item % blocks_per_segment;
   const SegmentState& st = states[s];
   if (st.status == kSkipped) return;
   int32_t* out = segment_output(a, s);
@@ -266,11 +275,11 @@ __global__ void __launch_bounds__(kThreads) topk_write_kernel(const TopkArgs a, 
     for (int64_t j = int64_t(st.k) + threadIdx.x; j < a.out_capacity; j += kThreads) out[j * a.out_element_stride] = -1;
     if (threadIdx.x == 0 && a.counts != nullptr) a.counts[s] = st.k;
   }
-  if (threadIdx.x < 2) before_block[threadIdx.x] = 0;
+  if (threadIdx.x < 2) sh.sums[threadIdx.x] = 0;
   __syncthreads();
   for (int64_t j = threadIdx.x; j < part; j += kThreads) {
-    atomicAdd(&before_block[0], unsigned(block_counts[(s * blocks_per_segment + j) * 2]));
-    atomicAdd(&before_block[1], unsigned(block_counts[(s * blocks_per_segment + j) * 2 + 1]));
+    atomicAdd(&sh.sums[0], unsigned(block_counts[(s * blocks_per_segment + j) * 2]));
+    atomicAdd(&sh.sums[1], unsigned(block_counts[(s * blocks_per_segment + j) * 2 + 1]));
   }
   const uint64_t mask = st.mask, prefix = st.prefix;
   const uint32_t remaining = uint32_t(st.remaining);
@@ -288,9 +297,10 @@ __global__ void __launch_bounds__(kThreads) topk_write_kernel(const TopkArgs a, 
     if (u < count) packed += masked[u] > prefix ? (1u << kEqualBits) : (masked[u] == prefix ? 1u : 0u);
   }
   uint32_t total = 0;
-  const uint32_t before = block_exclusive_scan(packed, scan_buffer, &total);  // also orders before_block's sums
-  uint32_t greater_before = before_block[0] + (before >> kEqualBits);
-  uint32_t equal_before = before_block[1] + (before & ((1u << kEqualBits) - 1u));
+  const uint32_t before = block_exclusive_scan(packed, sh.scan_buffer, &total);  // also orders the sums above
+  uint32_t greater_before = sh.sums[0] + (before >> kEqualBits);
+  uint32_t equal_before = sh.sums[1] + (before & ((1u << kEqualBits) - 1u));
+  __syncthreads();  // every thread has read the sums before the next item resets them
   if (packed == 0) return;
 #pragma unroll
   for (int u = 0; u < kElementsPerThread; ++u) {
@@ -307,12 +317,51 @@ __global__ void __launch_bounds__(kThreads) topk_write_kernel(const TopkArgs a, 
   }
 }
 
+// ---- The kernel ----
+
+// Every phase in one launch (cooperative: all blocks resident, grid barriers between phases). The phases' items
+// are the same as the four kernels this replaced (one per phase and digit pass), so a segment's work spreads over as
+// many blocks as before; what is gone is the launch per phase.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) topk_kernel(const TopkArgs a, SegmentState* states, uint32_t* histograms,
+                                                        int32_t* block_counts, int32_t blocks_per_segment) {
+  __shared__ PhaseShared sh;
+  // A selection-cache hit skips every segment: every block sees the same flags, so all leave before any barrier.
+  if (a.skip != nullptr) {
+    bool any_left = false;
+    for (int64_t g = 0; g * a.segments_per_skip < a.segments && !any_left; ++g) any_left = a.skip[g] == 0;
+    if (!any_left) return;
+  }
+  cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+  const int64_t items = int64_t(a.segments) * blocks_per_segment;
+  for (int64_t s = blockIdx.x; s < a.segments; s += gridDim.x) init_segment(a, states, histograms, s);
+  grid.sync();
+  constexpr int kKeyBits = int(sizeof(T) * 8);
+  for (int high = kKeyBits; high > 0; high -= kDigitBits) {
+    const int low = high > kDigitBits ? high - kDigitBits : 0;
+    for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+      digit_pass_item<T>(a, states, histograms, blocks_per_segment, low, high - low, item, sh);
+      __syncthreads();  // the item's shared state is read before the next item rewrites it
+    }
+    grid.sync();
+  }
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    count_item<T>(a, states, block_counts, blocks_per_segment, item, sh);
+    __syncthreads();
+  }
+  grid.sync();
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    write_item<T>(a, states, block_counts, blocks_per_segment, item, sh);
+    __syncthreads();
+  }
+}
+
 // ---- Scratch layout ----
 
 uint64_t align_up(uint64_t bytes) { return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment; }
 
-int64_t blocks_per_segment_for(int64_t max_length, int64_t elements_per_block = kElementsPerBlock) {
-  const int64_t blocks = (max_length + elements_per_block - 1) / elements_per_block;
+int64_t blocks_per_segment_for(int64_t max_length) {
+  const int64_t blocks = (max_length + kElementsPerBlock - 1) / kElementsPerBlock;
   return blocks < 1 ? 1 : blocks;
 }
 
@@ -327,23 +376,19 @@ struct ScratchParts {
 };
 
 template <typename T>
-cudaError_t launch_passes(const TopkArgs& a, SegmentState* states, uint32_t* histograms, int32_t* block_counts,
-                          int32_t blocks_per_segment, uint32_t grid, cudaStream_t stream) {
-  constexpr int kKeyBits = int(sizeof(T) * 8);
-  const int64_t pass_blocks = blocks_per_segment_for(a.max_length, kPassElementsPerBlock);
-  const uint32_t pass_grid = uint32_t(int64_t(a.segments) * pass_blocks);
-  for (int high = kKeyBits; high > 0; high -= kDigitBits) {
-    const int low = high > kDigitBits ? high - kDigitBits : 0;
-    topk_pass_kernel<T><<<pass_grid, kThreads, 0, stream>>>(a, states, histograms, int32_t(pass_blocks), low,
-                                                            high - low);
-    const cudaError_t status = cudaGetLastError();
-    if (status != cudaSuccess) return status;
-  }
-  topk_count_kernel<T><<<grid, kThreads, 0, stream>>>(a, states, block_counts, blocks_per_segment);
-  cudaError_t status = cudaGetLastError();
+cudaError_t launch_topk(const TopkArgs& args, SegmentState* states, uint32_t* histograms, int32_t* block_counts,
+                        int32_t blocks_per_segment, int32_t multiprocessors, cudaStream_t stream) {
+  const void* kernel = reinterpret_cast<const void*>(&topk_kernel<T>);
+  int resident_per_sm = 0;
+  cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident_per_sm, topk_kernel<T>, kThreads, 0);
   if (status != cudaSuccess) return status;
-  topk_write_kernel<T><<<grid, kThreads, 0, stream>>>(a, states, block_counts, blocks_per_segment);
-  return cudaGetLastError();
+  const int64_t per_sm = resident_per_sm < kMaxBlocksPerSm ? resident_per_sm : kMaxBlocksPerSm;
+  const int64_t items = int64_t(args.segments) * blocks_per_segment;
+  int64_t grid = int64_t(multiprocessors > 0 ? multiprocessors : 1) * (per_sm > 0 ? per_sm : 1);
+  if (items < grid) grid = items;
+  TopkArgs a = args;
+  void* kernel_args[] = {&a, &states, &histograms, &block_counts, &blocks_per_segment};
+  return cudaLaunchCooperativeKernel(kernel, dim3(unsigned(grid)), dim3(kThreads), kernel_args, 0, stream);
 }
 
 }  // namespace
@@ -352,12 +397,11 @@ size_t device_topk_scratch_bytes(int32_t segments, int64_t max_length) {
   return size_t(ScratchParts(segments, max_length).total);
 }
 
-cudaError_t device_topk(const TopkArgs& args, void* scratch, cudaStream_t stream) {
+cudaError_t device_topk(const TopkArgs& args, void* scratch, int32_t multiprocessors, cudaStream_t stream) {
   if (args.segments <= 0) return cudaSuccess;
-  constexpr int64_t kMaxGrid = 0x7fffffff;
+  constexpr int64_t kMaxItems = 0x7fffffff;
   const int64_t blocks_per_segment = blocks_per_segment_for(args.max_length);
-  const int64_t pass_blocks = blocks_per_segment_for(args.max_length, kPassElementsPerBlock);
-  if (args.max_length > kMaxGrid || int64_t(args.segments) * pass_blocks > kMaxGrid || scratch == nullptr) {
+  if (args.max_length > kMaxItems || int64_t(args.segments) * blocks_per_segment > kMaxItems || scratch == nullptr) {
     return cudaErrorInvalidValue;
   }
   const ScratchParts parts(args.segments, args.max_length);
@@ -365,14 +409,12 @@ cudaError_t device_topk(const TopkArgs& args, void* scratch, cudaStream_t stream
   auto* states = reinterpret_cast<SegmentState*>(base + parts.states);
   auto* histograms = reinterpret_cast<uint32_t*>(base + parts.histograms);
   auto* block_counts = reinterpret_cast<int32_t*>(base + parts.block_counts);
-  topk_init_kernel<<<args.segments, kThreads, 0, stream>>>(args, states, histograms);
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) return status;
-  const uint32_t grid = uint32_t(int64_t(args.segments) * blocks_per_segment);
   if (args.value_type == TopkValueType::kF32) {
-    return launch_passes<float>(args, states, histograms, block_counts, int32_t(blocks_per_segment), grid, stream);
+    return launch_topk<float>(args, states, histograms, block_counts, int32_t(blocks_per_segment), multiprocessors,
+                              stream);
   }
-  return launch_passes<double>(args, states, histograms, block_counts, int32_t(blocks_per_segment), grid, stream);
+  return launch_topk<double>(args, states, histograms, block_counts, int32_t(blocks_per_segment), multiprocessors,
+                             stream);
 }
 
 SPARSA_GPU_NAMESPACE_END

@@ -5,10 +5,11 @@
 // sized for the worst case and segments with nothing to do exit early).
 //
 // How (device_topk.cu): 11-bit digit passes from the most significant end (3 for F32, 6 for F64) narrow each
-// segment's threshold key and how many of the elements equal to it are taken; the last thread block of a pass to
-// finish a segment picks the digit (no extra launch). A segment is done early when the chosen digit's elements are
-// all taken. Then a count pass and a stable compaction in index order keep every element above the threshold and
-// the first `remaining` equal ones — ascending indices without a sort. Launches: 1 + passes + 2.
+// segment's threshold key and how many of the elements equal to it are taken; the last block of a pass to finish a
+// segment picks the digit. A segment is done early when the chosen digit's elements are all taken. Then a count
+// pass and a stable compaction in index order keep every element above the threshold and the first `remaining`
+// equal ones — ascending indices without a sort. All of it is one cooperative launch (every block resident, grid
+// barriers between the passes); when every segment is skipped its blocks leave at once.
 #pragma once
 
 #include <cstddef>
@@ -58,7 +59,9 @@ struct TopkArgs {
 // Scratch bytes device_topk needs for `segments` segments of at most `max_length` values.
 size_t device_topk_scratch_bytes(int32_t segments, int64_t max_length);
 
-// Enqueues the selection on `stream`. `scratch` holds device_topk_scratch_bytes(...) bytes, 256-byte aligned.
-cudaError_t device_topk(const TopkArgs& args, void* scratch, cudaStream_t stream);
+// Enqueues the selection on `stream` (one cooperative launch sized for `multiprocessors` SMs; a device without
+// cooperative launches returns the runtime's error). `scratch` holds device_topk_scratch_bytes(...) bytes, 256-byte
+// aligned.
+cudaError_t device_topk(const TopkArgs& args, void* scratch, int32_t multiprocessors, cudaStream_t stream);
 
 SPARSA_GPU_NAMESPACE_END

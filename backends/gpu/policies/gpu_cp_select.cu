@@ -601,7 +601,7 @@ void cp_select_run(const GpuDevice& device, const CpSelectCall& call, ScratchCar
       a.out = ids;
       a.out_stride = params.top_k;
       a.out_capacity = int32_t(params.top_k);
-      if (sp.max_candidates > 0) check(device_topk(a, topk_scratch, device.stream), "device_topk");
+      if (sp.max_candidates > 0) check(device_topk(a, topk_scratch, device.multiprocessors, device.stream), "device_topk");
       topk_outputs_kernel<<<dim3(grid_for(params.top_k, kElementThreads), unsigned(sets), unsigned(batch)),
                             kElementThreads, 0, device.stream>>>(sp, ids, strided(call.out),
                                                                  strided(call.out_positions));

@@ -601,7 +601,7 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
     a.out_group_stride = sp.selection_stride;
     a.out_stride = sp.top_k;
     a.index_base = sp.n_init;  // candidate offsets -> token ids
-    check(device_topk(a, topk_scratch, stream), "token_select device_topk");
+    check(device_topk(a, topk_scratch, device.multiprocessors, stream), "token_select device_topk");
   }
   list_kernel<<<dim3(unsigned(shape.n_sets), unsigned(batch)), kListThreads, 0, stream>>>(sp);
   check(cudaGetLastError(), "token_select list_kernel launch");

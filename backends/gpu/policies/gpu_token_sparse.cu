@@ -494,7 +494,7 @@ void token_sparse_run(const GpuDevice& device, const AttentionProblem& problem, 
     topk.out = sp.lists;
     topk.out_stride = shape.capacity;
     topk.out_capacity = shape.capacity;
-    check(device_topk(topk, topk_scratch, stream), "TOKEN_SPARSE device_topk");
+    check(device_topk(topk, topk_scratch, device.multiprocessors, stream), "TOKEN_SPARSE device_topk");
   }
   finish_kernel<<<dim3(n_heads, batch), kRowThreads, 0, stream>>>(sp, shape.any_sparse);
   check(cudaGetLastError(), "TOKEN_SPARSE finish_kernel launch");

@@ -73,7 +73,7 @@ void topk_from_scores_run(const GpuDevice& device, const TensorArg& scores, int3
   a.out_group_stride = out_indices.stride(0);
   a.out_stride = out_indices.stride(1);
   a.out_element_stride = out_indices.stride(2);
-  check(device_topk(a, topk_scratch, device.stream), "device_topk");
+  check(device_topk(a, topk_scratch, device.multiprocessors, device.stream), "device_topk");
 }
 
 SPARSA_GPU_NAMESPACE_END
