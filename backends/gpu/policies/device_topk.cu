@@ -37,10 +37,12 @@ constexpr int64_t kElementsPerBlock = int64_t(kThreads) * kElementsPerThread;
 // (512 items): 28.7–33.8 µs with 4, 39.2–46.4 µs with 2 (two items per block); over 128K (64 items) the same.
 constexpr int kMaxBlocksPerSm = 4;
 constexpr uint64_t kScratchAlignment = 256;
+constexpr int kMaxDigitPasses = 6;  // F64: 64 bits in 11-bit digits
 // The ordered write packs a block's (greater, equal) counts into one 32-bit scan value.
 constexpr int kEqualBits = 16;
 static_assert(kElementsPerBlock < (int64_t(1) << kEqualBits), "per-block counts must fit the packed scan");
 static_assert(kBins % kThreads == 0, "every thread owns the same number of histogram bins");
+static_assert(kThreads >= kMaxDigitPasses, "one thread zeroes each pass's count of segments left active");
 
 enum SegmentStatus : int32_t { kActive = 0, kResolved = 1, kSkipped = 2 };
 
@@ -113,7 +115,9 @@ struct PhaseShared {
 };
 
 // Segment s: k_s, length and status; zeroes the segment's histogram.
-__device__ void init_segment(const TopkArgs& a, SegmentState* states, uint32_t* histograms, int64_t s) {
+__device__ void init_segment(const TopkArgs& a, SegmentState* states, uint32_t* histograms, unsigned int* still_active,
+                             int64_t s) {
+  if (s == 0 && threadIdx.x < kMaxDigitPasses) still_active[threadIdx.x] = 0;
   const bool skipped = a.skip != nullptr && a.skip[s / a.segments_per_skip] != 0;
   if (threadIdx.x == 0) {
     int64_t length = a.max_length;
@@ -137,8 +141,8 @@ __device__ void init_segment(const TopkArgs& a, SegmentState* states, uint32_t* 
 // [shift, shift + digit_bits) of the undecided elements.
 template <typename T>
 __device__ void digit_pass_item(const TopkArgs& a, SegmentState* states, uint32_t* histograms,
-                                int32_t blocks_per_segment, int32_t shift, int32_t digit_bits, int64_t item,
-                                PhaseShared& sh) {
+                                unsigned int* still_active, int32_t blocks_per_segment, int32_t shift,
+                                int32_t digit_bits, int64_t item, PhaseShared& sh) {
   const int64_t s = item / blocks_per_segment;
   const int64_t part = item % blocks_per_segment;
   SegmentState* st = states + s;
@@ -214,7 +218,9 @@ __device__ void digit_pass_item(const TopkArgs& a, SegmentState* states, uint32_
         st->prefix = prefix | (uint64_t(digit) << shift);
         st->mask = mask | (uint64_t(digit_mask) << shift);
         st->remaining = int32_t(left);
-        st->status = (own[j] == left || shift == 0) ? kResolved : kActive;
+        const bool resolved = own[j] == left || shift == 0;
+        st->status = resolved ? kResolved : kActive;
+        if (!resolved) atomicAdd(still_active, 1u);
         break;
       }
       above += own[j];
@@ -324,7 +330,8 @@ __device__ void write_item(const TopkArgs& a, const SegmentState* states, const 
 // many blocks as before; what is gone is the launch per phase.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkArgs a, SegmentState* states, uint32_t* histograms,
-                                                        int32_t* block_counts, int32_t blocks_per_segment) {
+                                                        unsigned int* still_active, int32_t* block_counts,
+                                                        int32_t blocks_per_segment) {
   __shared__ PhaseShared sh;
   // A selection-cache hit skips every segment: every block sees the same flags, so all leave before any barrier.
   if (a.skip != nullptr) {
@@ -334,16 +341,20 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkArgs a, Segmen
   }
   cooperative_groups::grid_group grid = cooperative_groups::this_grid();
   const int64_t items = int64_t(a.segments) * blocks_per_segment;
-  for (int64_t s = blockIdx.x; s < a.segments; s += gridDim.x) init_segment(a, states, histograms, s);
+  for (int64_t s = blockIdx.x; s < a.segments; s += gridDim.x) init_segment(a, states, histograms, still_active, s);
   grid.sync();
   constexpr int kKeyBits = int(sizeof(T) * 8);
-  for (int high = kKeyBits; high > 0; high -= kDigitBits) {
+  int pass = 0;
+  for (int high = kKeyBits; high > 0; high -= kDigitBits, ++pass) {
     const int low = high > kDigitBits ? high - kDigitBits : 0;
     for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-      digit_pass_item<T>(a, states, histograms, blocks_per_segment, low, high - low, item, sh);
+      digit_pass_item<T>(a, states, histograms, still_active + pass, blocks_per_segment, low, high - low, item, sh);
       __syncthreads();  // the item's shared state is read before the next item rewrites it
     }
     grid.sync();
+    // No segment left active after this pass: the remaining passes would only wait at their barriers. Every block
+    // reads the same count (only this pass's picks add to it), so all leave the loop together.
+    if (*static_cast<volatile unsigned int*>(still_active + pass) == 0) break;
   }
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     count_item<T>(a, states, block_counts, blocks_per_segment, item, sh);
@@ -366,18 +377,20 @@ int64_t blocks_per_segment_for(int64_t max_length) {
 }
 
 struct ScratchParts {
-  uint64_t states = 0, histograms = 0, block_counts = 0, total = 0;
+  uint64_t states = 0, histograms = 0, still_active = 0, block_counts = 0, total = 0;
   ScratchParts(int32_t segments, int64_t max_length) {
     const uint64_t n = segments > 0 ? uint64_t(segments) : 0;
     histograms = align_up(n * sizeof(SegmentState));
-    block_counts = histograms + align_up(n * kBins * sizeof(uint32_t));
+    still_active = histograms + align_up(n * kBins * sizeof(uint32_t));
+    block_counts = still_active + align_up(kMaxDigitPasses * sizeof(unsigned int));
     total = block_counts + align_up(n * uint64_t(blocks_per_segment_for(max_length)) * 2 * sizeof(int32_t));
   }
 };
 
 template <typename T>
-cudaError_t launch_topk(const TopkArgs& args, SegmentState* states, uint32_t* histograms, int32_t* block_counts,
-                        int32_t blocks_per_segment, int32_t multiprocessors, cudaStream_t stream) {
+cudaError_t launch_topk(const TopkArgs& args, SegmentState* states, uint32_t* histograms, unsigned int* still_active,
+                        int32_t* block_counts, int32_t blocks_per_segment, int32_t multiprocessors,
+                        cudaStream_t stream) {
   const void* kernel = reinterpret_cast<const void*>(&topk_kernel<T>);
   int resident_per_sm = 0;
   cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident_per_sm, topk_kernel<T>, kThreads, 0);
@@ -387,7 +400,7 @@ cudaError_t launch_topk(const TopkArgs& args, SegmentState* states, uint32_t* hi
   int64_t grid = int64_t(multiprocessors > 0 ? multiprocessors : 1) * (per_sm > 0 ? per_sm : 1);
   if (items < grid) grid = items;
   TopkArgs a = args;
-  void* kernel_args[] = {&a, &states, &histograms, &block_counts, &blocks_per_segment};
+  void* kernel_args[] = {&a, &states, &histograms, &still_active, &block_counts, &blocks_per_segment};
   return cudaLaunchCooperativeKernel(kernel, dim3(unsigned(grid)), dim3(kThreads), kernel_args, 0, stream);
 }
 
@@ -408,13 +421,14 @@ cudaError_t device_topk(const TopkArgs& args, void* scratch, int32_t multiproces
   char* base = static_cast<char*>(scratch);
   auto* states = reinterpret_cast<SegmentState*>(base + parts.states);
   auto* histograms = reinterpret_cast<uint32_t*>(base + parts.histograms);
+  auto* still_active = reinterpret_cast<unsigned int*>(base + parts.still_active);
   auto* block_counts = reinterpret_cast<int32_t*>(base + parts.block_counts);
   if (args.value_type == TopkValueType::kF32) {
-    return launch_topk<float>(args, states, histograms, block_counts, int32_t(blocks_per_segment), multiprocessors,
-                              stream);
+    return launch_topk<float>(args, states, histograms, still_active, block_counts, int32_t(blocks_per_segment),
+                              multiprocessors, stream);
   }
-  return launch_topk<double>(args, states, histograms, block_counts, int32_t(blocks_per_segment), multiprocessors,
-                             stream);
+  return launch_topk<double>(args, states, histograms, still_active, block_counts, int32_t(blocks_per_segment),
+                             multiprocessors, stream);
 }
 
 SPARSA_GPU_NAMESPACE_END

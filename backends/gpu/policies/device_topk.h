@@ -9,7 +9,8 @@
 // segment picks the digit. A segment is done early when the chosen digit's elements are all taken. Then a count
 // pass and a stable compaction in index order keep every element above the threshold and the first `remaining`
 // equal ones — ascending indices without a sort. All of it is one cooperative launch (every block resident, grid
-// barriers between the passes); when every segment is skipped its blocks leave at once.
+// barriers between the passes); the digit passes stop once no segment is left undecided, and when every segment is
+// skipped the blocks leave at once.
 #pragma once
 
 #include <cstddef>
