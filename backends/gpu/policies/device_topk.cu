@@ -33,9 +33,10 @@ constexpr int kLoadsInFlight = 8;       // digit and count phases: loads a threa
 // Elements of one item (one block's share of a segment) in every phase: few enough that one long segment (a
 // decode's vote over 128K candidates) spreads over many SMs.
 constexpr int64_t kElementsPerBlock = int64_t(kThreads) * kElementsPerThread;
-// Blocks per SM of the cooperative grid (at most what is resident). H200, TOKEN_SELECT's vote over 1M candidates
-// (512 items): 28.7–33.8 µs with 4, 39.2–46.4 µs with 2 (two items per block); over 128K (64 items) the same.
-constexpr int kMaxBlocksPerSm = 4;
+// Blocks per SM of the cooperative grid, which __launch_bounds__ makes resident (so no occupancy query per run).
+// H200, TOKEN_SELECT's vote over 1M candidates (512 items): 28.7–33.8 µs with 4, 39.2–46.4 µs with 2 (two items per
+// block); over 128K (64 items) the same.
+constexpr int kBlocksPerSm = 4;
 constexpr uint64_t kScratchAlignment = 256;
 constexpr int kMaxDigitPasses = 6;  // F64: 64 bits in 11-bit digits
 // The ordered write packs a block's (greater, equal) counts into one 32-bit scan value.
@@ -113,6 +114,8 @@ struct PhaseShared {
   int32_t is_last;
   uint32_t remaining_at_start;
 };
+// kBlocksPerSm blocks fit the 64 KiB of shared memory per SM that every supported GPU has at least.
+static_assert(kBlocksPerSm * sizeof(PhaseShared) <= 64 * 1024, "the cooperative grid's blocks must be resident");
 
 // Segment s: k_s, length and status; zeroes the segment's histogram.
 __device__ void init_segment(const TopkArgs& a, SegmentState* states, uint32_t* histograms, unsigned int* still_active,
@@ -325,11 +328,10 @@ __device__ void write_item(const TopkArgs& a, const SegmentState* states, const 
 
 // ---- The kernel ----
 
-// Every phase in one launch (cooperative: all blocks resident, grid barriers between phases). The phases' items
-// are the same as the four kernels this replaced (one per phase and digit pass), so a segment's work spreads over as
-// many blocks as before; what is gone is the launch per phase.
+// Every phase in one launch (cooperative: all blocks resident, grid barriers between phases): a barrier costs what a
+// kernel boundary does, and a cache hit then costs one launch instead of one per phase.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) topk_kernel(const TopkArgs a, SegmentState* states, uint32_t* histograms,
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) topk_kernel(const TopkArgs a, SegmentState* states, uint32_t* histograms,
                                                         unsigned int* still_active, int32_t* block_counts,
                                                         int32_t blocks_per_segment) {
   __shared__ PhaseShared sh;
@@ -392,12 +394,8 @@ cudaError_t launch_topk(const TopkArgs& args, SegmentState* states, uint32_t* hi
                         int32_t* block_counts, int32_t blocks_per_segment, int32_t multiprocessors,
                         cudaStream_t stream) {
   const void* kernel = reinterpret_cast<const void*>(&topk_kernel<T>);
-  int resident_per_sm = 0;
-  cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident_per_sm, topk_kernel<T>, kThreads, 0);
-  if (status != cudaSuccess) return status;
-  const int64_t per_sm = resident_per_sm < kMaxBlocksPerSm ? resident_per_sm : kMaxBlocksPerSm;
   const int64_t items = int64_t(args.segments) * blocks_per_segment;
-  int64_t grid = int64_t(multiprocessors > 0 ? multiprocessors : 1) * (per_sm > 0 ? per_sm : 1);
+  int64_t grid = int64_t(multiprocessors > 0 ? multiprocessors : 1) * kBlocksPerSm;
   if (items < grid) grid = items;
   TopkArgs a = args;
   void* kernel_args[] = {&a, &states, &histograms, &still_active, &block_counts, &blocks_per_segment};
