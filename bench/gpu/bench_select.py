@@ -7,6 +7,9 @@ The shape of the performance goal (issue 3): GQA 32/8, D = 128, bf16, B = 1, one
     q, then runs) replayed alternately, and the same eagerly (host launch cost included);
   - hit: the same query again (cos = 1 >= theta): the selection is reused, only the index attention runs; a captured
     graph replayed, and eagerly.
+Timed steps pass no selected_indices (what a serving loop passes: the device then composes each index set inside the
+attention walk); the hit is also timed with selected_indices requested (a list kernel writes them first), and the
+two runs' outputs must be bit-identical.
 Batch 8 of ragged lengths (128K down to 72K) misses every step, against cuDNN dense decode of each sequence.
 Bars: miss <= 1.0x dense cuDNN decode at 128K and <= 0.6x at 1M, hit <= 0.03 ms, batch 8 >= 3x dense per sequence.
 Checks first: the selection against a float64 torch reference of the head vote (overlap of the top-k sets), and the
@@ -44,8 +47,8 @@ class SelectRunner:
                    "selection_cache_create")
         self.keep = [sp.to_tensor(x, L.DTYPE_BF16) for x in (q, k, v, out)] + [sp.to_tensor(selected, L.DTYPE_I32)]
         self.args = sp.new_args()
-        self.args.q, self.args.k, self.args.v, self.args.out, self.args.selected_indices = (
-            ctypes.pointer(x) for x in self.keep)
+        self.args.q, self.args.k, self.args.v, self.args.out, self.selected = (ctypes.pointer(x) for x in self.keep)
+        self.args.selected_indices = self.selected
         if seq_lens is not None:  # a ragged batch over padded K/V
             self.keep.append(sp.to_tensor(seq_lens, L.DTYPE_I32))
             self.args.seq_lens_k = ctypes.pointer(self.keep[-1])
@@ -63,6 +66,10 @@ class SelectRunner:
 
     def set_stream(self, stream):
         self.check(self.lib.sparsa_context_set_stream(self.ctx, ctypes.c_void_p(stream.cuda_stream)), "set_stream")
+
+    def request_selected(self, on):
+        """Whether later runs (and graphs captured from now on) write selected_indices."""
+        self.args.selected_indices = self.selected if on else None
 
     def run(self):
         self.check(self.lib.sparsa_attention_run(self.ctx, ctypes.byref(self.args), ctypes.byref(self.policy)),
@@ -153,6 +160,12 @@ def run(sp, record, quick):
                                              vh.unsqueeze(0).transpose(0, 1))  # [H, 1, 1, D]
         err = rel_err(out[0, 0], ref[:, 0, 0])
         del kh, vh, ref
+        listed_out = out.clone()
+        runner.request_selected(False)  # the same query: a hit, its index set composed in the walk
+        out.fill_(float("nan"))
+        runner.run()
+        torch.cuda.synchronize()
+        assert torch.equal(out, listed_out), "outputs with and without selected_indices differ"
 
         # ---- peers: dense decode on the same K/V ----
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -179,6 +192,10 @@ def run(sp, record, quick):
         hit_graph = bench(graph_hit.replay)
         hit_ms = bench(runner.run)
         hits3, misses3 = runner.counts()
+        runner.request_selected(True)
+        graph_listed = graph_of(runner, q, q_first, capture_stream)
+        hit_listed = bench(graph_listed.replay)
+        runner.request_selected(False)
         torch.cuda.synchronize()
 
         common = dict(N=N, n_init=N_INIT, top_k=TOP_K, n_local=N_LOCAL, rel_err=err, selection_overlap=overlap,
@@ -186,9 +203,10 @@ def run(sp, record, quick):
         record(kind="select_miss", sparsa_ms=miss_graph, eager_ms=miss_ms, vs_cudnn=cudnn / miss_graph,
                cache_hits_during=hits_during_miss, bar_ok=miss_graph <= cudnn, **common)
         record(kind="select_hit", sparsa_ms=hit_graph, eager_ms=hit_ms, vs_cudnn=cudnn / hit_graph,
-               cache_misses_during=misses3 - misses2, bar_ok=hit_graph <= 0.03, **common)
+               with_selected_indices_ms=hit_listed, cache_misses_during=misses3 - misses2, bar_ok=hit_graph <= 0.03,
+               **common)
         runner.close()
-        del q, q_other, q_first, k, v, out, qt, kt, vt, graph_hit
+        del q, q_other, q_first, k, v, out, qt, kt, vt, graph_hit, graph_listed
         torch.cuda.empty_cache()
     if not quick:
         run_ragged_batch(sp, record)
@@ -211,6 +229,7 @@ def run_ragged_batch(sp, record):
     runner.run()
     torch.cuda.synchronize()
     assert bool((selected >= 0).all()), "selected_indices not fully written"
+    runner.request_selected(False)
     # Sequence b's output against SDPA over its own index set (read back from selected_indices).
     errs = []
     for b in range(B):
@@ -272,7 +291,8 @@ def kernel_timeline(fn, label, replays=3):
 
 def profile_main():
     """python3 bench_select.py LIB --profile: one 1M-key miss (for ncu -k regex:score), nothing else.
-    python3 bench_select.py LIB --timeline [N]: miss and hit graph replays timed, and their kernel timelines."""
+    python3 bench_select.py LIB --timeline [N]: miss and hit graph replays timed, and their kernel timelines.
+    --selected: the runs write selected_indices (the list kernel runs)."""
     import sys
     from bench_gpu import Sparsa
     sp = Sparsa(sys.argv[1])
@@ -286,6 +306,7 @@ def profile_main():
     out = torch.empty_like(q)
     selected = torch.full((B, 1, N_INIT + TOP_K + N_LOCAL), -7, device="cuda", dtype=torch.int32)
     runner = SelectRunner(sp, q, k, v, out, selected)
+    runner.request_selected("--selected" in sys.argv)
     if "--profile" in sys.argv:
         runner.run()  # empty cache: a miss
         torch.cuda.synchronize()

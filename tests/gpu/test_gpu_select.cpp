@@ -1,5 +1,6 @@
 // What only CUDA has in the selection machinery: the device selection cache under CUDA-graph replay against the CPU
-// backend (the oracle) on identical inputs, and sparsa_kv_prefetch from pinned (CUDA_HOST) and device sources. The
+// backend (the oracle) on identical inputs, TOKEN_SELECT's index sets composed inside the decode walk against the
+// listed run, and sparsa_kv_prefetch from pinned (CUDA_HOST) and device sources. The
 // device top-k is the backend-parameterised table TopKCases (tests/test_topk_prefetch.cpp), the TOKEN_SELECT cases
 // without a cache are rows of SelectCases (tests/test_attention_case_tables.cpp). Outputs are poisoned before every
 // run; everything skips cleanly without a CUDA device.
@@ -251,8 +252,8 @@ class SelectRunner {
     a.v = &tv_;
     a.out = &tout_;
     a.lse = &tlse_;
-    a.selected_indices = &tsel_;
-    a.stats = &tstats_;
+    a.selected_indices = index_outputs_ ? &tsel_ : nullptr;
+    a.stats = index_outputs_ ? &tstats_ : nullptr;
     if (cu_q_ != nullptr) a.cu_seqlens_q = &(tcu_q_ = make_tensor(cu_q_, SPARSA_DTYPE_I32, {B + 1}, dev));
     if (cu_k_ != nullptr) a.cu_seqlens_k = &(tcu_k_ = make_tensor(cu_k_, SPARSA_DTYPE_I32, {B + 1}, dev));
     if (pages_ != nullptr) a.page_table = &(tpages_ = make_tensor(pages_, SPARSA_DTYPE_I32, t_.page_table_shape, dev));
@@ -274,6 +275,9 @@ class SelectRunner {
   }
 
   void use_cache(sparsa_selection_cache* cache) { cache_ = cache; }
+  // Runs without selected_indices and stats (what a serving loop passes): the device then composes each index set
+  // inside the attention walk instead of building lists first.
+  void omit_index_outputs() { index_outputs_ = false; }
 
   void poison() {
     for (auto it = outputs_.first; it != outputs_.second; ++it) (*it)->poison();
@@ -324,6 +328,7 @@ class SelectRunner {
        *lens_ = nullptr, *out_ = nullptr, *lse_ = nullptr, *selected_ = nullptr, *stats_ = nullptr;
   size_t selected_count_ = 0;
   sparsa_selection_cache* cache_ = nullptr;
+  bool index_outputs_ = true;
   sparsa_tensor tq_, tk_, tv_, tout_, tlse_, tsel_, tstats_, tcu_q_, tcu_k_, tpages_, tlens_;
 };
 
@@ -435,6 +440,117 @@ TEST(GpuTokenSelectCache, GraphReplayHitThenMiss) {
     SPARSA_OK(sparsa_selection_cache_reset(gpu_cache));
     SPARSA_OK(sparsa_selection_cache_counts(gpu_cache, &hits, &misses));
     EXPECT_EQ(hits + misses, 0);
+  }
+}
+
+// Without selected_indices and stats the tensor-core decode walk composes I = sinks ∪ T ∪ window from the selection
+// (no list kernel); with them it walks the lists the list kernel built. Same keys in the same positions and the same
+// splits: the outputs must be bit-identical, and the listed run must match the CPU backend. Rows cover both key
+// sources of a batch (a sequence that selects beside one that falls back to dense), page sizes 1/16/64, per-kv-head
+// sets, speculative chunks (Sq 4, causal among the rows), head_dim 64, f16 and bf16, and two steps through a
+// selection cache (a miss, then a hit).
+struct ComposedCase {
+  SelectCase c;
+  bool cached = false;
+};
+
+std::vector<ComposedCase> composed_cases() {
+  std::vector<ComposedCase> rows;
+  auto add = [&](const std::string& name, auto&& edit, bool cached = false) {
+    ComposedCase row;
+    row.c.name = name;
+    edit(row.c);
+    row.cached = cached;
+    rows.push_back(row);
+  };
+  add("bf16_decode_needles", [](SelectCase& c) { c.needles = 2; });
+  add("f16_ragged_one_dense_packed", [](SelectCase& c) {
+    c.dtype = SPARSA_DTYPE_F16;
+    c.seq_q = {1, 1, 1};
+    c.seq_k = {3000, 150, 2222};
+    c.kv_layout = KvLayout::kPacked;
+    c.needles = 1;
+  });
+  add("paged_ps1_per_kv_head", [](SelectCase& c) {
+    c.kv_layout = KvLayout::kPaged;
+    c.page_size = 1;
+    c.per_kv_head = true;
+    c.seq_q = {1, 1};
+    c.seq_k = {2100, 1700};
+    c.needles = 1;
+  });
+  add("paged_ps16_speculative_chunk_of_4", [](SelectCase& c) {
+    c.kv_layout = KvLayout::kPaged;
+    c.q_packed = true;
+    c.seq_q = {4, 2};
+    c.seq_k = {2600, 1900};
+  });
+  add("paged_ps64_d64_gqa4", [](SelectCase& c) {
+    c.kv_layout = KvLayout::kPaged;
+    c.page_size = 64;
+    c.head_dim = 64;
+    c.q_heads = 16;
+    c.kv_heads = 4;
+    c.seq_k = {5000};
+    c.needles = 3;
+  });
+  add("default_shape_cache_miss_then_hit", [](SelectCase& c) {
+    c.n_init = 128;
+    c.top_k = 2048;
+    c.n_local = 512;
+    c.seq_k = {20000};
+    c.theta = 0.5f;
+    c.needles = 2;
+  }, true);
+  return rows;
+}
+
+TEST(GpuTokenSelectComposedSets, BitIdenticalToTheListedRunWhichMatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  for (const ComposedCase& row : composed_cases()) {
+    SCOPED_TRACE(row.c.name);
+    std::mt19937 rng(11);
+    SelectInputs in = make_select_inputs(row.c, rng);
+    const SelectTensors t = build_select_tensors(row.c, in, rng);
+    Context cpu_ctx(SPARSA_DEVICE_CPU), listed_ctx(SPARSA_DEVICE_CUDA), composed_ctx(SPARSA_DEVICE_CUDA);
+    ASSERT_EQ(listed_ctx.status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+    ASSERT_EQ(composed_ctx.status, SPARSA_STATUS_SUCCESS) << sparsa_last_error_message();
+    SelectRunner cpu(row.c, t, cpu_ctx, SPARSA_DEVICE_CPU), listed(row.c, t, listed_ctx, SPARSA_DEVICE_CUDA),
+        composed(row.c, t, composed_ctx, SPARSA_DEVICE_CUDA);
+    composed.omit_index_outputs();
+    const int32_t B = int32_t(row.c.seq_q.size());
+    ScopedSelectionCache caches[3];
+    if (row.cached) {
+      Context* contexts[3] = {&cpu_ctx, &listed_ctx, &composed_ctx};
+      SelectRunner* runners[3] = {&cpu, &listed, &composed};
+      for (int i = 0; i < 3; ++i) {
+        SPARSA_OK(sparsa_selection_cache_create(contexts[i]->ctx, B, row.c.q_heads, row.c.kv_heads, row.c.head_dim,
+                                                row.c.top_k, caches[i].out()));
+        runners[i]->use_cache(caches[i].get());
+      }
+    }
+    for (int step = 0; step < (row.cached ? 2 : 1); ++step) {  // the same query twice: a miss, then a hit
+      SCOPED_TRACE("step " + std::to_string(step));
+      const SelectResult want = cpu.run();
+      const SelectResult with_lists = listed.run();
+      const SelectResult without = composed.run();
+      expect_same(row.c, with_lists, want);
+      ASSERT_EQ(without.status, SPARSA_STATUS_SUCCESS) << without.message;
+      if (row.cached) {
+        ASSERT_EQ(want.stats[SPARSA_STAT_CACHE_HITS], step == 0 ? 0 : B) << "oracle";
+      }
+      ASSERT_EQ(without.out.size(), with_lists.out.size());
+      for (size_t i = 0; i < without.out.size(); ++i) {
+        ASSERT_EQ(std::memcmp(&without.out[i], &with_lists.out[i], sizeof(float)), 0) << "out " << i;
+      }
+      ASSERT_EQ(std::memcmp(without.lse.data(), with_lists.lse.data(), without.lse.size() * sizeof(float)), 0) << "lse";
+    }
+    if (row.cached) {
+      int64_t hits = -1, misses = -1;
+      SPARSA_OK(sparsa_selection_cache_counts(caches[2].get(), &hits, &misses));
+      EXPECT_EQ(hits, B);
+      EXPECT_EQ(misses, B);
+    }
   }
 }
 

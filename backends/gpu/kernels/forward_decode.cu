@@ -20,7 +20,8 @@
 // then the warps' states are merged in shared memory and written with coalesced stores. The keys are either a range
 // (dense decode, sink/window, block mask; a tile no row can see is never loaded) or a prebuilt ascending list
 // (TOKEN_INDICES / TOKEN_SELECT, forward_decode_lists_launch: the key ids of a tile are read before its copies are
-// issued and kept beside it for the causal test).
+// issued and kept beside it for the causal test), or TOKEN_SELECT's sink + selection + window composed position by
+// position (no list kernel before the walk: a launch less on every decode step).
 //
 // CUDA-core kernel (forward_decode_simt_kernel: f32, HIP, unaligned rows): plain fp32 on CUDA cores; one thread
 // block = one (sequence, kv head, key split), its rows the R = Sq·g pairs of the group. Each warp walks its own
@@ -398,7 +399,45 @@ constexpr int kRingStages = kRingBudget / (kWarpsPerBlock<kHeadDim> * kStageByte
                                 ? int(kRingBudget / (kWarpsPerBlock<kHeadDim> * kStageBytes<kHeadDim>))
                                 : kMaxStages;
 
-enum class KeySource { kRange, kList };
+enum class KeySource { kRange, kList, kComposed };
+
+// A composed key list (DecodeKeyLists with key_lists null): position j's key, the [0, n_init) head, T, then the
+// window [tail_begin, tail_begin + n_local). A sequence that reads every key has head = count = N and no T.
+struct ComposedList {
+  const int32_t* middle = nullptr;
+  int32_t head = 0, middle_count = 0, tail_begin = 0, count = 0;
+
+  __device__ __forceinline__ int32_t key(int32_t j) const {
+    if (j < head) return j;
+    if (j < head + middle_count) return middle[j - head];
+    return tail_begin + (j - head - middle_count);
+  }
+  // Entries <= horizon (the list ascends), as keys_up_to for a stored list.
+  __device__ __forceinline__ int32_t keys_up_to(int64_t horizon) const {
+    if (count == 0 || key(count - 1) <= horizon) return count;
+    int32_t lo = 0, hi = count - 1;
+    while (lo < hi) {
+      const int32_t mid = (lo + hi) / 2;
+      if (key(mid) <= horizon) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  }
+};
+
+__device__ __forceinline__ ComposedList composed_list(const DecodeKeyLists& lists, int64_t list_index, int32_t b,
+                                                      int32_t list_in_sequence, int32_t seq_k) {
+  ComposedList c;
+  if (lists.candidate_counts[list_index] == 0) {
+    c.head = c.count = seq_k;
+    return c;
+  }
+  c.middle = lists.selections + b * lists.selection_stride + int64_t(list_in_sequence) * lists.top_k;
+  c.head = lists.n_init;
+  c.middle_count = lists.top_k;
+  c.tail_begin = seq_k - lists.n_local;
+  c.count = lists.n_init + lists.top_k + lists.n_local;
+  return c;
+}
 
 // Transposes an 8x8 matrix of 2-byte elements held in the standard fragment layout (lane t: row t/4, columns
 // 2(t%4), 2(t%4)+1) across the warp.
@@ -466,12 +505,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
   // Positions the block's last query row may see (keys of the range, or entries of the list), and this split's
   // share of them in whole tiles: [begin, end). Warp w takes tiles w, w + kWarps, ...
   const int32_t* list = nullptr;
+  ComposedList composed;
   int32_t positions = 0;
-  if constexpr (kSource == KeySource::kList) {
-    const int64_t list_index =
-        int64_t(seq.b) * (p.num_q_heads / lists.heads_per_list) + head0 / lists.heads_per_list;
-    list = lists.key_lists + list_index * lists.list_capacity;
-    positions = keys_up_to(list, lists.key_counts[list_index], int64_t(last_query) + seq.causal_offset);
+  if constexpr (kSource != KeySource::kRange) {
+    const int32_t list_in_sequence = head0 / lists.heads_per_list;
+    const int64_t list_index = int64_t(seq.b) * (p.num_q_heads / lists.heads_per_list) + list_in_sequence;
+    const int64_t horizon = int64_t(last_query) + seq.causal_offset;
+    if constexpr (kSource == KeySource::kList) {
+      list = lists.key_lists + list_index * lists.list_capacity;
+      positions = keys_up_to(list, lists.key_counts[list_index], horizon);
+    } else {
+      composed = composed_list(lists, list_index, seq.b, list_in_sequence, seq.seq_k);
+      positions = composed.keys_up_to(horizon);
+    }
   } else {
     positions = key_end_for_rows(p, seq, last_query + 1);
   }
@@ -506,7 +552,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
 
   // A tile is loaded only if some row of the block may see some of its keys (always for lists and dense).
   auto tile_visible = [&](int32_t key_begin) {
-    if constexpr (kSource == KeySource::kList) return true;
+    if constexpr (kSource != KeySource::kRange) return true;
     if (p.rule == VisibilityRule::kDense) return true;
     const int32_t key_end = min(end, key_begin + kTileKeys);
     for (int32_t j = 0; j < heads_per_block; ++j) {
@@ -534,6 +580,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
       const int32_t pos = pos0 + copy_row0 + u * kRowsPerCopy;
       keys[u] = pos < end ? pos : -1;
       if constexpr (kSource == KeySource::kList) keys[u] = pos < end ? list[pos] : -1;
+      if constexpr (kSource == KeySource::kComposed) keys[u] = pos < end ? composed.key(pos) : -1;
     }
     int32_t pages[kCopiesPerLane];
 #pragma unroll
@@ -621,7 +668,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     // Mask (raw scores; the scale is folded into the exponent below): positions past the share and keys a row may
     // not see. A tile every row sees whole skips it.
     bool whole_tile_visible = pos0 + kTileKeys <= end;
-    if constexpr (kSource == KeySource::kList) {
+    if constexpr (kSource != KeySource::kRange) {
       whole_tile_visible = whole_tile_visible && int64_t(ring_keys[warp][stage][kTileKeys - 1]) <=
                                                      int64_t(first_query) + seq.causal_offset;
     } else {
@@ -635,7 +682,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
         const int key_row = lane / 4 + 8 * (e / 2);
         const int32_t pos = pos0 + key_row;
         bool visible = my_valid[rr] && pos < end;
-        if constexpr (kSource == KeySource::kList) {
+        if constexpr (kSource != KeySource::kRange) {
           visible = visible && int64_t(ring_keys[warp][stage][key_row]) <= int64_t(my_query[rr]) + seq.causal_offset;
         } else if (visible) {
           SequenceView sv = seq;
@@ -712,21 +759,25 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     }
   }
   __syncthreads();
+  // Per row (one thread each): the merged max, each warp's weight, the total, the LSE and where the row goes, so
+  // that the loop over the row's dims below does no division by heads_per_block and no exponentials.
+  __shared__ float row_weight[kWarps][kBlockRows], row_total[kBlockRows];
+  __shared__ int64_t row_destination[kBlockRows];  // partial state index, or the out element offset of dim 0
   const int32_t block_rows = int32_t(row_end - row_begin);
-  for (int index = threadIdx.x; index < block_rows * kHeadDim; index += blockDim.x) {
-    const int r = index / kHeadDim, d = index % kHeadDim;
+  if (int32_t(threadIdx.x) < block_rows) {
+    const int r = threadIdx.x;
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge_max[w * kBlockRows + r]);
     const float reference = m == -INFINITY ? 0.f : m;
-    float total = 0.f, acc = 0.f;
+    float total = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const float weight = exp2f(merge_max[w * kBlockRows + r] - reference);
       total += weight * merge_sum[w * kBlockRows + r];
-      acc += weight * merge_out[(w * kBlockRows + r) * kHeadDim + d];
+      row_weight[w][r] = weight;
     }
-    const float value = total > 0.f ? acc / total : 0.f;
+    row_total[r] = total;
     const float lse = total > 0.f ? (m + log2f(total)) * kLn2 : -INFINITY;
     const int64_t row = row_begin + r;
     SequenceView s = seq;
@@ -734,13 +785,27 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     const int32_t i = int32_t(row / heads_per_block);
     if (p.num_splits > 1) {
       const int64_t state = (int64_t(split) * p.flat_rows + flat_query_row(p, s, i)) * p.num_q_heads + s.h;
-      p.partial_out[state * kHeadDim + d] = value;
-      if (d == 0) p.partial_lse[state] = lse;
-      continue;
+      row_destination[r] = state;
+      p.partial_lse[state] = lse;
+    } else {
+      row_destination[r] = query_row_offset(p.out_strides, s, i);
+      if (p.lse != nullptr) {
+        p.lse[s.b * p.lse_strides.b + int64_t(s.h) * p.lse_strides.h + (s.q_row_base + i) * p.lse_strides.s] = lse;
+      }
     }
-    static_cast<uint16_t*>(p.out)[query_row_offset(p.out_strides, s, i) + d] = to_bits(Tag{}, value);
-    if (d == 0 && p.lse != nullptr) {
-      p.lse[s.b * p.lse_strides.b + int64_t(s.h) * p.lse_strides.h + (s.q_row_base + i) * p.lse_strides.s] = lse;
+  }
+  __syncthreads();
+  for (int index = threadIdx.x; index < block_rows * kHeadDim; index += blockDim.x) {
+    const int r = index / kHeadDim, d = index % kHeadDim;
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) acc += row_weight[w][r] * merge_out[(w * kBlockRows + r) * kHeadDim + d];
+    const float total = row_total[r];
+    const float value = total > 0.f ? acc / total : 0.f;
+    if (p.num_splits > 1) {
+      p.partial_out[row_destination[r] * kHeadDim + d] = value;
+    } else {
+      static_cast<uint16_t*>(p.out)[row_destination[r] + d] = to_bits(Tag{}, value);
     }
   }
 #endif  // SPARSA_GPU_DEVICE_HAS_MMA_SYNC
@@ -821,9 +886,11 @@ cudaError_t forward_decode_lists_launch(const ForwardParams& p, const DecodeKeyL
   if (mma_kernel_applies(p) && lists.heads_per_list >= 1) {
     // The heads of a block share both their list and their kv head.
     const int32_t heads_per_block = std::gcd(p.group_size, lists.heads_per_list);
-    return then_combine(
-        launch_mma<KeySource::kList>(p, lists, heads_per_block, int64_t(max_seq_q) * heads_per_block, stream), p,
-        stream);
+    const int64_t max_rows = int64_t(max_seq_q) * heads_per_block;
+    return then_combine(lists.key_lists != nullptr
+                            ? launch_mma<KeySource::kList>(p, lists, heads_per_block, max_rows, stream)
+                            : launch_mma<KeySource::kComposed>(p, lists, heads_per_block, max_rows, stream),
+                        p, stream);
   }
 #endif
   (void)p;

@@ -26,11 +26,20 @@ cudaError_t forward_decode_launch(const ForwardParams& p, int32_t max_seq_q, cud
 // Prebuilt ascending key lists (token_indices.h): list j of sequence b starts at
 // key_lists + (b * (Hq / heads_per_list) + j) * list_capacity and holds key_counts[b * (Hq / heads_per_list) + j]
 // keys; query head h reads list h / heads_per_list. Every query row i attends to the entries <= i + Skv - Sq.
+//
+// Or, with key_lists null, TOKEN_SELECT's index sets composed where they are read (no list kernel before the walk):
+// list j of sequence b is [0, n_init) ∪ T ∪ [N - n_local, N), T the top_k ascending ids in [n_init, N - n_local) at
+// selections + b * selection_stride + j * top_k; a list whose candidate_counts entry (b * lists + j) is 0 is
+// [0, N) instead (a sequence too short to select).
 struct DecodeKeyLists {
   const int32_t* key_lists = nullptr;
   const int32_t* key_counts = nullptr;
   int32_t list_capacity = 0;
   int32_t heads_per_list = 1;
+  const int32_t* selections = nullptr;
+  int64_t selection_stride = 0;
+  const int32_t* candidate_counts = nullptr;
+  int32_t n_init = 0, top_k = 0, n_local = 0;
 };
 
 // True when the tensor-core kernel can walk key lists for `p` (any Sq: rows beyond kDecodeMaxRows go to more

@@ -21,7 +21,8 @@
 //   vote      (tiles, sets, B) vote[t] = Σ_h exp(s - m_h) / Z_h over the set's heads (fp32 scoring: its log, as a
 //                           running log-sum-exp, log_vote_kernel)
 //   device_topk             T (token ids, ascending) straight into the cache slot (or scratch); skipped on a hit
-//   lists     (sets × B)    I per set, selected_indices, PAIRS_COMPUTED
+//   lists     (sets × B)    I per set, selected_indices, PAIRS_COMPUTED; left out when none of them is wanted and
+//                           the tensor-core decode walk composes I from T itself (forward_decode.h)
 //   attention               index_attention_launch over I (or the dense forward when every sequence is dense)
 // Score, merge, vote and top-k exit at once for sequences that do not select or hit the cache.
 //
@@ -37,6 +38,7 @@
 // that close.
 #include "../../../src/common/policy_sizes.h"
 #include "../../../src/error.h"
+#include "../kernels/forward_decode.h"
 #include "device_topk.h"
 #include "token_select_common.cuh"
 
@@ -603,12 +605,28 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
     a.index_base = sp.n_init;  // candidate offsets -> token ids
     check(device_topk(a, topk_scratch, device.multiprocessors, stream), "token_select device_topk");
   }
-  list_kernel<<<dim3(unsigned(shape.n_sets), unsigned(batch)), kListThreads, 0, stream>>>(sp);
-  check(cudaGetLastError(), "token_select list_kernel launch");
+  // The tensor-core decode walk composes I from the selection itself; the list kernel runs only where something
+  // else needs the lists (selected_indices, PAIRS_COMPUTED, the CUDA-core walk).
+  const bool composed = !shape.all_dense && ix.selected == nullptr && sp.stats.out == nullptr &&
+                        problem.max_seq_q > 0 && forward_decode_lists_supports(sp.p);
+  if (!composed) {
+    list_kernel<<<dim3(unsigned(shape.n_sets), unsigned(batch)), kListThreads, 0, stream>>>(sp);
+    check(cudaGetLastError(), "token_select list_kernel launch");
+  }
   if (sp.stats.out != nullptr) check(stats_count_launch(sp.p, sp.stats, stream), "stats_count_kernel launch");
   if (problem.max_seq_q == 0) return;
   if (shape.all_dense) {
     launch_forward(device, launch, sp.p);
+  } else if (composed) {
+    DecodeKeyLists lists;
+    lists.heads_per_list = shape.heads_per_set;
+    lists.selections = sp.selections;
+    lists.selection_stride = sp.selection_stride;
+    lists.candidate_counts = sp.segment_lengths;  // |C| per set, 0 unless the sequence selects
+    lists.n_init = sp.n_init;
+    lists.top_k = sp.top_k;
+    lists.n_local = sp.n_local;
+    check(forward_decode_lists_launch(sp.p, lists, int32_t(problem.max_seq_q), stream), "token_select attention");
   } else {
     check(index_attention_launch(sp.p, ix, int32_t(problem.max_seq_q), stream), "token_select index attention");
   }
