@@ -456,22 +456,22 @@ struct ComposedCase {
 
 std::vector<ComposedCase> composed_cases() {
   std::vector<ComposedCase> rows;
-  auto add = [&](const std::string& name, auto&& edit, bool cached = false) {
+  auto add = [&](const std::string& name, bool cached, auto&& edit) {
     ComposedCase row;
     row.c.name = name;
     edit(row.c);
     row.cached = cached;
     rows.push_back(row);
   };
-  add("bf16_decode_needles", [](SelectCase& c) { c.needles = 2; });
-  add("f16_ragged_one_dense_packed", [](SelectCase& c) {
+  add("bf16_decode_needles", false, [](SelectCase& c) { c.needles = 2; });
+  add("f16_ragged_one_dense_packed", false, [](SelectCase& c) {
     c.dtype = SPARSA_DTYPE_F16;
     c.seq_q = {1, 1, 1};
     c.seq_k = {3000, 150, 2222};
     c.kv_layout = KvLayout::kPacked;
     c.needles = 1;
   });
-  add("paged_ps1_per_kv_head", [](SelectCase& c) {
+  add("paged_ps1_per_kv_head", false, [](SelectCase& c) {
     c.kv_layout = KvLayout::kPaged;
     c.page_size = 1;
     c.per_kv_head = true;
@@ -479,13 +479,13 @@ std::vector<ComposedCase> composed_cases() {
     c.seq_k = {2100, 1700};
     c.needles = 1;
   });
-  add("paged_ps16_speculative_chunk_of_4", [](SelectCase& c) {
+  add("paged_ps16_speculative_chunk_of_4", false, [](SelectCase& c) {
     c.kv_layout = KvLayout::kPaged;
     c.q_packed = true;
     c.seq_q = {4, 2};
     c.seq_k = {2600, 1900};
   });
-  add("paged_ps64_d64_gqa4", [](SelectCase& c) {
+  add("paged_ps64_d64_gqa4", false, [](SelectCase& c) {
     c.kv_layout = KvLayout::kPaged;
     c.page_size = 64;
     c.head_dim = 64;
@@ -494,14 +494,14 @@ std::vector<ComposedCase> composed_cases() {
     c.seq_k = {5000};
     c.needles = 3;
   });
-  add("default_shape_cache_miss_then_hit", [](SelectCase& c) {
+  add("default_shape_cache_miss_then_hit", true, [](SelectCase& c) {
     c.n_init = 128;
     c.top_k = 2048;
     c.n_local = 512;
     c.seq_k = {20000};
     c.theta = 0.5f;
     c.needles = 2;
-  }, true);
+  });
   return rows;
 }
 
