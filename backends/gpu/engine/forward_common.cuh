@@ -235,16 +235,23 @@ __device__ __forceinline__ bool tile_fully_visible(const ForwardParams& p, const
   return !p.causal || int64_t(tile_key_end - 1) <= int64_t(row_position(p, s, row_begin)) + s.causal_offset;
 }
 
-// Number of entries <= horizon of an ascending key list (the index-driven paths: TOKEN_INDICES, TOKEN_SELECT,
-// TOKEN_SPARSE): the whole list when its last key is visible (decode), else a binary search.
-__device__ __forceinline__ int32_t keys_up_to(const int32_t* list, int32_t count, int64_t horizon) {
-  if (count == 0 || list[count - 1] <= horizon) return count;
+// Number of entries <= horizon of an ascending key list whose j-th key is key_at(j) (the index-driven paths:
+// TOKEN_INDICES, TOKEN_SELECT, TOKEN_SPARSE): the whole list when its last key is visible (decode), else a binary
+// search.
+template <typename KeyAt>
+__device__ __forceinline__ int32_t entries_up_to(const KeyAt& key_at, int32_t count, int64_t horizon) {
+  if (count == 0 || key_at(count - 1) <= horizon) return count;
   int32_t lo = 0, hi = count - 1;
   while (lo < hi) {
     const int32_t mid = (lo + hi) / 2;
-    if (list[mid] <= horizon) lo = mid + 1; else hi = mid;
+    if (key_at(mid) <= horizon) lo = mid + 1; else hi = mid;
   }
   return lo;
+}
+
+// The same for a list stored in memory.
+__device__ __forceinline__ int32_t keys_up_to(const int32_t* list, int32_t count, int64_t horizon) {
+  return entries_up_to([list](int32_t j) { return list[j]; }, count, horizon);
 }
 
 // One element of an F32/F16/BF16 tensor as fp32, and back (the scalar paths: portable, decode, merge, index-driven

@@ -412,15 +412,8 @@ struct ComposedList {
     if (j < head + middle_count) return middle[j - head];
     return tail_begin + (j - head - middle_count);
   }
-  // Entries <= horizon (the list ascends), as keys_up_to for a stored list.
   __device__ __forceinline__ int32_t keys_up_to(int64_t horizon) const {
-    if (count == 0 || key(count - 1) <= horizon) return count;
-    int32_t lo = 0, hi = count - 1;
-    while (lo < hi) {
-      const int32_t mid = (lo + hi) / 2;
-      if (key(mid) <= horizon) lo = mid + 1; else hi = mid;
-    }
-    return lo;
+    return entries_up_to([this](int32_t j) { return key(j); }, count, horizon);
   }
 };
 

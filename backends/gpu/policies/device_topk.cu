@@ -331,9 +331,9 @@ __device__ void write_item(const TopkArgs& a, const SegmentState* states, const 
 // Every phase in one launch (cooperative: all blocks resident, grid barriers between phases): a barrier costs what a
 // kernel boundary does, and a cache hit then costs one launch instead of one per phase.
 template <typename T>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) topk_kernel(const TopkArgs a, SegmentState* states, uint32_t* histograms,
-                                                        unsigned int* still_active, int32_t* block_counts,
-                                                        int32_t blocks_per_segment) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    topk_kernel(const TopkArgs a, SegmentState* states, uint32_t* histograms, unsigned int* still_active,
+                int32_t* block_counts, int32_t blocks_per_segment) {
   __shared__ PhaseShared sh;
   // A selection-cache hit skips every segment: every block sees the same flags, so all leave before any barrier.
   if (a.skip != nullptr) {
