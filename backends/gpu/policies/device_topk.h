@@ -4,7 +4,7 @@
 // result is exact and deterministic; no host synchronisation (k and lengths may live on the device; the grids are
 // sized for the worst case and segments with nothing to do exit early).
 //
-// How (device_topk.cu): 11-bit digit passes from the most significant end (3 for F32, 6 for F64) narrow each
+// How (device_topk_kernel.cuh): 11-bit digit passes from the most significant end (3 for F32, 6 for F64) narrow each
 // segment's threshold key and how many of the elements equal to it are taken; the last block of a pass to finish a
 // segment picks the digit. A segment is done early when the chosen digit's elements are all taken. Then a count
 // pass and a stable compaction in index order keep every element above the threshold and the first `remaining`

@@ -18,8 +18,8 @@
 //                           score_kernel)
 //   merge     (Hq × B)      per head: max and denominator over the tiles (float64 scoring; with fp32 scoring the
 //                           last score block of each grid column merges its heads' partials: no launch)
-//   vote      (tiles, sets, B) vote[t] = Σ_h exp(s - m_h) / Z_h over the set's heads (fp32 scoring: its log, as a
-//                           running log-sum-exp, log_vote_kernel)
+//   vote      (tiles, sets, B) vote[t] = Σ_h exp(s - m_h) / Z_h over the set's heads (float64 scoring); with fp32
+//                           scoring its log, as a running log-sum-exp, inside the top-k's launch (LogVotePrologue)
 //   device_topk             T (token ids, ascending) straight into the cache slot (or scratch); skipped on a hit
 //   lists     (sets × B)    I per set, selected_indices, PAIRS_COMPUTED; left out when none of them is wanted and
 //                           the tensor-core decode walk composes I from T itself (forward_decode.h)
@@ -39,7 +39,7 @@
 #include "../../../src/common/policy_sizes.h"
 #include "../../../src/error.h"
 #include "../kernels/forward_decode.h"
-#include "device_topk.h"
+#include "device_topk_kernel.cuh"
 #include "token_select_common.cuh"
 
 #include <algorithm>
@@ -97,6 +97,15 @@ __device__ void decide_lookup(const SelectParams& sp, int32_t b, bool same_layou
   }
 }
 
+// Element d of q̄_h: the mean of the call's query rows of head h, in row order.
+__device__ __forceinline__ double mean_query_element(const SelectParams& sp, const SequenceView& s, int32_t d) {
+  double sum = 0.0;
+  for (int32_t i = 0; i < s.seq_q; ++i) {
+    sum += double(load_value(sp.p.q, query_row_offset(sp.p.q_strides, s, i) + d, sp.p.element_type));
+  }
+  return sum / double(s.seq_q);
+}
+
 // Block (h, b): the sequence's mode and candidate count (h = 0), q̄_h = mean of the call's rows of head h. With a
 // selection cache, the block also adds up its head's share of the lookup (§6.5, the CPU's can_reuse): q̄_h·cached_h,
 // |q̄_h|², |cached_h|² and whether its slice of the cached ids leaves the candidates; the sequence's last block to
@@ -120,43 +129,43 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const SelectPa
   if (threadIdx.x == 0 && sp.merge_arrivals != nullptr) sp.merge_arrivals[int64_t(b) * sp.p.num_q_heads + h] = 0;
   const bool lookup = sp.cache.slots != nullptr;
   const int64_t qbar_len = int64_t(sp.p.num_q_heads) * sp.p.head_dim;
-  const int32_t* slot = lookup ? sp.cache.slots + int64_t(b) * kSlotFields : nullptr;
-  // Read before this block arrives: the deciding block rewrites the slot (and which q̄ copy is cached) only after
-  // every block of the sequence has arrived; T changes later still (device_topk).
-  const bool same_layout = lookup && slot[kSlotFilled] != 0 && slot[kSlotQbarLength] == qbar_len &&
-                           slot[kSlotSets] == sp.n_sets && slot[kSlotTopK] == sp.top_k;
   double* qbar = sp.qbar + (int64_t(b) * sp.p.num_q_heads + h) * sp.p.head_dim;
-  const double* cached = nullptr;
-  double* next = nullptr;  // the slot's other q̄ copy: the cached one if this run misses
-  if (lookup) {
-    const int32_t copy = slot[kSlotQbarCopy] & 1;
-    double* copies = sp.cache.qbars + (2 * int64_t(b)) * sp.cache.qbar_capacity + int64_t(h) * sp.p.head_dim;
-    cached = copies + copy * sp.cache.qbar_capacity;
-    next = copies + (copy ^ 1) * sp.cache.qbar_capacity;
+  if (!lookup) {
+    for (int32_t d = threadIdx.x; d < sp.p.head_dim; d += blockDim.x) qbar[d] = mean_query_element(sp, s, d);
+    return;
   }
-  double v[kLookupSums] = {0.0, 0.0, 0.0, 0.0};  // q̄·cached, |q̄|², |cached|², cached ids outside C
-  for (int32_t d = threadIdx.x; d < sp.p.head_dim; d += blockDim.x) {
-    double sum = 0.0;
-    for (int32_t i = 0; i < s.seq_q; ++i) sum += double(load_value(sp.p.q, query_row_offset(sp.p.q_strides, s, i) + d, sp.p.element_type));
-    const double mean = sum / double(s.seq_q);
-    qbar[d] = mean;
-    if (lookup) next[d] = mean;
-    if (same_layout) {
-      v[0] = fma(mean, cached[d], v[0]);
-      v[1] = fma(mean, mean, v[1]);
-      v[2] = fma(cached[d], cached[d], v[2]);
-    }
-  }
-  if (!lookup) return;
-  if (same_layout) {
+  // Nothing loaded below waits for the slot's fields: both q̄ copies and this block's share of the cached ids are
+  // read while the fields are in flight, and the fields only choose among them (one round trip, not three). The
+  // slot is read before this block arrives: the deciding block rewrites it (and which q̄ copy is cached) only after
+  // every block of the sequence has arrived; T changes later still (device_topk). The ids are read whatever the
+  // layout (the slot's selection buffer holds n_sets · top_k of them; validation keeps that within its capacity)
+  // and count only when the layout matches.
+  const int32_t* slot = sp.cache.slots + int64_t(b) * kSlotFields;
+  const int32_t filled = slot[kSlotFilled], cached_length = slot[kSlotQbarLength], cached_sets = slot[kSlotSets],
+                cached_top_k = slot[kSlotTopK], copy = slot[kSlotQbarCopy] & 1;
+  bool outside = false;  // a cached id of this block's share is no longer a candidate
+  {
     const int32_t* ids = sp.cache.selections + b * sp.cache.selection_capacity;
     const int64_t first = sp.n_init, last = int64_t(s.seq_k) - sp.n_local;
     const int64_t count = int64_t(sp.n_sets) * sp.top_k, share = (count + sp.p.num_q_heads - 1) / sp.p.num_q_heads;
     const int64_t end = min(count, (h + 1) * share);
-    for (int64_t i = h * share + threadIdx.x; i < end; i += blockDim.x) {
-      if (ids[i] < first || ids[i] >= last) v[3] = 1.0;
-    }
+    for (int64_t i = h * share + threadIdx.x; i < end; i += blockDim.x) outside |= ids[i] < first || ids[i] >= last;
   }
+  double* copies = sp.cache.qbars + (2 * int64_t(b)) * sp.cache.qbar_capacity + int64_t(h) * sp.p.head_dim;
+  double v[kLookupSums] = {0.0, 0.0, 0.0, 0.0};  // q̄·cached, |q̄|², |cached|², cached ids outside C
+  for (int32_t d = threadIdx.x; d < sp.p.head_dim; d += blockDim.x) {
+    const double copy0 = copies[d], copy1 = copies[sp.cache.qbar_capacity + d];
+    const double mean = mean_query_element(sp, s, d);
+    const double cached = copy == 0 ? copy0 : copy1;
+    qbar[d] = mean;
+    copies[(copy ^ 1) * sp.cache.qbar_capacity + d] = mean;  // the slot's other copy: the cached one on a miss
+    v[0] = fma(mean, cached, v[0]);
+    v[1] = fma(mean, mean, v[1]);
+    v[2] = fma(cached, cached, v[2]);
+  }
+  const bool same_layout = filled != 0 && cached_length == qbar_len && cached_sets == sp.n_sets &&
+                           cached_top_k == sp.top_k;
+  v[3] = outside ? 1.0 : 0.0;
   block_reduce<kLookupSums, false>(v, scratch, sums);
   if (threadIdx.x == 0) {
     double* partial = sp.lookup_partials + (int64_t(b) * sp.p.num_q_heads + h) * kLookupSums;
@@ -228,7 +237,10 @@ __global__ void __launch_bounds__(kScoreTile) vote_kernel(const SelectParams sp)
 // log-sum-exp in fp32. The log domain keeps every candidate's vote representable: against a needle that dominates a
 // head, the others' exp(s - m) fall far below fp32's range while their order still decides the top-k. The top-k of
 // the log votes is that of the votes (log is increasing).
-constexpr int kLogVoteLoads = 8;  // heads' scores a thread loads before using any
+// Heads' scores a thread loads before using any: 8 floats, or 4 float4s (the top-k kernel's register budget of 64
+// per thread, which the vote shares, holds no more without spilling).
+template <int kColumns>
+constexpr int kLogVoteLoads = kColumns == 1 ? 8 : 4;
 // Consecutive candidates per thread: 4 (one 16-byte load per head, four chains to fold) where a grid of such tiles
 // still fills the GPU, else 1 (at 128K candidates, 4 per thread leaves a quarter of the threads to hide the latency).
 constexpr int kLogVoteWideColumns = 4;
@@ -243,22 +255,23 @@ __device__ __forceinline__ void fold_log_sum_exp(float x, float& running_max, fl
   }
 }
 
-// Block (x, set, b) walks tiles of kScoreTile · kColumns candidates; a thread takes kColumns consecutive ones (one
-// float4 per head when 4: a score row's stride is a multiple of kScoreTile, so the last group of a row stays inside
-// it, and lanes past the candidates compute values nobody reads). Each candidate's fold runs over the heads in order,
-// whatever kColumns is, so the votes do not depend on it.
+// The block's tiles of segment (set, b): tiles first_tile, first_tile + tile_stride, ... of kScoreTile · kColumns
+// candidates; a thread takes kColumns consecutive ones (one float4 per head when 4: a score row's stride is a
+// multiple of kScoreTile, so the last group of a row stays inside it, and lanes past the candidates compute values
+// nobody reads). Each candidate's fold runs over the heads in order, whatever kColumns is, so the votes do not
+// depend on it.
 template <int kColumns>
-__global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams sp) {
+__device__ void log_vote_tiles(const SelectParams& sp, int32_t set, int32_t b, int32_t first_tile,
+                               int32_t tile_stride) {
   static_assert(kColumns == 1 || kColumns == 4, "one float or one float4 per head");
   static_assert(kScoreTile % kColumns == 0, "score rows' strides keep every candidate group whole");
   constexpr int kTile = kScoreTile * kColumns;
   __shared__ float head_lse[kVoteHeadsPerPass];
-  const int32_t set = blockIdx.y, b = blockIdx.z;
   const SequenceInfo info = sp.sequences[b];
   if (info.mode != kSelects || sp.skip[b] != 0) return;
   const int32_t tiles = (info.candidates + kTile - 1) / kTile;
   const int64_t first_row = int64_t(b) * sp.p.num_q_heads + int64_t(set) * sp.heads_per_set;
-  for (int32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int32_t tile = first_tile; tile < tiles; tile += tile_stride) {
     const int32_t c = tile * kTile + threadIdx.x * kColumns;
     float running_max[kColumns], running_sum[kColumns];
 #pragma unroll
@@ -275,10 +288,10 @@ __global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams
       }
       __syncthreads();
       if (c < info.candidates) {
-        for (int32_t j0 = 0; j0 < n; j0 += kLogVoteLoads) {
-          float x[kLogVoteLoads][kColumns];  // loaded together, then folded in
+        for (int32_t j0 = 0; j0 < n; j0 += kLogVoteLoads<kColumns>) {
+          float x[kLogVoteLoads<kColumns>][kColumns];  // loaded together, then folded in
 #pragma unroll
-          for (int i = 0; i < kLogVoteLoads; ++i) {
+          for (int i = 0; i < kLogVoteLoads<kColumns>; ++i) {
             if (j0 + i >= n) continue;
             const float* at = sp.scores32 + (first_row + h0 + j0 + i) * sp.score_stride + c;
             if constexpr (kColumns == 4) {
@@ -292,7 +305,7 @@ __global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams
             }
           }
 #pragma unroll
-          for (int i = 0; i < kLogVoteLoads; ++i) {
+          for (int i = 0; i < kLogVoteLoads<kColumns>; ++i) {
             if (j0 + i < n) {  // a condition, not a break: the loop stays unrollable
               const float lse = head_lse[j0 + i];
 #pragma unroll
@@ -314,6 +327,24 @@ __global__ void __launch_bounds__(kScoreTile) log_vote_kernel(const SelectParams
     }
   }
 }
+
+// The log vote as the top-k's prologue (device_topk_kernel.cuh): the top-k grid's blocks are spread evenly over the
+// segments (set, b) (each segment's blocks walk its tiles in a stride), so the vote costs no launch of its own and a
+// cache hit one exiting launch fewer. Segment s = b · n_sets + set, the top-k's order.
+template <int kColumns>
+struct LogVotePrologue {
+  static_assert(topk_detail::kThreads == kScoreTile, "a top-k block has one vote tile's threads");
+  SelectParams sp;
+  int32_t segments = 0;
+  __device__ void operator()(int64_t block, int64_t blocks) const {
+    const int64_t per_segment = blocks >= segments ? blocks / segments : 1;
+    for (int64_t virtual_block = block; virtual_block < segments * per_segment; virtual_block += blocks) {
+      const int64_t segment = virtual_block / per_segment;
+      log_vote_tiles<kColumns>(sp, int32_t(segment % sp.n_sets), int32_t(segment / sp.n_sets),
+                               int32_t(virtual_block % per_segment), int32_t(per_segment));
+    }
+  }
+};
 
 // Block (set, b): I = [0, n_init) ∪ T ∪ [N - n_local, N) (or [0, N) when dense) as the set's key list, the
 // selected_indices row, and PAIRS_COMPUTED (every head of the set, every row up to its causal horizon).
@@ -386,7 +417,9 @@ class DeviceSelectionCache final : public SelectionCacheState {
     const uint64_t selections_at = qbars_at + 2 * slots * uint64_t(view_.qbar_capacity) * sizeof(double);
     bytes_ = selections_at + slots * uint64_t(view_.selection_capacity) * sizeof(int32_t);
     check(cudaMalloc(&memory_, bytes_), "cudaMalloc (selection cache)");
-    const cudaError_t cleared = cudaMemsetAsync(memory_, 0, qbars_at, device_->stream);
+    // All of it, q̄ and T included: the lookup reads a slot's q̄ copies and ids before it knows whether the slot
+    // is filled (and ignores them when it is not).
+    const cudaError_t cleared = cudaMemsetAsync(memory_, 0, bytes_, device_->stream);
     const cudaError_t synced = cleared == cudaSuccess ? cudaStreamSynchronize(device_->stream) : cleared;
     if (synced != cudaSuccess) {
       (void)cudaFree(memory_);
@@ -425,7 +458,7 @@ class DeviceSelectionCache final : public SelectionCacheState {
 
  private:
   static uint64_t align(uint64_t bytes) { return (bytes + ScratchCarver::kAlignment - 1) / ScratchCarver::kAlignment * ScratchCarver::kAlignment; }
-  // Zeroes the totals and slot records (an empty slot's q̄ and T are never read).
+  // Zeroes the totals and slot records (an emptied slot's q̄ and T stay as they were: read, then ignored).
   void clear(uint64_t bytes) {
     check(cudaMemsetAsync(memory_, 0, bytes, device_->stream), "cudaMemsetAsync (selection cache)");
   }
@@ -568,25 +601,13 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
   check(cudaGetLastError(), "token_select prepare_kernel launch");
   if (!shape.all_dense) {
     launch_scores(device, problem, sp, shape.tiles, batch);
-    if (sp.scores32 != nullptr) {  // m_h, Z_h: merged by the score kernel's last blocks
-      constexpr int64_t kWideTile = int64_t(kScoreTile) * kLogVoteWideColumns;
-      const int64_t wide_tiles = (shape.max_candidates + kWideTile - 1) / kWideTile;
-      if (wide_tiles * segments >= int64_t(device.multiprocessors) * kScoreBlocksPerSm) {
-        const dim3 vote_grid(tile_blocks(device, int32_t(wide_tiles), segments), unsigned(shape.n_sets),
-                             unsigned(batch));
-        log_vote_kernel<kLogVoteWideColumns><<<vote_grid, kScoreTile, 0, stream>>>(sp);
-      } else {
-        const dim3 vote_grid(tile_blocks(device, shape.tiles, segments), unsigned(shape.n_sets), unsigned(batch));
-        log_vote_kernel<1><<<vote_grid, kScoreTile, 0, stream>>>(sp);
-      }
-    } else {
+    if (sp.scores32 == nullptr) {  // float64 scoring: m_h and Z_h merged, then the votes, before the top-k
       const dim3 vote_grid(tile_blocks(device, shape.tiles, segments), unsigned(shape.n_sets), unsigned(batch));
       merge_kernel<<<dim3(unsigned(heads), unsigned(batch)), kReduceThreads, 0, stream>>>(sp);
       check(cudaGetLastError(), "token_select merge_kernel launch");
       vote_kernel<<<vote_grid, kScoreTile, 0, stream>>>(sp);
+      check(cudaGetLastError(), "token_select vote_kernel launch");
     }
-    check(cudaGetLastError(), "token_select vote_kernel launch");
-
     TopkArgs a;
     a.values = sp.scores32 != nullptr ? static_cast<const void*>(sp.log_votes) : static_cast<const void*>(sp.votes);
     a.value_type = sp.scores32 != nullptr ? TopkValueType::kF32 : TopkValueType::kF64;
@@ -603,7 +624,21 @@ void token_select_run(const GpuDevice& device, const AttentionProblem& problem, 
     a.out_group_stride = sp.selection_stride;
     a.out_stride = sp.top_k;
     a.index_base = sp.n_init;  // candidate offsets -> token ids
-    check(device_topk(a, topk_scratch, device.multiprocessors, stream), "token_select device_topk");
+    cudaError_t selected = cudaSuccess;
+    if (sp.scores32 == nullptr) {
+      selected = device_topk(a, topk_scratch, device.multiprocessors, stream);
+    } else {  // fp32 scoring (m_h, Z_h merged by the score kernel's last blocks): the log vote runs inside the top-k
+      constexpr int64_t kWideTile = int64_t(kScoreTile) * kLogVoteWideColumns;
+      const int64_t wide_tiles = (shape.max_candidates + kWideTile - 1) / kWideTile;
+      if (wide_tiles * segments >= int64_t(device.multiprocessors) * kScoreBlocksPerSm) {
+        selected = device_topk_with(a, LogVotePrologue<kLogVoteWideColumns>{sp, int32_t(segments)}, topk_scratch,
+                                    device.multiprocessors, stream);
+      } else {
+        selected = device_topk_with(a, LogVotePrologue<1>{sp, int32_t(segments)}, topk_scratch,
+                                    device.multiprocessors, stream);
+      }
+    }
+    check(selected, "token_select device_topk");
   }
   // The tensor-core decode walk composes I from the selection itself; the list kernel runs only where something
   // else needs the lists (selected_indices, PAIRS_COMPUTED, the CUDA-core walk).

@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) score_mma_kernel
 // the row's dot products are summed over its lanes with xor shuffles (reduce_heads; the tree's shape is fixed: the
 // same inputs give the same bits). Each s goes to scratch (fp32) from the lane that holds it, which also keeps a
 // running max and Σ exp(s - max) of its head; the grid column's last block makes m_h and Z_h of the blocks' partials
-// (merge_partials_if_last), and log_vote_kernel (gpu_token_select.cu) ranks candidates by log vote =
+// (merge_partials_if_last), and the log vote (gpu_token_select.cu, LogVotePrologue) ranks candidates by log vote =
 // log Σ_h exp(s_h - lse_h), lse_h = m_h + log Z_h: in the log domain no vote underflows fp32, however far a needle
 // lifts a head's maximum.
 //
