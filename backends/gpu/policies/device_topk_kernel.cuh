@@ -81,6 +81,18 @@ __device__ __forceinline__ uint64_t order_key(double value) {
   return (bits & kSign) ? ~bits : (bits | kSign);
 }
 
+// The order keys of elements first, first + kThreads, ... (kLoadsInFlight of them; 0 at and past `end`), all
+// loads issued before any key is used.
+template <typename T>
+__device__ __forceinline__ void load_order_keys(const T* row, int64_t first, int64_t end,
+                                                uint64_t (&keys)[kLoadsInFlight]) {
+#pragma unroll
+  for (int u = 0; u < kLoadsInFlight; ++u) {
+    const int64_t t = first + int64_t(u) * kThreads;
+    keys[u] = t < end ? order_key(row[t]) : 0;
+  }
+}
+
 // Exclusive prefix sum of `value` over the block's threads in thread order; every thread calls it. `buffer` holds
 // 2 * kThreads entries of shared memory; *total receives the block's sum.
 __device__ inline uint32_t block_exclusive_scan(uint32_t value, uint32_t* buffer, uint32_t* total) {
@@ -175,11 +187,7 @@ __device__ void digit_pass_item(const TopkArgs& a, SegmentState* states, uint32_
   uint32_t run_digit = 0, run_count = 0;
   for (int64_t first = begin + threadIdx.x; first < end; first += int64_t(kThreads) * kLoadsInFlight) {
     uint64_t keys[kLoadsInFlight];
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int64_t t = first + int64_t(u) * kThreads;
-      keys[u] = t < end ? order_key(row[t]) : 0;
-    }
+    load_order_keys(row, first, end, keys);
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
       if (first + int64_t(u) * kThreads >= end || (keys[u] & mask) != prefix) continue;
@@ -257,11 +265,7 @@ __device__ void count_item(const TopkArgs& a, const SegmentState* states, int32_
   unsigned int greater = 0, equal = 0;
   for (int64_t first = begin + threadIdx.x; first < end; first += int64_t(kThreads) * kLoadsInFlight) {
     uint64_t keys[kLoadsInFlight];
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int64_t t = first + int64_t(u) * kThreads;
-      keys[u] = t < end ? order_key(row[t]) : 0;
-    }
+    load_order_keys(row, first, end, keys);
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
       if (first + int64_t(u) * kThreads >= end) break;
