@@ -136,8 +136,8 @@ struct PhaseShared {
 static_assert(kBlocksPerSm * sizeof(PhaseShared) <= 64 * 1024, "the cooperative grid's blocks must be resident");
 
 // Segment s: k_s, length and status; zeroes the segment's histogram.
-__device__ inline void init_segment(const TopkArgs& a, SegmentState* states, uint32_t* histograms, unsigned int* still_active,
-                             int64_t s) {
+__device__ inline void init_segment(const TopkArgs& a, SegmentState* states, uint32_t* histograms,
+                                    unsigned int* still_active, int64_t s) {
   if (s == 0 && threadIdx.x < kMaxDigitPasses) still_active[threadIdx.x] = 0;
   const bool skipped = a.skip != nullptr && a.skip[s / a.segments_per_skip] != 0;
   if (threadIdx.x == 0) {
@@ -383,7 +383,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
 // ---- Scratch layout ----
 
-inline uint64_t align_up(uint64_t bytes) { return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment; }
+inline uint64_t align_up(uint64_t bytes) {
+  return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
+}
 
 inline int64_t blocks_per_segment_for(int64_t max_length) {
   const int64_t blocks = (max_length + kElementsPerBlock - 1) / kElementsPerBlock;
