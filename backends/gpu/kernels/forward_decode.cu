@@ -333,9 +333,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(
       run_sum *= rescale;
 #pragma unroll
       for (int e = 0; e < kCombineVector; ++e) acc[e] *= rescale;
+      const int32_t present = (p.num_splits - s0 + slices - 1) / slices;  // splits of this round (more: all)
 #pragma unroll
       for (int u = 0; u < kCombineSplitsInFlight; ++u) {
-        const float weight = expf(lse[u] - reference);  // 0 for an empty or absent split, whose output is not read
+        if (u >= present) break;  // absent splits weigh 0: no exponentials for them
+        const float weight = expf(lse[u] - reference);  // 0 for an empty split, whose output is not read
         run_sum += weight;
 #pragma unroll
         for (int e = 0; e < kCombineVector; ++e) acc[e] = weight > 0.f ? fmaf(weight, x[u][e], acc[e]) : acc[e];
@@ -352,23 +354,34 @@ __global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(
     }
   }
   __syncthreads();
-  float max_lse = -INFINITY;
-  for (int j = 0; j < slices; ++j) max_lse = fmaxf(max_lse, slice_max[j]);
-  const bool empty = max_lse == -INFINITY;
-  float total = 0.f;
-  for (int j = 0; j < slices; ++j) total += empty ? 0.f : slice_sum[j] * expf(slice_max[j] - max_lse);
-  const float inverse = empty ? 0.f : 1.f / total;
+  // One warp turns the slices' (max, sum) pairs into each slice's weight in the result, 1 / total folded in, and
+  // the LSE, so that the output loop below does no exponential and no division.
+  __shared__ float slice_weight[kCombineThreads];
+  if (int(threadIdx.x) < kWarpLanes) {
+    float max_lse = -INFINITY;
+    for (int j = threadIdx.x; j < slices; j += kWarpLanes) max_lse = fmaxf(max_lse, slice_max[j]);
+    max_lse = warp_max(max_lse);
+    const bool empty = max_lse == -INFINITY;
+    float total = 0.f;
+    for (int j = threadIdx.x; j < slices; j += kWarpLanes) {
+      slice_weight[j] = empty ? 0.f : expf(slice_max[j] - max_lse);  // 0 for a slice that saw nothing
+      total += slice_weight[j] * slice_sum[j];
+    }
+    total = warp_sum(total);
+    for (int j = threadIdx.x; j < slices; j += kWarpLanes) slice_weight[j] = empty ? 0.f : slice_weight[j] / total;
+    if (p.lse != nullptr && threadIdx.x == 0) {
+      p.lse[seq.b * p.lse_strides.b + int64_t(h) * p.lse_strides.h + (seq.q_row_base + i) * p.lse_strides.s] =
+          empty ? -INFINITY : max_lse + logf(total);
+    }
+  }
+  __syncthreads();
   for (int32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
     float value = 0.f;
     for (int j = 0; j < slices; ++j) {
-      const float weight = empty ? 0.f : expf(slice_max[j] - max_lse);
+      const float weight = slice_weight[j];
       value = weight > 0.f ? fmaf(weight, slice_out[j * p.head_dim + d], value) : value;
     }
-    store_value(p.out, query_row_offset(p.out_strides, seq, i) + d, p.element_type, value * inverse);
-  }
-  if (p.lse != nullptr && threadIdx.x == 0) {
-    p.lse[seq.b * p.lse_strides.b + int64_t(h) * p.lse_strides.h + (seq.q_row_base + i) * p.lse_strides.s] =
-        empty ? -INFINITY : max_lse + logf(total);
+    store_value(p.out, query_row_offset(p.out_strides, seq, i) + d, p.element_type, value);
   }
 }
 
@@ -400,6 +413,14 @@ constexpr int kRingStages = kRingBudget / (kWarpsPerBlock<kHeadDim> * kStageByte
                                 : kMaxStages;
 
 enum class KeySource { kRange, kList, kComposed };
+
+// How a warp's lanes share a tile's copies. kRowSpans: 16 lanes per key row (head dim 128), each copy whole rows of
+// contiguous bytes, so long walks stream at the memory's pace, but each lane looks up and addresses 8 keys per
+// tile. kRowPairs: 2 lanes per key row, each lane one key per tile, far fewer instructions before a warp's first
+// tile lands, which is what a walk of one or two tiles per warp waits on. Measured (H200, 2026-11-29): TOKEN_SELECT's
+// 2,688 keys over 66 splits 9.8 -> 8.2 µs with kRowPairs, but dense decode at 128K keys 0.145 -> 0.186 ms.
+enum class CopyLayout { kRowSpans, kRowPairs };
+constexpr int32_t kRowPairsMaxWarpTiles = 2;  // kRowPairs for walks of at most this many tiles per warp
 
 // A composed key list (DecodeKeyLists with key_lists null): position j's key, the [0, n_init) head, T, then the
 // window [tail_begin, tail_begin + n_local). A sequence that reads every key has head = count = N and no T.
@@ -465,7 +486,7 @@ __device__ __forceinline__ int64_t kv_row_offset(const ForwardParams& p, const T
   return s.b * st.b + (int64_t(s.k_row_base) + t) * st.s + int64_t(s.kv_head) * st.h;
 }
 
-template <typename Tag, int kHeadDim, KeySource kSource>
+template <typename Tag, int kHeadDim, KeySource kSource, CopyLayout kLayout>
 __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     decode_mma_kernel(const ForwardParams p, const DecodeKeyLists lists, int32_t heads_per_block) {
 #if SPARSA_GPU_DEVICE_HAS_MMA_SYNC
@@ -474,14 +495,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
   static_assert(kStages >= 2, "the ring needs a stage in flight while one computes");
   constexpr int kTileElems = kTileKeys * kHeadDim;
   constexpr int kChunksPerRow = kHeadDim / kChunkElems;
-  constexpr int kRowsPerCopy = kLanes / kChunksPerRow;      // key rows one warp-wide 16-byte copy covers
-  constexpr int kCopiesPerLane = kTileKeys / kRowsPerCopy;  // per tile, of each of K and V
   constexpr int kKeySteps = kHeadDim / 16;                  // k-steps of Sᵀ = K·Qᵀ
   constexpr int kDimBlocks = kHeadDim / 16;                 // m-blocks of Oᵀ = Vᵀ·Pᵀ
   // Per warp: kStages stages of [K tile, V tile]; reused at the end for the warps' merge (fits: see the asserts).
   __shared__ __align__(16) uint16_t ring[kWarps][kStages][2][kTileElems];
   __shared__ int32_t ring_keys[kWarps][kStages][kTileKeys];  // key id of each position (-1: past the share)
-  static_assert(sizeof(ring) >= kWarps * kBlockRows * (kHeadDim + 2) * sizeof(float), "merge storage");
 
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int32_t split = blockIdx.x % p.num_splits;
@@ -533,12 +551,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
       s.h = head0 + int32_t(row % heads_per_block);
       q_row = static_cast<const uint16_t*>(p.q) + query_row_offset(p.q_strides, s, row / heads_per_block);
     }
+    const bool q_pairs = reinterpret_cast<uintptr_t>(q_row) % sizeof(uint32_t) == 0;  // d is even: 4-byte loads
 #pragma unroll
     for (int kk = 0; kk < kKeySteps; ++kk) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int d = 16 * kk + 8 * half + 2 * (lane % 4);
-        q_frag[kk][half] = q_row == nullptr ? 0u : uint32_t(q_row[d]) | (uint32_t(q_row[d + 1]) << 16);
+        q_frag[kk][half] = q_row == nullptr ? 0u
+                           : q_pairs    ? *reinterpret_cast<const uint32_t*>(q_row + d)
+                                        : uint32_t(q_row[d]) | (uint32_t(q_row[d + 1]) << 16);
       }
     }
   }
@@ -555,48 +576,78 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     }
     return false;
   };
-  // Copies one tile's K and V rows into a ring stage: lane owns chunk lane % kChunksPerRow of rows
-  // lane / kChunksPerRow + u·kRowsPerCopy. Key ids (lists) and pages are all read before the first copy, so their
-  // loads overlap. Positions past the share are zero-filled (their P is 0, and 0·V must stay finite).
-  const int copy_chunk = lane % kChunksPerRow, copy_row0 = lane / kChunksPerRow;
+  // Copies one tile's K and V rows into a ring stage (CopyLayout). kRowSpans: lane owns chunk lane % kChunksPerRow
+  // of rows lane / kChunksPerRow + u·(kLanes / kChunksPerRow); key ids (lists) and pages are all read before the
+  // first copy, so their loads overlap. kRowPairs: lane owns key row lane / 2 and its chunks 2u + lane % 2; one
+  // copy's 32 lanes cover the swizzle's eight 16-byte bank groups four times each (no conflicts). Positions past
+  // the share copy nothing and are zero-filled (their P is 0, and 0·V must stay finite).
   const bool paged = p.page_table != nullptr;
-  const int64_t k_lane = copy_chunk * kChunkElems + int64_t(seq.kv_head) * p.k_strides.h +
+  const int64_t k_lane = int64_t(seq.kv_head) * p.k_strides.h +
                          (paged ? 0 : seq.b * p.k_strides.b + int64_t(seq.k_row_base) * p.k_strides.s);
-  const int64_t v_lane = copy_chunk * kChunkElems + int64_t(seq.kv_head) * p.v_strides.h +
+  const int64_t v_lane = int64_t(seq.kv_head) * p.v_strides.h +
                          (paged ? 0 : seq.b * p.v_strides.b + int64_t(seq.k_row_base) * p.v_strides.s);
   const uint16_t* k_base = static_cast<const uint16_t*>(p.k);
   const uint16_t* v_base = static_cast<const uint16_t*>(p.v);
-  auto issue_tile = [&](int32_t pos0, int stage) {
-    int32_t keys[kCopiesPerLane];
-#pragma unroll
-    for (int u = 0; u < kCopiesPerLane; ++u) {
-      const int32_t pos = pos0 + copy_row0 + u * kRowsPerCopy;
-      keys[u] = pos < end ? pos : -1;
-      if constexpr (kSource == KeySource::kList) keys[u] = pos < end ? list[pos] : -1;
-      if constexpr (kSource == KeySource::kComposed) keys[u] = pos < end ? composed.key(pos) : -1;
+  auto key_at = [&](int32_t pos) {
+    if constexpr (kSource == KeySource::kList) return pos < end ? list[pos] : -1;
+    if constexpr (kSource == KeySource::kComposed) return pos < end ? composed.key(pos) : -1;
+    return pos < end ? pos : -1;
+  };
+  auto page_of = [&](int32_t key) { return paged && key >= 0 ? key_page(p, seq, key) : 0; };
+  // The K and V rows of `key`, `page` = page_of(key) (the tensors' first rows for -1, from which nothing is
+  // copied). The page is looked up apart so that a tile's lookups are all issued before its first copy.
+  auto row_sources = [&](int32_t key, int32_t page, const uint16_t*& k_row, const uint16_t*& v_row) {
+    k_row = k_base;
+    v_row = v_base;
+    if (key < 0) return;
+    if (paged) {
+      const int64_t slot = key % p.page_size;
+      k_row += k_lane + int64_t(page) * p.k_strides.b + slot * p.k_strides.s;
+      v_row += v_lane + int64_t(page) * p.v_strides.b + slot * p.v_strides.s;
+    } else {
+      k_row += k_lane + int64_t(key) * p.k_strides.s;
+      v_row += v_lane + int64_t(key) * p.v_strides.s;
     }
-    int32_t pages[kCopiesPerLane];
-#pragma unroll
-    for (int u = 0; u < kCopiesPerLane; ++u) pages[u] = paged && keys[u] >= 0 ? key_page(p, seq, keys[u]) : 0;
+  };
+  auto issue_tile = [&](int32_t pos0, int stage) {
     uint16_t* k_stage = ring[warp][stage][0];
     uint16_t* v_stage = ring[warp][stage][1];
+    if constexpr (kLayout == CopyLayout::kRowPairs) {
+      static_assert(kLanes == 2 * kTileKeys, "two lanes per key row of a tile");
+      const int row = lane / 2, half = lane % 2;
+      const int32_t key = key_at(pos0 + row);
+      const uint16_t *k_row, *v_row;
+      row_sources(key, page_of(key), k_row, v_row);
+      const int bytes = key >= 0 ? 16 : 0;
 #pragma unroll
-    for (int u = 0; u < kCopiesPerLane; ++u) {
-      const int row = copy_row0 + u * kRowsPerCopy;
-      const bool valid = keys[u] >= 0;
-      int64_t k_offset = k_lane, v_offset = v_lane;
-      if (paged) {
-        const int64_t slot = keys[u] % p.page_size;
-        k_offset += int64_t(pages[u]) * p.k_strides.b + slot * p.k_strides.s;
-        v_offset += int64_t(pages[u]) * p.v_strides.b + slot * p.v_strides.s;
-      } else {
-        k_offset += int64_t(keys[u]) * p.k_strides.s;
-        v_offset += int64_t(keys[u]) * p.v_strides.s;
+      for (int u = 0; u < kChunksPerRow / 2; ++u) {
+        const int chunk = 2 * u + half;
+        const int at = swizzled_offset<kHeadDim>(row, chunk);
+        cp_async_16(shared_address(k_stage + at), k_row + chunk * kChunkElems, bytes);
+        cp_async_16(shared_address(v_stage + at), v_row + chunk * kChunkElems, bytes);
       }
-      const int at = swizzled_offset<kHeadDim>(row, copy_chunk);
-      cp_async_16(shared_address(k_stage + at), valid ? k_base + k_offset : k_base, valid ? 16 : 0);
-      cp_async_16(shared_address(v_stage + at), valid ? v_base + v_offset : v_base, valid ? 16 : 0);
-      if (copy_chunk == 0) ring_keys[warp][stage][row] = keys[u];
+      if (half == 0) ring_keys[warp][stage][row] = key;
+    } else {
+      constexpr int kRowsPerCopy = kLanes / kChunksPerRow;      // key rows one warp-wide 16-byte copy covers
+      constexpr int kCopiesPerLane = kTileKeys / kRowsPerCopy;  // per tile, of each of K and V
+      const int chunk = lane % kChunksPerRow, row0 = lane / kChunksPerRow;
+      int32_t keys[kCopiesPerLane];
+#pragma unroll
+      for (int u = 0; u < kCopiesPerLane; ++u) keys[u] = key_at(pos0 + row0 + u * kRowsPerCopy);
+      int32_t pages[kCopiesPerLane];
+#pragma unroll
+      for (int u = 0; u < kCopiesPerLane; ++u) pages[u] = page_of(keys[u]);
+#pragma unroll
+      for (int u = 0; u < kCopiesPerLane; ++u) {
+        const int row = row0 + u * kRowsPerCopy;
+        const uint16_t *k_row, *v_row;
+        row_sources(keys[u], pages[u], k_row, v_row);
+        const int at = swizzled_offset<kHeadDim>(row, chunk);
+        const int bytes = keys[u] >= 0 ? 16 : 0;
+        cp_async_16(shared_address(k_stage + at), k_row + chunk * kChunkElems, bytes);
+        cp_async_16(shared_address(v_stage + at), v_row + chunk * kChunkElems, bytes);
+        if (chunk == 0) ring_keys[warp][stage][row] = keys[u];
+      }
     }
   };
   uint32_t skipped = 0;  // bit s: ring stage s holds a tile that was not loaded (no row sees it)
@@ -733,15 +784,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     row_sum[rr] += warp_shfl_xor(row_sum[rr], 16);
   }
   __syncthreads();
-  float* merge_out = reinterpret_cast<float*>(&ring[0][0][0][0]);  // [kWarps][kBlockRows][kHeadDim]
-  float* merge_max = merge_out + kWarps * kBlockRows * kHeadDim;    // [kWarps][kBlockRows]
+  // [kWarps][kBlockRows][kMergeStride] outputs, then [kWarps][kBlockRows] maxima and sums. The row stride's 4
+  // padding floats put the accumulators' four rows of one store on different banks, and keep rows 16-byte aligned
+  // for the float4 reads below.
+  constexpr int kMergeStride = kHeadDim + 4;
+  static_assert(sizeof(ring) >= kWarps * kBlockRows * (kMergeStride + 2) * sizeof(float), "merge storage");
+  float* merge_out = reinterpret_cast<float*>(&ring[0][0][0][0]);
+  float* merge_max = merge_out + kWarps * kBlockRows * kMergeStride;
   float* merge_sum = merge_max + kWarps * kBlockRows;
 #pragma unroll
   for (int nd = 0; nd < kDimBlocks; ++nd) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = 2 * (lane % 4) + e % 2, d = 16 * nd + lane / 4 + 8 * (e / 2);
-      merge_out[(warp * kBlockRows + r) * kHeadDim + d] = o_acc[nd][e];
+      merge_out[(warp * kBlockRows + r) * kMergeStride + d] = o_acc[nd][e];
     }
   }
   if (lane < 4) {
@@ -752,9 +808,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     }
   }
   __syncthreads();
-  // Per row (one thread each): the merged max, each warp's weight, the total, the LSE and where the row goes, so
-  // that the loop over the row's dims below does no division by heads_per_block and no exponentials.
-  __shared__ float row_weight[kWarps][kBlockRows], row_total[kBlockRows];
+  // Per row (one thread each): the merged max, each warp's weight with 1 / total folded in, the LSE and where the
+  // row goes, so that the loop over the row's dims below does no division and no exponential.
+  __shared__ float row_weight[kWarps][kBlockRows];
   __shared__ int64_t row_destination[kBlockRows];  // partial state index, or the out element offset of dim 0
   const int32_t block_rows = int32_t(row_end - row_begin);
   if (int32_t(threadIdx.x) < block_rows) {
@@ -763,14 +819,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge_max[w * kBlockRows + r]);
     const float reference = m == -INFINITY ? 0.f : m;
+    float weight[kWarps];
     float total = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float weight = exp2f(merge_max[w * kBlockRows + r] - reference);
-      total += weight * merge_sum[w * kBlockRows + r];
-      row_weight[w][r] = weight;
+      weight[w] = exp2f(merge_max[w * kBlockRows + r] - reference);
+      total += weight[w] * merge_sum[w * kBlockRows + r];
     }
-    row_total[r] = total;
+    const float inverse = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) row_weight[w][r] = weight[w] * inverse;
     const float lse = total > 0.f ? (m + log2f(total)) * kLn2 : -INFINITY;
     const int64_t row = row_begin + r;
     SequenceView s = seq;
@@ -788,48 +846,74 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     }
   }
   __syncthreads();
-  for (int index = threadIdx.x; index < block_rows * kHeadDim; index += blockDim.x) {
-    const int r = index / kHeadDim, d = index % kHeadDim;
-    float acc = 0.f;
+  // Four dims per thread and step: float4 reads of the warps' outputs, one 16-byte partial-state store (its rows
+  // are 16-byte aligned: head_dim floats from a 256-byte aligned base) or four output elements.
+  constexpr int kVector = 4;
+  constexpr int kRowVectors = kHeadDim / kVector;
+  for (int index = threadIdx.x; index < block_rows * kRowVectors; index += blockDim.x) {
+    const int r = index / kRowVectors, d = index % kRowVectors * kVector;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) acc += row_weight[w][r] * merge_out[(w * kBlockRows + r) * kHeadDim + d];
-    const float total = row_total[r];
-    const float value = total > 0.f ? acc / total : 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = row_weight[w][r];
+      const float4 x = *reinterpret_cast<const float4*>(merge_out + (w * kBlockRows + r) * kMergeStride + d);
+      acc.x = fmaf(weight, x.x, acc.x);
+      acc.y = fmaf(weight, x.y, acc.y);
+      acc.z = fmaf(weight, x.z, acc.z);
+      acc.w = fmaf(weight, x.w, acc.w);
+    }
     if (p.num_splits > 1) {
-      p.partial_out[row_destination[r] * kHeadDim + d] = value;
+      *reinterpret_cast<float4*>(p.partial_out + row_destination[r] * kHeadDim + d) = acc;
     } else {
-      static_cast<uint16_t*>(p.out)[row_destination[r] + d] = to_bits(Tag{}, value);
+      uint16_t* destination = static_cast<uint16_t*>(p.out) + row_destination[r] + d;
+      const uint32_t low = pack_pair(Tag{}, acc.x, acc.y), high = pack_pair(Tag{}, acc.z, acc.w);
+      if (reinterpret_cast<uintptr_t>(destination) % sizeof(uint2) == 0) {
+        *reinterpret_cast<uint2*>(destination) = make_uint2(low, high);
+      } else {
+        destination[0] = uint16_t(low & 0xffffu);
+        destination[1] = uint16_t(low >> 16);
+        destination[2] = uint16_t(high & 0xffffu);
+        destination[3] = uint16_t(high >> 16);
+      }
     }
   }
 #endif  // SPARSA_GPU_DEVICE_HAS_MMA_SYNC
 }
 
-template <typename Tag, int kHeadDim, KeySource kSource>
+template <typename Tag, int kHeadDim, KeySource kSource, CopyLayout kLayout>
 cudaError_t launch_mma_kernel(const ForwardParams& p, const DecodeKeyLists& lists, int32_t heads_per_block,
                               int64_t max_rows, cudaStream_t stream) {
   const int64_t row_tiles = (max_rows + kBlockRows - 1) / kBlockRows;
   if (row_tiles * p.num_splits > std::numeric_limits<int32_t>::max()) return cudaErrorInvalidValue;
   const dim3 grid(uint32_t(row_tiles * p.num_splits), uint32_t(p.num_q_heads / heads_per_block), uint32_t(p.batch));
-  decode_mma_kernel<Tag, kHeadDim, kSource><<<grid, kWarpsPerBlock<kHeadDim> * kLanes, 0, stream>>>(
+  decode_mma_kernel<Tag, kHeadDim, kSource, kLayout><<<grid, kWarpsPerBlock<kHeadDim> * kLanes, 0, stream>>>(
       p, lists, heads_per_block);
   return cudaGetLastError();
 }
 
-template <KeySource kSource>
+template <KeySource kSource, CopyLayout kLayout = CopyLayout::kRowSpans>
 cudaError_t launch_mma(const ForwardParams& p, const DecodeKeyLists& lists, int32_t heads_per_block,
                        int64_t max_rows, cudaStream_t stream) {
   const bool bf16 = p.element_type == ElementType::kBF16;
   switch (p.head_dim) {
     case 64:
-      return bf16 ? launch_mma_kernel<BFloat16Tag, 64, kSource>(p, lists, heads_per_block, max_rows, stream)
-                  : launch_mma_kernel<HalfTag, 64, kSource>(p, lists, heads_per_block, max_rows, stream);
+      return bf16 ? launch_mma_kernel<BFloat16Tag, 64, kSource, kLayout>(p, lists, heads_per_block, max_rows, stream)
+                  : launch_mma_kernel<HalfTag, 64, kSource, kLayout>(p, lists, heads_per_block, max_rows, stream);
     case 128:
-      return bf16 ? launch_mma_kernel<BFloat16Tag, 128, kSource>(p, lists, heads_per_block, max_rows, stream)
-                  : launch_mma_kernel<HalfTag, 128, kSource>(p, lists, heads_per_block, max_rows, stream);
+      return bf16 ? launch_mma_kernel<BFloat16Tag, 128, kSource, kLayout>(p, lists, heads_per_block, max_rows, stream)
+                  : launch_mma_kernel<HalfTag, 128, kSource, kLayout>(p, lists, heads_per_block, max_rows, stream);
     default:
-      return bf16 ? launch_mma_kernel<BFloat16Tag, 256, kSource>(p, lists, heads_per_block, max_rows, stream)
-                  : launch_mma_kernel<HalfTag, 256, kSource>(p, lists, heads_per_block, max_rows, stream);
+      return bf16 ? launch_mma_kernel<BFloat16Tag, 256, kSource, kLayout>(p, lists, heads_per_block, max_rows, stream)
+                  : launch_mma_kernel<HalfTag, 256, kSource, kLayout>(p, lists, heads_per_block, max_rows, stream);
   }
+}
+
+// Does each warp of a composed-list walk (TOKEN_SELECT) get at most kRowPairsMaxWarpTiles tiles (CopyLayout)?
+bool composed_walk_is_short(const ForwardParams& p, const DecodeKeyLists& lists) {
+  const int64_t listed = int64_t(lists.n_init) + lists.top_k + lists.n_local;
+  const int64_t share = (listed + p.num_splits - 1) / p.num_splits;
+  const int64_t warps = p.head_dim <= 128 ? kWarpsPerBlock<128> : kWarpsPerBlock<256>;
+  return ((share + kTileKeys - 1) / kTileKeys + warps - 1) / warps <= kRowPairsMaxWarpTiles;
 }
 
 #endif  // SPARSA_GPU_HAS_MMA_SYNC
@@ -880,8 +964,12 @@ cudaError_t forward_decode_lists_launch(const ForwardParams& p, const DecodeKeyL
     // The heads of a block share both their list and their kv head.
     const int32_t heads_per_block = std::gcd(p.group_size, lists.heads_per_list);
     const int64_t max_rows = int64_t(max_seq_q) * heads_per_block;
-    return then_combine(lists.key_lists != nullptr
-                            ? launch_mma<KeySource::kList>(p, lists, heads_per_block, max_rows, stream)
+    if (lists.key_lists != nullptr) {
+      return then_combine(launch_mma<KeySource::kList>(p, lists, heads_per_block, max_rows, stream), p, stream);
+    }
+    return then_combine(composed_walk_is_short(p, lists)
+                            ? launch_mma<KeySource::kComposed, CopyLayout::kRowPairs>(p, lists, heads_per_block,
+                                                                                     max_rows, stream)
                             : launch_mma<KeySource::kComposed>(p, lists, heads_per_block, max_rows, stream),
                         p, stream);
   }
