@@ -476,16 +476,6 @@ __device__ __forceinline__ int32_t key_page(const ForwardParams& p, const Sequen
   return p.page_table[s.b * p.page_table_stride_b + (t / p.page_size) * p.page_table_stride_p];
 }
 
-// Offset of K (or V, by strides) row t of the sequence's kv head, `page` = key_page(t): key_row_offset without the
-// lookup.
-__device__ __forceinline__ int64_t kv_row_offset(const ForwardParams& p, const TensorStrides& st,
-                                                 const SequenceView& s, int32_t t, int32_t page) {
-  if (p.page_table != nullptr) {
-    return int64_t(page) * st.b + int64_t(t % p.page_size) * st.s + int64_t(s.kv_head) * st.h;
-  }
-  return s.b * st.b + (int64_t(s.k_row_base) + t) * st.s + int64_t(s.kv_head) * st.h;
-}
-
 template <typename Tag, int kHeadDim, KeySource kSource, CopyLayout kLayout>
 __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     decode_mma_kernel(const ForwardParams p, const DecodeKeyLists lists, int32_t heads_per_block) {
