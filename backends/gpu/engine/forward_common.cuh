@@ -14,6 +14,16 @@ SPARSA_GPU_NAMESPACE_BEGIN
 constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts base-2 LSE back to natural log
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): base-2 exponentials instead of exp
 
+// Every lane of a warp (kWarpLanes of them) gets the maximum / the sum of the warp's values.
+__device__ __forceinline__ float warp_max(float value) {
+  for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) value = fmaxf(value, warp_shfl_xor(value, offset));
+  return value;
+}
+__device__ __forceinline__ float warp_sum(float value) {
+  for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) value += warp_shfl_xor(value, offset);
+  return value;
+}
+
 // Everything about one (sequence b, query head h) that the walk needs, computed once per thread block.
 // With a query-row map (forward_params.h) the walk runs over `rows` launch rows a = 0, 1, ...; row a sits at
 // row_position(a) in the key domain [0, seq_k) (causal horizon row_position(a) + causal_offset). kTokenLists makes

@@ -121,6 +121,10 @@ struct ForwardParams {
   int32_t flat_rows = 0;
   float* partial_out = nullptr;
   float* partial_lse = nullptr;
+
+  // sm_90+: the decode kernel, the split combine and TOKEN_SELECT's score kernels are enqueued as programmatic
+  // dependent launches (gpu_runtime.h: launch_overlapping), so that each starts while the kernel before it ends.
+  bool overlap_launches = false;
 };
 
 SPARSA_GPU_NAMESPACE_END

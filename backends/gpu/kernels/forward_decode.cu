@@ -34,8 +34,19 @@
 // then the warps' states are merged in shared memory. Only kWarpLanes-generic warp operations are used, so this
 // kernel is the same on 32-lane warps and 64-lane wavefronts.
 //
-// Both write either out/lse (one split) or a normalised fp32 partial state per split that
-// combine_decode_splits_kernel merges (§0).
+// Both write either out/lse (one split) or a normalised fp32 partial state per split that the combine kernel
+// merges (split_combine.h, §0).
+//
+// On sm_90+ the tensor-core kernel and the combine are programmatic dependent launches (gpu_runtime.h): the
+// kernel's blocks are scheduled while the kernel before it ends and wait for it first thing; the combine's blocks
+// may start once this kernel's blocks are past their walk. Measured on an H200 (2026-11-29, against the plain
+// launches of 0835d6e): dense GQA decode 0.0534 -> 0.0516 ms at 32K keys and TOKEN_INDICES 0.0427 -> 0.0403 ms
+// (128K, lists per kv head) in bench_gpu.py; TOKEN_SELECT's cache hit 0.0303 -> 0.0292 ms per graph replay at 1M
+// keys in bench_select.py --timeline (both builds in one call).
+//
+// (Measured and dropped: the last block of a row tile to finish merging the tile's splits itself, instead of a
+// combine launch: one block then reads every split's partial state, 66 of them for 4 rows, and the hit's attention
+// took 18.0 µs where attention and combine had taken 8.3 + 4.7.)
 #include "forward_decode.h"
 
 #include "../engine/forward_common.cuh"
@@ -57,15 +68,6 @@ namespace {
 // ================================ CUDA-core kernel (any element type, any warp width) ================================
 
 constexpr int kSimtThreads = 128;
-
-__device__ __forceinline__ float warp_max(float value) {
-  for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) value = fmaxf(value, warp_shfl_xor(value, offset));
-  return value;
-}
-__device__ __forceinline__ float warp_sum(float value) {
-  for (int offset = kWarpLanes / 2; offset > 0; offset /= 2) value += warp_shfl_xor(value, offset);
-  return value;
-}
 
 __global__ void __launch_bounds__(kSimtThreads) forward_decode_simt_kernel(const ForwardParams p,
                                                                                  int32_t rows_per_block) {
@@ -264,127 +266,6 @@ __global__ void __launch_bounds__(kSimtThreads) forward_decode_simt_kernel(const
   }
 }
 
-// ================================ Split combine (§0 merge) ================================
-
-constexpr int kCombineThreads = 256;
-constexpr int kCombineVector = 4;            // dims per fp32 vector load
-constexpr int kCombineSplitsInFlight = 16;   // splits a thread loads before it uses any: one round trip serves up
-                                             // to 16 x (threads / dim vectors) splits (128 at head_dim 128)
-
-// One block per (flat row, query head); the threads are (split slice, dim vector) pairs. Slice j merges splits
-// j, j + slices, ... of its dims: each round issues the lse and output loads of up to kCombineSplitsInFlight of
-// them before using any, then folds them into a running (max, sum, output) state (§0, natural log); the slices'
-// states are merged through shared memory. The whole merge is one round of loads for up to 128 splits at head_dim
-// 128. (The previous form reduced the max and the weights over the block before it loaded any output, three round
-// trips and four barriers: 5.7 µs for a 66-split decode on an H100; this one takes 4.7 µs.)
-__global__ void __launch_bounds__(kCombineThreads) combine_decode_splits_kernel(const ForwardParams p) {
-  __shared__ float slice_max[kCombineThreads], slice_sum[kCombineThreads];
-  __shared__ float slice_out[kCombineThreads * kCombineVector];
-  const int64_t flat_row = blockIdx.x;
-  const int32_t h = blockIdx.y;
-  int32_t b = 0;
-  int64_t i = flat_row;
-  if (p.cu_seqlens_q != nullptr) {
-    while (b + 1 < p.batch && p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride] <= flat_row) ++b;
-    i = flat_row - p.cu_seqlens_q[b * p.cu_seqlens_q_stride];
-    if (i >= p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride] - p.cu_seqlens_q[b * p.cu_seqlens_q_stride]) return;
-  } else {
-    b = int32_t(flat_row / p.padded_seq_q);
-    i = flat_row % p.padded_seq_q;
-  }
-  const SequenceView seq = make_sequence_view(p, b, h);
-  const int64_t split_stride = int64_t(p.flat_rows) * p.num_q_heads;
-  const int64_t state0 = flat_row * p.num_q_heads + h;
-
-  const int vector = p.head_dim % kCombineVector == 0 ? kCombineVector : 1;
-  const int dim_threads = p.head_dim / vector;  // <= kCombineThreads (head_dim <= 256)
-  const int slices = int(blockDim.x) / dim_threads;
-  const int slice = int(threadIdx.x) / dim_threads;
-  const int d0 = (int(threadIdx.x) % dim_threads) * vector;
-  float run_max = -INFINITY, run_sum = 0.f;
-  float acc[kCombineVector] = {0.f, 0.f, 0.f, 0.f};
-  if (slice < slices) {
-    for (int32_t s0 = slice; s0 < p.num_splits; s0 += slices * kCombineSplitsInFlight) {
-      float lse[kCombineSplitsInFlight];
-      float x[kCombineSplitsInFlight][kCombineVector];
-#pragma unroll
-      for (int u = 0; u < kCombineSplitsInFlight; ++u) {
-        const int32_t s = s0 + u * slices;
-        const bool present = s < p.num_splits;
-        lse[u] = present ? p.partial_lse[state0 + s * split_stride] : -INFINITY;
-        const float* src = p.partial_out + (state0 + (present ? s : 0) * split_stride) * p.head_dim + d0;
-        if (vector == kCombineVector) {
-          const float4 v = present ? *reinterpret_cast<const float4*>(src) : make_float4(0.f, 0.f, 0.f, 0.f);
-          x[u][0] = v.x;
-          x[u][1] = v.y;
-          x[u][2] = v.z;
-          x[u][3] = v.w;
-        } else {
-          x[u][0] = present ? src[0] : 0.f;
-          x[u][1] = x[u][2] = x[u][3] = 0.f;
-        }
-      }
-      float round_max = -INFINITY;
-#pragma unroll
-      for (int u = 0; u < kCombineSplitsInFlight; ++u) round_max = fmaxf(round_max, lse[u]);
-      const float new_max = fmaxf(run_max, round_max);
-      const float reference = new_max == -INFINITY ? 0.f : new_max;  // nothing seen yet: every weight is 0
-      const float rescale = expf(run_max - reference);
-      run_sum *= rescale;
-#pragma unroll
-      for (int e = 0; e < kCombineVector; ++e) acc[e] *= rescale;
-      const int32_t present = (p.num_splits - s0 + slices - 1) / slices;  // splits of this round (more: all)
-#pragma unroll
-      for (int u = 0; u < kCombineSplitsInFlight; ++u) {
-        if (u >= present) break;  // absent splits weigh 0: no exponentials for them
-        const float weight = expf(lse[u] - reference);  // 0 for an empty split, whose output is not read
-        run_sum += weight;
-#pragma unroll
-        for (int e = 0; e < kCombineVector; ++e) acc[e] = weight > 0.f ? fmaf(weight, x[u][e], acc[e]) : acc[e];
-      }
-      run_max = new_max;
-    }
-    if (threadIdx.x % dim_threads == 0) {
-      slice_max[slice] = run_max;
-      slice_sum[slice] = run_sum;
-    }
-#pragma unroll
-    for (int e = 0; e < kCombineVector; ++e) {
-      if (e < vector) slice_out[slice * p.head_dim + d0 + e] = acc[e];
-    }
-  }
-  __syncthreads();
-  // One warp turns the slices' (max, sum) pairs into each slice's weight in the result, 1 / total folded in, and
-  // the LSE, so that the output loop below does no exponential and no division.
-  __shared__ float slice_weight[kCombineThreads];
-  if (int(threadIdx.x) < kWarpLanes) {
-    float max_lse = -INFINITY;
-    for (int j = threadIdx.x; j < slices; j += kWarpLanes) max_lse = fmaxf(max_lse, slice_max[j]);
-    max_lse = warp_max(max_lse);
-    const bool empty = max_lse == -INFINITY;
-    float total = 0.f;
-    for (int j = threadIdx.x; j < slices; j += kWarpLanes) {
-      slice_weight[j] = empty ? 0.f : expf(slice_max[j] - max_lse);  // 0 for a slice that saw nothing
-      total += slice_weight[j] * slice_sum[j];
-    }
-    total = warp_sum(total);
-    for (int j = threadIdx.x; j < slices; j += kWarpLanes) slice_weight[j] = empty ? 0.f : slice_weight[j] / total;
-    if (p.lse != nullptr && threadIdx.x == 0) {
-      p.lse[seq.b * p.lse_strides.b + int64_t(h) * p.lse_strides.h + (seq.q_row_base + i) * p.lse_strides.s] =
-          empty ? -INFINITY : max_lse + logf(total);
-    }
-  }
-  __syncthreads();
-  for (int32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-    float value = 0.f;
-    for (int j = 0; j < slices; ++j) {
-      const float weight = slice_weight[j];
-      value = weight > 0.f ? fmaf(weight, slice_out[j * p.head_dim + d], value) : value;
-    }
-    store_value(p.out, query_row_offset(p.out_strides, seq, i) + d, p.element_type, value);
-  }
-}
-
 // ================================ Tensor-core kernel (NVIDIA sm_80+, f16/bf16) ================================
 
 #if SPARSA_GPU_HAS_MMA_SYNC
@@ -490,6 +371,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
   // Per warp: kStages stages of [K tile, V tile]; reused at the end for the warps' merge (fits: see the asserts).
   __shared__ __align__(16) uint16_t ring[kWarps][kStages][2][kTileElems];
   __shared__ int32_t ring_keys[kWarps][kStages][kTileKeys];  // key id of each position (-1: past the share)
+  wait_for_previous_kernel();  // its outputs may be this kernel's inputs (q, k, v, the lists)
 
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int32_t split = blockIdx.x % p.num_splits;
@@ -764,6 +646,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock<kHeadDim> * kLanes)
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_async_wait<0>();  // no copy may stay in flight past the kernel
+  allow_next_kernel_start();  // the combine kernel's blocks may take SM slots this grid's started blocks free
 
   // Merge the warps' states through shared memory (the rings are free now): m = max_w m_w,
   // O = Σ_w 2^(m_w - m) O_w / Σ_w 2^(m_w - m) l_w; LSE = (m + log2 l)·ln 2 (-inf for a row that saw nothing).
@@ -876,9 +759,8 @@ cudaError_t launch_mma_kernel(const ForwardParams& p, const DecodeKeyLists& list
   const int64_t row_tiles = (max_rows + kBlockRows - 1) / kBlockRows;
   if (row_tiles * p.num_splits > std::numeric_limits<int32_t>::max()) return cudaErrorInvalidValue;
   const dim3 grid(uint32_t(row_tiles * p.num_splits), uint32_t(p.num_q_heads / heads_per_block), uint32_t(p.batch));
-  decode_mma_kernel<Tag, kHeadDim, kSource, kLayout><<<grid, kWarpsPerBlock<kHeadDim> * kLanes, 0, stream>>>(
-      p, lists, heads_per_block);
-  return cudaGetLastError();
+  return launch_overlapping(p.overlap_launches, decode_mma_kernel<Tag, kHeadDim, kSource, kLayout>, grid,
+                            dim3(kWarpsPerBlock<kHeadDim> * kLanes), stream, p, lists, heads_per_block);
 }
 
 template <KeySource kSource, CopyLayout kLayout = CopyLayout::kRowSpans>
@@ -971,9 +853,5 @@ cudaError_t forward_decode_lists_launch(const ForwardParams& p, const DecodeKeyL
   return cudaErrorInvalidValue;
 }
 
-cudaError_t combine_splits_launch(const ForwardParams& p, cudaStream_t stream) {
-  combine_decode_splits_kernel<<<dim3(p.flat_rows, p.num_q_heads), kCombineThreads, 0, stream>>>(p);
-  return cudaGetLastError();
-}
 
 SPARSA_GPU_NAMESPACE_END

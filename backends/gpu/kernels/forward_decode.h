@@ -8,6 +8,7 @@
 #pragma once
 
 #include "../engine/forward_params.h"
+#include "../engine/split_combine.h"
 #include "../runtime/gpu_runtime.h"
 
 SPARSA_GPU_NAMESPACE_BEGIN
@@ -49,9 +50,5 @@ bool forward_decode_lists_supports(const ForwardParams& p);
 // Enqueues the list walk over p.num_splits shares of each list (and the combine kernel with p.num_splits > 1).
 cudaError_t forward_decode_lists_launch(const ForwardParams& p, const DecodeKeyLists& lists, int32_t max_seq_q,
                                         cudaStream_t stream);
-
-// Enqueues only the combine kernel: merges p.num_splits partial states (layout in forward_params.h) into out/lse.
-// Shared by every split-KV kernel (token_indices.cu and forward_mma.cu too).
-cudaError_t combine_splits_launch(const ForwardParams& p, cudaStream_t stream);
 
 SPARSA_GPU_NAMESPACE_END

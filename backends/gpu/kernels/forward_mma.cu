@@ -18,8 +18,8 @@
 
 #include "../engine/forward_common.cuh"
 #include "../engine/online_softmax.cuh"
+#include "../engine/split_combine.h"
 #include "../runtime/gpu_runtime.h"
-#include "forward_decode.h"
 
 #if SPARSA_GPU_HAS_MMA_SYNC
 #include "mma_primitives.cuh"
@@ -464,7 +464,7 @@ cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t 
       <<<grid, kThreads, Tiling::template kSharedBytes<kHeadDim>, stream>>>(p);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
-  return combine_splits_launch(p, stream);  // the merge every split-KV kernel shares (forward_decode.cu)
+  return combine_splits_launch(p, stream);  // the merge split-KV kernels share (split_combine.h)
 }
 
 template <typename Tag, int kHeadDim>

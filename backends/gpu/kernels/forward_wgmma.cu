@@ -52,8 +52,8 @@
 
 #include "../engine/forward_common.cuh"
 #include "../engine/online_softmax.cuh"
+#include "../engine/split_combine.h"
 #include "../runtime/gpu_runtime.h"
-#include "forward_decode.h"
 
 #if !SPARSA_GPU_IS_HIP
 #include <cuda.h>  // CUtensorMap and its enums (the encoder itself is reached through the runtime)
@@ -923,7 +923,7 @@ cudaError_t launch(const ForwardParams& params, int32_t max_seq_q, cudaStream_t 
       <<<grid, kThreads, SharedPlan<kHeadDim, kStages>::kBytes, stream>>>(p, maps);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess || p.num_splits == 1) return status;
-  return combine_splits_launch(p, stream);  // the merge every split-KV kernel shares (forward_decode.cu)
+  return combine_splits_launch(p, stream);  // the merge split-KV kernels share (split_combine.h)
 }
 
 }  // namespace

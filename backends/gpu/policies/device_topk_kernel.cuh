@@ -346,6 +346,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     topk_kernel(const TopkArgs a, const Prologue prologue, SegmentState* states, uint32_t* histograms,
                 unsigned int* still_active, int32_t* block_counts, int32_t blocks_per_segment) {
   __shared__ PhaseShared sh;
+  allow_next_kernel_start();  // every block is resident already (cooperative): the next kernel's may take the rest
   // A selection-cache hit skips every segment: every block sees the same flags, so all leave before any barrier.
   if (a.skip != nullptr) {
     bool any_left = false;

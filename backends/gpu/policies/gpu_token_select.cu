@@ -113,6 +113,7 @@ __device__ __forceinline__ double mean_query_element(const SelectParams& sp, con
 __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const SelectParams sp) {
   __shared__ double scratch[kLookupSums * kPrepareThreads / kWarpLanes], sums[kLookupSums];
   __shared__ int32_t is_last;
+  allow_next_kernel_start();  // a few blocks: the score kernel's may take the free SM slots and wait for them
   const int32_t h = blockIdx.x, b = blockIdx.y;
   const SequenceView s = make_sequence_view(sp.p, b, h);
   const int64_t always_kept = int64_t(sp.n_init) + sp.n_local;

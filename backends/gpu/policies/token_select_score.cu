@@ -578,6 +578,7 @@ __device__ __forceinline__ int reduce_heads(float (&v)[kHeads], int lane_in_key)
 template <ElementType kType, int kLanesPerKey, int kHeads>
 __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) score_f32_kernel(const SelectParams sp) {
   static_assert(kHeads <= kLanesPerKey, "every head ends in at least one lane of a key");
+  wait_for_previous_kernel();  // prepare_kernel's q̄ and lookup (gpu_token_select.cu)
   constexpr int kKeysPerWarp = kWarpLanes / kLanesPerKey;
   constexpr int kUnroll = kF32Unroll<kHeads>;
   constexpr int kKeysPerStep = kF32ScoreWarps * kKeysPerWarp * kUnroll;
@@ -684,11 +685,14 @@ __global__ void __launch_bounds__(kF32ScoreThreads, f32_blocks_per_sm(kHeads)) s
 template <ElementType kType, int kLanesPerKey>
 void launch_score_f32_lanes(const SelectParams& sp, dim3 grid, int32_t head_chunk, cudaStream_t stream) {
   if (head_chunk < kF32MaxHeads) {
-    score_f32_kernel<kType, kLanesPerKey, 4><<<grid, kF32ScoreThreads, 0, stream>>>(sp);
+    check(launch_overlapping(sp.p.overlap_launches, score_f32_kernel<kType, kLanesPerKey, 4>, grid,
+                             dim3(kF32ScoreThreads), stream, sp),
+          "token_select score_f32_kernel launch");
   } else {
-    score_f32_kernel<kType, kLanesPerKey, kF32MaxHeads><<<grid, kF32ScoreThreads, 0, stream>>>(sp);
+    check(launch_overlapping(sp.p.overlap_launches, score_f32_kernel<kType, kLanesPerKey, kF32MaxHeads>, grid,
+                             dim3(kF32ScoreThreads), stream, sp),
+          "token_select score_f32_kernel launch");
   }
-  check(cudaGetLastError(), "token_select score_f32_kernel launch");
 }
 
 template <ElementType kType>

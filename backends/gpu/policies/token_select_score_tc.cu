@@ -115,6 +115,7 @@ __global__ void __launch_bounds__(kTcThreads, kTcBlocksPerSm) score_tc_kernel(co
   __shared__ float holder_max[kHeads][kTcHolders];
   __shared__ double holder_sum[kHeads][kTcHolders];
   __shared__ float head_factor[kHeads];
+  wait_for_previous_kernel();  // prepare_kernel's q̄ and lookup (gpu_token_select.cu)
   constexpr int kTcFragments = kPairs * 2 * (kHmMmas + 1);  // (pair, half, MMA) entries of B
   __shared__ uint2 b_fragments[kTcFragments * kWarpLanes];
 
@@ -277,9 +278,13 @@ template <ElementType kType, int kHeads>
 void launch_tc_heads(const SelectParams& sp, dim3 grid, cudaStream_t stream) {
   constexpr int kShortPairs = 2, kLongPairs = kTcMaxHeadDim / kTcPairDims;
   if (sp.p.head_dim <= kShortPairs * kTcPairDims) {
-    score_tc_kernel<kType, kHeads, kShortPairs><<<grid, kTcThreads, 0, stream>>>(sp);
+    check(launch_overlapping(sp.p.overlap_launches, score_tc_kernel<kType, kHeads, kShortPairs>, grid,
+                             dim3(kTcThreads), stream, sp),
+          "token_select score_tc_kernel launch");
   } else {
-    score_tc_kernel<kType, kHeads, kLongPairs><<<grid, kTcThreads, 0, stream>>>(sp);
+    check(launch_overlapping(sp.p.overlap_launches, score_tc_kernel<kType, kHeads, kLongPairs>, grid,
+                             dim3(kTcThreads), stream, sp),
+          "token_select score_tc_kernel launch");
   }
 }
 
@@ -322,7 +327,6 @@ void launch_score_tc(const SelectParams& sp, dim3 grid, int32_t head_chunk, cuda
   } else {
     launch_tc_type<ElementType::kBF16>(sp, grid, head_chunk, stream);
   }
-  check(cudaGetLastError(), "token_select score_tc_kernel launch");
 #else
   (void)sp;
   (void)grid;

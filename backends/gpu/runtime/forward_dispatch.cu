@@ -25,6 +25,7 @@ constexpr int64_t kRowAlignmentElems = 8;  // 16-byte cp.async chunks of 2-byte 
 constexpr uintptr_t kRowAlignmentBytes = 16;
 constexpr int32_t kMinTilesPerSplit = 8;   // a split-KV share below this costs more in merging than it saves
 constexpr int32_t kMaxSplits = 64;
+constexpr int32_t kOverlapLaunchMajor = 9;  // programmatic dependent launch: sm_90 and newer
 constexpr int32_t kBlocksPerSmTarget = 2;  // split until about this many thread blocks per multiprocessor
 constexpr int32_t kWgmmaBlocksPerSmTarget = 1;  // the wgmma kernel runs one block per multiprocessor
 constexpr uint64_t kMaxSplitScratchBytes = uint64_t(256) << 20;
@@ -46,6 +47,7 @@ ForwardLaunch split_launch(ForwardKernel kernel, const GpuDevice& device, int64_
   ForwardLaunch launch;
   launch.kernel = kernel;
   launch.max_seq_q = int32_t(max_seq_q);
+  launch.overlap_launches = device.compute_major >= kOverlapLaunchMajor;
   const int64_t target = blocks_per_sm * device.multiprocessors;
   if (blocks == 0 || blocks >= target || key_tiles < 2 * min_tiles_per_split) return launch;
   const int64_t wanted = (target + blocks - 1) / blocks;
@@ -272,6 +274,7 @@ ForwardLaunch plan_index_attention(const GpuDevice& device, const ForwardParams&
 void carve_forward(ScratchCarver& carver, const ForwardLaunch& launch, ForwardParams& p) {
   p.num_splits = launch.num_splits;
   p.flat_rows = launch.flat_rows;
+  p.overlap_launches = launch.overlap_launches;
   if (launch.num_splits <= 1) return;
   const uint64_t states = uint64_t(launch.num_splits) * launch.flat_rows * p.num_q_heads;
   p.partial_out = carver.take<float>(states * p.head_dim);

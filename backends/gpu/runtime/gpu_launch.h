@@ -89,6 +89,7 @@ struct ForwardLaunch {
   int32_t max_seq_q = 0;  // rows of the largest (b, h) of the launch: sizes the grid
   int32_t num_splits = 1;
   int32_t flat_rows = 0;
+  bool overlap_launches = false;  // forward_params.h
 };
 
 // Chooses the kernel for `p` — the fastest whose supports() accepts it; kPortable otherwise, or kNone (with

@@ -169,6 +169,51 @@ __device__ __forceinline__ void warp_sync() {
 #endif
 }
 
+// Programmatic dependent launch (NVIDIA sm_90+). A kernel enqueued by launch_overlapping may be scheduled while the
+// kernel before it in the stream is still finishing; it calls wait_for_previous_kernel() before it touches memory,
+// which returns once that kernel has completed and its writes are visible. The earlier kernel may call
+// allow_next_kernel_start() once it no longer needs its SM slots for blocks not yet started (each block calls it;
+// without it, the next kernel starts as the blocks exit). Both are no-ops on HIP, before sm_90, and for a kernel
+// launched plainly.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if !SPARSA_GPU_IS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_kernel_start() {
+#if !SPARSA_GPU_IS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Enqueues kernel<<<grid, block, 0, stream>>>(args...), as a programmatic dependent launch (above) when `overlap`
+// (the device is sm_90 or newer; forward_params.h: overlap_launches); a plain launch on HIP.
+template <typename... Params, typename... Args>
+cudaError_t launch_overlapping(bool overlap, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                               Args... args) {
+#if SPARSA_GPU_IS_HIP
+  (void)overlap;
+  kernel<<<grid, block, 0, stream>>>(args...);
+  return cudaGetLastError();
+#else
+  if (!overlap) {
+    kernel<<<grid, block, 0, stream>>>(args...);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+#endif
+}
+
 // A load of a value another thread block of the same kernel wrote before its __threadfence() and an atomic this
 // block has since observed: past the per-SM L1, which is not coherent across blocks (a volatile load on HIP, as
 // device_topk.cu reads its histograms).
