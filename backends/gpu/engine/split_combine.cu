@@ -22,6 +22,9 @@ constexpr int kCombineSplitsInFlight = 16;   // splits a thread loads before it 
 __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const ForwardParams p) {
   __shared__ float slice_max[kCombineThreads], slice_sum[kCombineThreads];
   __shared__ float slice_out[kCombineThreads * kCombineVector];
+  // Before anything, in every block (also those that leave at once): the split kernel's partial states are read
+  // below, and a block that left without waiting could let the grid end before the split kernel does.
+  wait_for_previous_kernel();
   const int64_t flat_row = blockIdx.x;
   const int32_t h = blockIdx.y;
   int32_t b = 0;
@@ -45,7 +48,6 @@ __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const F
   const int d0 = (int(threadIdx.x) % dim_threads) * vector;
   float run_max = -INFINITY, run_sum = 0.f;
   float acc[kCombineVector] = {0.f, 0.f, 0.f, 0.f};
-  wait_for_previous_kernel();  // for the split kernel's partial states (what comes above reads only inputs)
   if (slice < slices) {
     for (int32_t s0 = slice; s0 < p.num_splits; s0 += slices * kCombineSplitsInFlight) {
       float lse[kCombineSplitsInFlight];
@@ -131,8 +133,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const F
 }  // namespace
 
 cudaError_t combine_splits_launch(const ForwardParams& p, cudaStream_t stream) {
-  return launch_overlapping(p.overlap_launches, combine_splits_kernel, dim3(p.flat_rows, p.num_q_heads), dim3(kCombineThreads), stream,
-                            p);
+  return launch_overlapping(p.overlap_launches, combine_splits_kernel, dim3(p.flat_rows, p.num_q_heads),
+                            dim3(kCombineThreads), stream, p);
 }
 
 SPARSA_GPU_NAMESPACE_END
