@@ -122,8 +122,9 @@ struct ForwardParams {
   float* partial_out = nullptr;
   float* partial_lse = nullptr;
 
-  // sm_90+: the decode kernel, the split combine and TOKEN_SELECT's score kernels are enqueued as programmatic
-  // dependent launches (gpu_runtime.h: launch_overlapping), so that each starts while the kernel before it ends.
+  // The decode kernel, the split combine and TOKEN_SELECT's score kernels are enqueued as programmatic dependent
+  // launches (gpu_runtime.h: launch_overlapping), so that each starts while the kernel before it ends; set where
+  // the device runs code compiled for sm_90+ (gpu_launch.h: launch_overlap_supported).
   bool overlap_launches = false;
 };
 

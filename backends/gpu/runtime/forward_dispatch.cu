@@ -25,7 +25,6 @@ constexpr int64_t kRowAlignmentElems = 8;  // 16-byte cp.async chunks of 2-byte 
 constexpr uintptr_t kRowAlignmentBytes = 16;
 constexpr int32_t kMinTilesPerSplit = 8;   // a split-KV share below this costs more in merging than it saves
 constexpr int32_t kMaxSplits = 64;
-constexpr int32_t kOverlapLaunchMajor = 9;  // programmatic dependent launch: sm_90 and newer
 constexpr int32_t kBlocksPerSmTarget = 2;  // split until about this many thread blocks per multiprocessor
 constexpr int32_t kWgmmaBlocksPerSmTarget = 1;  // the wgmma kernel runs one block per multiprocessor
 constexpr uint64_t kMaxSplitScratchBytes = uint64_t(256) << 20;
@@ -47,7 +46,7 @@ ForwardLaunch split_launch(ForwardKernel kernel, const GpuDevice& device, int64_
   ForwardLaunch launch;
   launch.kernel = kernel;
   launch.max_seq_q = int32_t(max_seq_q);
-  launch.overlap_launches = device.compute_major >= kOverlapLaunchMajor;
+  launch.overlap_launches = device.overlap_launches;
   const int64_t target = blocks_per_sm * device.multiprocessors;
   if (blocks == 0 || blocks >= target || key_tiles < 2 * min_tiles_per_split) return launch;
   const int64_t wanted = (target + blocks - 1) / blocks;
@@ -69,7 +68,23 @@ ForwardLaunch unsplit_launch(ForwardKernel kernel, int64_t max_seq_q) {
   return launch;
 }
 
+#if !SPARSA_GPU_IS_HIP
+constexpr int kOverlapLaunchPtxVersion = 90;  // griddepcontrol (programmatic dependent launch): PTX for sm_90+
+// Compiled like every kernel of the library: the PTX version the device runs it from is theirs.
+__global__ void launch_overlap_probe_kernel() {}
+#endif
+
 }  // namespace
+
+bool launch_overlap_supported() {
+#if SPARSA_GPU_IS_HIP
+  return false;
+#else
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, launch_overlap_probe_kernel) != cudaSuccess) return false;
+  return attributes.ptxVersion >= kOverlapLaunchPtxVersion;
+#endif
+}
 
 void check(cudaError_t status, const char* call) {
   if (status == cudaSuccess) return;

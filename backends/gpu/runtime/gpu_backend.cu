@@ -187,6 +187,7 @@ class GpuBackend final : public Backend {
           "cudaDeviceGetAttribute");
     check(cudaDeviceGetAttribute(&device_.compute_minor, cudaDevAttrComputeCapabilityMinor, device),
           "cudaDeviceGetAttribute");
+    device_.overlap_launches = launch_overlap_supported();
     // Kernel attributes are set here, not in run(), so that a run contains nothing but launches (graph capture).
     check(forward_mma_prepare(), "cudaFuncSetAttribute (tensor-core forward)");
     check(forward_wgmma_prepare(), "cudaFuncSetAttribute (wgmma forward)");

@@ -26,7 +26,13 @@ struct GpuDevice {
   size_t max_shared_optin = 0;      // opt-in dynamic shared memory per block, bytes
   size_t index_set_max_shared = 0;  // dynamic shared memory the TOKEN_INDICES key-set kernel may use
   int32_t compute_major = 0, compute_minor = 0;
+  bool overlap_launches = false;  // launch_overlap_supported()
 };
+
+// True when the kernels this device runs were compiled for sm_90 or newer, so that they wait for the kernel before
+// them (gpu_runtime.h: wait_for_previous_kernel) and may be launched overlapping it. Not on a GPU newer than the
+// build's architectures (it runs the compute_80 PTX, which has no wait), nor on HIP or before sm_90.
+bool launch_overlap_supported();
 
 // Hands out aligned sub-ranges of the backend's one scratch buffer. A measuring carver (plan()) only adds up sizes
 // and every pointer it returns is null; policies check sizing() before launching anything. (A real carver may have

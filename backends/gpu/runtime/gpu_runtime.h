@@ -187,7 +187,8 @@ __device__ __forceinline__ void allow_next_kernel_start() {
 }
 
 // Enqueues kernel<<<grid, block, 0, stream>>>(args...), as a programmatic dependent launch (above) when `overlap`
-// (the device is sm_90 or newer; forward_params.h: overlap_launches); a plain launch on HIP.
+// (the code the device runs was compiled for sm_90 or newer: gpu_launch.h, launch_overlap_supported); a plain
+// launch on HIP.
 template <typename... Params, typename... Args>
 cudaError_t launch_overlapping(bool overlap, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
                                Args... args) {
