@@ -37,9 +37,10 @@
 // Both write either out/lse (one split) or a normalised fp32 partial state per split that the combine kernel
 // merges (split_combine.h, §0).
 //
-// On sm_90+ the tensor-core kernel and the combine are programmatic dependent launches (gpu_runtime.h): the
-// kernel's blocks are scheduled while the kernel before it ends and wait for it first thing; the combine's blocks
-// may start once this kernel's blocks are past their walk. Measured on an H200 (2026-11-29, against the plain
+// Where the device runs code compiled for sm_90+ (gpu_launch.h: launch_overlap_supported), the tensor-core kernel
+// and the combine are programmatic dependent launches (gpu_runtime.h): the kernel's blocks are scheduled while the
+// kernel before it ends and wait for it first thing; the combine's blocks may start once this kernel's blocks are
+// past their walk. Measured on an H200 (2026-11-29, against the plain
 // launches of 0835d6e): dense GQA decode 0.0534 -> 0.0516 ms at 32K keys and TOKEN_INDICES 0.0427 -> 0.0403 ms
 // (128K, lists per kv head) in bench_gpu.py; TOKEN_SELECT's cache hit 0.0303 -> 0.0292 ms per graph replay at 1M
 // keys in bench_select.py --timeline (both builds in one call).
@@ -50,6 +51,7 @@
 #include "forward_decode.h"
 
 #include "../engine/forward_common.cuh"
+#include "../engine/split_combine.h"
 
 #if SPARSA_GPU_HAS_MMA_SYNC
 #include "mma_primitives.cuh"

@@ -8,7 +8,6 @@
 #pragma once
 
 #include "../engine/forward_params.h"
-#include "../engine/split_combine.h"
 #include "../runtime/gpu_runtime.h"
 
 SPARSA_GPU_NAMESPACE_BEGIN

@@ -19,6 +19,7 @@
 
 #include "../engine/forward_common.cuh"
 #include "../engine/online_softmax.cuh"
+#include "../engine/split_combine.h"
 #include "forward_decode.h"
 
 #include <cmath>
