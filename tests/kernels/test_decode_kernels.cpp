@@ -1,10 +1,16 @@
-// The dense decode kernels' P·V step (backends/cpu/decode_kernels.h, `accumulate`), every version this CPU and build
-// have, against the plain loop bit for bit: for each key in order and each head with a nonzero probability,
-// o[h][c] = fma(p, V[c], o[h][c]) (a zero probability adds nothing, so an Inf in that V row cannot reach the row).
-// The tiles mix keys whose heads all have a probability (the AVX2 kernel's two-keys-at-a-time path) with keys where
-// some or all are zero, odd key counts, groups that do not fill its head blocks, and fp16 and bf16 rows.
+// The dense decode kernels (backends/cpu/decode_kernels.h), every version this CPU and build have:
+// - `accumulate` (the P·V step) against the plain loop bit for bit: for each key in order and each head with a
+//   nonzero probability, o[h][c] = fma(p, V[c], o[h][c]) (a zero probability adds nothing, so an Inf in that V row
+//   cannot reach the row). The tiles mix keys whose heads all have a probability (the AVX2 kernel's
+//   two-keys-at-a-time path) with keys where some or all are zero, odd key counts, groups that do not fill its head
+//   blocks, and fp16 and bf16 rows.
+// - `scores` against the float64 dot product, within the bound of any fp32 summation order,
+//   d·2⁻²⁴·Σ|q_c·K_c|: a score written to another head's column or left out is far outside it. Groups that fill
+//   the AVX-512 kernel's 16-head reductions, groups that leave its last block part-full, and groups it takes one
+//   head at a time; the columns past the heads must stay untouched.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -102,6 +108,61 @@ TEST(DecodeAccumulate, EveryVersionMatchesTheKeyByKeyFmaLoopBitForBit) {
         for (size_t e = 0; e < o.size(); ++e)
           ASSERT_EQ(std::memcmp(&o[e], &want[e], sizeof(float)), 0)
               << "head " << e / s.d << " col " << e % s.d << ": " << o[e] << " vs " << want[e];
+        ++tested;
+      }
+  if (tested == 0) GTEST_SKIP() << "no decode kernel version on this CPU or build";
+}
+
+TEST(DecodeScores, EveryVersionMatchesTheFloat64DotWithinTheFp32Bound) {
+  struct Shape {
+    int d, n_kv, group, nk;
+  };
+  const Shape shapes[] = {{128, 8, 4, 19}, {128, 2, 4, 5},  {64, 3, 1, 9},  {256, 1, 8, 16}, {128, 2, 5, 7},
+                          {64, 1, 16, 7},  {128, 3, 2, 3},  {256, 2, 6, 4}, {64, 5, 8, 2},   {128, 17, 1, 3}};
+  constexpr float kUntouched = -12345.f;
+  int tested = 0;
+  for (const Shape& s : shapes)
+    for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
+      for (const DecodeKernels* kernels : kernels_present(s.d)) {
+        SCOPED_TRACE(::testing::Message() << kernels->name << " d=" << s.d << " n_kv=" << s.n_kv << " group="
+                                          << s.group << " nk=" << s.nk << " dtype=" << dtype);
+        std::mt19937 rng(uint32_t(s.d * 1000 + s.n_kv * 100 + s.group * 10 + s.nk + dtype + 7));
+        std::normal_distribution<float> normal;
+        const int hq = s.n_kv * s.group;
+        const int64_t head_elems = s.d + 8;
+        std::vector<uint16_t> cache(size_t(s.nk) * s.n_kv * head_elems);
+        for (uint16_t& x : cache) x = to_half(normal(rng), dtype);
+        std::vector<const unsigned char*> rows(size_t(s.nk));
+        for (int j = 0; j < s.nk; ++j)
+          rows[size_t(j)] = reinterpret_cast<const unsigned char*>(cache.data() + size_t(j) * s.n_kv * head_elems);
+        std::vector<float> q(size_t(hq) * s.d);
+        for (float& x : q) x = normal(rng);
+        const int st_stride = hq + 5;
+        std::vector<float> st(size_t(s.nk) * st_stride, kUntouched);
+        DecodeTile tile;
+        tile.k_rows = tile.v_rows = rows.data();
+        tile.k_head_bytes = tile.v_head_bytes = head_elems * 2;
+        tile.nk = s.nk;
+        tile.n_kv_heads = s.n_kv;
+        tile.group = s.group;
+        tile.d = s.d;
+        tile.dtype = dtype;
+        kernels->scores(tile, q.data(), st.data(), st_stride);
+        for (int j = 0; j < s.nk; ++j) {
+          for (int h = 0; h < hq; ++h) {
+            const uint16_t* k = cache.data() + size_t(j) * s.n_kv * head_elems + size_t(h / s.group) * head_elems;
+            double exact = 0.0, magnitude = 0.0;
+            for (int c = 0; c < s.d; ++c) {
+              const double term = double(q[size_t(h) * s.d + c]) * double(from_half(k[c], dtype));
+              exact += term;
+              magnitude += std::fabs(term);
+            }
+            const double bound = s.d * std::ldexp(1.0, -24) * magnitude;
+            ASSERT_LE(std::fabs(double(st[size_t(j) * st_stride + h]) - exact), bound) << "key " << j << " head " << h;
+          }
+          for (int col = hq; col < st_stride; ++col)
+            ASSERT_EQ(st[size_t(j) * st_stride + col], kUntouched) << "key " << j << " column " << col;
+        }
         ++tested;
       }
   if (tested == 0) GTEST_SKIP() << "no decode kernel version on this CPU or build";
