@@ -2,9 +2,9 @@
 // kChunks zmm registers with one vcvtph2ps (fp16) or zero-extend + shift (bf16) per 16 values. Scores: two FMA
 // chains per query row, and the partial sums of 16 heads reduced by one transpose-and-add tree. P·V: a block of
 // output row slices held in registers across a run of keys. Before, each score took its own horizontal sum and each
-// key loaded, fused and stored every output row slice: fp16 decode at Skv = 32768, GQA 32/8, D = 128, 2 threads
-// (Zen 4, 2026-11-29) took 8.8–9.2 ms before and 7.35–7.7 ms after, alternating runs of one binary against both
-// builds; at Skv = 8192 1.93–2.61 against 1.74–1.75 ms.
+// key loaded, fused and stored every output row slice: fp16 decode at Skv = 32768, GQA 32/8, D = 128, one thread
+// (Zen 4, 2026-11-29, alternating runs) took 14.3–14.7 ms before and 13.1–13.7 ms after; at Skv = 8192 4.0–4.3
+// against 3.2–3.5 ms.
 // Only functions with the avx512f target attribute touch AVX-512, and avx512_decode_kernels() hands them out only on
 // a CPU that has it.
 #include "cpu_features.h"
@@ -89,8 +89,8 @@ struct Avx512 {
 
  private:
   // Keys per run: a run's V rows, every kv head, are 16 KiB at 8 kv heads and D = 128. Measured on Zen 4, 2 threads,
-  // fp16 decode at Skv = 32768, GQA 32/8 (alternating runs): 8 keys 6.5–7.0 ms, 4 keys 7.6–8.2, 16 keys 7.0–7.4,
-  // 32 keys 8.6–9.0, the whole 128-key tile 10.6–11.0.
+  // fp16 decode at Skv = 32768, GQA 32/8, alternating runs: 4 / 8 / 16 keys 7.7–8.2 / 6.7–7.0 / 7.1–7.4 ms; 32 keys
+  // 8.6–9.0, the whole 128-key tile 10.6–11.0 (docs/performance.md).
   static constexpr int kAccumulateKeys = 8;
   static constexpr int kOutputRegisters = 16;  // of the 32 zmm: the rest hold the broadcasts and a V chunk
 
