@@ -49,123 +49,128 @@ float from_half(uint16_t h, int32_t dtype) {
   return x;
 }
 
-TEST(DecodeAccumulate, EveryVersionMatchesTheKeyByKeyFmaLoopBitForBit) {
-  struct Shape {
-    int d, n_kv, group, nk;
-  };
-  const Shape shapes[] = {{128, 8, 4, 128}, {128, 2, 4, 37}, {64, 3, 1, 9},  {256, 1, 8, 16},
-                          {128, 2, 5, 21},  {64, 1, 16, 7},  {128, 1, 2, 1}, {256, 2, 6, 33}};
+struct Shape {
+  int d, n_kv, group, nk;
+};
+
+// One tile of nk keys over a cache of random 16-bit rows (K and V the same rows; kv heads d + 8 elements apart, like a
+// padded cache), for one shape, dtype and kernel version.
+struct TileCase {
+  const Shape& s;
+  int32_t dtype;
+  const DecodeKernels& kernels;
+  std::mt19937 rng;
+  int hq;
+  int64_t head_elems;
+  std::vector<uint16_t> cache;
+  std::vector<const unsigned char*> rows;
+  DecodeTile tile;
+
+  TileCase(const Shape& shape, int32_t dtype_, const DecodeKernels& kernels_, uint32_t seed)
+      : s(shape), dtype(dtype_), kernels(kernels_), rng(seed), hq(shape.n_kv * shape.group), head_elems(shape.d + 8),
+        cache(size_t(shape.nk) * shape.n_kv * size_t(head_elems)), rows(size_t(shape.nk)) {
+    std::normal_distribution<float> normal;
+    for (uint16_t& x : cache) x = to_half(normal(rng), dtype);
+    for (int j = 0; j < s.nk; ++j)
+      rows[size_t(j)] = reinterpret_cast<const unsigned char*>(cache.data() + size_t(j) * s.n_kv * head_elems);
+    tile.k_rows = tile.v_rows = rows.data();
+    tile.k_head_bytes = tile.v_head_bytes = head_elems * 2;
+    tile.nk = s.nk;
+    tile.n_kv_heads = s.n_kv;
+    tile.group = s.group;
+    tile.d = s.d;
+    tile.dtype = dtype;
+  }
+  // Key j's row for query head h (its kv head's).
+  uint16_t* row_for_head(int j, int h) {
+    return cache.data() + size_t(j) * s.n_kv * head_elems + size_t(h / s.group) * head_elems;
+  }
+};
+
+// Runs check(TileCase&) for every shape, dtype and kernel version present; skips when there is none.
+template <typename Check>
+void for_every_case(const std::vector<Shape>& shapes, uint32_t seed_offset, Check check) {
   int tested = 0;
   for (const Shape& s : shapes)
     for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
       for (const DecodeKernels* kernels : kernels_present(s.d)) {
         SCOPED_TRACE(::testing::Message() << kernels->name << " d=" << s.d << " n_kv=" << s.n_kv << " group="
                                           << s.group << " nk=" << s.nk << " dtype=" << dtype);
-        std::mt19937 rng(uint32_t(s.d * 1000 + s.n_kv * 100 + s.group * 10 + s.nk + dtype));
-        std::normal_distribution<float> normal;
-        std::uniform_real_distribution<float> unit(0.f, 1.f);
-        const int hq = s.n_kv * s.group;
-        const int64_t head_elems = s.d + 8;  // rows of kv heads apart by more than d, like a padded cache
-        std::vector<uint16_t> cache(size_t(s.nk) * s.n_kv * head_elems);
-        for (uint16_t& x : cache) x = to_half(normal(rng), dtype);
-        std::vector<const unsigned char*> rows(size_t(s.nk));
-        for (int j = 0; j < s.nk; ++j)
-          rows[size_t(j)] = reinterpret_cast<const unsigned char*>(cache.data() + size_t(j) * s.n_kv * head_elems);
-        // Probabilities: most keys nonzero for every head; some keys zero for a few heads or for all of them, and
-        // then an Inf in that key's V row, which must not reach the output.
-        const int st_stride = hq + 3;
-        std::vector<float> st(size_t(s.nk) * st_stride, 0.f);
-        for (int j = 0; j < s.nk; ++j) {
-          const float kind = unit(rng);
-          for (int h = 0; h < hq; ++h) {
-            const bool zero = kind < 0.1f || (kind < 0.3f && unit(rng) < 0.4f);
-            st[size_t(j) * st_stride + h] = zero ? 0.f : unit(rng);
-          }
-          if (kind < 0.1f)
-            cache[size_t(j) * s.n_kv * head_elems] = to_half(std::numeric_limits<float>::infinity(), dtype);
-        }
-        std::vector<float> o(size_t(hq) * s.d), want;
-        for (float& x : o) x = normal(rng);
-        want = o;
-        for (int j = 0; j < s.nk; ++j)
-          for (int h = 0; h < hq; ++h) {
-            const float p = st[size_t(j) * st_stride + h];
-            if (p == 0.f) continue;
-            const uint16_t* v = cache.data() + size_t(j) * s.n_kv * head_elems + size_t(h / s.group) * head_elems;
-            for (int c = 0; c < s.d; ++c)
-              want[size_t(h) * s.d + c] = std::fma(p, from_half(v[c], dtype), want[size_t(h) * s.d + c]);
-          }
-        DecodeTile tile;
-        tile.k_rows = rows.data();
-        tile.v_rows = rows.data();
-        tile.k_head_bytes = tile.v_head_bytes = head_elems * 2;
-        tile.nk = s.nk;
-        tile.n_kv_heads = s.n_kv;
-        tile.group = s.group;
-        tile.d = s.d;
-        tile.dtype = dtype;
-        kernels->accumulate(tile, st.data(), st_stride, o.data());
-        for (size_t e = 0; e < o.size(); ++e)
-          ASSERT_EQ(std::memcmp(&o[e], &want[e], sizeof(float)), 0)
-              << "head " << e / s.d << " col " << e % s.d << ": " << o[e] << " vs " << want[e];
+        TileCase c(s, dtype, *kernels,
+                   uint32_t(s.d * 1000 + s.n_kv * 100 + s.group * 10 + s.nk + dtype) + seed_offset);
+        check(c);
+        if (::testing::Test::HasFatalFailure()) return;
         ++tested;
       }
   if (tested == 0) GTEST_SKIP() << "no decode kernel version on this CPU or build";
 }
 
-TEST(DecodeScores, EveryVersionMatchesTheFloat64DotWithinTheFp32Bound) {
-  struct Shape {
-    int d, n_kv, group, nk;
-  };
-  const Shape shapes[] = {{128, 8, 4, 19}, {128, 2, 4, 5},  {64, 3, 1, 9},  {256, 1, 8, 16}, {128, 2, 5, 7},
-                          {64, 1, 16, 7},  {128, 3, 2, 3},  {256, 2, 6, 4}, {64, 5, 8, 2},   {128, 17, 1, 3}};
-  constexpr float kUntouched = -12345.f;
-  int tested = 0;
-  for (const Shape& s : shapes)
-    for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16})
-      for (const DecodeKernels* kernels : kernels_present(s.d)) {
-        SCOPED_TRACE(::testing::Message() << kernels->name << " d=" << s.d << " n_kv=" << s.n_kv << " group="
-                                          << s.group << " nk=" << s.nk << " dtype=" << dtype);
-        std::mt19937 rng(uint32_t(s.d * 1000 + s.n_kv * 100 + s.group * 10 + s.nk + dtype + 7));
-        std::normal_distribution<float> normal;
-        const int hq = s.n_kv * s.group;
-        const int64_t head_elems = s.d + 8;
-        std::vector<uint16_t> cache(size_t(s.nk) * s.n_kv * head_elems);
-        for (uint16_t& x : cache) x = to_half(normal(rng), dtype);
-        std::vector<const unsigned char*> rows(size_t(s.nk));
-        for (int j = 0; j < s.nk; ++j)
-          rows[size_t(j)] = reinterpret_cast<const unsigned char*>(cache.data() + size_t(j) * s.n_kv * head_elems);
-        std::vector<float> q(size_t(hq) * s.d);
-        for (float& x : q) x = normal(rng);
-        const int st_stride = hq + 5;
-        std::vector<float> st(size_t(s.nk) * st_stride, kUntouched);
-        DecodeTile tile;
-        tile.k_rows = tile.v_rows = rows.data();
-        tile.k_head_bytes = tile.v_head_bytes = head_elems * 2;
-        tile.nk = s.nk;
-        tile.n_kv_heads = s.n_kv;
-        tile.group = s.group;
-        tile.d = s.d;
-        tile.dtype = dtype;
-        kernels->scores(tile, q.data(), st.data(), st_stride);
-        for (int j = 0; j < s.nk; ++j) {
-          for (int h = 0; h < hq; ++h) {
-            const uint16_t* k = cache.data() + size_t(j) * s.n_kv * head_elems + size_t(h / s.group) * head_elems;
-            double exact = 0.0, magnitude = 0.0;
-            for (int c = 0; c < s.d; ++c) {
-              const double term = double(q[size_t(h) * s.d + c]) * double(from_half(k[c], dtype));
-              exact += term;
-              magnitude += std::fabs(term);
-            }
-            const double bound = s.d * std::ldexp(1.0, -24) * magnitude;
-            ASSERT_LE(std::fabs(double(st[size_t(j) * st_stride + h]) - exact), bound) << "key " << j << " head " << h;
-          }
-          for (int col = hq; col < st_stride; ++col)
-            ASSERT_EQ(st[size_t(j) * st_stride + col], kUntouched) << "key " << j << " column " << col;
-        }
-        ++tested;
+TEST(DecodeAccumulate, EveryVersionMatchesTheKeyByKeyFmaLoopBitForBit) {
+  const std::vector<Shape> shapes = {{128, 8, 4, 128}, {128, 2, 4, 37}, {64, 3, 1, 9},  {256, 1, 8, 16},
+                                     {128, 2, 5, 21},  {64, 1, 16, 7},  {128, 1, 2, 1}, {256, 2, 6, 33}};
+  for_every_case(shapes, 0, [](TileCase& c) {
+    const Shape& s = c.s;
+    std::normal_distribution<float> normal;
+    std::uniform_real_distribution<float> unit(0.f, 1.f);
+    // Probabilities: most keys nonzero for every head; some keys zero for a few heads or for all of them, and
+    // then an Inf in that key's V row, which must not reach the output.
+    const int st_stride = c.hq + 3;
+    std::vector<float> st(size_t(s.nk) * st_stride, 0.f);
+    for (int j = 0; j < s.nk; ++j) {
+      const float kind = unit(c.rng);
+      for (int h = 0; h < c.hq; ++h) {
+        const bool zero = kind < 0.1f || (kind < 0.3f && unit(c.rng) < 0.4f);
+        st[size_t(j) * st_stride + h] = zero ? 0.f : unit(c.rng);
       }
-  if (tested == 0) GTEST_SKIP() << "no decode kernel version on this CPU or build";
+      if (kind < 0.1f) c.row_for_head(j, 0)[0] = to_half(std::numeric_limits<float>::infinity(), c.dtype);
+    }
+    std::vector<float> o(size_t(c.hq) * s.d), want;
+    for (float& x : o) x = normal(c.rng);
+    want = o;
+    for (int j = 0; j < s.nk; ++j)
+      for (int h = 0; h < c.hq; ++h) {
+        const float p = st[size_t(j) * st_stride + h];
+        if (p == 0.f) continue;
+        const uint16_t* v = c.row_for_head(j, h);
+        for (int col = 0; col < s.d; ++col)
+          want[size_t(h) * s.d + col] = std::fma(p, from_half(v[col], c.dtype), want[size_t(h) * s.d + col]);
+      }
+    c.kernels.accumulate(c.tile, st.data(), st_stride, o.data());
+    for (size_t e = 0; e < o.size(); ++e)
+      ASSERT_EQ(std::memcmp(&o[e], &want[e], sizeof(float)), 0)
+          << "head " << e / s.d << " col " << e % s.d << ": " << o[e] << " vs " << want[e];
+  });
+}
+
+TEST(DecodeScores, EveryVersionMatchesTheFloat64DotWithinTheFp32Bound) {
+  const std::vector<Shape> shapes = {{128, 8, 4, 19}, {128, 2, 4, 5}, {64, 3, 1, 9},  {256, 1, 8, 16},
+                                     {128, 2, 5, 7},  {64, 1, 16, 7}, {128, 3, 2, 3}, {256, 2, 6, 4},
+                                     {64, 5, 8, 2},   {128, 17, 1, 3}};
+  for_every_case(shapes, 7, [](TileCase& c) {
+    constexpr float kUntouched = -12345.f;
+    const Shape& s = c.s;
+    std::normal_distribution<float> normal;
+    std::vector<float> q(size_t(c.hq) * s.d);
+    for (float& x : q) x = normal(c.rng);
+    const int st_stride = c.hq + 5;
+    std::vector<float> st(size_t(s.nk) * st_stride, kUntouched);
+    c.kernels.scores(c.tile, q.data(), st.data(), st_stride);
+    for (int j = 0; j < s.nk; ++j) {
+      for (int h = 0; h < c.hq; ++h) {
+        const uint16_t* k = c.row_for_head(j, h);
+        double exact = 0.0, magnitude = 0.0;
+        for (int col = 0; col < s.d; ++col) {
+          const double term = double(q[size_t(h) * s.d + col]) * double(from_half(k[col], c.dtype));
+          exact += term;
+          magnitude += std::fabs(term);
+        }
+        const double bound = s.d * std::ldexp(1.0, -24) * magnitude;
+        ASSERT_LE(std::fabs(double(st[size_t(j) * st_stride + h]) - exact), bound) << "key " << j << " head " << h;
+      }
+      for (int col = c.hq; col < st_stride; ++col)
+        ASSERT_EQ(st[size_t(j) * st_stride + col], kUntouched) << "key " << j << " column " << col;
+    }
+  });
 }
 
 }  // namespace
