@@ -33,11 +33,14 @@ constexpr int32_t kDecodeBlocksPerSmTarget = 4;
 constexpr int32_t kDecodeMaxSplits = 128;
 constexpr int32_t kIndexBlocksPerSmTarget = 16;  // index-driven attention: blocks of 1-4 warps, latency-bound
 // Key lists on the decode kernel (a TOKEN_SELECT set of 2,688 keys, a TOKEN_INDICES list): a split of a list walks
-// at least one 16-key tile per warp of the block. A short list's time is the latency of each warp's chain of tiles,
-// not bandwidth: 256-key splits gave a 2,688-key set 11 splits of 8 tiles a warp (18.3 µs on an H100), 32-key splits
-// 84 of one (13.0 µs; the combine then takes 5.4 µs instead of 3.5). Long lists keep their split count (the grid
-// target below decides it): 128 splits of a TOKEN_INDICES list per kv head took 0.060 ms against 0.052 ms for 66.
-constexpr int32_t kDecodeListKeysPerSplit = 32;
+// at least this many keys. A short list's time is the latency of each warp's chain of tiles plus the combine of the
+// splits, not bandwidth: 256-key splits gave a 2,688-key set 11 splits of 8 tiles a warp (18.3 µs on an H100), 32-key
+// splits 84 of one (13.0 µs; the combine then takes 5.4 µs instead of 3.5). With the grid target below capping the
+// set at 66 splits, 64 keys (42 splits) measured best for the TOKEN_SELECT hit's graph replay (H200, 2026-11-29,
+// alternating builds: 0.0286–0.0289 ms at 128K and 1M keys against 0.0294–0.0297 for 32 keys, 0.0292–0.0293 for 48,
+// 0.0291–0.0295 for 96). Long lists keep their split count (the grid target decides it): 128 splits of a
+// TOKEN_INDICES list per kv head took 0.060 ms against 0.052 ms for 66.
+constexpr int32_t kDecodeListKeysPerSplit = 64;
 
 // Splits `blocks` thread blocks' `key_tiles` tiles until about blocks_per_sm blocks per multiprocessor.
 ForwardLaunch split_launch(ForwardKernel kernel, const GpuDevice& device, int64_t blocks, int64_t key_tiles,
