@@ -81,14 +81,14 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   echo "=== compute-sanitizer racecheck (TOKEN_INDICES, stats, sink/window, small attention case-table rows) ==="
   timeout 60 compute-sanitizer --tool racecheck --error-exitcode 3 $SHARED \
     --gtest_filter='Backends/TokenIndices.*/CUDA:Backends/Common.Stats*/CUDA:*PvSkip*/CUDA:Backends/PrefillCases.*/dense_f16_d64_noncausal_CUDA:Backends/PrefillCases.*/paged_ps1*_CUDA:Backends/PrefillCases.*/block_sparse_bf16*_CUDA:Backends/PrefillCases.*/decode_split_kv*_CUDA' > "$LOGS/racecheck_shared.log" 2>&1
-  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck_shared.log" | tail -1)"
+  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck_shared.log" | tail -1); $(summary "$LOGS/racecheck_shared.log" | head -1)"
   echo "=== compute-sanitizer memcheck (GPU tests) ==="
   timeout ${MEMCHECK_S:-150} compute-sanitizer --tool memcheck --error-exitcode 3 $TESTS > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1); $(summary "$OUT/memcheck.log" | head -1)"
-  echo "=== compute-sanitizer racecheck (small cases, the varlen TOKEN_SPARSE selections) ==="
+  echo "=== compute-sanitizer racecheck (the GPU tests' graph captures: decode, TOKEN_SELECT, TOKEN_SPARSE, Δ rows) ==="
   timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 $TESTS \
-    --gtest_filter='*dense_f16_d64_noncausal*:*paged_ps1*:*block_sparse_bf16*:*decode_split_kv*:GpuTokenIndices*:*ragged_varlen_needles*:*fallback_threshold_varlen*:*tied_runs_varlen*' > "$LOGS/racecheck.log" 2>&1
-  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1)"
+    --gtest_filter='GpuDecodeGraph*:GpuTokenSelect*:GpuTokenSparseGraph*:GpuDeltaRows*' > "$LOGS/racecheck.log" 2>&1
+  echo "racecheck exit $? ; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1); $(summary "$LOGS/racecheck.log" | head -1)"
 fi
 
 if [ "$STEPS" = all ] || [ "$STEPS" = python ]; then
