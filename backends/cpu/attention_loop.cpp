@@ -272,24 +272,6 @@ class RowTile {
     return true;
   }
 
-  // Asks the caches for the K and V rows of a tile that comes later (the rows are 4 KiB-strided, which the hardware
-  // prefetchers do not follow), so its conversion does not wait on memory. Every position must be < seq_len_k.
-  void prefetch_keys(Positions keys, int nk) const {
-    if (panel_) return;  // panel rows are consecutive: the hardware prefetchers follow them
-    constexpr int64_t kCacheLine = 64;
-    const int64_t row_bytes = int64_t(d_) * element_bytes(problem_.dtype);
-    for (int j = 0; j < nk; ++j) {
-      const char* k_row = static_cast<const char*>(problem_.k.t.data) +
-                          problem_.kv_offset(problem_.k, b_, keys.at(j), hk_) * element_bytes(problem_.dtype);
-      const char* v_row = static_cast<const char*>(problem_.v.t.data) +
-                          problem_.kv_offset(problem_.v, b_, keys.at(j), hk_) * element_bytes(problem_.dtype);
-      for (int64_t byte = 0; byte < row_bytes; byte += kCacheLine) {
-        __builtin_prefetch(k_row + byte);
-        __builtin_prefetch(v_row + byte);
-      }
-    }
-  }
-
   // Normalises the rows and writes their LSE (−inf and a zero row where nothing was seen).
   void finish(float* lse_rows) {
     constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -529,10 +511,6 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
   for (int64_t n = 0; n < walk.n_key_blocks; ++n) {
     const auto [key_begin, nk] = block_keys(n);
     if (key_begin < 0 || nk <= 0) continue;
-    if (n + 1 < walk.n_key_blocks) {
-      const auto [next_begin, next_nk] = block_keys(n + 1);
-      if (next_begin >= 0 && next_nk > 0) tile.prefetch_keys(Positions{nullptr, next_begin}, next_nk);
-    }
     const bool computed = tile.process_keys(Positions{nullptr, key_begin}, nk, vis, pv_skip && !first_computed,
                                             walk.pv_skip_lambda, counters);
     if (computed) {
@@ -559,8 +537,6 @@ void attend_index_tile(const AttentionProblem& problem, int32_t b, int32_t h_fir
   }
   for (int64_t key0 = 0; key0 < key_end; key0 += kIndexTileKeys) {
     const int nk = int(std::min(kIndexTileKeys, key_end - key0));
-    const int64_t next0 = key0 + kIndexTileKeys;
-    if (next0 < key_end) tile.prefetch_keys(Positions{keys + next0, 0}, int(std::min(kIndexTileKeys, key_end - next0)));
     tile.process_keys(Positions{keys + key0, 0}, nk, vis, false, 0.f, counters);
   }
   tile.finish(lse_rows);

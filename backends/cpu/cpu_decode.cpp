@@ -6,9 +6,10 @@
 // One call keeps every query head's state (q, o, m, l) for sequence b and streams the range's keys in tiles of
 // kDecodeTileKeys: all kv heads of a key are read before the next key, so the K and V bytes of the range are read
 // front to back once (measured on this backend's default [B, S, Hkv, D] layout: one kv head at a time over the same
-// keys reads memory several times slower than front to back; the hardware prefetchers follow the front-to-back
-// stream, and software prefetching on top of it measured slower). Per tile: Sᵀ = K·qᵀ for every head, the online
-// softmax with the fp32 tile microkernels (column max, exp, rescale), then o += P·V.
+// keys reads memory several times slower than front to back; the hardware prefetchers follow the front-to-back K
+// stream, while the scores kernel fetches each key's V rows into L2 for the tile's P·V: decode_kernels.h,
+// prefetch_for_key). Per tile: Sᵀ = K·qᵀ for every head, the online softmax with the fp32 tile microkernels (column
+// max, exp, rescale), then o += P·V.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -22,6 +22,7 @@
 #include "../../src/common/policy_sizes.h"
 #include "../../src/error.h"
 #include "attention_loop.h"
+#include "cache_prefetch.h"
 #include "cpu_convert.h"
 #include "cpu_select_util.h"
 #include "cpu_utilities.h"
@@ -182,12 +183,10 @@ int64_t build_index_set(const SequencePlan& plan, const SelectParams& params, co
 
 // Candidates one vote work item covers: gives the pool parallel work even for one decode sequence.
 constexpr int64_t kCandidatesPerVoteItem = 2048;
-constexpr int64_t kCacheLineBytes = 64;
 // The scoring pass fetches K this many tiles ahead, into L2: with fetches into L1 one tile ahead (the rows of a
 // tile's kv head at once) a 32K-key fp16 decode scored at 61 ns per key and kv head, with these at 42 (Zen 4, one
 // thread); L1 fetches stall once the core's miss buffers are full.
 constexpr int64_t kPrefetchTilesAhead = 2;
-inline void prefetch_to_l2(const unsigned char* p) { __builtin_prefetch(p, 0, 2); }
 
 // Phase 3 works on s[h, t] = q̄_h·K[t, h/g] (· scale when asked) over the candidates t ∈ C, in three steps:
 //   3a per (b, kv head): the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head of the group
@@ -504,11 +503,11 @@ void score_keys_all_kv_heads(const AttentionProblem& problem, int32_t b, int64_t
     for (int32_t hk = 0; hk < n_kv_heads; ++hk) {
       if (one_span) {
         const unsigned char* share = span + hk * share_bytes;
-        for (int64_t byte = 0; byte < share_bytes; byte += kCacheLineBytes) prefetch_to_l2(share + byte);
+        for (int64_t byte = 0; byte < share_bytes; byte += kCacheLineBytes) prefetch_line_to_l2(share + byte);
       } else {
         for (int64_t j = ahead; j < ahead + ahead_keys; ++j) {
           const unsigned char* row = k_row(j, hk);
-          for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) prefetch_to_l2(row + byte);
+          for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) prefetch_line_to_l2(row + byte);
         }
       }
       for (int key = 0; key < n_tile; ++key) rows[key] = k_row(j0 + key, hk);
