@@ -24,6 +24,7 @@
 
 #include "../../src/common/softmax_state.h"
 #include "../../src/error.h"
+#include "cache_prefetch.h"
 #include "cpu_convert.h"
 #include "cpu_engine.h"
 #include "microkernels.h"
@@ -272,6 +273,26 @@ class RowTile {
     return true;
   }
 
+  // Asks L2 for the K and V rows of a tile that comes later (the rows are 4 KiB-strided, which the hardware
+  // prefetchers do not follow), so its conversion does not wait on memory. Every position must be < seq_len_k.
+  // fp32 dense decode at 32K keys, 2 threads, Zen 4: 65.3-70.8 ms without it (when it was written with
+  // __builtin_prefetch, which GCC compiled to nothing), 60.3-69.6 with the rows fetched into L1, 42.9-48.1 into L2.
+  // A block is up to 128 keys, 2,048 lines of fp32 K and V rows at D = 128: more than L1 holds.
+  void prefetch_keys(Positions keys, int nk) const {
+    if (panel_) return;  // panel rows are consecutive: the hardware prefetchers follow them
+    const int64_t row_bytes = int64_t(d_) * element_bytes(problem_.dtype);
+    for (int j = 0; j < nk; ++j) {
+      const char* k_row = static_cast<const char*>(problem_.k.t.data) +
+                          problem_.kv_offset(problem_.k, b_, keys.at(j), hk_) * element_bytes(problem_.dtype);
+      const char* v_row = static_cast<const char*>(problem_.v.t.data) +
+                          problem_.kv_offset(problem_.v, b_, keys.at(j), hk_) * element_bytes(problem_.dtype);
+      for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) {
+        prefetch_line_to_l2(k_row + byte);
+        prefetch_line_to_l2(v_row + byte);
+      }
+    }
+  }
+
   // Normalises the rows and writes their LSE (−inf and a zero row where nothing was seen).
   void finish(float* lse_rows) {
     constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -511,6 +532,10 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
   for (int64_t n = 0; n < walk.n_key_blocks; ++n) {
     const auto [key_begin, nk] = block_keys(n);
     if (key_begin < 0 || nk <= 0) continue;
+    if (n + 1 < walk.n_key_blocks) {
+      const auto [next_begin, next_nk] = block_keys(n + 1);
+      if (next_begin >= 0 && next_nk > 0) tile.prefetch_keys(Positions{nullptr, next_begin}, next_nk);
+    }
     const bool computed = tile.process_keys(Positions{nullptr, key_begin}, nk, vis, pv_skip && !first_computed,
                                             walk.pv_skip_lambda, counters);
     if (computed) {
@@ -537,6 +562,8 @@ void attend_index_tile(const AttentionProblem& problem, int32_t b, int32_t h_fir
   }
   for (int64_t key0 = 0; key0 < key_end; key0 += kIndexTileKeys) {
     const int nk = int(std::min(kIndexTileKeys, key_end - key0));
+    const int64_t next0 = key0 + kIndexTileKeys;
+    if (next0 < key_end) tile.prefetch_keys(Positions{keys + next0, 0}, int(std::min(kIndexTileKeys, key_end - next0)));
     tile.process_keys(Positions{keys + key0, 0}, nk, vis, false, 0.f, counters);
   }
   tile.finish(lse_rows);
