@@ -23,7 +23,7 @@ SelectionCacheRunCounts selection_cache_run_counts(const SelectionCacheState* ca
 // out[hk · out_stride + j · g + l] = scale · Σ_c q̄_{hk·g+l}[c] · K[first_key + j, hk][c] (select_scores.h's kernel,
 // bit-identical to the channel-order loop), g = Hq / Hkv, concat_qbar [Hq · D]. A tile of keys for all kv heads
 // before the next tile (in the [B, S, Hkv, D] layout one key's rows are adjacent, so K is read front to back once),
-// the next tile's rows prefetched while this one is scored. transposed: score_tile_scratch_floats(D) floats.
+// the K rows two tiles ahead fetched into L2 while a tile is scored. transposed: score_tile_scratch_floats(D) floats.
 void score_keys_all_kv_heads(const AttentionProblem& problem, int32_t b, int64_t first_key, int64_t n_keys,
                              const double* concat_qbar, double score_scale, float* transposed, double* out,
                              int64_t out_stride);
