@@ -348,3 +348,53 @@ TEST(CpuBackend, PrefillGivesTheSameBitsWhetherOrNotItsKeysAreLoadedOnceIntoPane
         }
       }
 }
+
+TEST(CpuBackend, DecodeGivesTheLastRowOfTheSamePrefillBitForBit) {
+  // The CPU backend's own choice, so a CPU test. A decode step without the 16-bit decode kernels (fp32 caches, every
+  // CPU) walks the kv heads of a work item interleaved block by block (attend_block_walk_kv_heads), each head's
+  // tile doing exactly what the prefill's tile does for its row: the decode row must equal the last row of a causal
+  // two-row prefill over the same keys bit for bit (that row sees every key), at any thread count, with groups of
+  // 1, 4 and 8, ragged lengths across several key blocks, and rows that see a non-finite K or V entry (NaN).
+  constexpr int kD = 64;
+  struct Shape {
+    int hq, hkv;
+  };
+  int counter = 0;
+  for (const Shape shape : {Shape{4, 4}, Shape{8, 2}, Shape{8, 1}})
+    for (bool non_finite : {false, true}) {
+      ST_RNG(rng, counter++);
+      SCOPED_TRACE(::testing::Message() << "Hq=" << shape.hq << " Hkv=" << shape.hkv << " non-finite=" << non_finite);
+      const std::vector<int> skv = {300, 1000};
+      ref::Problem prefill = st::make_problem(2, shape.hq, shape.hkv, kD, {2, 2}, skv, true);
+      st::fill(prefill, Pattern::kNeedles, rng);
+      prefill = st::rounded(prefill, SPARSA_DTYPE_F32);
+      if (non_finite) prefill.v[1][(size_t(700) * shape.hkv + 0) * kD + 5] = std::numeric_limits<double>::quiet_NaN();
+      ref::Problem decode = st::make_problem(2, shape.hq, shape.hkv, kD, {1, 1}, skv, true);
+      for (int b = 0; b < 2; ++b) {
+        decode.k[b] = prefill.k[b];
+        decode.v[b] = prefill.v[b];
+        const size_t row = size_t(shape.hq) * kD;
+        std::copy(prefill.q[b].begin() + row, prefill.q[b].end(), decode.q[b].begin());  // the prefill's row 1
+      }
+      const sparsa_policy dense = st::make_policy(SPARSA_POLICY_DENSE);
+      for (int threads : {1, 3}) {
+        SCOPED_TRACE(::testing::Message() << threads << " threads");
+        st::Context c(SPARSA_DEVICE_CPU, threads);
+        ASSERT_EQ(c.status(), SPARSA_STATUS_SUCCESS);
+        const st::RunResult step = st::run(c, decode, dense), whole = st::run(c, prefill, dense);
+        st::expect_ok(step);
+        st::expect_ok(whole);
+        for (int b = 0; b < 2; ++b) {
+          const size_t row = size_t(shape.hq) * kD;
+          ASSERT_EQ(step.out.o[b].size(), row);
+          EXPECT_EQ(std::memcmp(step.out.o[b].data(), whole.out.o[b].data() + row, row * sizeof(double)), 0)
+              << "sequence " << b;
+          for (int h = 0; h < shape.hq; ++h) {
+            const double got = step.out.lse[b][size_t(h)], want = whole.out.lse[b][size_t(h) * 2 + 1];
+            EXPECT_EQ(std::memcmp(&got, &want, sizeof got), 0) << "sequence " << b << " head " << h;
+          }
+          if (non_finite && b == 1) EXPECT_TRUE(std::isnan(step.out.o[b][5]));  // head 0 reads kv head 0
+        }
+      }
+    }
+}

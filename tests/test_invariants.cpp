@@ -131,13 +131,18 @@ TEST_P(Invariants, WarmedUpRunsOfTheSameProblemAllocateNoMoreScratch) {
 
 TEST_P(Invariants, PlanGrowsScratchUpFrontAndTheRunAfterItGrowsNothing) {
   // fp32 and fp16, one thread: the block policies load each (sequence, kv head)'s K/V once into panels in run
-  // scratch (two query heads per kv head, so every pair is walked twice).
+  // scratch (two query heads per kv head, so every pair is walked twice); and a decode step over several key
+  // blocks (one query row: the CPU's decode kernels or its interleaved kv-head walk).
   ST_RNG(rng, 0);
-  ref::Problem p = st::make_problem(2, 4, 2, 64, {128}, {128}, true);
-  st::fill(p, Pattern::kRandom, rng);
+  ref::Problem prefill = st::make_problem(2, 4, 2, 64, {128}, {128}, true);
+  ref::Problem decode = st::make_problem(2, 8, 2, 64, {1}, {300}, true);
+  st::fill(prefill, Pattern::kRandom, rng);
+  st::fill(decode, Pattern::kRandom, rng);
+  for (const ref::Problem* problem : {&prefill, &decode})
   for (int32_t dtype : {SPARSA_DTYPE_F32, SPARSA_DTYPE_F16})
-    for (KeepAll k : keep_all_policies(p)) {
-      SCOPED_TRACE(::testing::Message() << k.name << " dtype=" << dtype);
+    for (KeepAll k : keep_all_policies(*problem)) {
+      const ref::Problem& p = *problem;
+      SCOPED_TRACE(::testing::Message() << k.name << " dtype=" << dtype << " Sq=" << p.max_sq());
       st::Context fresh(ctx().device_type(), 1);
       ASSERT_EQ(fresh.status(), SPARSA_STATUS_SUCCESS);
       k.opt.plan_first = true;

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "../../src/common/softmax_state.h"
 #include "../../src/error.h"
@@ -154,9 +155,11 @@ struct KvRows {
 // bit-identical whether its head is stacked or not.
 class RowTile {
  public:
+  // `own`: tile_state_floats(...) floats only this tile uses; `work`: tile_work_floats(...) floats that hold
+  // nothing between process_keys calls, so tiles walked in turn by one thread may share them.
   RowTile(const AttentionProblem& problem, int32_t b, int32_t h, int heads, Positions rows, int rows_per_head,
-          int max_keys, const BlockWalk* quantized_walk, const KvPanel* panel, float* out_rows,
-          ThreadScratch& scratch)
+          int max_keys, const BlockWalk* quantized_walk, const KvPanel* panel, float* out_rows, float* own,
+          float* work)
       : problem_(problem),
         b_(b),
         h_(h),
@@ -174,38 +177,36 @@ class RowTile {
         quant_(quantized_walk),
         panel_(panel),
         o_(out_rows) {
-    // Carve every buffer from one reservation so the scratch vector is resized at most once per call.
     const size_t qt_floats = size_t(d_) * row_stride_;
     const size_t st_floats = size_t(max_keys_) * row_stride_;
     const size_t kv_floats = size_t(max_keys_) * kv_stride_;
-    const size_t row_state_floats = 6 * size_t(nr_pad_);
-    const size_t quant_floats = quant_ ? (size_t(nr_) * d_ + 2 * size_t(nr_) + d_ +
-                                          scratch_floats<int8_t>(size_t(nr_) * d_) + scratch_floats<int8_t>(kv_floats))
-                                       : 0;
-    float* next = scratch.reserve(qt_floats + st_floats + 2 * kv_floats + row_state_floats + quant_floats);
-    auto carve = [&next](size_t floats) {
-      float* region = next;
-      next += floats;
-      return region;
+    auto carver = [](float* next) {
+      return [next](size_t floats) mutable {
+        float* region = next;
+        next += floats;
+        return region;
+      };
     };
-    qt_ = carve(qt_floats);
-    st_ = carve(st_floats);
-    k_tile_ = carve(kv_floats);
-    v_tile_ = carve(kv_floats);
-    m_ = carve(nr_pad_);
-    l_ = carve(nr_pad_);
-    local_max_ = carve(nr_pad_);
-    shift_ = carve(nr_pad_);
-    block_sum_ = carve(nr_pad_);
-    poisoned_ = carve(nr_pad_);
+    auto carve_own = carver(own);
+    qt_ = carve_own(qt_floats);
+    m_ = carve_own(nr_pad_);
+    l_ = carve_own(nr_pad_);
+    local_max_ = carve_own(nr_pad_);
+    shift_ = carve_own(nr_pad_);
+    block_sum_ = carve_own(nr_pad_);
+    poisoned_ = carve_own(nr_pad_);
     if (quant_) {
-      q_rows_ = carve(size_t(nr_) * d_);
-      q_scale_ = carve(nr_);
-      qk_mean_ = carve(nr_);
-      row_tmp_ = carve(d_);
-      q_i8_ = reinterpret_cast<int8_t*>(carve(scratch_floats<int8_t>(size_t(nr_) * d_)));
-      k_i8_ = reinterpret_cast<int8_t*>(carve(scratch_floats<int8_t>(kv_floats)));
+      q_rows_ = carve_own(size_t(nr_) * d_);
+      q_scale_ = carve_own(nr_);
+      qk_mean_ = carve_own(nr_);
+      row_tmp_ = carve_own(d_);
+      q_i8_ = reinterpret_cast<int8_t*>(carve_own(scratch_floats<int8_t>(size_t(nr_) * d_)));
+      k_i8_ = reinterpret_cast<int8_t*>(carve_own(scratch_floats<int8_t>(kv_floats)));
     }
+    auto carve_work = carver(work);
+    st_ = carve_work(st_floats);
+    k_tile_ = carve_work(kv_floats);
+    v_tile_ = carve_work(kv_floats);
 
     row_min_ = row_max_ = rows_per_head > 0 ? rows.at(0) : 0;
     for (int r = 0; r < rows_per_head; ++r) {
@@ -461,18 +462,44 @@ class RowTile {
   int8_t *q_i8_ = nullptr, *k_i8_ = nullptr;
 };
 
-}  // namespace
-
-size_t attention_tile_floats(int head_dim, int64_t rows, int64_t keys, bool quantized) {
+size_t tile_state_floats(int head_dim, int64_t rows, int64_t keys, bool quantized) {
   const size_t nr_pad = size_t(round_up(std::max<int64_t>(rows, 1), kRowAlign));
   const size_t row_stride = nr_pad + kStridePad;
   const size_t d = size_t(head_dim);
   const size_t kv = size_t(std::max<int64_t>(keys, 1)) * (d + kStridePad);
-  size_t floats = d * row_stride + size_t(std::max<int64_t>(keys, 1)) * row_stride + 2 * kv + 6 * nr_pad;
+  size_t floats = d * row_stride + 6 * nr_pad;
   if (quantized)
     floats +=
         size_t(rows) * d + 2 * size_t(rows) + d + scratch_floats<int8_t>(size_t(rows) * d) + scratch_floats<int8_t>(kv);
   return floats;
+}
+
+size_t tile_work_floats(int head_dim, int64_t rows, int64_t keys) {
+  const size_t nr_pad = size_t(round_up(std::max<int64_t>(rows, 1), kRowAlign));
+  const size_t row_stride = nr_pad + kStridePad;
+  const size_t kv = size_t(std::max<int64_t>(keys, 1)) * (size_t(head_dim) + kStridePad);
+  return size_t(std::max<int64_t>(keys, 1)) * row_stride + 2 * kv;
+}
+
+// One tile's own floats, then its work floats, from one reservation.
+RowTile make_tile(const AttentionProblem& problem, int32_t b, int32_t h, int heads, Positions rows, int rows_per_head,
+                  int max_keys, const BlockWalk* quantized_walk, const KvPanel* panel, float* out_rows,
+                  ThreadScratch& scratch) {
+  const size_t own = tile_state_floats(problem.head_dim, int64_t(heads) * rows_per_head, max_keys, quantized_walk);
+  float* base = scratch.reserve(own + tile_work_floats(problem.head_dim, int64_t(heads) * rows_per_head, max_keys));
+  return RowTile(problem, b, h, heads, rows, rows_per_head, max_keys, quantized_walk, panel, out_rows, base,
+                 base + own);
+}
+
+}  // namespace
+
+size_t attention_tile_floats(int head_dim, int64_t rows, int64_t keys, bool quantized) {
+  return tile_state_floats(head_dim, rows, keys, quantized) + tile_work_floats(head_dim, rows, keys);
+}
+
+size_t kv_head_walk_floats(int head_dim, int64_t rows_per_kv_head, int64_t keys, int32_t n_kv) {
+  return size_t(std::max(n_kv, 0)) * tile_state_floats(head_dim, rows_per_kv_head, keys, false) +
+         tile_work_floats(head_dim, rows_per_kv_head, keys);
 }
 
 size_t kv_panel_floats(int head_dim, int64_t capacity) {
@@ -522,8 +549,8 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
   const int64_t seq_k = problem.seq_len_k(b);
   // A key tile never holds more keys than the sequence has, whatever block_k says: scratch follows the problem.
   const int max_keys = int(std::max<int64_t>(1, std::min<int64_t>(walk.block_k, seq_k)));
-  RowTile tile(problem, b, h_first, n_heads, Positions{nullptr, row_begin}, nr, max_keys,
-               walk.quantized_qk ? &walk : nullptr, walk.panel, out_rows, scratch);
+  RowTile tile = make_tile(problem, b, h_first, n_heads, Positions{nullptr, row_begin}, nr, max_keys,
+                           walk.quantized_qk ? &walk : nullptr, walk.panel, out_rows, scratch);
   bool first_computed = true;
   auto block_keys = [&](int64_t n) {
     const int64_t key_begin = int64_t(walk.key_blocks[n]) * walk.block_k;
@@ -546,14 +573,54 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
   tile.finish(lse_rows);
 }
 
+void attend_block_walk_kv_heads(const AttentionProblem& problem, int32_t b, int32_t hk_first, int32_t n_kv,
+                                int64_t row_begin, int64_t row_end, const BlockWalk& walk, const RowVisibility& vis,
+                                float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
+  const int nr = int(row_end - row_begin);
+  if (nr <= 0 || n_kv <= 0) return;
+  if (walk.block_k <= 0) fail(SPARSA_STATUS_INTERNAL, "attend_block_walk_kv_heads: block_k must be > 0, got ", walk.block_k);
+  if (walk.quantized_qk || walk.panel || walk.pv_skip_lambda > -std::numeric_limits<float>::infinity())
+    fail(SPARSA_STATUS_INTERNAL, "attend_block_walk_kv_heads: plain walks only (no int8 scoring, panel or λ skip)");
+  if (n_kv > kMaxWalkedKvHeads)
+    fail(SPARSA_STATUS_INTERNAL, "attend_block_walk_kv_heads: at most ", kMaxWalkedKvHeads, " kv heads, got ", n_kv);
+  const int d = problem.head_dim;
+  const int group = int(problem.num_q_heads / problem.num_kv_heads);
+  const int64_t tile_rows = int64_t(group) * nr;
+  const int64_t seq_k = problem.seq_len_k(b);
+  const int max_keys = int(std::max<int64_t>(1, std::min<int64_t>(walk.block_k, seq_k)));
+  const size_t own = tile_state_floats(d, tile_rows, max_keys, false);
+  float* base = scratch.reserve(kv_head_walk_floats(d, tile_rows, max_keys, n_kv));
+  float* work = base + size_t(n_kv) * own;
+  std::optional<RowTile> tiles[kMaxWalkedKvHeads];
+  for (int32_t i = 0; i < n_kv; ++i) {
+    tiles[i].emplace(problem, b, (hk_first + i) * group, group, Positions{nullptr, row_begin}, nr, max_keys, nullptr,
+                     nullptr, out_rows + size_t(i) * tile_rows * d, base + size_t(i) * own, work);
+  }
+  auto block_keys = [&](int64_t n) {
+    const int64_t key_begin = int64_t(walk.key_blocks[n]) * walk.block_k;
+    return std::pair<int64_t, int>(key_begin, int(std::min<int64_t>(walk.block_k, seq_k - key_begin)));
+  };
+  for (int64_t n = 0; n < walk.n_key_blocks; ++n) {
+    const auto [key_begin, nk] = block_keys(n);
+    if (key_begin < 0 || nk <= 0) continue;
+    const auto [next_begin, next_nk] = n + 1 < walk.n_key_blocks ? block_keys(n + 1) : std::pair<int64_t, int>(-1, 0);
+    for (int32_t i = 0; i < n_kv; ++i) {
+      if (next_begin >= 0 && next_nk > 0) tiles[i]->prefetch_keys(Positions{nullptr, next_begin}, next_nk);
+      if (tiles[i]->process_keys(Positions{nullptr, key_begin}, nk, vis, false, 0.f, counters) && counters)
+        counters->blocks_computed += group;
+    }
+  }
+  for (int32_t i = 0; i < n_kv; ++i) tiles[i]->finish(lse_rows + i * tile_rows);
+}
+
 namespace {
 
 // One RowTile of attend_index_list: rows_per_head positions of n_heads stacked heads over the listed keys.
 void attend_index_tile(const AttentionProblem& problem, int32_t b, int32_t h_first, int32_t n_heads, const int64_t* rows,
                        int rows_per_head, const int64_t* keys, int64_t n_keys, const RowVisibility& vis,
                        float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
-  RowTile tile(problem, b, h_first, n_heads, Positions{rows, 0}, rows_per_head, int(kIndexTileKeys), nullptr,
-               nullptr, out_rows, scratch);
+  RowTile tile = make_tile(problem, b, h_first, n_heads, Positions{rows, 0}, rows_per_head, int(kIndexTileKeys),
+                           nullptr, nullptr, out_rows, scratch);
   // Keys are ascending: with a causal predicate nothing past the last row's horizon is visible.
   int64_t key_end = n_keys;
   if (vis.causal) {

@@ -204,9 +204,83 @@ void run_dense_decode(const AttentionProblem& problem, const OutputSink& sink, c
   parallel_items(exec, int64_t(problem.batch) * hq, merge_item);
 }
 
+// Dense decode without the decode kernels (fp32 caches, and 16-bit ones on CPUs without them): the block walk of
+// run_query_blocks, but each work item walks several kv heads interleaved block by block
+// (attend_block_walk_kv_heads), so a block's K/V rows are read front to back for all of them; one kv head at a time
+// reads one row per key, a key's width apart. Same tiles, same arithmetic: the bits of run_query_blocks.
+// fp32 dense decode at 32K keys, GQA 32/8, D 128, Zen 4: one thread 112 -> 77 ms, two 45-48 -> 39-42 ms.
+bool use_kv_head_walks(const AttentionProblem& problem) {
+  return problem.max_seq_q == 1 && problem.num_q_heads > 0 && problem.num_kv_heads > 0 &&
+         problem.num_q_heads / problem.num_kv_heads <= kMaxStackedRows;
+}
+
+// How run_dense_kv_head_walks splits the kv heads: `chunks` items per sequence (enough for every worker, each at most
+// kMaxWalkedKvHeads kv heads) of kv_per_chunk kv heads, and the scratch one item needs.
+struct KvHeadWalkPlan {
+  int32_t chunks = 1, kv_per_chunk = 1;
+  int64_t max_key_blocks = 0;
+  size_t ids_floats = 0, rows_floats = 0, loop_floats = 0;
+};
+KvHeadWalkPlan kv_head_walk_plan(const AttentionProblem& problem, int workers, int32_t block_k) {
+  KvHeadWalkPlan plan;
+  const int32_t group = problem.num_q_heads / problem.num_kv_heads;
+  const int64_t per_sequence =
+      std::max<int64_t>((workers + problem.batch - 1) / std::max<int32_t>(problem.batch, 1),
+                        (problem.num_kv_heads + kMaxWalkedKvHeads - 1) / kMaxWalkedKvHeads);
+  plan.chunks = int32_t(std::clamp<int64_t>(per_sequence, 1, problem.num_kv_heads));
+  plan.kv_per_chunk = (problem.num_kv_heads + plan.chunks - 1) / plan.chunks;
+  plan.max_key_blocks = (problem.max_seq_k + block_k - 1) / block_k;
+  plan.ids_floats = scratch_floats<int32_t>(size_t(plan.max_key_blocks));
+  plan.rows_floats = size_t(plan.kv_per_chunk) * size_t(group) * (size_t(problem.head_dim) + 1);
+  plan.loop_floats = kv_head_walk_floats(problem.head_dim, group,
+                                         std::max<int64_t>(1, std::min<int64_t>(block_k, problem.max_seq_k)),
+                                         plan.kv_per_chunk);
+  return plan;
+}
+
+template <typename Lister>
+void run_dense_kv_head_walks(const AttentionProblem& problem, const OutputSink& sink, const ExecContext& exec,
+                             int32_t block_k, const Lister& list_blocks) {
+  const int d = problem.head_dim;
+  const int32_t group = problem.num_q_heads / problem.num_kv_heads;
+  const KvHeadWalkPlan plan = kv_head_walk_plan(problem, worker_count(exec), block_k);
+  const int32_t chunks = plan.chunks, kv_per_chunk = plan.kv_per_chunk;
+  const RowVisibility vis = causal_visibility(problem, 0);
+  const auto work_item = [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / chunks);
+    const int32_t hk_first = int32_t(item % chunks) * kv_per_chunk;
+    const int32_t n_kv = std::min(kv_per_chunk, problem.num_kv_heads - hk_first);
+    if (n_kv <= 0 || problem.seq_len_q(b) == 0) return;
+    const int64_t heads = int64_t(n_kv) * group;
+    float* base = policy_scratch(exec, worker).reserve(plan.ids_floats + plan.rows_floats);
+    int32_t* ids = reinterpret_cast<int32_t*>(base);
+    float* rows = base + plan.ids_floats;
+    float* lse = rows + heads * d;
+    BlockWalk walk;
+    walk.block_k = block_k;
+    walk.key_blocks = ids;
+    walk.n_key_blocks = list_blocks(b, hk_first * group, 0, ids);  // the same blocks for every head
+    RowVisibility seq_vis = vis;
+    seq_vis.offset = problem.causal_offset(b);
+    attend_block_walk_kv_heads(problem, b, hk_first, n_kv, 0, 1, walk, seq_vis, rows, lse,
+                               &(*exec.counters)[size_t(worker)], loop_scratch(exec, worker));
+    for (int64_t l = 0; l < heads; ++l)
+      sink.write_row(problem, b, 0, int32_t(hk_first * group + l), rows + l * d, lse[l]);
+  };
+  parallel_items(exec, int64_t(problem.batch) * chunks, work_item);
+}
+
 }  // namespace
 
 void plan_dense(const AttentionProblem& problem, const ExecContext& exec) {
+  if (!use_decode_ranges(problem) && use_kv_head_walks(problem)) {
+    const KvHeadWalkPlan plan = kv_head_walk_plan(problem, worker_count(exec), kDefaultBlockK);
+    for (int w = 0; w < worker_count(exec); ++w) {
+      policy_scratch(exec, w).reserve(plan.ids_floats + plan.rows_floats);
+      loop_scratch(exec, w).reserve(plan.loop_floats);
+    }
+    return;
+  }
   if (!use_decode_ranges(problem)) {
     plan_query_blocks(problem, kDefaultBlockQ, exec);
     return;
@@ -238,6 +312,10 @@ void run_dense(const AttentionProblem& problem, const PolicyParams&, const Outpu
     for (int64_t j = 0; j < n; ++j) ids[j] = int32_t(j);
     return n;
   };
+  if (use_kv_head_walks(problem)) {
+    run_dense_kv_head_walks(problem, sink, exec, block_k, list_blocks);
+    return;
+  }
   run_query_blocks(problem, sink, exec, block_q, block_k, RowVisibility{problem.causal, 0, -1, 0},
                    std::ref(list_blocks));
 }

@@ -75,6 +75,17 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
                              int64_t row_begin, int64_t row_end, const BlockWalk& walk, const RowVisibility& vis,
                              float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
 
+// attend_block_walk_heads for the whole groups of n_kv consecutive kv heads hk_first, ... (every query head of each),
+// their walks interleaved block by block: the K/V rows of a block are read for every kv head in turn instead of one
+// kv head over all keys, whose rows lie a key's width apart (4 KiB at 8 kv heads × D 128 × fp32: a new page per row).
+// out_rows [n_kv · g · nr, D] and lse_rows [n_kv · g · nr] are head-major; results are bit-identical to
+// attend_block_walk_heads per kv head (each tile's arithmetic is unchanged; only the order of the tiles' steps
+// differs). Plain walks only (no panel, λ PV skip or int8 scoring); n_kv <= kMaxWalkedKvHeads.
+constexpr int32_t kMaxWalkedKvHeads = 16;
+void attend_block_walk_kv_heads(const AttentionProblem& problem, int32_t b, int32_t hk_first, int32_t n_kv,
+                                int64_t row_begin, int64_t row_end, const BlockWalk& walk, const RowVisibility& vis,
+                                float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
+
 // exec.parallel_for with the callable passed by reference: a std::function built from a std::reference_wrapper
 // never allocates, while one built from a lambda with several captures does (on every call).
 template <typename Fn>
@@ -146,6 +157,8 @@ void run_decode_lists(const AttentionProblem& problem, const DecodeLists& lists,
 
 // Floats of loop scratch one attend_* call needs for a tile of `rows` query rows and `keys` keys.
 size_t attention_tile_floats(int head_dim, int64_t rows, int64_t keys, bool quantized);
+// Floats of loop scratch attend_block_walk_kv_heads needs for n_kv kv heads of rows_per_kv_head stacked rows each.
+size_t kv_head_walk_floats(int head_dim, int64_t rows_per_kv_head, int64_t keys, int32_t n_kv);
 
 // The kv head query head h reads (§0 GQA: contiguous groups).
 inline int32_t kv_head_of(const AttentionProblem& problem, int32_t h) {
