@@ -491,6 +491,23 @@ RowTile make_tile(const AttentionProblem& problem, int32_t b, int32_t h, int hea
                  base + own);
 }
 
+// The key blocks of a walk over sequence b: block n's first key and its key count (clipped at the sequence's end,
+// so a tile never holds more keys than the sequence has, whatever block_k says: scratch follows the problem).
+struct WalkBlocks {
+  const BlockWalk& walk;
+  int64_t seq_k;
+  WalkBlocks(const AttentionProblem& problem, int32_t b, const BlockWalk& w, const char* caller)
+      : walk(w), seq_k(problem.seq_len_k(b)) {
+    if (walk.block_k <= 0) fail(SPARSA_STATUS_INTERNAL, caller, ": block_k must be > 0, got ", walk.block_k);
+  }
+  int max_keys() const { return int(std::max<int64_t>(1, std::min<int64_t>(walk.block_k, seq_k))); }
+  std::pair<int64_t, int> operator()(int64_t n) const {
+    if (n >= walk.n_key_blocks) return {-1, 0};
+    const int64_t key_begin = int64_t(walk.key_blocks[n]) * walk.block_k;
+    return {key_begin, int(std::min<int64_t>(walk.block_k, seq_k - key_begin))};
+  }
+};
+
 }  // namespace
 
 size_t attention_tile_floats(int head_dim, int64_t rows, int64_t keys, bool quantized) {
@@ -539,30 +556,21 @@ void attend_block_walk_heads(const AttentionProblem& problem, int32_t b, int32_t
                              float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
   const int nr = int(row_end - row_begin);
   if (nr <= 0 || n_heads <= 0) return;
-  if (walk.block_k <= 0) fail(SPARSA_STATUS_INTERNAL, "attend_block_walk: block_k must be > 0, got ", walk.block_k);
+  const WalkBlocks blocks(problem, b, walk, "attend_block_walk");
   if (walk.quantized_qk && !walk.k_mean)
     fail(SPARSA_STATUS_INTERNAL, "attend_block_walk: quantized walk needs k_mean, got null");
   const bool pv_skip = walk.pv_skip_lambda > -std::numeric_limits<float>::infinity();
   if (n_heads > 1 && (pv_skip || walk.quantized_qk))
     fail(SPARSA_STATUS_INTERNAL, "attend_block_walk_heads: λ skip and int8 scoring are per head, got ", n_heads,
          " stacked heads");
-  const int64_t seq_k = problem.seq_len_k(b);
-  // A key tile never holds more keys than the sequence has, whatever block_k says: scratch follows the problem.
-  const int max_keys = int(std::max<int64_t>(1, std::min<int64_t>(walk.block_k, seq_k)));
-  RowTile tile = make_tile(problem, b, h_first, n_heads, Positions{nullptr, row_begin}, nr, max_keys,
+  RowTile tile = make_tile(problem, b, h_first, n_heads, Positions{nullptr, row_begin}, nr, blocks.max_keys(),
                            walk.quantized_qk ? &walk : nullptr, walk.panel, out_rows, scratch);
   bool first_computed = true;
-  auto block_keys = [&](int64_t n) {
-    const int64_t key_begin = int64_t(walk.key_blocks[n]) * walk.block_k;
-    return std::pair<int64_t, int>(key_begin, int(std::min<int64_t>(walk.block_k, seq_k - key_begin)));
-  };
   for (int64_t n = 0; n < walk.n_key_blocks; ++n) {
-    const auto [key_begin, nk] = block_keys(n);
+    const auto [key_begin, nk] = blocks(n);
     if (key_begin < 0 || nk <= 0) continue;
-    if (n + 1 < walk.n_key_blocks) {
-      const auto [next_begin, next_nk] = block_keys(n + 1);
-      if (next_begin >= 0 && next_nk > 0) tile.prefetch_keys(Positions{nullptr, next_begin}, next_nk);
-    }
+    const auto [next_begin, next_nk] = blocks(n + 1);
+    if (next_begin >= 0 && next_nk > 0) tile.prefetch_keys(Positions{nullptr, next_begin}, next_nk);
     const bool computed = tile.process_keys(Positions{nullptr, key_begin}, nk, vis, pv_skip && !first_computed,
                                             walk.pv_skip_lambda, counters);
     if (computed) {
@@ -578,7 +586,7 @@ void attend_block_walk_kv_heads(const AttentionProblem& problem, int32_t b, int3
                                 float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch) {
   const int nr = int(row_end - row_begin);
   if (nr <= 0 || n_kv <= 0) return;
-  if (walk.block_k <= 0) fail(SPARSA_STATUS_INTERNAL, "attend_block_walk_kv_heads: block_k must be > 0, got ", walk.block_k);
+  const WalkBlocks blocks(problem, b, walk, "attend_block_walk_kv_heads");
   if (walk.quantized_qk || walk.panel || walk.pv_skip_lambda > -std::numeric_limits<float>::infinity())
     fail(SPARSA_STATUS_INTERNAL, "attend_block_walk_kv_heads: plain walks only (no int8 scoring, panel or λ skip)");
   if (n_kv > kMaxWalkedKvHeads)
@@ -586,8 +594,7 @@ void attend_block_walk_kv_heads(const AttentionProblem& problem, int32_t b, int3
   const int d = problem.head_dim;
   const int group = int(problem.num_q_heads / problem.num_kv_heads);
   const int64_t tile_rows = int64_t(group) * nr;
-  const int64_t seq_k = problem.seq_len_k(b);
-  const int max_keys = int(std::max<int64_t>(1, std::min<int64_t>(walk.block_k, seq_k)));
+  const int max_keys = blocks.max_keys();
   const size_t own = tile_state_floats(d, tile_rows, max_keys, false);
   float* base = scratch.reserve(kv_head_walk_floats(d, tile_rows, max_keys, n_kv));
   float* work = base + size_t(n_kv) * own;
@@ -596,14 +603,10 @@ void attend_block_walk_kv_heads(const AttentionProblem& problem, int32_t b, int3
     tiles[i].emplace(problem, b, (hk_first + i) * group, group, Positions{nullptr, row_begin}, nr, max_keys, nullptr,
                      nullptr, out_rows + size_t(i) * tile_rows * d, base + size_t(i) * own, work);
   }
-  auto block_keys = [&](int64_t n) {
-    const int64_t key_begin = int64_t(walk.key_blocks[n]) * walk.block_k;
-    return std::pair<int64_t, int>(key_begin, int(std::min<int64_t>(walk.block_k, seq_k - key_begin)));
-  };
   for (int64_t n = 0; n < walk.n_key_blocks; ++n) {
-    const auto [key_begin, nk] = block_keys(n);
+    const auto [key_begin, nk] = blocks(n);
     if (key_begin < 0 || nk <= 0) continue;
-    const auto [next_begin, next_nk] = n + 1 < walk.n_key_blocks ? block_keys(n + 1) : std::pair<int64_t, int>(-1, 0);
+    const auto [next_begin, next_nk] = blocks(n + 1);
     for (int32_t i = 0; i < n_kv; ++i) {
       if (next_begin >= 0 && next_nk > 0) tiles[i]->prefetch_keys(Positions{nullptr, next_begin}, next_nk);
       if (tiles[i]->process_keys(Positions{nullptr, key_begin}, nk, vis, false, 0.f, counters) && counters)

@@ -95,6 +95,19 @@ class Sparsa:
         return fn
 
 
+def indices_case(N, rows_per, B, H, Hkv, D):
+    """TOKEN_INDICES decode inputs: bf16 q [B, 1, H, D], k/v [B, N, Hkv, D], out, and 10 % of the N keys as sorted
+    random token ids, one row per query head (rows_per "q_head") or per kv head ("kv_head"): int32 [1, H_idx, N/10]."""
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    n_sel = N // 10
+    h_idx = H if rows_per == "q_head" else Hkv
+    idx = torch.stack([torch.randperm(N, device="cuda")[:n_sel].sort().values for _ in range(h_idx)])
+    return q, k, v, out, idx.to(torch.int32).unsqueeze(0).contiguous()
+
+
 def bench(fn, rep=100, warmup=20):
     fn()
     torch.cuda.synchronize()
@@ -186,14 +199,8 @@ def main():
     # keys: the K/V rows are read once per group).
     for N in ([] if not want("indices") else [32768] if quick else [32768, 131072]):
         for rows_per in ("q_head", "kv_head"):
-            q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            out = torch.empty_like(q)
-            n_sel = N // 10
-            h_idx = H if rows_per == "q_head" else Hkv
-            idx = torch.stack([torch.randperm(N, device="cuda")[:n_sel].sort().values for _ in range(h_idx)])
-            idx = idx.to(torch.int32).unsqueeze(0).contiguous()  # [1, H_idx, n_sel]
+            q, k, v, out, idx = indices_case(N, rows_per, B, H, Hkv, D)
+            h_idx = idx.shape[1]
             fn = sp.prepare(q, k, v, out, True, kind=sp.L.POLICY_TOKEN_INDICES, indices=idx)
             fn()
             # Reference: dense attention over the gathered keys of each head.

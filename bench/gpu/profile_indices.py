@@ -9,7 +9,7 @@ import sys
 import torch
 import triton.testing as tt
 
-from bench_gpu import Sparsa, bench
+from bench_gpu import Sparsa, bench, indices_case
 from bench_select import kernel_timeline
 
 
@@ -31,14 +31,8 @@ def main():
     torch.manual_seed(0)
     for N in sizes:
         for rows_per in ("kv_head", "q_head"):
-            q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(B, N, Hkv, D, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            out = torch.empty_like(q)
-            n_sel = N // 10
-            h_idx = H if rows_per == "q_head" else Hkv
-            idx = torch.stack([torch.randperm(N, device="cuda")[:n_sel].sort().values for _ in range(h_idx)])
-            idx = idx.to(torch.int32).unsqueeze(0).contiguous()
+            q, k, v, out, idx = indices_case(N, rows_per, B, H, Hkv, D)
+            h_idx = idx.shape[1]
             fn = sp.prepare(q, k, v, out, True, kind=sp.L.POLICY_TOKEN_INDICES, indices=idx)
             ms = bench(fn)
             # The same rows gathered by torch (K and V of each list's kv head): bytes moved / time.
