@@ -35,24 +35,33 @@ struct HeadChoice {
   double l1 = 0.0, sparsity = 0.0;
 };
 
-// A host buffer with a tensor descriptor over it (contiguous).
+// A host buffer with a tensor descriptor over it (contiguous). Its shape comes from the caller's tensors (q's, for
+// the tuner's own output), whose element count validation bounds but whose contiguous size it does not (q may
+// broadcast with zero strides, and an empty q may have huge other extents): sizes are computed with overflow
+// detection, and a buffer that would not fit is SHAPE_MISMATCH (one that fits but cannot be allocated,
+// OUT_OF_MEMORY).
 struct OwnedTensor {
   std::vector<unsigned char> bytes;
   sparsa_tensor t{};
-  OwnedTensor(int32_t dtype, const ShapeSpec& shape) {
-    int64_t n = 1;
-    for (int i = 0; i < shape.rank; ++i) n *= shape.dims[i];
-    bytes.assign(static_cast<size_t>(n) * dtype_size(dtype) + 1, 0);  // +1: never a NULL data pointer
+  OwnedTensor(int32_t dtype, const ShapeSpec& shape, const char* what) {
     t.struct_size = sizeof(sparsa_tensor);
     t.dtype = dtype;
     t.device_type = SPARSA_DEVICE_CPU;
     t.ndim = shape.rank;
+    for (int i = 0; i < t.ndim; ++i) t.shape[i] = shape.dims[i];
+    int64_t elements = 0, buffer_bytes = 0;
+    if (!checked_element_count(t, &elements) ||
+        __builtin_mul_overflow(elements, static_cast<int64_t>(dtype_size(dtype)), &buffer_bytes)) {
+      fail(SPARSA_STATUS_SHAPE_MISMATCH, what, ": a contiguous buffer of shape ", shape_string(t.shape, t.ndim),
+           " would need more than INT64_MAX bytes");
+    }
+    bytes.assign(static_cast<size_t>(buffer_bytes) + 1, 0);  // +1: never a NULL data pointer
     t.data = bytes.data();
-    int64_t stride = 1;
+    // Row-major strides; an empty tensor's may not fit int64 and are never used: 0 then.
+    int64_t stride = elements > 0 ? 1 : 0;
     for (int i = t.ndim - 1; i >= 0; --i) {
-      t.shape[i] = shape.dims[i];
       t.strides[i] = stride;
-      stride *= shape.dims[i];
+      if (elements > 0) stride *= shape.dims[i];  // a suffix product of a count that fits
     }
   }
 };
@@ -186,7 +195,7 @@ void sparge_tune(sparsa_context& ctx, const sparsa_attention_args* args_in, cons
   if (!is_attention_dtype(q.t.dtype)) {
     fail(SPARSA_STATUS_DTYPE_MISMATCH, "q: dtype ", dtype_name(q.t.dtype), ", expected F32, F16 or BF16");
   }
-  OwnedTensor out(q.t.dtype, ShapeSpec::of(q.t));
+  OwnedTensor out(q.t.dtype, ShapeSpec::of(q.t), "sparsa_sparge_tune's output (q's shape)");
   args.out = &out.t;
   args.lse = nullptr;
   args.selected_indices = nullptr;
@@ -206,10 +215,11 @@ void sparge_tune(sparsa_context& ctx, const sparsa_attention_args* args_in, cons
   tune_policy.block_k = caller_policy.block_k;
   tune_policy.sparge_attention_sink = caller_policy.sparge_attention_sink;
   tune_policy.sparge_quantized = caller_policy.sparge_quantized;
-  OwnedTensor head_params(SPARSA_DTYPE_F32, {heads, kHeadParamCount});
+  OwnedTensor head_params(SPARSA_DTYPE_F32, {heads, kHeadParamCount}, "sparsa_sparge_tune's head parameters");
   OwnedTensor mask(SPARSA_DTYPE_U8,
                    {dense_problem.batch, heads, ceil_div(dense_problem.max_seq_q, std::max(1, tune_policy.block_q)),
-                    ceil_div(dense_problem.max_seq_k, std::max(1, tune_policy.block_k))});
+                    ceil_div(dense_problem.max_seq_k, std::max(1, tune_policy.block_k))},
+                   "sparsa_sparge_tune's block mask");
   tune_policy.sparge_head_params = &head_params.t;
   args.block_mask_out = &mask.t;
   float* hp = reinterpret_cast<float*>(head_params.t.data);

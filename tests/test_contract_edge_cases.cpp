@@ -102,6 +102,37 @@ TEST(ContractEdgeCases, ElementCountOverflowIsRefusedNotDereferenced) {
       << sparsa_last_error_message();
 }
 
+TEST(ContractEdgeCases, SpargeTuneSizesItsOwnBuffersWithOverflowDetection) {
+  // The tuner allocates its output in q's shape before the call is validated. Found by the fuzzer: q of shape
+  // [2^40, 2^40, 0, 1] (empty, so valid as a tensor) overflowed the product of its extents there (UB); q [1, 2^61, 2, 1]
+  // broadcast by zero strides is 2^62 elements, a valid tensor whose contiguous fp32 copy would be 2^64 bytes.
+  OwnedContext c;
+  SmallRun r(4, 8);
+  std::vector<float> params(4), metrics(2);
+  const sparsa_tensor t_params = st::host_tensor(params.data(), SPARSA_DTYPE_F32, {1, 4});
+  const sparsa_tensor t_metrics = st::host_tensor(metrics.data(), SPARSA_DTYPE_F32, {1, 2});
+  struct Case {
+    int64_t shape[4];
+    const char* message;  // what the error must say
+  };
+  const Case cases[] = {{{int64_t{1} << 40, int64_t{1} << 40, 0, 1}, "Hq = 0"},
+                        {{1, int64_t{1} << 61, 2, 1}, "INT64_MAX bytes"}};
+  for (const Case& cs : cases) {
+    sparsa_attention_args& args = r.describe();
+    sparsa_tensor q = r.tq;
+    for (int i = 0; i < 4; ++i) {
+      q.shape[i] = cs.shape[i];
+      q.strides[i] = 0;
+    }
+    q.strides[3] = 1;
+    args.q = &q;
+    const sparsa_status status = sparsa_sparge_tune(c.ctx, &args, nullptr, nullptr, &t_params, &t_metrics);
+    EXPECT_EQ(status, SPARSA_STATUS_SHAPE_MISMATCH) << sparsa_last_error_message();
+    EXPECT_NE(std::string(sparsa_last_error_message()).find(cs.message), std::string::npos)
+        << sparsa_last_error_message();
+  }
+}
+
 TEST(ContractEdgeCases, ExtentsAboveInt32AreRefusedNotTruncated) {
   // B or Hq = 2^32 + 1 over stride-0 (broadcast) data once became 1 and the run succeeded.
   struct Case {
