@@ -245,7 +245,6 @@ void run_dense_kv_head_walks(const AttentionProblem& problem, const OutputSink& 
   const int32_t group = problem.num_q_heads / problem.num_kv_heads;
   const KvHeadWalkPlan plan = kv_head_walk_plan(problem, worker_count(exec), block_k);
   const int32_t chunks = plan.chunks, kv_per_chunk = plan.kv_per_chunk;
-  const RowVisibility vis = causal_visibility(problem, 0);
   const auto work_item = [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / chunks);
     const int32_t hk_first = int32_t(item % chunks) * kv_per_chunk;
@@ -260,9 +259,7 @@ void run_dense_kv_head_walks(const AttentionProblem& problem, const OutputSink& 
     walk.block_k = block_k;
     walk.key_blocks = ids;
     walk.n_key_blocks = list_blocks(b, hk_first * group, 0, ids);  // the same blocks for every head
-    RowVisibility seq_vis = vis;
-    seq_vis.offset = problem.causal_offset(b);
-    attend_block_walk_kv_heads(problem, b, hk_first, n_kv, 0, 1, walk, seq_vis, rows, lse,
+    attend_block_walk_kv_heads(problem, b, hk_first, n_kv, 0, 1, walk, causal_visibility(problem, b), rows, lse,
                                &(*exec.counters)[size_t(worker)], loop_scratch(exec, worker));
     for (int64_t l = 0; l < heads; ++l)
       sink.write_row(problem, b, 0, int32_t(hk_first * group + l), rows + l * d, lse[l]);
