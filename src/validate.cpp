@@ -103,6 +103,27 @@ void expect_last_stride_one(const TensorArg& a, const char* name) {
   }
 }
 
+void expect_distinct_elements(const TensorArg& a, const char* name) {
+  int dims[SPARSA_MAX_DIMS];
+  int n = 0;
+  for (int d = 0; d < a.t.ndim; ++d) {
+    if (a.t.shape[d] == 0) return;  // empty: no element at all
+    if (a.t.shape[d] > 1) dims[n++] = d;
+  }
+  std::sort(dims, dims + n, [&](int x, int y) { return a.t.strides[x] < a.t.strides[y]; });
+  int64_t reach = 1;  // elements spanned by the dimensions taken so far
+  for (int i = 0; i < n; ++i) {
+    const int64_t stride = a.t.strides[dims[i]];
+    int64_t span = 0;
+    if (stride < reach || __builtin_mul_overflow(a.t.shape[dims[i]] - 1, stride, &span) ||
+        __builtin_add_overflow(reach, span, &reach)) {
+      fail(SPARSA_STATUS_SHAPE_MISMATCH, name, ": an output's elements must not overlap (no stride 0, no ",
+           "interleaved dimensions), got shape ", shape_string(a.t), " and strides ",
+           shape_string(a.t.strides, a.t.ndim));
+    }
+  }
+}
+
 void expect_on_device(const TensorArg& a, const char* name, const DeviceRule& rule) {
   const int32_t dev = a.t.device_type;
   const bool cpu_context = rule.device_type == SPARSA_DEVICE_CPU;

@@ -48,6 +48,10 @@ struct ShapeSpec {
 // Shape must equal `shape`; `why` says where the expectation comes from (e.g. "q's shape").
 void expect_shape(const TensorArg& a, const char* name, const ShapeSpec& shape, const char* why);
 void expect_last_stride_one(const TensorArg& a, const char* name);
+// No two elements share an address (no stride 0 on an extent above 1, no interleaved dimensions): an output's
+// elements are then backed by real memory, so work that follows its extents is bounded by what the caller owns.
+// Checked by nesting: taken by ascending stride, each dimension's stride must reach past everything before it.
+void expect_distinct_elements(const TensorArg& a, const char* name);
 // On the context's device (CPU contexts also accept pinned CUDA_HOST memory).
 void expect_on_device(const TensorArg& a, const char* name, const DeviceRule& rule);
 // Host-readable memory (CPU or CUDA_HOST).

@@ -148,6 +148,13 @@ PrefetchProblem validate_prefetch(const DeviceRule& rule, const sparsa_tensor* k
   expect_shape(p.positions, "positions", {batch, capacity}, "[B, C] from k_dst");
   expect_shape(p.remapped, "remapped", shape_of(p.indices), "indices' shape");
   if (p.counts.present) expect_shape(p.counts, "counts", {batch}, "[B] from k_src");
+  // Every output element is written (positions over all of C, remapped over every slot), so the work follows the
+  // outputs' extents: refusing overlapping outputs bounds it by memory the caller owns.
+  expect_distinct_elements(p.k_dst, "k_dst");
+  expect_distinct_elements(p.v_dst, "v_dst");
+  expect_distinct_elements(p.positions, "positions");
+  expect_distinct_elements(p.remapped, "remapped");
+  if (p.counts.present) expect_distinct_elements(p.counts, "counts");
 
   // Index range and the per-sequence union size, which must fit C. The union is sorted out of the ids themselves,
   // so the memory it takes follows the index tensor, never N (which may be huge and only touched where selected).

@@ -362,6 +362,79 @@ TEST(ContractEdgeCases, PrefetchAndHeadMappingSizeNothingFromAnUntouchedExtent) 
   EXPECT_EQ(map, std::vector<int32_t>(4, 0));  // no trace: every overlap 0, ties go to draft head 0
 }
 
+TEST(ContractEdgeCases, PrefetchWorkIsBoundedByTheOutputsItWrites) {
+  OwnedContext c;
+  std::vector<float> kv(4 * 2, 1.f);
+  sparsa_tensor k_src = st::host_tensor(kv.data(), SPARSA_DTYPE_F32, {1, 4, 1, 2});
+  std::vector<float> dst(3 * 2, -7.f);
+  sparsa_tensor k_dst = st::host_tensor(dst.data(), SPARSA_DTYPE_F32, {1, 3, 1, 2});
+  std::vector<int32_t> positions(6, -7), counts(1, -7), remapped(4, -7);
+  const auto start = std::chrono::steady_clock::now();
+
+  // k = 0 with H_idx = 2^31: no entry, yet the union and remap walks once visited every row (a fuzzer timeout).
+  sparsa_tensor no_ids = st::host_tensor(nullptr, SPARSA_DTYPE_I32, {1, int64_t{1} << 31, 0});
+  sparsa_tensor pos = st::host_tensor(positions.data(), SPARSA_DTYPE_I32, {1, 3});
+  sparsa_tensor cnt = st::host_tensor(counts.data(), SPARSA_DTYPE_I32, {1});
+  EXPECT_EQ(sparsa_kv_prefetch(c.ctx, &k_src, &k_src, &no_ids, &k_dst, &k_dst, &pos, &no_ids, &cnt),
+            SPARSA_STATUS_SUCCESS)
+      << sparsa_last_error_message();
+  EXPECT_EQ(positions, (std::vector<int32_t>{-1, -1, -1, -7, -7, -7}));
+  EXPECT_EQ(counts[0], 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+
+  // Outputs whose elements overlap are refused before anything is read or written: a stride-0 positions of
+  // C = 2^40 would be written 2^40 times, a broadcast remapped walked over all its (absent) elements.
+  std::vector<int32_t> ids = {2, 0};
+  sparsa_tensor idx = st::host_tensor(ids.data(), SPARSA_DTYPE_I32, {1, 1, 2});
+  sparsa_tensor rem = st::host_tensor(remapped.data(), SPARSA_DTYPE_I32, {1, 1, 2});
+  sparsa_tensor rowless_src = st::host_tensor(nullptr, SPARSA_DTYPE_F32, {1, 4, 1, 0});
+  sparsa_tensor huge_dst = st::host_tensor(nullptr, SPARSA_DTYPE_F32, {1, int64_t{1} << 40, 1, 0});
+  sparsa_tensor broadcast_pos = st::host_tensor(positions.data(), SPARSA_DTYPE_I32, {1, int64_t{1} << 40});
+  broadcast_pos.strides[1] = 0;
+  sparsa_tensor broadcast_ids = st::host_tensor(ids.data(), SPARSA_DTYPE_I32, {1, int64_t{1} << 40, 2});
+  broadcast_ids.strides[1] = 0;
+  sparsa_tensor broadcast_rem = st::host_tensor(remapped.data(), SPARSA_DTYPE_I32, {1, int64_t{1} << 40, 2});
+  broadcast_rem.strides[1] = 0;
+  sparsa_tensor interleaved_rem = st::host_tensor(remapped.data(), SPARSA_DTYPE_I32, {1, 2, 2});
+  interleaved_rem.strides[1] = 1;  // [0][1][0] and [0][0][1] share an address
+  std::vector<int32_t> four_ids = {0, 1, 2, 3};
+  sparsa_tensor interleaved_ids = st::host_tensor(four_ids.data(), SPARSA_DTYPE_I32, {1, 2, 2});
+  std::fill(positions.begin(), positions.end(), -7);
+  std::fill(remapped.begin(), remapped.end(), -7);
+  const std::vector<int32_t> untouched_positions = positions, untouched_remapped = remapped;
+  struct Case {
+    const char* what;
+    const sparsa_tensor *k_src, *indices, *k_dst, *positions, *remapped;
+    const char* named;
+  };
+  const Case cases[] = {
+      {"stride-0 positions", &rowless_src, &idx, &huge_dst, &broadcast_pos, &rem, "positions"},
+      {"broadcast remapped", &k_src, &broadcast_ids, &k_dst, &pos, &broadcast_rem, "remapped"},
+      {"interleaved remapped", &k_src, &interleaved_ids, &k_dst, &pos, &interleaved_rem, "remapped"},
+  };
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(cs.what);
+    const auto case_start = std::chrono::steady_clock::now();
+    EXPECT_EQ(sparsa_kv_prefetch(c.ctx, cs.k_src, cs.k_src, cs.indices, cs.k_dst, cs.k_dst, cs.positions,
+                                 cs.remapped, nullptr),
+              SPARSA_STATUS_SHAPE_MISMATCH);
+    EXPECT_NE(std::string(sparsa_last_error_message()).find(cs.named), std::string::npos)
+        << sparsa_last_error_message();
+    EXPECT_LT(std::chrono::steady_clock::now() - case_start, std::chrono::seconds(2));
+    EXPECT_EQ(positions, untouched_positions);
+    EXPECT_EQ(remapped, untouched_remapped);
+  }
+
+  // Gaps are fine: positions every other element.
+  sparsa_tensor gapped_pos = st::host_tensor(positions.data(), SPARSA_DTYPE_I32, {1, 3});
+  gapped_pos.strides[1] = 2;
+  ASSERT_EQ(sparsa_kv_prefetch(c.ctx, &k_src, &k_src, &idx, &k_dst, &k_dst, &gapped_pos, &rem, nullptr),
+            SPARSA_STATUS_SUCCESS)
+      << sparsa_last_error_message();
+  EXPECT_EQ(positions, (std::vector<int32_t>{0, -7, 2, -7, -1, -7}));
+  EXPECT_EQ(std::vector<int32_t>(remapped.begin(), remapped.begin() + 2), (std::vector<int32_t>{1, 0}));
+}
+
 TEST(ContractEdgeCases, EmptyRowsAndMisalignedDataAreSafe) {
   OwnedContext c;
   // kv_prefetch with D = 0 and NULL data: memcpy(NULL, NULL, 0) and NULL + offset once ran here.

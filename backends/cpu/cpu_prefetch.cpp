@@ -6,6 +6,8 @@
 // validate_prefetch has already checked every index and every union against C, so nothing here can fail once
 // the first output is written; each work item rebuilds its sequence's union in thread scratch (O(H_idx·k log),
 // cheap against the O(|U|·Hkv·D) copy). An empty batch binds no scratch at all: H_idx·k may then be any extent.
+// The outputs' elements are distinct (validate_prefetch), so the O(C) and O(H_idx·k) walks stay within memory the
+// caller owns.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -34,12 +36,12 @@ void copy_row(const TensorArg& src, const TensorArg& dst, size_t row_bytes, int6
   std::memcpy(to, from, row_bytes);
 }
 
-// Writes the ascending, deduplicated valid ids of sequence b (all H_idx rows) to ids (room for H_idx·k) and
-// returns their count. Every entry is -1 or a token id (validate_prefetch).
-int64_t sequence_union(const TensorArg& indices, int64_t b, int64_t* ids) {
+// Writes the ascending, deduplicated valid ids of sequence b (rows x slots entries) to ids (room for rows·slots)
+// and returns their count. Every entry is -1 or a token id (validate_prefetch).
+int64_t sequence_union(const TensorArg& indices, int64_t b, int64_t rows, int64_t slots, int64_t* ids) {
   int64_t n = 0;
-  for (int64_t row = 0; row < indices.extent(1); ++row) {
-    for (int64_t slot = 0; slot < indices.extent(2); ++slot) {
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t slot = 0; slot < slots; ++slot) {
       const int32_t id = index_at(indices, b, row, slot);
       if (id == kUnusedSlot) continue;
       ids[n++] = id;
@@ -54,8 +56,9 @@ int64_t sequence_union(const TensorArg& indices, int64_t b, int64_t* ids) {
 void cpu_kv_prefetch(const PrefetchProblem& problem, const ExecContext& exec) {
   const TensorArg& indices = problem.indices;
   const int64_t batch = indices.extent(0);
-  const int64_t n_index_heads = indices.extent(1);
   const int64_t slots = indices.extent(2);
+  // With k = 0 there is no entry: H_idx may then be any extent (remapped is empty too), so walk no row.
+  const int64_t n_index_heads = slots == 0 ? 0 : indices.extent(1);
   const int64_t n_kv_heads = problem.k_src.extent(2);
   const int64_t head_dim = problem.k_src.extent(3);
   const int64_t capacity = problem.k_dst.extent(1);
@@ -69,7 +72,7 @@ void cpu_kv_prefetch(const PrefetchProblem& problem, const ExecContext& exec) {
     const size_t ids_at = layout.add<int64_t>(max_ids);
     layout.bind(policy_scratch(exec, worker));
     int64_t* ids = layout.get<int64_t>(ids_at, max_ids);
-    const int64_t n_ids = sequence_union(indices, b, ids);
+    const int64_t n_ids = sequence_union(indices, b, n_index_heads, slots, ids);
 
     const TensorArg& positions = problem.positions;
     for (int64_t c = 0; c < capacity; ++c) {

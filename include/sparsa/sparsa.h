@@ -542,7 +542,9 @@ SPARSA_API sparsa_status sparsa_head_mapping(const sparsa_tensor* draft, const s
  *   remapped (out): int32 [B, H_idx, k], each index replaced by its compact row (-1 stays -1).
  * The union per sequence is sorted, so order is kept; a TOKEN_INDICES decode run (Sq = 1) over k_dst/v_dst with
  * `remapped` and seq_lens_k = the union sizes computes what it would over the full cache. counts (out, optional):
- * int32 [B], union sizes. Rows of k_dst/v_dst past the union are left untouched.
+ * int32 [B], union sizes. Rows of k_dst/v_dst past the union are left untouched. No two elements of an output may
+ * share an address (no stride 0 on an extent above 1), else SHAPE_MISMATCH: every element of positions and remapped
+ * is written. GPU contexts: B, Hkv, D, H_idx, k and B*C below 2^31, else UNSUPPORTED.
  */
 SPARSA_API sparsa_status sparsa_kv_prefetch(sparsa_context* ctx, const sparsa_tensor* k_src,
                                             const sparsa_tensor* v_src, const sparsa_tensor* indices,

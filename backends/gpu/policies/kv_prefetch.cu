@@ -44,7 +44,8 @@ struct PrefetchParams {
   int64_t remapped_strides[3] = {0, 0, 0};
   int32_t* counts = nullptr;  // optional output
   int64_t counts_stride = 0;
-  int32_t batch = 0, n_tokens = 0, kv_heads = 0, head_dim = 0, capacity = 0;
+  int32_t batch = 0, kv_heads = 0, head_dim = 0, capacity = 0;
+  int64_t n_tokens = 0;  // marked tokens: min(N, 2^31), as ids are int32
   int32_t element_bytes = 2;
   bool vectors = false;  // every source/destination row starts on a 16-byte boundary and spans whole vectors
   // Scratch.
@@ -201,15 +202,28 @@ void kv_prefetch_run(const GpuDevice& device, const PrefetchProblem& problem, Sc
   if (p.v_src == nullptr) fail(SPARSA_STATUS_UNSUPPORTED, backend_name(), " backend: kv_prefetch v_src is ", why);
   const void* indices = device_address(device, problem.indices, &why);  // null: staged below
 
+  // The kernels count in int32. Token ids are int32, so a longer cache only needs its first 2^31 tokens marked;
+  // with k = 0 there is no entry whatever H_idx is. Any other extent past int32 is refused, not truncated.
+  const int64_t slots = problem.indices.extent(2);
+  const int64_t index_heads = slots == 0 ? 0 : problem.indices.extent(1);
+  const int64_t rows = problem.k_dst.extent(0) * problem.k_dst.extent(1);  // fits: positions' elements are distinct
+  const int64_t int32_extents[] = {problem.k_src.extent(0), problem.k_src.extent(2), problem.k_src.extent(3),
+                                   index_heads, slots, rows};
+  for (const int64_t extent : int32_extents) {
+    if (extent > 0x7fffffff) {
+      fail(SPARSA_STATUS_UNSUPPORTED, backend_name(), " backend: kv_prefetch needs B, Hkv, D, H_idx, k and B*C ",
+           "below 2^31, got ", extent);
+    }
+  }
   p.batch = int32_t(problem.k_src.extent(0));
-  p.n_tokens = int32_t(problem.k_src.extent(1));
+  p.n_tokens = std::min<int64_t>(problem.k_src.extent(1), int64_t{1} << 31);
   p.kv_heads = int32_t(problem.k_src.extent(2));
   p.head_dim = int32_t(problem.k_src.extent(3));
   p.capacity = int32_t(problem.k_dst.extent(1));
-  p.index_heads = int32_t(problem.indices.extent(1));
-  p.slots = int32_t(problem.indices.extent(2));
+  p.index_heads = int32_t(index_heads);
+  p.slots = int32_t(slots);
   p.element_bytes = int32_t(sparsa_dtype_size(problem.k_src.t.dtype));
-  p.words = (int64_t(p.n_tokens) + kBitsPerWord - 1) / kBitsPerWord;
+  p.words = (p.n_tokens + kBitsPerWord - 1) / kBitsPerWord;
   for (int d = 0; d < 3; ++d) {
     p.src_strides[d] = problem.k_src.stride(d);
     p.v_src_strides[d] = problem.v_src.stride(d);
@@ -237,8 +251,6 @@ void kv_prefetch_run(const GpuDevice& device, const PrefetchProblem& problem, Sc
   p.union_sizes = carver.take<int32_t>(uint64_t(p.batch));
   const int64_t index_span = span_elements(problem.indices);
   int32_t* staged = indices == nullptr ? carver.take<int32_t>(uint64_t(index_span)) : nullptr;
-  const int64_t rows = int64_t(p.batch) * p.capacity;
-  if (rows > 0x7fffffff) fail(SPARSA_STATUS_UNSUPPORTED, backend_name(), " backend: kv_prefetch needs B*C below 2^31");
   if (carver.sizing() || p.batch == 0) return;
 
   if (indices == nullptr && index_span > 0) {
