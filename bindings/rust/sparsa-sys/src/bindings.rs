@@ -1654,7 +1654,9 @@ extern "C" {
     #[doc = "   remapped (out): int32 [B, H_idx, k], each index replaced by its compact row (-1 stays -1)."]
     #[doc = " The union per sequence is sorted, so order is kept; a TOKEN_INDICES decode run (Sq = 1) over k_dst/v_dst with"]
     #[doc = " `remapped` and seq_lens_k = the union sizes computes what it would over the full cache. counts (out, optional):"]
-    #[doc = " int32 [B], union sizes. Rows of k_dst/v_dst past the union are left untouched."]
+    #[doc = " int32 [B], union sizes. Rows of k_dst/v_dst past the union are left untouched. No two elements of an output may"]
+    #[doc = " share an address (no stride 0 on an extent above 1), else SHAPE_MISMATCH: every element of positions and remapped"]
+    #[doc = " is written. GPU contexts: B, Hkv, D, H_idx, k and B*C below 2^31, else UNSUPPORTED."]
     pub fn sparsa_kv_prefetch(
         ctx: *mut sparsa_context,
         k_src: *const sparsa_tensor,
