@@ -52,6 +52,8 @@ void drift_select_layers(const sparsa_tensor* h_in_t, const sparsa_tensor* h_out
   }
   if (out_ratio.present) expect_shape(out_ratio, "out_ratio", {layers}, "[L] from h_in");
   if (out_sparse.present) expect_shape(out_sparse, "out_sparse", {layers}, "[L] from h_in");
+  if (out_ratio.present) expect_distinct_elements(out_ratio, "out_ratio");
+  if (out_sparse.present) expect_distinct_elements(out_sparse, "out_sparse");
   if (!(delta >= 0.f && delta <= 1.f)) {
     fail(SPARSA_STATUS_INVALID_ARGUMENT, "delta: expected a quantile in [0, 1], got ", delta);
   }

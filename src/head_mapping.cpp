@@ -54,6 +54,7 @@ void head_mapping(const sparsa_tensor* draft_t, const sparsa_tensor* target_t, i
   }
   if (draft_heads < 1) fail(SPARSA_STATUS_SHAPE_MISMATCH, "draft: shape ", shape_string(draft.t), " has Hd = 0");
   expect_shape(out_map, "out_map", {target_heads}, "[Ht] from target");
+  expect_distinct_elements(out_map, "out_map");
   if (k < 1 || k > n) fail(SPARSA_STATUS_SHAPE_MISMATCH, "k: expected 1 <= k <= N = ", n, ", got ", k);
 
   if (traces == 0) {  // no trace: every overlap is 0 and the tie goes to draft head 0; nothing to size from N

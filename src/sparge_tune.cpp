@@ -240,10 +240,12 @@ void sparge_tune(sparsa_context& ctx, const sparsa_attention_args* args_in, cons
   expect_host(out_params, "out_params");
   expect_dtype(out_params, "out_params", SPARSA_DTYPE_F32);
   expect_shape(out_params, "out_params", {heads, kHeadParamCount}, "[Hq, 4]: theta, tau, topk_fraction, lambda");
+  expect_distinct_elements(out_params, "out_params");
   if (out_metrics.present) {
     expect_host(out_metrics, "out_metrics");
     expect_dtype(out_metrics, "out_metrics", SPARSA_DTYPE_F32);
     expect_shape(out_metrics, "out_metrics", {heads, kMetricCount}, "[Hq, 2]: relative L1, sparsity");
+    expect_distinct_elements(out_metrics, "out_metrics");
   }
 
   Backend& backend = *ctx.backend;

@@ -110,7 +110,9 @@ void expect_distinct_elements(const TensorArg& a, const char* name) {
     if (a.t.shape[d] == 0) return;  // empty: no element at all
     if (a.t.shape[d] > 1) dims[n++] = d;
   }
-  std::sort(dims, dims + n, [&](int x, int y) { return a.t.strides[x] < a.t.strides[y]; });
+  for (int i = 1; i < n; ++i) {  // insertion sort by ascending stride (at most SPARSA_MAX_DIMS entries)
+    for (int j = i; j > 0 && a.t.strides[dims[j]] < a.t.strides[dims[j - 1]]; --j) std::swap(dims[j], dims[j - 1]);
+  }
   int64_t reach = 1;  // elements spanned by the dimensions taken so far
   for (int i = 0; i < n; ++i) {
     const int64_t stride = a.t.strides[dims[i]];
@@ -577,6 +579,14 @@ int64_t longest_key_count(const AttentionProblem& pr) {
 
 void validate_outputs(AttentionProblem& pr, const DeviceRule& rule, const sparsa_policy& p) {
   const int32_t kind = p.kind;
+  const std::pair<const TensorArg*, const char*> written[] = {{&pr.out, "out"},
+                                                              {&pr.lse, "lse"},
+                                                              {&pr.selected_indices, "selected_indices"},
+                                                              {&pr.block_mask_out, "block_mask_out"},
+                                                              {&pr.stats, "stats"}};
+  for (const auto& [arg, name] : written) {
+    if (arg->present) expect_distinct_elements(*arg, name);
+  }
   if (pr.selected_indices.present) {
     const char* name = "selected_indices";
     if (!policy_kind_info(kind)->index_sets) {

@@ -123,6 +123,12 @@ CpSelectCall validate_cp_select(const sparsa_context& ctx, CpSelectStep step, co
       break;
     }
   }
+  const char* out_name = step == CpSelectStep::kMax    ? "out_max"
+                         : step == CpSelectStep::kSum  ? "out_sum"
+                         : step == CpSelectStep::kTopk ? "out_votes"
+                                                       : "out_indices";
+  expect_distinct_elements(call.out, out_name);
+  if (call.out_positions.present) expect_distinct_elements(call.out_positions, "out_positions");
   return call;
 }
 

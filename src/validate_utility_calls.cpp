@@ -71,6 +71,8 @@ MergeProblem validate_merge(const DeviceRule& rule, const sparsa_tensor* o_a, co
   expect_shape(m.lse_a, "lse_a", lse_shape, why);
   expect_shape(m.lse_b, "lse_b", lse_shape, why);
   if (m.out_lse.present) expect_shape(m.out_lse, "out_lse", lse_shape, why);
+  expect_distinct_elements(m.out, "out");
+  if (m.out_lse.present) expect_distinct_elements(m.out_lse, "out_lse");
   return m;
 }
 
@@ -92,6 +94,7 @@ TopkCall validate_topk(const DeviceRule& rule, const sparsa_tensor* scores, int3
          block_size == 1 ? " (N tokens of scores)" : " (blocks of scores at this block_size)", ", got ", k);
   }
   expect_shape(c.out_indices, "out_indices", {c.scores.extent(0), c.scores.extent(1), k}, "[B, H, k]");
+  expect_distinct_elements(c.out_indices, "out_indices");
   return c;
 }
 
@@ -148,8 +151,8 @@ PrefetchProblem validate_prefetch(const DeviceRule& rule, const sparsa_tensor* k
   expect_shape(p.positions, "positions", {batch, capacity}, "[B, C] from k_dst");
   expect_shape(p.remapped, "remapped", shape_of(p.indices), "indices' shape");
   if (p.counts.present) expect_shape(p.counts, "counts", {batch}, "[B] from k_src");
-  // Every output element is written (positions over all of C, remapped over every slot), so the work follows the
-  // outputs' extents: refusing overlapping outputs bounds it by memory the caller owns.
+  // Every element of positions (all of C) and remapped (every slot) is written: with outputs that do not overlap,
+  // that work is bounded by memory the caller owns.
   expect_distinct_elements(p.k_dst, "k_dst");
   expect_distinct_elements(p.v_dst, "v_dst");
   expect_distinct_elements(p.positions, "positions");

@@ -227,6 +227,42 @@ std::vector<Row> bad_input_rows() {
        },
        SPARSA_STATUS_SHAPE_MISMATCH, "v: the last dimension must have stride 1"},
       {"negative stride", [](Baseline& b) { b.tq.strides[1] = -1; }, SPARSA_STATUS_SHAPE_MISMATCH, "q: strides"},
+      // Outputs whose elements overlap: the result would depend on which write lands last.
+      {"out broadcast over S", [](Baseline& b) { b.tout.strides[1] = 0; }, SPARSA_STATUS_SHAPE_MISMATCH,
+       "out: an output's elements must not overlap"},
+      {"out heads interleaved with D",
+       [](Baseline& b) { b.tout.strides[2] = 1; },  // head h + 1 starts one element after head h
+       SPARSA_STATUS_SHAPE_MISMATCH, "out: an output's elements must not overlap"},
+      {"lse broadcast over heads",
+       [](Baseline& b) {
+         b.tlse.strides[1] = 0;
+         b.args.lse = &b.tlse;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "lse: an output's elements must not overlap"},
+      {"stats broadcast",
+       [](Baseline& b) {
+         b.tstats.strides[0] = 0;
+         b.args.stats = &b.tstats;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "stats: an output's elements must not overlap"},
+      {"top-k out_indices broadcast",
+       [](Baseline& b) {
+         b.run_topk();
+         b.ttopk.strides[1] = 0;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "out_indices: an output's elements must not overlap"},
+      {"merge out broadcast",
+       [](Baseline& b) {
+         b.run_merge();
+         b.tout.strides[0] = 0;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "out: an output's elements must not overlap"},
+      {"prefetch positions broadcast",
+       [](Baseline& b) {
+         b.run_prefetch();
+         b.tpositions.strides[1] = 0;
+       },
+       SPARSA_STATUS_SHAPE_MISMATCH, "positions: an output's elements must not overlap"},
       {"Hq % Hkv != 0",
        [](Baseline& b) {
          b.tk = make_tensor(b.k.data(), SPARSA_DTYPE_F32, {kB, kS, 3, kD});

@@ -435,6 +435,40 @@ TEST(ContractEdgeCases, PrefetchWorkIsBoundedByTheOutputsItWrites) {
   EXPECT_EQ(std::vector<int32_t>(remapped.begin(), remapped.begin() + 2), (std::vector<int32_t>{1, 0}));
 }
 
+TEST(ContractEdgeCases, HostUtilitiesRefuseOutputsWhoseElementsOverlap) {
+  // The attention run, merge, top-k and prefetch rows are in test_bad_input.cpp; these are the host-only utilities.
+  OwnedContext c;
+  constexpr int32_t kSentinel = -7;
+  std::vector<float> traces(2 * 2 * 4, 1.f);
+  const sparsa_tensor draft = st::host_tensor(traces.data(), SPARSA_DTYPE_F32, {2, 2, 4});
+  std::vector<int32_t> map(2, kSentinel);
+  sparsa_tensor out_map = st::host_tensor(map.data(), SPARSA_DTYPE_I32, {2});
+  out_map.strides[0] = 0;
+  EXPECT_EQ(sparsa_head_mapping(&draft, &draft, 2, &out_map), SPARSA_STATUS_SHAPE_MISMATCH);
+  EXPECT_NE(std::string(sparsa_last_error_message()).find("out_map: an output's elements must not overlap"),
+            std::string::npos)
+      << sparsa_last_error_message();
+  EXPECT_EQ(map, std::vector<int32_t>(2, kSentinel));
+
+  std::vector<float> ratio(2, -7.f);
+  sparsa_tensor out_ratio = st::host_tensor(ratio.data(), SPARSA_DTYPE_F32, {2});
+  out_ratio.strides[0] = 0;
+  EXPECT_EQ(sparsa_drift_select_layers(&draft, &draft, 0.5f, &out_ratio, nullptr), SPARSA_STATUS_SHAPE_MISMATCH);
+  EXPECT_NE(std::string(sparsa_last_error_message()).find("out_ratio"), std::string::npos)
+      << sparsa_last_error_message();
+  EXPECT_EQ(ratio, std::vector<float>(2, -7.f));
+
+  SmallRun r(4, 8);
+  std::vector<float> params(4, -7.f);
+  sparsa_tensor out_params = st::host_tensor(params.data(), SPARSA_DTYPE_F32, {1, 4});
+  out_params.strides[1] = 0;
+  EXPECT_EQ(sparsa_sparge_tune(c.ctx, &r.describe(), nullptr, nullptr, &out_params, nullptr),
+            SPARSA_STATUS_SHAPE_MISMATCH);
+  EXPECT_NE(std::string(sparsa_last_error_message()).find("out_params"), std::string::npos)
+      << sparsa_last_error_message();
+  EXPECT_EQ(params, std::vector<float>(4, -7.f));
+}
+
 TEST(ContractEdgeCases, EmptyRowsAndMisalignedDataAreSafe) {
   OwnedContext c;
   // kv_prefetch with D = 0 and NULL data: memcpy(NULL, NULL, 0) and NULL + offset once ran here.

@@ -86,7 +86,10 @@ pub type sparsa_device_type = ::std::os::raw::c_uint;
 #[doc = " A non-owning view of caller memory, the same information as a DLPack `DLTensor`."]
 #[doc = " `data` points at element [0, ..., 0]; element [i0, ..., in] lives at `data + Σ i_k * strides[k]` elements."]
 #[doc = " Strides are in elements (not bytes), may be any non-negative value, and the last dimension must have stride 1"]
-#[doc = " wherever this header says \"last stride 1\" (every attention tensor). Entries past `ndim` are ignored."]
+#[doc = " wherever this header says \"last stride 1\" (every attention tensor). Entries past `ndim` are ignored. An output"]
+#[doc = " (anything a call writes) must not overlap itself: taken by ascending stride, each dimension of extent > 1 must"]
+#[doc = " step past everything the smaller ones span (so no stride 0 on an extent above 1), else SHAPE_MISMATCH. Inputs may"]
+#[doc = " be broadcast (stride 0)."]
 #[doc = " Every call refuses (SHAPE_MISMATCH) a tensor whose element count, or whose byte span from element [0, ..., 0] to"]
 #[doc = " the last element its strides reach, does not fit int64. Attention runs also refuse batch, head, sequence, packed"]
 #[doc = " token and page counts above INT32_MAX (token positions are int32 in every index tensor): nothing is ever"]
@@ -1654,9 +1657,8 @@ extern "C" {
     #[doc = "   remapped (out): int32 [B, H_idx, k], each index replaced by its compact row (-1 stays -1)."]
     #[doc = " The union per sequence is sorted, so order is kept; a TOKEN_INDICES decode run (Sq = 1) over k_dst/v_dst with"]
     #[doc = " `remapped` and seq_lens_k = the union sizes computes what it would over the full cache. counts (out, optional):"]
-    #[doc = " int32 [B], union sizes. Rows of k_dst/v_dst past the union are left untouched. No two elements of an output may"]
-    #[doc = " share an address (no stride 0 on an extent above 1), else SHAPE_MISMATCH: every element of positions and remapped"]
-    #[doc = " is written. GPU contexts: B, Hkv, D, H_idx, k and B*C below 2^31, else UNSUPPORTED."]
+    #[doc = " int32 [B], union sizes. Rows of k_dst/v_dst past the union are left untouched. GPU contexts: B, Hkv, D, H_idx, k"]
+    #[doc = " and B*C below 2^31, else UNSUPPORTED."]
     pub fn sparsa_kv_prefetch(
         ctx: *mut sparsa_context,
         k_src: *const sparsa_tensor,
