@@ -87,20 +87,24 @@ CpSelectCall validate_cp_select(const sparsa_context& ctx, CpSelectStep step, co
   const ShapeSpec stats_shape({batch, heads});
   const ShapeSpec sum_shape({batch, heads, SPARSA_CP_SUM_DIGITS});
   const ShapeSpec topk_shape({batch, n_sets, top_k});
+  const char* out_name = "out_indices";  // what this step calls its output
   switch (step) {
     case CpSelectStep::kMax:
-      call.out = read_typed(tensors.out, "out_max", SPARSA_DTYPE_F64, stats_shape, "[B, Hq]", rule);
+      out_name = "out_max";
+      call.out = read_typed(tensors.out, out_name, SPARSA_DTYPE_F64, stats_shape, "[B, Hq]", rule);
       break;
     case CpSelectStep::kSum:
       call.global_max = read_typed(tensors.global_max, "global_max", SPARSA_DTYPE_F64, stats_shape, "[B, Hq]", rule);
-      call.out = read_typed(tensors.out, "out_sum", SPARSA_DTYPE_I64, sum_shape, "[B, Hq, SPARSA_CP_SUM_DIGITS]",
+      out_name = "out_sum";
+      call.out = read_typed(tensors.out, out_name, SPARSA_DTYPE_I64, sum_shape, "[B, Hq, SPARSA_CP_SUM_DIGITS]",
                             rule);
       break;
     case CpSelectStep::kTopk:
       call.global_max = read_typed(tensors.global_max, "global_max", SPARSA_DTYPE_F64, stats_shape, "[B, Hq]", rule);
       call.global_sum = read_typed(tensors.global_sum, "global_sum", SPARSA_DTYPE_I64, sum_shape,
                                    "[B, Hq, SPARSA_CP_SUM_DIGITS]", rule);
-      call.out = read_typed(tensors.out, "out_votes", SPARSA_DTYPE_F64, topk_shape, "[B, n_sets, top_k]", rule);
+      out_name = "out_votes";
+      call.out = read_typed(tensors.out, out_name, SPARSA_DTYPE_F64, topk_shape, "[B, n_sets, top_k]", rule);
       call.out_positions =
           read_typed(tensors.out_positions, "out_positions", SPARSA_DTYPE_I32, topk_shape, "[B, n_sets, top_k]", rule);
       break;
@@ -123,10 +127,6 @@ CpSelectCall validate_cp_select(const sparsa_context& ctx, CpSelectStep step, co
       break;
     }
   }
-  const char* out_name = step == CpSelectStep::kMax    ? "out_max"
-                         : step == CpSelectStep::kSum  ? "out_sum"
-                         : step == CpSelectStep::kTopk ? "out_votes"
-                                                       : "out_indices";
   expect_distinct_elements(call.out, out_name);
   if (call.out_positions.present) expect_distinct_elements(call.out_positions, "out_positions");
   return call;
