@@ -405,3 +405,51 @@ TEST_P(TokenSelect, HalfPrecisionDecodeOverThousandsOfCandidatesSelectsLikeTheOr
           EXPECT_EQ(r.scratch_after_plan, r.scratch_after_run) << "the run after sparsa_attention_plan grew scratch";
         }
 }
+
+// The CPU's TOKEN_SELECT decode on a 16-bit cache runs an fp32 screen first (backends/cpu/select_screen.h) and takes
+// the float64 pass only where the screen cannot certify; a float32 cache always takes the float64 pass. The same
+// values in both must give the same index sets, bit for bit, even where votes nearly tie (no margin asked here):
+// padded and paged caches, batches of different lengths, shared and per-kv-head sets, scaled scores, every pattern.
+// (sparsa_cpu_kernel_tests checks the screen alone, including that it certifies where it should.)
+TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
+  st::Context context(SPARSA_DEVICE_CPU);
+  ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
+  struct Case {
+    int B, Hq, Hkv, D;
+    std::vector<int> skv;
+    int top_k;
+  };
+  const Case cases[] = {{1, 32, 8, 128, {3000}, 380}, {2, 16, 2, 64, {2400, 1700}, 301}, {1, 8, 1, 256, {2000}, 250},
+                        {2, 16, 16, 128, {1500, 2100}, 200}};
+  int counter = 0;
+  for (const Case& c : cases)
+    for (st::Pattern pattern : st::all_patterns())
+      for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16}) {
+        const bool per_kv_head = counter % 2 == 1, scale_scores = counter % 3 == 2;
+        const st::Layout layout = counter % 4 < 2 ? st::Layout::kPaged : st::Layout::kPadded;
+        ST_RNG(rng, counter++);
+        SCOPED_TRACE(::testing::Message() << "B=" << c.B << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " D=" << c.D
+                                          << " " << st::pattern_name(pattern) << " dtype=" << dtype
+                                          << " per_kv_head=" << per_kv_head << " scale_scores=" << scale_scores);
+        ref::Problem p = st::make_problem(c.B, c.Hq, c.Hkv, c.D, std::vector<int>(size_t(c.B), 1), c.skv, true);
+        st::fill(p, pattern, rng);
+        p = st::rounded(p, dtype);
+        ref::TokenSelectParams tp;
+        tp.n_init = 16;
+        tp.n_local = 64;
+        tp.top_k = c.top_k;
+        tp.per_kv_head = per_kv_head;
+        tp.scale_scores = scale_scores;
+        st::RunOptions opt;
+        opt.layout = layout;
+        opt.selected_sets = per_kv_head ? p.Hkv : 1;
+        opt.selected_cap = p.max_skv();
+        opt.dtype = dtype;
+        const st::RunResult half = st::run(context, p, select_policy(tp), opt);
+        opt.dtype = SPARSA_DTYPE_F32;
+        const st::RunResult single = st::run(context, p, select_policy(tp), opt);
+        ASSERT_EQ(half.status, SPARSA_STATUS_SUCCESS) << half.message;
+        ASSERT_EQ(single.status, SPARSA_STATUS_SUCCESS) << single.message;
+        EXPECT_EQ(half.selected, single.selected);
+      }
+}

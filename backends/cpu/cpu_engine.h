@@ -21,7 +21,7 @@
 
 namespace sparsa::cpu {
 
-constexpr int kRunScratchSlots = 6;
+constexpr int kRunScratchSlots = 7;
 constexpr int kRunScratchDeltaStaging = 0;  // Δ: the base policy's fp32 output [rows, Hq, D] + lse
 constexpr int kRunScratchDeltaKeys = 1;     // Δ: the list 0..Skv−1 as int64, shared read-only by all workers
 constexpr int kRunScratchSelection = 2;     // selection policies: per-run plans, q̄, selections; TOKEN_INDICES'
@@ -31,6 +31,7 @@ constexpr int kRunScratchSelectionVotes = 3;  // selection policies: softmax sta
 constexpr int kRunScratchDecodeRanges = 4;  // dense decode: each key range's rows + LSE (items write disjoint
                                             // parts); selection policies' decode: each list slice's rows + LSE
 constexpr int kRunScratchKvPanels = 5;  // run_query_blocks: the K/V panels of the (b, kv head) pairs of one phase
+constexpr int kRunScratchSelectionScreen = 6;  // TOKEN_SELECT's fp32 screen (select_screen.cpp): scores, bounds
 
 // Tiling DENSE and SINK_WINDOW run at (and report BLOCKS_* at): query rows per work item × keys per tile.
 constexpr int32_t kDefaultBlockQ = 128;

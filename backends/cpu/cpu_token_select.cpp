@@ -5,8 +5,9 @@
 //   0. per sequence: sizes, dense fallback, every check that can fail (nothing is written before it ends);
 //   1. q̄_h = mean of the call's query rows, float64, per (b, h);
 //   2. selection-cache lookups per sequence (serial, O(B·Hq·D));
-//   3. sequences without a cache hit: scores, per-head softmax over the candidates, vote, top-k → T (three steps,
-//      parallel over kv heads, then candidate chunks, then sets);
+//   3. sequences without a cache hit: scores, per-head softmax over the candidates, vote, top-k → T. A decode on a
+//      16-bit cache first goes through the fp32 screen (select_screen.h), which certifies the float64 T from fp32
+//      scores; the float64 steps (parallel over kv heads, then candidate chunks, then sets) take what it cannot;
 //   4. cache stores and counts (serial);
 //   5. selected_indices per (b, set);
 //   6. attention per (b, h) over I = sinks ∪ T ∪ local, causal (bottom-right).
@@ -28,6 +29,7 @@
 #include "cpu_utilities.h"
 #include "../../src/common/fixed_point_sum.h"
 #include "select_scores.h"
+#include "select_screen.h"
 #include "select_softmax.h"
 
 namespace sparsa::cpu {
@@ -324,11 +326,12 @@ struct VoteArrays {
   }
 };
 
-// The run's per-sequence arrays (slot kRunScratchSelection): plans [B], concat q̄ [B, Hq·D], T [B, n_sets, top_k].
+// The run's per-sequence arrays (slot kRunScratchSelection): plans [B], concat q̄ [B, Hq·D], T [B, n_sets, top_k],
+// and the fp32 screen's view of the sequences and its verdicts [B].
 struct RunArrays {
   ScratchLayout layout;
   size_t batch, qbars_count, selections_count;
-  size_t plans_at, qbars_at, selections_at;
+  size_t plans_at, qbars_at, selections_at, screen_at, certified_at;
   RunArrays(const AttentionProblem& problem, const SelectParams& params) {
     batch = size_t(problem.batch);
     qbars_count = batch * size_t(problem.num_q_heads) * size_t(problem.head_dim);
@@ -336,8 +339,19 @@ struct RunArrays {
     plans_at = layout.add<SequencePlan>(batch);
     qbars_at = layout.add<double>(qbars_count);
     selections_at = layout.add<int64_t>(selections_count);
+    screen_at = layout.add<ScreenSequence>(batch);
+    certified_at = layout.add<unsigned char>(batch);
   }
 };
+
+ScreenRequest screen_request(const SelectParams& params, double score_scale) {
+  ScreenRequest request;
+  request.top_k = params.top_k;
+  request.n_sets = params.n_sets;
+  request.heads_per_set = params.heads_per_set;
+  request.score_scale = score_scale;
+  return request;
+}
 
 // Phase 6's key lists on the decode path (run scratch slot kRunScratchSelectionVotes, after phase 3): I per
 // (b, set), [B, n_sets, stride], and their sizes [B, n_sets].
@@ -362,16 +376,25 @@ struct DecodeListArrays {
 };
 
 // Phase 3 of a run (see head_softmax_stats): T for every sequence that selects without a cache hit, written to
-// selections [B, n_sets, top_k]. concat_qbars: [B, Hq·D].
+// selections [B, n_sets, top_k]. concat_qbars: [B, Hq·D]. The fp32 screen (select_screen.h) goes first; the float64
+// steps below take the sequences it could not certify. screen / certified: the run's [B] arrays for it.
 void compute_selections(const AttentionProblem& problem, const SelectParams& params,
                         const SequencePlan* plans, const double* concat_qbars, const ExecContext& exec,
-                        int64_t* selections) {
+                        int64_t* selections, ScreenSequence* screen, unsigned char* certified) {
   const int32_t batch = problem.batch;
   const int32_t n_heads = problem.num_q_heads;
   const int64_t qbar_len = int64_t(n_heads) * problem.head_dim;
   const int64_t selection_len = int64_t(params.n_sets) * params.top_k_stride;
   const VoteInputs vote_inputs{problem, params, params.scale_scores ? double(problem.scale) : 1.0};
-  const auto computes_selection = [&](int32_t b) { return plans[size_t(b)].selects() && !plans[size_t(b)].cache_hit; };
+  for (int32_t b = 0; b < batch; ++b) {
+    const SequencePlan& plan = plans[size_t(b)];
+    screen[b] = ScreenSequence{plan.candidate_begin, plan.n_candidates(), plan.selects() && !plan.cache_hit};
+  }
+  screen_selections(problem, screen_request(params, vote_inputs.score_scale), screen, concat_qbars, exec, selections,
+                    selection_len, params.top_k_stride, certified);
+  const auto computes_selection = [&](int32_t b) {
+    return plans[size_t(b)].selects() && !plans[size_t(b)].cache_hit && !certified[b];
+  };
   int64_t max_candidates = 0;
   for (int32_t b = 0; b < batch; ++b) {
     if (computes_selection(b)) max_candidates = std::max(max_candidates, plans[size_t(b)].n_candidates());
@@ -540,6 +563,12 @@ void plan_token_select(const AttentionProblem& problem, const PolicyParams& poli
                          VoteArrays(problem, params, largest_kept).layout.floats(),
                          decode_lists_apply(problem) ? DecodeListArrays(problem, params, nullptr).layout.floats() : 0}));
   if (decode_lists_apply(problem)) reserve_decode_lists_scratch(problem, problem.max_seq_k, exec);
+  const ScreenRequest request = screen_request(params, params.scale_scores ? double(problem.scale) : 1.0);
+  if (selection_screen_applies(problem, request, worst)) {
+    run_scratch(exec, kRunScratchSelectionScreen).reserve(selection_screen_scratch_floats(problem, request, worst));
+    const size_t worker_floats = selection_screen_worker_floats(problem, request, worst);
+    for (int w = 0; w < worker_count(exec); ++w) policy_scratch(exec, w).reserve(worker_floats);
+  }
 }
 
 void run_token_select(const AttentionProblem& problem, const PolicyParams& policy, const OutputSink& sink,
@@ -560,6 +589,8 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
   SequencePlan* plans = arrays.layout.get<SequencePlan>(arrays.plans_at, arrays.batch);
   double* concat_qbars = arrays.layout.get<double>(arrays.qbars_at, arrays.qbars_count);
   int64_t* selections = arrays.layout.get<int64_t>(arrays.selections_at, arrays.selections_count);
+  ScreenSequence* screen = arrays.layout.get<ScreenSequence>(arrays.screen_at, arrays.batch);
+  unsigned char* certified = arrays.layout.get<unsigned char>(arrays.certified_at, arrays.batch);
   std::fill(concat_qbars, concat_qbars + arrays.qbars_count, 0.0);
   std::fill(selections, selections + arrays.selections_count, int64_t{0});
   for (int32_t b = 0; b < batch; ++b) {
@@ -601,7 +632,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
   }
 
   // Phase 3: head soft vote and top-k for every selecting sequence without a hit.
-  compute_selections(problem, params, plans, concat_qbars, exec, selections);
+  compute_selections(problem, params, plans, concat_qbars, exec, selections, screen, certified);
 
   // Phase 4: store what was computed and count.
   for (int32_t b = 0; b < batch; ++b) {

@@ -1,0 +1,815 @@
+// TOKEN_SELECT's fp32 screen: the float64 oracle's T (§6.3) from fp32 scores and proven bounds (select_screen.h).
+//
+// Why: scoring every candidate in float64 in channel order (the oracle's bits) costs Hq·D float64 multiply-adds per
+// key, as much as all of dense decode's fp32 arithmetic, so a selection scored that way cannot be cheaper than dense
+// attention. The dense decode kernels score in fp32 at twice the lanes and without the transpose that sequential
+// float64 sums need. fp32 scores decide most candidates outright; the rest are scored in float64 exactly as the
+// oracle does, and whatever is still undecided sends the sequence back to the float64 pass.
+//
+// The bounds, per query head h (kv head hk; s the oracle's score, ŝ this file's, m and m̂ their maxima over C):
+//   |ŝ − s| <= B_h = |scale| · Σ_c |q̄_h[c]| · max|K[·, hk, ·]| · (γ32(D+8) + γ64(D+8) + 2^-22) + underflow,
+//   the classic bound for a dot product in any summation order (γ_n = n·u / (1 − n·u)), both dot products' roundings
+//   and fp32(scale · q̄) included. So |(s − m) − (ŝ − m̂)| <= w_h = 2·B_h, and the oracle's e = exp(s − m) lies in
+//   [ê·(1 − w)(1 − ε), ê·(1 + w + w²)(1 + ε)] with ê = screen_exp(ŝ − m̂) (ε: its error and its fp32 argument's).
+//   Summing those bounds Z_h, and each candidate's vote Σ_h e/Z_h lies in an interval [lo, hi].
+// With λ the top_k-th largest lo and μ the (top_k+1)-th largest hi, a candidate with lo > μ is in T whatever the
+// exact values (at most top_k − 1 others can reach it) and one with hi < λ is out (top_k others beat it). The band
+// U between is resolved with the oracle's own float64 scores of U and of every candidate whose ê exceeds a
+// kHeavyShare share of Z_h ("heavy"): they give m_h exactly (the maximum is heavy), Z_h's heavy terms exactly and
+// its light rest within its interval, so U's votes get intervals narrow enough to pick U's share of T — or the
+// sequence falls back. Every float64 rounding of the oracle's pipeline (its exp, the fixed-point Z_h, the vote's
+// divides and adds) and of this file's sums is covered by kRoundingSlack. Exact ties cannot be certified and fall
+// back, so the smaller-index rule stays the float64 pass's.
+#include "select_screen.h"
+
+#include <sparsa/sparsa.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+
+#include "cpu_convert.h"
+#include "cpu_engine.h"
+#include "cpu_features.h"
+#include "cpu_select_util.h"
+#include "decode_kernels.h"
+#include "select_scores.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+// The row loops run only where the decode kernels do, so on CPUs with AVX2 and FMA.
+#define SPARSA_SCREEN_VECTOR __attribute__((target("avx2,fma")))
+#else
+#define SPARSA_SCREEN_VECTOR
+#endif
+
+namespace sparsa::cpu {
+namespace {
+
+constexpr int kTileKeys = 64;                       // keys per call of the decode scores kernel
+constexpr int kPrefetchTilesAhead = 8;              // step 1 fetches K rows this many tiles ahead into L2
+constexpr int64_t kChunkCandidates = 2048;          // candidates per work item of the row steps
+constexpr double kHeavyShare = 1.0 / (1 << 18);     // ê >= kHeavyShare · Σ ê: heavy, scored exactly in step 6
+constexpr double kMaxHeavyCut = 0.5;
+constexpr double kRoundingSlack = 1.0 / (1 << 30);  // every float64 rounding (ours and the oracle's), over-covered
+constexpr double kExpSlack = 1.0 / (1 << 12);       // screen_exp's error and its fp32 argument's, over-covered
+constexpr double kChunkSumSlack = 1.0 / (1 << 11);  // an fp32 sum of <= kChunkCandidates terms, over-covered
+constexpr float kLowestArgument = -87.f;            // screen_exp's clamp: ê >= exp(-87), still a normal float
+constexpr double kClampedTermBound = 0x1p-125;      // >= screen_exp(kLowestArgument)
+constexpr double kUnderflowBound = 0x1p-148;        // an fp32 product's rounding below the normal range
+constexpr double kMaxWidth = 0.125;                 // w_h beyond this: the bounds would decide nothing
+constexpr size_t kMaxScreenBytes = size_t(64) << 20;
+constexpr int64_t kMaxCandidates = int64_t(1) << 22;  // keeps every float64 sum's error under kRoundingSlack
+constexpr int32_t kMaxHeadsPerSet = 1 << 12;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// γ_n = n·u / (1 − n·u): the relative error factor of an n-term dot product in precision u, any summation order.
+double gamma_factor(int64_t n, double unit_roundoff) {
+  const double nu = double(n) * unit_roundoff;
+  return nu / (1.0 - nu);
+}
+
+// exp(x) for x <= 0 (clamped at kLowestArgument): x = n·ln2 + r, |r| <= ln2/2, e^r by its Taylor polynomial to r^6
+// (truncation below 1.3e-7 relative), 2^n from the exponent bits. Branch-free, so the row loops vectorise it.
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2High = 0.693145751953125f;  // 15 significant bits: n · kLn2High is exact for |n| <= 2^8
+  constexpr float kLn2Low = 1.42860682030941723212e-6f;
+  constexpr float kRoundingShift = 12582912.f;  // 1.5 · 2^23: adding it rounds to an integer
+  x = x < kLowestArgument ? kLowestArgument : x;
+  const float n = (x * kLog2e + kRoundingShift) - kRoundingShift;
+  const float r = (x - n * kLn2High) - n * kLn2Low;
+  const float p =
+      1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  const int32_t scale_bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  return p * scale;
+}
+
+// Per query head, the bounds steps 2 and 4 derive.
+struct HeadBounds {
+  float max_score = 0.f;  // m̂
+  float cut = 0.f;        // ê >= cut: heavy
+  double width = 0.0;     // w_h
+  double lo_factor = 0.0, hi_factor = 0.0;  // e / ê within [(1 − w)(1 − ε), (1 + w + w²)(1 + ε)]
+  float lo_coef = 0.f, hi_coef = 0.f;       // lo_factor / Z_hi, hi_factor / Z_lo: step 5's vote bounds
+  bool ok = false;
+};
+
+// The run's arrays (run scratch slot kRunScratchSelectionScreen).
+struct ScreenArrays {
+  ScratchLayout layout;
+  int64_t chunks = 0, max_candidates = 0, scores_stride = 0;
+  size_t q_count, scores_count, chunk_heads, chunk_kv, heads_count, votes_count, sets_count;
+  size_t q_at, scores_at, chunk_max_at, chunk_sum_at, chunk_kmax_at, chunk_bad_at, heads_at, lo_at, hi_at, set_ok_at;
+  ScreenArrays(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_c) {
+    const size_t batch = size_t(problem.batch), hq = size_t(problem.num_q_heads);
+    max_candidates = max_c;
+    chunks = ceil_div(max_c, kChunkCandidates);
+    scores_stride = max_c * int64_t(hq) + 16;  // + the last row's vector overhang
+    q_count = batch * hq * size_t(problem.head_dim);
+    scores_count = batch * size_t(scores_stride);
+    chunk_heads = batch * size_t(chunks) * hq;
+    chunk_kv = batch * size_t(chunks) * size_t(problem.num_kv_heads);
+    heads_count = batch * hq;
+    sets_count = batch * size_t(request.n_sets);
+    votes_count = sets_count * size_t(max_c);
+    q_at = layout.add<float>(q_count);
+    scores_at = layout.add<float>(scores_count);
+    chunk_max_at = layout.add<float>(chunk_heads);
+    chunk_sum_at = layout.add<float>(chunk_heads);
+    chunk_kmax_at = layout.add<uint16_t>(chunk_kv);
+    chunk_bad_at = layout.add<unsigned char>(batch * size_t(chunks));
+    heads_at = layout.add<HeadBounds>(heads_count);
+    lo_at = layout.add<float>(votes_count);
+    hi_at = layout.add<float>(votes_count);
+    set_ok_at = layout.add<unsigned char>(sets_count);
+  }
+};
+
+// A worker's scratch in step 1: the tile's row pointers, and those of the keys it fetches ahead.
+struct ScoreChunkLayout {
+  ScratchLayout layout;
+  size_t rows_at, ahead_at;
+  ScoreChunkLayout() {
+    rows_at = layout.add<const unsigned char*>(kTileKeys);
+    ahead_at = layout.add<const unsigned char*>(kTileKeys);
+  }
+};
+
+// A worker's scratch in step 6 for n candidates of a set with n_kv kv heads of g query heads: the intervals' order
+// statistics, the decided and undecided ids, U's vote intervals, each kv head's heavy list, the union list scored exactly ([list, g]
+// scores; that room also takes U's two interval ends at the end), the light sums and the transposed tile.
+struct CertifyLayout {
+  ScratchLayout layout;
+  size_t exact_count;
+  size_t order_lo_at, order_hi_at, in_at, undecided_at, u_lo_at, u_hi_at, heavy_at, heavy_count_at, list_at, exact_at,
+      sums_at, transposed_at;
+  CertifyLayout(int64_t n, int32_t n_kv, int32_t g, int32_t d, int64_t undecided_capacity) {
+    exact_count = size_t(n) * size_t(std::max(g, 2));
+    order_lo_at = layout.add<float>(size_t(n));
+    order_hi_at = layout.add<float>(size_t(n));
+    in_at = layout.add<int32_t>(size_t(n));
+    undecided_at = layout.add<int32_t>(size_t(undecided_capacity));
+    u_lo_at = layout.add<double>(size_t(undecided_capacity));
+    u_hi_at = layout.add<double>(size_t(undecided_capacity));
+    heavy_at = layout.add<int32_t>(size_t(n) * size_t(n_kv));
+    heavy_count_at = layout.add<int64_t>(size_t(n_kv));
+    list_at = layout.add<int32_t>(size_t(n));
+    exact_at = layout.add<double>(exact_count);
+    sums_at = layout.add<double>(size_t(n_kv) * size_t(g));
+    transposed_at = layout.add<float>(score_tile_scratch_floats(d));
+  }
+};
+
+bool magnitude_is_finite(int32_t dtype, uint16_t bits) {
+  return dtype == SPARSA_DTYPE_F16 ? bits < 0x7c00 : bits < 0x7f80;
+}
+double magnitude_value(int32_t dtype, uint16_t bits) {
+  return dtype == SPARSA_DTYPE_F16 ? double(f16_to_float(bits)) : double(bf16_to_float(bits));
+}
+
+// The row loops: AVX2 + FMA, eight heads at a time (the screen runs only where the decode kernels do, so on CPUs
+// with both); the plain loops elsewhere only keep other targets building.
+#if defined(__x86_64__)
+constexpr int kLanes = 8;
+
+// exp_nonpositive on eight lanes, the same operations (the FMAs round less, within the same bound).
+__attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(kLowestArgument));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// Largest |K| bits without the sign (fp16 and bf16 magnitudes order like their bits) per kv head over a tile's
+// rows, key by key so that a key's rows of every kv head are read in address order.
+__attribute__((target("avx2"))) void tile_max_magnitudes(const unsigned char* const* rows, int nk, int32_t n_kv,
+                                                         int64_t head_bytes, int32_t d, uint16_t* kmax) {
+  constexpr int32_t kMaxKv = 64;
+  __m256i largest[kMaxKv];
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+  for (int32_t hk = 0; hk < n_kv; ++hk) largest[hk] = _mm256_setzero_si256();
+  for (int j = 0; j < nk; ++j)
+    for (int32_t hk = 0; hk < n_kv; ++hk) {
+      const unsigned char* row = rows[j] + hk * head_bytes;
+      __m256i m = largest[hk];
+      for (int32_t c = 0; c < d; c += 16)
+        m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c)),
+                                                 magnitude));
+      largest[hk] = m;
+    }
+  for (int32_t hk = 0; hk < n_kv; ++hk) {
+    alignas(32) uint16_t lanes[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), largest[hk]);
+    for (uint16_t lane : lanes) kmax[hk] = std::max(kmax[hk], lane);
+  }
+}
+constexpr int32_t kMaxKvHeads = 64;
+
+// Rows [t][hq] (hq a multiple of kLanes): each head's maximum into maxes; false when a score is not finite.
+__attribute__((target("avx2,fma"))) bool row_maxima(const float* rows, int64_t n_rows, int32_t hq, float* maxes) {
+  const __m256 largest_finite = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 bad = _mm256_setzero_ps();
+  for (int32_t h = 0; h < hq; h += kLanes) {
+    __m256 m = _mm256_loadu_ps(maxes + h);
+    for (int64_t t = 0; t < n_rows; ++t) {
+      const __m256 x = _mm256_loadu_ps(rows + t * hq + h);
+      m = _mm256_max_ps(m, x);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_andnot_ps(sign, x), largest_finite, _CMP_NLE_UQ));
+    }
+    _mm256_storeu_ps(maxes + h, m);
+  }
+  return _mm256_movemask_ps(bad) == 0;
+}
+
+// Rows [t][hq]: ê = exp(ŝ − m̂_h) in place, each head's fp32 sum into sums.
+__attribute__((target("avx2,fma"))) void row_exps(float* rows, int64_t n_rows, int32_t hq, const float* maxes,
+                                                  float* sums) {
+  for (int32_t h = 0; h < hq; h += kLanes) {
+    const __m256 m = _mm256_loadu_ps(maxes + h);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n_rows; ++t) {
+      float* x = rows + t * hq + h;
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x), m));
+      _mm256_storeu_ps(x, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    _mm256_storeu_ps(sums + h, sum);
+  }
+}
+
+// Rows [t][hq], heads [first, first + nh) (nh a multiple of kLanes): lo[t] = Σ ê·lo_coef, hi[t] = Σ ê·hi_coef, fp32.
+__attribute__((target("avx2,fma"))) void row_votes(const float* rows, int64_t n_rows, int32_t hq, int32_t first,
+                                                   int32_t nh, const float* lo_coef, const float* hi_coef, float* lo,
+                                                   float* hi) {
+  for (int64_t t = 0; t < n_rows; ++t) {
+    const float* row = rows + t * hq + first;
+    __m256 lo_sum = _mm256_setzero_ps(), hi_sum = _mm256_setzero_ps();
+    for (int32_t h = 0; h < nh; h += kLanes) {
+      const __m256 e = _mm256_loadu_ps(row + h);
+      lo_sum = _mm256_fmadd_ps(e, _mm256_loadu_ps(lo_coef + h), lo_sum);
+      hi_sum = _mm256_fmadd_ps(e, _mm256_loadu_ps(hi_coef + h), hi_sum);
+    }
+    alignas(32) float lanes[2][kLanes];
+    _mm256_store_ps(lanes[0], lo_sum);
+    _mm256_store_ps(lanes[1], hi_sum);
+    float l = 0.f, u = 0.f;
+    for (int i = 0; i < kLanes; ++i) {
+      l += lanes[0][i];
+      u += lanes[1][i];
+    }
+    lo[t] = l;
+    hi[t] = u;
+  }
+}
+
+// Rows [first_row, first_row + n_rows) of [t][hq], heads [first, first + nh) (nh a multiple of kLanes; g divides
+// kLanes or is a multiple of it): light[i] = fp32 Σ of head first + i's ê below its cut, and each row with an ê at
+// or above its head's cut appended to its kv head's list (heavy + kv · stride, count in n_heavy[kv]); false when a
+// list would pass capacity.
+__attribute__((target("avx2,fma"))) bool row_split(const float* rows, int64_t first_row, int64_t n_rows, int32_t hq,
+                                                   int32_t first, int32_t nh, int32_t g, const float* cut,
+                                                   float* light, int32_t* heavy, int64_t stride, int64_t* n_heavy,
+                                                   int64_t capacity) {
+  const int32_t n_kv = nh / g;
+  const int32_t kv_per_block = g < kLanes ? kLanes / g : 1;
+  const int group_bits = g < kLanes ? (1 << g) - 1 : 0xff;
+  for (int32_t h = 0; h < nh; h += kLanes) _mm256_storeu_ps(light + h, _mm256_setzero_ps());
+  int any_of_kv[kMaxKvHeads];
+  for (int64_t t = first_row; t < first_row + n_rows; ++t) {
+    const float* row = rows + t * hq + first;
+    int any = 0;
+    for (int32_t h = 0; h < nh; h += kLanes) {
+      const __m256 e = _mm256_loadu_ps(row + h);
+      const __m256 is_heavy = _mm256_cmp_ps(e, _mm256_loadu_ps(cut + h), _CMP_GE_OQ);
+      _mm256_storeu_ps(light + h, _mm256_add_ps(_mm256_loadu_ps(light + h), _mm256_andnot_ps(is_heavy, e)));
+      any |= _mm256_movemask_ps(is_heavy);
+    }
+    if (!any) continue;  // the common case: no head of the set finds this row heavy
+    for (int32_t kv = 0; kv < n_kv; ++kv) any_of_kv[kv] = 0;
+    for (int32_t h = 0; h < nh; h += kLanes) {
+      const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + h), _mm256_loadu_ps(cut + h), _CMP_GE_OQ));
+      for (int32_t j = 0; j < kv_per_block; ++j) any_of_kv[(h + j * g) / g] |= (mask >> (j * g)) & group_bits;
+    }
+    for (int32_t kv = 0; kv < n_kv; ++kv) {
+      if (!any_of_kv[kv]) continue;
+      if (n_heavy[kv] == capacity) return false;
+      heavy[kv * stride + n_heavy[kv]++] = int32_t(t);
+    }
+  }
+  return true;
+}
+#else
+constexpr int kLanes = 8;
+constexpr int32_t kMaxKvHeads = 64;
+void tile_max_magnitudes(const unsigned char* const* rows, int nk, int32_t n_kv, int64_t head_bytes, int32_t d,
+                         uint16_t* kmax) {
+  for (int j = 0; j < nk; ++j)
+    for (int32_t hk = 0; hk < n_kv; ++hk)
+      for (int32_t c = 0; c < d; ++c) {
+        uint16_t bits;
+        std::memcpy(&bits, rows[j] + hk * head_bytes + 2 * c, sizeof bits);
+        kmax[hk] = std::max<uint16_t>(kmax[hk], uint16_t(bits & 0x7fff));
+      }
+}
+bool row_maxima(const float* rows, int64_t n_rows, int32_t hq, float* maxes) {
+  bool finite = true;
+  for (int64_t t = 0; t < n_rows; ++t)
+    for (int32_t h = 0; h < hq; ++h) {
+      maxes[h] = std::max(maxes[h], rows[t * hq + h]);
+      finite = finite && std::fabs(rows[t * hq + h]) <= std::numeric_limits<float>::max();
+    }
+  return finite;
+}
+void row_exps(float* rows, int64_t n_rows, int32_t hq, const float* maxes, float* sums) {
+  for (int32_t h = 0; h < hq; ++h) sums[h] = 0.f;
+  for (int64_t t = 0; t < n_rows; ++t)
+    for (int32_t h = 0; h < hq; ++h) {
+      rows[t * hq + h] = exp_nonpositive(rows[t * hq + h] - maxes[h]);
+      sums[h] += rows[t * hq + h];
+    }
+}
+void row_votes(const float* rows, int64_t n_rows, int32_t hq, int32_t first, int32_t nh, const float* lo_coef,
+               const float* hi_coef, float* lo, float* hi) {
+  for (int64_t t = 0; t < n_rows; ++t) {
+    float l = 0.f, u = 0.f;
+    for (int32_t h = 0; h < nh; ++h) {
+      l += rows[t * hq + first + h] * lo_coef[h];
+      u += rows[t * hq + first + h] * hi_coef[h];
+    }
+    lo[t] = l;
+    hi[t] = u;
+  }
+}
+bool row_split(const float* rows, int64_t first_row, int64_t n_rows, int32_t hq, int32_t first, int32_t nh,
+               int32_t g, const float* cut, float* light, int32_t* heavy, int64_t stride, int64_t* n_heavy,
+               int64_t capacity) {
+  for (int32_t h = 0; h < nh; ++h) light[h] = 0.f;
+  for (int64_t t = first_row; t < first_row + n_rows; ++t)
+    for (int32_t kv = 0; kv < nh / g; ++kv) {
+      bool any = false;
+      for (int32_t h = kv * g; h < (kv + 1) * g; ++h) {
+        const float e = rows[t * hq + first + h];
+        if (e >= cut[h]) {
+          any = true;
+        } else {
+          light[h] += e;
+        }
+      }
+      if (!any) continue;
+      if (n_heavy[kv] == capacity) return false;
+      heavy[kv * stride + n_heavy[kv]++] = int32_t(t);
+    }
+  return true;
+}
+#endif
+
+struct Screen {
+  const AttentionProblem& problem;
+  const ScreenRequest& request;
+  const ScreenSequence* sequences;
+  const double* concat_qbars;
+  ScreenArrays& arrays;
+  const DecodeKernels& decode;
+  float* q;                  // [B, Hq·D]: fp32(scale · q̄)
+  float* scores;             // [B][max C, Hq] (+ overhang): ŝ, then ê in place
+  float* chunk_max;          // [B, chunks, Hq]
+  float* chunk_sum;          // [B, chunks, Hq]
+  uint16_t* chunk_kmax;      // [B, chunks, Hkv]
+  unsigned char* chunk_bad;  // [B, chunks]
+  HeadBounds* heads;         // [B, Hq]
+  float* vote_lo;            // [B, n_sets, max C]
+  float* vote_hi;
+  unsigned char* set_ok;     // [B, n_sets]
+
+  int32_t group() const { return problem.num_q_heads / problem.num_kv_heads; }
+  int64_t n_chunks(int32_t b) const { return ceil_div(sequences[b].n_candidates, kChunkCandidates); }
+  float* rows(int32_t b) const { return scores + int64_t(b) * arrays.scores_stride; }
+  HeadBounds* head_bounds(int32_t b) const { return heads + int64_t(b) * problem.num_q_heads; }
+  const unsigned char* k_row(int32_t b, int64_t t, int32_t hk) const {
+    return static_cast<const unsigned char*>(problem.k.t.data) +
+           problem.kv_offset(problem.k, b, t, hk) * element_bytes(problem.dtype);
+  }
+
+  // Step 1, one chunk of sequence b's candidates: ŝ rows with the dense decode kernels, each head's maximum, each kv
+  // head's largest |K|, and whether anything was not finite.
+  void score_chunk(int32_t b, int64_t chunk, ThreadScratch& scratch) const {
+    const ScreenSequence& seq = sequences[b];
+    const int64_t first = chunk * kChunkCandidates;
+    const int64_t last = std::min(seq.n_candidates, first + kChunkCandidates);
+    const int32_t hq = problem.num_q_heads, n_kv = problem.num_kv_heads, d = problem.head_dim;
+    float* maxes = chunk_max + (int64_t(b) * arrays.chunks + chunk) * hq;
+    uint16_t* kmax = chunk_kmax + (int64_t(b) * arrays.chunks + chunk) * n_kv;
+    std::fill(maxes, maxes + hq, -std::numeric_limits<float>::infinity());
+    std::fill(kmax, kmax + n_kv, uint16_t{0});
+    ScoreChunkLayout layout;
+    layout.layout.bind(scratch);
+    const unsigned char** tile_rows = layout.layout.get<const unsigned char*>(layout.rows_at, kTileKeys);
+    const unsigned char** ahead_rows = layout.layout.get<const unsigned char*>(layout.ahead_at, kTileKeys);
+    DecodeTile tile;
+    tile.k_rows = tile_rows;
+    tile.v_rows = ahead_rows;  // the kernel fetches "V" rows into L2 as it goes: here K, kPrefetchTilesAhead ahead
+    const int64_t t0 = seq.first_candidate + first;
+    tile.k_head_bytes = n_kv > 1 ? k_row(b, t0, 1) - k_row(b, t0, 0) : 0;
+    tile.v_head_bytes = tile.k_head_bytes;
+    tile.n_kv_heads = n_kv;
+    tile.group = group();
+    tile.d = d;
+    tile.dtype = problem.dtype;
+    const float* qb = q + int64_t(b) * hq * d;
+    for (int64_t j0 = first; j0 < last; j0 += kTileKeys) {
+      const int nk = int(std::min<int64_t>(kTileKeys, last - j0));
+      for (int j = 0; j < nk; ++j) {
+        const int64_t t = j0 + j, ahead = t + kPrefetchTilesAhead * kTileKeys;
+        tile_rows[j] = k_row(b, seq.first_candidate + t, 0);
+        ahead_rows[j] = k_row(b, seq.first_candidate + (ahead < seq.n_candidates ? ahead : t), 0);
+      }
+      tile.nk = nk;
+      decode.scores(tile, qb, rows(b) + j0 * hq, hq);
+      tile_max_magnitudes(tile_rows, nk, n_kv, tile.k_head_bytes, d, kmax);  // the tile's rows are in cache now
+    }
+    chunk_bad[int64_t(b) * arrays.chunks + chunk] = !row_maxima(rows(b) + first * hq, last - first, hq, maxes);
+  }
+
+  // Step 2, sequence b: m̂_h and the width w_h of every head (false: the screen cannot bound them).
+  bool bound_heads(int32_t b) const {
+    const int32_t hq = problem.num_q_heads, n_kv = problem.num_kv_heads, d = problem.head_dim;
+    const int64_t chunks = n_chunks(b);
+    for (int64_t c = 0; c < chunks; ++c)
+      if (chunk_bad[int64_t(b) * arrays.chunks + c]) return false;
+    const double abs_scale = std::fabs(request.score_scale);
+    const double coefficient = gamma_factor(d + 8, 0x1p-24) + gamma_factor(d + 8, 0x1p-53) + 0x1p-22;
+    for (int32_t h = 0; h < hq; ++h) {
+      HeadBounds& hb = head_bounds(b)[h];
+      hb = HeadBounds{};
+      float m = -std::numeric_limits<float>::infinity();
+      uint16_t kbits = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        m = std::max(m, chunk_max[(int64_t(b) * arrays.chunks + c) * hq + h]);
+        kbits = std::max(kbits, chunk_kmax[(int64_t(b) * arrays.chunks + c) * n_kv + h / group()]);
+      }
+      if (!magnitude_is_finite(problem.dtype, kbits) || !std::isfinite(m)) return false;
+      const double* qbar = concat_qbars + (int64_t(b) * hq + h) * d;
+      double q_l1 = 0.0;
+      for (int32_t c = 0; c < d; ++c) q_l1 += std::fabs(qbar[c]);
+      const double terms = abs_scale * q_l1 * magnitude_value(problem.dtype, kbits);  // >= |scale|·Σ|q̄·K| per key
+      if (!(terms <= 1e30)) return false;
+      // Below the normal range fp32 rounds absolutely: fp32(scale · q̄) by up to 2^-150 per element (times |K|), each
+      // FMA by up to 2^-150.
+      const double underflow = double(d + 8) * kUnderflowBound * (1.0 + magnitude_value(problem.dtype, kbits));
+      const double bound = terms * coefficient * (1.0 + 0x1p-10) + underflow;
+      hb.max_score = m;
+      hb.width = 2.0 * bound;
+      if (hb.width > kMaxWidth) return false;
+      hb.lo_factor = (1.0 - hb.width) * (1.0 - kExpSlack) * (1.0 - kRoundingSlack);
+      hb.hi_factor = (1.0 + hb.width + hb.width * hb.width) * (1.0 + kExpSlack) * (1.0 + kRoundingSlack);
+    }
+    return true;
+  }
+
+  // Step 3, one chunk: ê in place of ŝ, each head's fp32 sum over the chunk.
+  void exp_chunk(int32_t b, int64_t chunk) const {
+    const int32_t hq = problem.num_q_heads;
+    const int64_t first = chunk * kChunkCandidates;
+    const int64_t last = std::min(sequences[b].n_candidates, first + kChunkCandidates);
+    float maxes[kMaxHeadsPerSet];
+    for (int32_t h = 0; h < hq; ++h) maxes[h] = head_bounds(b)[h].max_score;
+    float* sums = chunk_sum + (int64_t(b) * arrays.chunks + chunk) * hq;
+    std::fill(sums, sums + hq, 0.f);
+    row_exps(rows(b) + first * hq, last - first, hq, maxes, sums);
+  }
+
+  // Step 4, sequence b: Z_h's first interval from Σ ê, the vote coefficients and the heavy cut.
+  bool bound_sums(int32_t b) const {
+    const int32_t hq = problem.num_q_heads;
+    const int64_t n = sequences[b].n_candidates, chunks = n_chunks(b);
+    for (int32_t h = 0; h < hq; ++h) {
+      HeadBounds& hb = head_bounds(b)[h];
+      double sum = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) sum += double(chunk_sum[(int64_t(b) * arrays.chunks + c) * hq + h]);
+      const double z_lo = (sum * (1.0 - kChunkSumSlack) - double(n) * kClampedTermBound) * hb.lo_factor;
+      const double z_hi = sum * (1.0 + kChunkSumSlack) * hb.hi_factor;
+      if (!(z_lo > 0.0) || !std::isfinite(z_hi)) return false;
+      // Stepped away from the bound by one more fp32 rounding, so that rounding to fp32 keeps them bounds.
+      hb.lo_coef = float(hb.lo_factor / z_hi * (1.0 - kRoundingSlack) * (1.0 - 0x1p-23));
+      hb.hi_coef = float(hb.hi_factor / z_lo * (1.0 + kRoundingSlack) * (1.0 + 0x1p-23));
+      // Where the softmax is peaked the light candidates (ê < cut) hold a tiny share of Σ ê, which is what step 6
+      // needs; where it is flat, the heavy lists overflow and the sequence falls back. At most kMaxHeavyCut, so that
+      // the maximum (ê >= (1 − w)(1 − ε) > 7/8) is always heavy.
+      hb.cut = float(std::min(sum * kHeavyShare, kMaxHeavyCut));
+      hb.ok = true;
+    }
+    return true;
+  }
+
+  // Step 5, one chunk of a set: every candidate's vote interval [lo, hi].
+  void vote_chunk(int32_t b, int32_t set, int64_t chunk) const {
+    const int32_t hq = problem.num_q_heads, nh = request.heads_per_set, first_head = set * nh;
+    const int64_t first = chunk * kChunkCandidates;
+    const int64_t last = std::min(sequences[b].n_candidates, first + kChunkCandidates);
+    float lo_coef[kMaxHeadsPerSet], hi_coef[kMaxHeadsPerSet];
+    float largest_lo_coef = 0.f;
+    for (int32_t l = 0; l < nh; ++l) {
+      lo_coef[l] = head_bounds(b)[first_head + l].lo_coef;
+      hi_coef[l] = head_bounds(b)[first_head + l].hi_coef;
+      largest_lo_coef = std::max(largest_lo_coef, lo_coef[l]);
+    }
+    float* lo = vote_lo + (int64_t(b) * request.n_sets + set) * arrays.max_candidates;
+    float* hi = vote_hi + (int64_t(b) * request.n_sets + set) * arrays.max_candidates;
+    row_votes(rows(b) + first * hq, last - first, hq, first_head, nh, lo_coef, hi_coef, lo + first, hi + first);
+    // fp32 sums of nh positive products (γ, and underflow below the normal range); a clamped ê stands for a term
+    // anywhere in [0, its bound], so its share leaves the lower bound.
+    const double sum_error = gamma_factor(nh + 8, 0x1p-24);
+    const double absolute = double(nh) * (kUnderflowBound + kClampedTermBound * double(largest_lo_coef));
+    for (int64_t t = first; t < last; ++t) {
+      lo[t] = float(std::max(0.0, double(lo[t]) * (1.0 - 2.0 * sum_error) - absolute) * (1.0 - kRoundingSlack));
+      hi[t] = float((double(hi[t]) * (1.0 + 2.0 * sum_error) + double(nh) * kUnderflowBound) * (1.0 + kRoundingSlack));
+    }
+  }
+
+  // Step 6 for (b, set): classify by the intervals, resolve U in float64; writes T (ascending) or returns false.
+  bool certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const;
+};
+
+// Splits candidates by interval against the k-th place: in (lo > μ), out (hi < λ), or undecided. in_ids gets the
+// decided ids and undecided the others, both ascending; false when more than capacity are undecided.
+// order_lo / order_hi: scratch of n floats each.
+bool classify(const float* lo, const float* hi, int64_t n, int64_t k, float* order_lo, float* order_hi,
+              int32_t* in_ids, int64_t* n_in, int32_t* undecided, int64_t* n_undecided, int64_t capacity) {
+  std::copy(lo, lo + n, order_lo);
+  std::copy(hi, hi + n, order_hi);
+  std::nth_element(order_lo, order_lo + (k - 1), order_lo + n, std::greater<float>());
+  std::nth_element(order_hi, order_hi + k, order_hi + n, std::greater<float>());
+  const float lambda = order_lo[k - 1], mu = order_hi[k];
+  *n_in = 0;
+  *n_undecided = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (lo[t] > mu) {
+      in_ids[(*n_in)++] = int32_t(t);
+    } else if (!(hi[t] < lambda)) {
+      if (*n_undecided == capacity) return false;
+      undecided[(*n_undecided)++] = int32_t(t);
+    }
+  }
+  return true;
+}
+
+bool Screen::certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const {
+  const ScreenSequence& seq = sequences[b];
+  const int64_t n = seq.n_candidates, k = request.top_k;
+  const int32_t hq = problem.num_q_heads, nh = request.heads_per_set, first_head = set * nh, g = group();
+  const int32_t d = problem.head_dim, first_kv = first_head / g, n_kv = nh / g;
+  const HeadBounds* hbs = head_bounds(b);
+  for (int32_t l = 0; l < nh; ++l)
+    if (!hbs[first_head + l].ok) return false;
+  const int64_t undecided_capacity = std::max<int64_t>(64, n / 8);
+  CertifyLayout c(n, n_kv, g, d, undecided_capacity);
+  c.layout.bind(scratch);
+  float* order_lo = c.layout.get<float>(c.order_lo_at, size_t(n));
+  float* order_hi = c.layout.get<float>(c.order_hi_at, size_t(n));
+  int32_t* in_ids = c.layout.get<int32_t>(c.in_at, size_t(n));
+  int32_t* undecided = c.layout.get<int32_t>(c.undecided_at, size_t(undecided_capacity));
+  double* u_lo = c.layout.get<double>(c.u_lo_at, size_t(undecided_capacity));  // U's vote intervals
+  double* u_hi = c.layout.get<double>(c.u_hi_at, size_t(undecided_capacity));
+  int32_t* heavy = c.layout.get<int32_t>(c.heavy_at, size_t(n) * size_t(n_kv));
+  int64_t* heavy_count = c.layout.get<int64_t>(c.heavy_count_at, size_t(n_kv));
+  int32_t* list = c.layout.get<int32_t>(c.list_at, size_t(n));
+  double* exact = c.layout.get<double>(c.exact_at, c.exact_count);
+  double* sums = c.layout.get<double>(c.sums_at, size_t(n_kv) * size_t(g));  // the light Σ ê of each head
+  float* transposed = c.layout.get<float>(c.transposed_at, score_tile_scratch_floats(d));
+
+  const float* lo = vote_lo + (int64_t(b) * request.n_sets + set) * arrays.max_candidates;
+  const float* hi = vote_hi + (int64_t(b) * request.n_sets + set) * arrays.max_candidates;
+  int64_t n_in = 0, n_undecided = 0;
+  if (!classify(lo, hi, n, k, order_lo, order_hi, in_ids, &n_in, undecided, &n_undecided, undecided_capacity))
+    return false;
+  // T = the decided ids and the chosen undecided ones (both ascending, disjoint), merged.
+  const auto write = [&](const int32_t* chosen, int64_t n_chosen) {
+    if (n_in + n_chosen != k) return false;
+    int64_t i = 0, j = 0, out = 0;
+    while (i < n_in || j < n_chosen) {
+      const bool take_in = j == n_chosen || (i < n_in && in_ids[i] < chosen[j]);
+      selection[out++] = seq.first_candidate + (take_in ? in_ids[i++] : chosen[j++]);
+    }
+    return true;
+  };
+  if (n_undecided == 0) return write(undecided, 0);
+  const int64_t r = k - n_in;  // U's share of T
+  if (r < 0 || r > n_undecided) return false;
+
+  // One pass over the rows: each kv head's heavy candidates (ascending) and every head's light Σ ê (fp32 per chunk).
+  const float* all_rows = rows(b);
+  float cut[kMaxHeadsPerSet], light_chunk[kMaxHeadsPerSet];
+  for (int32_t i = 0; i < nh; ++i) cut[i] = hbs[first_head + i].cut;
+  double* light = sums;
+  std::fill(light, light + nh, 0.0);
+  std::fill(heavy_count, heavy_count + n_kv, int64_t{0});
+  const int64_t heavy_capacity = n / 4;  // more: too flat for the screen to pay
+  for (int64_t t0 = 0; t0 < n; t0 += kChunkCandidates) {
+    if (!row_split(all_rows, t0, std::min(kChunkCandidates, n - t0), hq, first_head, nh, g, cut, light_chunk, heavy,
+                   n, heavy_count, heavy_capacity))
+      return false;
+    for (int32_t i = 0; i < nh; ++i) light[i] += double(light_chunk[i]);
+  }
+
+  // Per kv head: the oracle's scores of list = U ∪ heavy (ascending); then per query head m_h (the maximum is
+  // heavy: its ê is near 1, far above the cut, and the list holds only candidates, so the list's maximum is m_h),
+  // Z_h's interval (heavy terms exact, the light rest within its factors) and U's terms e/Z_hi and e/Z_lo, summed
+  // over the set's heads into u_lo / u_hi.
+  const SelectScoreKernel& kernel = select_score_kernel();
+  const void* tile_rows[kScoreTileKeys];
+  const double clamped_total = double(n) * kClampedTermBound;
+  for (int32_t kv = 0; kv < n_kv; ++kv) {
+    const int32_t hk = first_kv + kv;
+    const int32_t* heavy_kv = heavy + kv * n;
+    const int64_t n_list =
+        std::set_union(undecided, undecided + n_undecided, heavy_kv, heavy_kv + heavy_count[kv], list) - list;
+    const double* qbars = concat_qbars + (int64_t(b) * hq + int64_t(hk) * g) * d;
+    for (int64_t i0 = 0; i0 < n_list; i0 += kScoreTileKeys) {
+      const int nk = int(std::min<int64_t>(kScoreTileKeys, n_list - i0));
+      for (int j = 0; j < nk; ++j) tile_rows[j] = k_row(b, seq.first_candidate + list[i0 + j], hk);
+      kernel.score_tile_exact_products(qbars, g, tile_rows, problem.dtype, nk, d, request.score_scale, transposed,
+                                       exact + i0 * g, g);
+    }
+    for (int32_t l = 0; l < g; ++l) {
+      const int32_t i = kv * g + l;
+      const HeadBounds& hb = hbs[first_head + i];
+      double m = -std::numeric_limits<double>::infinity();
+      for (int64_t x = 0; x < n_list; ++x) m = std::max(m, exact[x * g + l]);
+      double z_heavy = 0.0;
+      for (int64_t x = 0; x < n_list; ++x)
+        if (all_rows[int64_t(list[x]) * hq + first_head + i] >= hb.cut) z_heavy += std::exp(exact[x * g + l] - m);
+      const double z_lo = (z_heavy * (1.0 - kRoundingSlack) +
+                           std::max(0.0, light[i] * (1.0 - kChunkSumSlack) - clamped_total) * hb.lo_factor) *
+                          (1.0 - kRoundingSlack);
+      const double z_hi = (z_heavy * (1.0 + kRoundingSlack) + light[i] * (1.0 + kChunkSumSlack) * hb.hi_factor) *
+                          (1.0 + kRoundingSlack);
+      if (!(z_lo > 0.0) || !std::isfinite(z_hi)) return false;
+      // U is inside the list: walk both in ascending order.
+      for (int64_t u = 0, x = 0; u < n_undecided; ++u, ++x) {
+        while (list[x] != undecided[u]) ++x;
+        const double e = std::exp(exact[x * g + l] - m);
+        if (i == 0 && kv == 0) u_lo[u] = u_hi[u] = 0.0;
+        u_lo[u] += e / z_hi;
+        u_hi[u] += e / z_lo;
+      }
+    }
+  }
+  for (int64_t u = 0; u < n_undecided; ++u) {
+    u_lo[u] *= 1.0 - kRoundingSlack;
+    u_hi[u] *= 1.0 + kRoundingSlack;
+  }
+  // U's share: the same split as classify's, on U's narrow intervals; anything left undecided is a near-tie.
+  int32_t* chosen = list;  // free now
+  int64_t n_chosen = 0;
+  if (r == n_undecided) {
+    std::copy(undecided, undecided + n_undecided, chosen);
+    n_chosen = n_undecided;
+  } else if (r > 0) {
+    double* order = exact;  // exact_count >= 2·|U| doubles, free now
+    std::copy(u_lo, u_lo + n_undecided, order);
+    std::copy(u_hi, u_hi + n_undecided, order + n_undecided);
+    std::nth_element(order, order + (r - 1), order + n_undecided, std::greater<double>());
+    std::nth_element(order + n_undecided, order + n_undecided + r, order + 2 * n_undecided, std::greater<double>());
+    const double lambda = order[r - 1], mu = order[n_undecided + r];
+    for (int64_t u = 0; u < n_undecided; ++u) {
+      if (u_lo[u] > mu) {
+        chosen[n_chosen++] = undecided[u];
+      } else if (!(u_hi[u] < lambda)) {
+        return false;
+      }
+    }
+  }
+  return write(chosen, n_chosen);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) float exp_nonpositive_lane(float x) {
+  return _mm256_cvtss_f32(exp_nonpositive8(_mm256_set1_ps(x)));
+}
+#endif
+
+}  // namespace
+
+float screen_exp(float x) {
+#if defined(__x86_64__)
+  if (cpu_features().avx2 && cpu_features().fma) return exp_nonpositive_lane(x);
+#endif
+  return exp_nonpositive(x);
+}
+
+bool selection_screen_applies(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_candidates) {
+  if (problem.dtype != SPARSA_DTYPE_F16 && problem.dtype != SPARSA_DTYPE_BF16) return false;
+  if (!select_decode_kernels(problem.head_dim)) return false;
+  if (max_candidates <= 0 || max_candidates > kMaxCandidates) return false;
+  if (problem.num_q_heads > kMaxHeadsPerSet || request.heads_per_set > kMaxHeadsPerSet) return false;
+  // The row loops take the heads eight at a time, a kv group whole within those eight or a multiple of them.
+  const int32_t g = problem.num_q_heads / problem.num_kv_heads;
+  if (problem.num_q_heads % kLanes != 0 || request.heads_per_set % kLanes != 0) return false;
+  if (kLanes % g != 0 && g % kLanes != 0) return false;
+  if (problem.num_kv_heads > kMaxKvHeads) return false;
+  if (!std::isfinite(request.score_scale) || request.score_scale == 0.0) return false;
+  const size_t bytes = size_t(problem.batch) * size_t(problem.num_q_heads) * size_t(max_candidates) * sizeof(float);
+  return bytes <= kMaxScreenBytes;
+}
+
+size_t selection_screen_scratch_floats(const AttentionProblem& problem, const ScreenRequest& request,
+                                       int64_t max_candidates) {
+  return ScreenArrays(problem, request, max_candidates).layout.floats();
+}
+
+size_t selection_screen_worker_floats(const AttentionProblem& problem, const ScreenRequest& request,
+                                      int64_t max_candidates) {
+  const int32_t g = problem.num_q_heads / problem.num_kv_heads;
+  return std::max(ScoreChunkLayout().layout.floats(),
+                  CertifyLayout(max_candidates, request.heads_per_set / g, g, problem.head_dim,
+                                std::max<int64_t>(64, max_candidates / 8))
+                      .layout.floats());
+}
+
+void screen_selections(const AttentionProblem& problem, const ScreenRequest& request,
+                       const ScreenSequence* sequences, const double* concat_qbars, const ExecContext& exec,
+                       int64_t* selections, int64_t selection_len, int64_t set_stride, unsigned char* certified) {
+  const int32_t batch = problem.batch, hq = problem.num_q_heads, d = problem.head_dim;
+  int64_t max_candidates = 0;
+  for (int32_t b = 0; b < batch; ++b) {
+    certified[b] = 0;
+    if (sequences[b].wanted) max_candidates = std::max(max_candidates, sequences[b].n_candidates);
+  }
+  if (max_candidates == 0 || !selection_screen_applies(problem, request, max_candidates)) return;
+  ScreenArrays arrays(problem, request, max_candidates);
+  arrays.layout.bind(run_scratch(exec, kRunScratchSelectionScreen));
+  Screen screen{problem,
+                request,
+                sequences,
+                concat_qbars,
+                arrays,
+                *select_decode_kernels(d),
+                arrays.layout.get<float>(arrays.q_at, arrays.q_count),
+                arrays.layout.get<float>(arrays.scores_at, arrays.scores_count),
+                arrays.layout.get<float>(arrays.chunk_max_at, arrays.chunk_heads),
+                arrays.layout.get<float>(arrays.chunk_sum_at, arrays.chunk_heads),
+                arrays.layout.get<uint16_t>(arrays.chunk_kmax_at, arrays.chunk_kv),
+                arrays.layout.get<unsigned char>(arrays.chunk_bad_at, size_t(batch) * size_t(arrays.chunks)),
+                arrays.layout.get<HeadBounds>(arrays.heads_at, arrays.heads_count),
+                arrays.layout.get<float>(arrays.lo_at, arrays.votes_count),
+                arrays.layout.get<float>(arrays.hi_at, arrays.votes_count),
+                arrays.layout.get<unsigned char>(arrays.set_ok_at, arrays.sets_count)};
+  // The screen takes a wanted sequence whose q̄ are floats (every decode: q̄ is the query row widened), so the
+  // oracle's products with K are exact (score_tile_exact_products) and fp32(scale · q̄) is within the bound.
+  unsigned char* taken = certified;  // marks the sequences in play until the verdicts at the end
+  for (int32_t b = 0; b < batch; ++b) {
+    const ScreenSequence& seq = sequences[b];
+    const double* qbar = concat_qbars + int64_t(b) * hq * d;
+    bool floats = seq.wanted && request.top_k > 0 && seq.n_candidates > request.top_k;
+    for (int64_t i = 0; floats && i < int64_t(hq) * d; ++i)
+      floats = std::isfinite(qbar[i]) && double(float(qbar[i])) == qbar[i];
+    taken[b] = floats;
+    if (floats)
+      for (int64_t i = 0; i < int64_t(hq) * d; ++i)
+        screen.q[int64_t(b) * hq * d + i] = float(request.score_scale * qbar[i]);
+  }
+  const int64_t chunks = arrays.chunks;
+  const auto in_range = [&](int32_t b, int64_t chunk) {
+    return taken[b] && chunk * kChunkCandidates < sequences[b].n_candidates;
+  };
+  parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / chunks);
+    if (in_range(b, item % chunks)) screen.score_chunk(b, item % chunks, policy_scratch(exec, worker));
+  });
+  for (int32_t b = 0; b < batch; ++b) taken[b] = taken[b] && screen.bound_heads(b);
+  parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int) {
+    const int32_t b = int32_t(item / chunks);
+    if (in_range(b, item % chunks)) screen.exp_chunk(b, item % chunks);
+  });
+  for (int32_t b = 0; b < batch; ++b) taken[b] = taken[b] && screen.bound_sums(b);
+  parallel_items(exec, int64_t(batch) * request.n_sets * chunks, [&](int64_t item, int) {
+    const int32_t b = int32_t(item / (int64_t(request.n_sets) * chunks));
+    const int32_t set = int32_t(item / chunks % request.n_sets);
+    if (in_range(b, item % chunks)) screen.vote_chunk(b, set, item % chunks);
+  });
+  parallel_items(exec, int64_t(batch) * request.n_sets, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / request.n_sets);
+    const int32_t set = int32_t(item % request.n_sets);
+    screen.set_ok[item] = taken[b] && screen.certify_set(b, set, selections + b * selection_len + set * set_stride,
+                                                         policy_scratch(exec, worker));
+  });
+  for (int32_t b = 0; b < batch; ++b) {
+    bool all = taken[b];
+    for (int32_t set = 0; set < request.n_sets; ++set) all = all && screen.set_ok[int64_t(b) * request.n_sets + set];
+    certified[b] = all;
+  }
+}
+
+}  // namespace sparsa::cpu
