@@ -53,6 +53,7 @@ constexpr int kPrefetchTilesAhead = 8;              // step 1 fetches K rows thi
 constexpr int64_t kChunkCandidates = 2048;          // candidates per work item of the row steps
 constexpr double kHeavyShare = 1.0 / (1 << 18);     // ê >= kHeavyShare · Σ ê: heavy, scored exactly in step 6
 constexpr double kMaxHeavyCut = 0.5;
+constexpr int64_t kFlatFraction = 8;                // a first chunk with more than 1/8 of a head heavy: flat
 constexpr double kRoundingSlack = 1.0 / (1 << 30);  // every float64 rounding (ours and the oracle's), over-covered
 constexpr double kExpSlack = 1.0 / (1 << 12);       // screen_exp's error and its fp32 argument's, over-covered
 constexpr double kChunkSumSlack = 1.0 / (1 << 11);  // an fp32 sum of <= kChunkCandidates terms, over-covered
@@ -249,6 +250,29 @@ __attribute__((target("avx2,fma"))) void row_exps(float* rows, int64_t n_rows, i
   }
 }
 
+// Rows [t][hq]: per head, how many rows score at least m̂ + ln(kHeavyShare · Σ exp(ŝ − m̂)) (with the rows' own m̂):
+// the share of heavy candidates the rows predict.
+__attribute__((target("avx2,fma"))) void row_heavy_counts(const float* rows, int64_t n_rows, int32_t hq,
+                                                          const float* maxes, int64_t* counts) {
+  for (int32_t h = 0; h < hq; h += kLanes) {
+    const __m256 m = _mm256_loadu_ps(maxes + h);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n_rows; ++t)
+      sum = _mm256_add_ps(sum, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(rows + t * hq + h), m)));
+    alignas(32) float sums[kLanes], cuts[kLanes];
+    _mm256_store_ps(sums, sum);
+    for (int l = 0; l < kLanes; ++l) cuts[l] = maxes[h + l] + std::log(float(kHeavyShare) * sums[l]);
+    const __m256 cut = _mm256_load_ps(cuts);
+    __m256i count = _mm256_setzero_si256();
+    for (int64_t t = 0; t < n_rows; ++t)
+      count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(_mm256_loadu_ps(rows + t * hq + h), cut,
+                                                                          _CMP_GE_OQ)));
+    alignas(32) int32_t lanes[kLanes];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), count);
+    for (int l = 0; l < kLanes; ++l) counts[h + l] = lanes[l];
+  }
+}
+
 // Rows [t][hq], heads [first, first + nh) (nh a multiple of kLanes): lo[t] = Σ ê·lo_coef, hi[t] = Σ ê·hi_coef, fp32.
 __attribute__((target("avx2,fma"))) void row_votes(const float* rows, int64_t n_rows, int32_t hq, int32_t first,
                                                    int32_t nh, const float* lo_coef, const float* hi_coef, float* lo,
@@ -339,6 +363,15 @@ void row_exps(float* rows, int64_t n_rows, int32_t hq, const float* maxes, float
       rows[t * hq + h] = exp_nonpositive(rows[t * hq + h] - maxes[h]);
       sums[h] += rows[t * hq + h];
     }
+}
+void row_heavy_counts(const float* rows, int64_t n_rows, int32_t hq, const float* maxes, int64_t* counts) {
+  for (int32_t h = 0; h < hq; ++h) {
+    float sum = 0.f;
+    for (int64_t t = 0; t < n_rows; ++t) sum += exp_nonpositive(rows[t * hq + h] - maxes[h]);
+    const float cut = maxes[h] + std::log(float(kHeavyShare) * sum);
+    counts[h] = 0;
+    for (int64_t t = 0; t < n_rows; ++t) counts[h] += rows[t * hq + h] >= cut;
+  }
 }
 void row_votes(const float* rows, int64_t n_rows, int32_t hq, int32_t first, int32_t nh, const float* lo_coef,
                const float* hi_coef, float* lo, float* hi) {
@@ -440,6 +473,18 @@ struct Screen {
       tile_max_magnitudes(tile_rows, nk, n_kv, tile.k_head_bytes, d, kmax);  // the tile's rows are in cache now
     }
     chunk_bad[int64_t(b) * arrays.chunks + chunk] = !row_maxima(rows(b) + first * hq, last - first, hq, maxes);
+  }
+
+  // After step 1's first chunk of sequence b: true when its rows predict heavy lists past their capacity (a flat
+  // softmax), where step 6 would fail after all the scoring; the float64 pass then takes the sequence at once.
+  bool predicts_flat(int32_t b) const {
+    const int32_t hq = problem.num_q_heads;
+    const int64_t n_rows = std::min(sequences[b].n_candidates, kChunkCandidates);
+    int64_t counts[kMaxHeadsPerSet];
+    row_heavy_counts(rows(b), n_rows, hq, chunk_max + int64_t(b) * arrays.chunks * hq, counts);
+    for (int32_t h = 0; h < hq; ++h)
+      if (counts[h] * kFlatFraction > n_rows) return true;
+    return false;
   }
 
   // Step 2, sequence b: m̂_h and the width w_h of every head (false: the screen cannot bound them).
@@ -784,9 +829,15 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
   const auto in_range = [&](int32_t b, int64_t chunk) {
     return taken[b] && chunk * kChunkCandidates < sequences[b].n_candidates;
   };
-  parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / chunks);
-    if (in_range(b, item % chunks)) screen.score_chunk(b, item % chunks, policy_scratch(exec, worker));
+  // Step 1 on each sequence's first chunk, which says whether its softmax looks peaked enough; then the rest.
+  parallel_items(exec, batch, [&](int64_t b, int worker) {
+    if (in_range(int32_t(b), 0)) screen.score_chunk(int32_t(b), 0, policy_scratch(exec, worker));
+  });
+  for (int32_t b = 0; b < batch; ++b) taken[b] = taken[b] && !screen.chunk_bad[int64_t(b) * chunks] && !screen.predicts_flat(b);
+  parallel_items(exec, int64_t(batch) * (chunks - 1), [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / (chunks - 1));
+    const int64_t chunk = 1 + item % (chunks - 1);
+    if (in_range(b, chunk)) screen.score_chunk(b, chunk, policy_scratch(exec, worker));
   });
   for (int32_t b = 0; b < batch; ++b) taken[b] = taken[b] && screen.bound_heads(b);
   parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int) {
