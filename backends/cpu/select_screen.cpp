@@ -53,7 +53,8 @@ constexpr int kPrefetchTilesAhead = 8;              // step 1 fetches K rows thi
 constexpr int64_t kChunkCandidates = 2048;          // candidates per work item of the row steps
 constexpr double kHeavyShare = 1.0 / (1 << 18);     // ê >= kHeavyShare · Σ ê: heavy, scored exactly in step 6
 constexpr double kMaxHeavyCut = 0.5;
-constexpr int64_t kFlatFraction = 8;                // a first chunk with more than 1/8 of a head heavy: flat
+constexpr int64_t kProbeCandidates = 512;           // step 1 scores these first, to tell a flat softmax early
+constexpr int64_t kFlatFraction = 4;                // a probe with more than 1/4 of a head heavy: flat
 constexpr double kRoundingSlack = 1.0 / (1 << 30);  // every float64 rounding (ours and the oracle's), over-covered
 constexpr double kExpSlack = 1.0 / (1 << 12);       // screen_exp's error and its fp32 argument's, over-covered
 constexpr double kChunkSumSlack = 1.0 / (1 << 11);  // an fp32 sum of <= kChunkCandidates terms, over-covered
@@ -435,17 +436,21 @@ struct Screen {
            problem.kv_offset(problem.k, b, t, hk) * element_bytes(problem.dtype);
   }
 
-  // Step 1, one chunk of sequence b's candidates: ŝ rows with the dense decode kernels, each head's maximum, each kv
-  // head's largest |K|, and whether anything was not finite.
-  void score_chunk(int32_t b, int64_t chunk, ThreadScratch& scratch) const {
+  // Step 1, candidates [first, last) of one chunk of sequence b: ŝ rows with the dense decode kernels, and into the
+  // chunk's statistics (started afresh, or added to) each head's maximum, each kv head's largest |K|, and whether
+  // anything was not finite.
+  void score_rows(int32_t b, int64_t chunk, int64_t first, int64_t last, bool fresh, ThreadScratch& scratch) const {
     const ScreenSequence& seq = sequences[b];
-    const int64_t first = chunk * kChunkCandidates;
-    const int64_t last = std::min(seq.n_candidates, first + kChunkCandidates);
     const int32_t hq = problem.num_q_heads, n_kv = problem.num_kv_heads, d = problem.head_dim;
     float* maxes = chunk_max + (int64_t(b) * arrays.chunks + chunk) * hq;
     uint16_t* kmax = chunk_kmax + (int64_t(b) * arrays.chunks + chunk) * n_kv;
-    std::fill(maxes, maxes + hq, -std::numeric_limits<float>::infinity());
-    std::fill(kmax, kmax + n_kv, uint16_t{0});
+    unsigned char& bad = chunk_bad[int64_t(b) * arrays.chunks + chunk];
+    if (fresh) {
+      std::fill(maxes, maxes + hq, -std::numeric_limits<float>::infinity());
+      std::fill(kmax, kmax + n_kv, uint16_t{0});
+      bad = 0;
+    }
+    if (first >= last) return;
     ScoreChunkLayout layout;
     layout.layout.bind(scratch);
     const unsigned char** tile_rows = layout.layout.get<const unsigned char*>(layout.rows_at, kTileKeys);
@@ -472,14 +477,15 @@ struct Screen {
       decode.scores(tile, qb, rows(b) + j0 * hq, hq);
       tile_max_magnitudes(tile_rows, nk, n_kv, tile.k_head_bytes, d, kmax);  // the tile's rows are in cache now
     }
-    chunk_bad[int64_t(b) * arrays.chunks + chunk] = !row_maxima(rows(b) + first * hq, last - first, hq, maxes);
+    if (!row_maxima(rows(b) + first * hq, last - first, hq, maxes)) bad = 1;
   }
 
-  // After step 1's first chunk of sequence b: true when its rows predict heavy lists past their capacity (a flat
-  // softmax), where step 6 would fail after all the scoring; the float64 pass then takes the sequence at once.
+  // After step 1's probe (the first kProbeCandidates rows) of sequence b: true when they predict heavy lists past
+  // their capacity (a flat softmax), where step 6 would fail after all the scoring; the float64 pass then takes the
+  // sequence at once.
   bool predicts_flat(int32_t b) const {
     const int32_t hq = problem.num_q_heads;
-    const int64_t n_rows = std::min(sequences[b].n_candidates, kChunkCandidates);
+    const int64_t n_rows = std::min(sequences[b].n_candidates, kProbeCandidates);
     int64_t counts[kMaxHeadsPerSet];
     row_heavy_counts(rows(b), n_rows, hq, chunk_max + int64_t(b) * arrays.chunks * hq, counts);
     for (int32_t h = 0; h < hq; ++h)
@@ -829,15 +835,23 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
   const auto in_range = [&](int32_t b, int64_t chunk) {
     return taken[b] && chunk * kChunkCandidates < sequences[b].n_candidates;
   };
-  // Step 1 on each sequence's first chunk, which says whether its softmax looks peaked enough; then the rest.
+  // Step 1 on each sequence's probe rows, which say whether its softmax looks peaked enough; then the rest.
+  const auto chunk_end = [&](int32_t b, int64_t chunk) {
+    return std::min(sequences[b].n_candidates, (chunk + 1) * kChunkCandidates);
+  };
   parallel_items(exec, batch, [&](int64_t b, int worker) {
-    if (in_range(int32_t(b), 0)) screen.score_chunk(int32_t(b), 0, policy_scratch(exec, worker));
+    if (in_range(int32_t(b), 0))
+      screen.score_rows(int32_t(b), 0, 0, std::min(kProbeCandidates, chunk_end(int32_t(b), 0)), true,
+                        policy_scratch(exec, worker));
   });
-  for (int32_t b = 0; b < batch; ++b) taken[b] = taken[b] && !screen.chunk_bad[int64_t(b) * chunks] && !screen.predicts_flat(b);
-  parallel_items(exec, int64_t(batch) * (chunks - 1), [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / (chunks - 1));
-    const int64_t chunk = 1 + item % (chunks - 1);
-    if (in_range(b, chunk)) screen.score_chunk(b, chunk, policy_scratch(exec, worker));
+  for (int32_t b = 0; b < batch; ++b)
+    taken[b] = taken[b] && !screen.chunk_bad[int64_t(b) * chunks] && !screen.predicts_flat(b);
+  parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / chunks);
+    const int64_t chunk = item % chunks;
+    if (!in_range(b, chunk)) return;
+    const int64_t first = chunk == 0 ? kProbeCandidates : chunk * kChunkCandidates;  // chunk 0 adds to the probe's
+    screen.score_rows(b, chunk, first, chunk_end(b, chunk), chunk > 0, policy_scratch(exec, worker));
   });
   for (int32_t b = 0; b < batch; ++b) taken[b] = taken[b] && screen.bound_heads(b);
   parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int) {
