@@ -28,8 +28,9 @@ struct ScreenSequence {
   bool wanted = false;
 };
 
-// True when the screen can run on this problem: fp16 or bf16 K with the dense decode kernels for its head dim, and
-// its arrays for max_candidates per sequence within kMaxScreenBytes.
+// True when the screen can run on this problem: fp16 or bf16 K with the dense decode kernels for its head dim (so
+// AVX2 + FMA at least), Hq and the heads of a set multiples of 8 with a kv group inside 8 heads or a multiple of
+// them, and its fp32 scores ([B, Hq, max_candidates]) within 64 MiB.
 bool selection_screen_applies(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_candidates);
 
 // Floats of run scratch (slot kRunScratchSelectionScreen) screen_selections needs.
@@ -48,8 +49,9 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
                        const ScreenSequence* sequences, const double* concat_qbars, const ExecContext& exec,
                        int64_t* selections, int64_t selection_len, int64_t set_stride, unsigned char* certified);
 
-// exp(x) for x in [-87, 0] (clamped below) in fp32, relative error below kScreenExpError (tests/kernels checks it
-// against std::exp in float64). Exposed for that test.
+// The screen's exp (the eight-lane AVX2 + FMA version where the CPU has it, as the row loops use it) for x <= 0,
+// clamped at -87: relative error below kScreenExpError, which tests/kernels checks against std::exp in float64 (the
+// screen's bounds assume 2^-12, with room for the fp32 argument's rounding).
 float screen_exp(float x);
 constexpr double kScreenExpError = 1.0 / (1 << 16);
 
