@@ -593,16 +593,48 @@ struct Screen {
   bool certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const;
 };
 
+// The k-th and (k+1)-th largest of lo and hi over the candidates that can matter: a sample of every
+// kSampleStride-th lo gives a value v below the k-th largest lo with room to spare; when at least k + 1 lo reach v,
+// no candidate with hi < v can be among the k largest lo or the k + 1 largest hi (lo <= hi), so the order statistics
+// are taken over the candidates with hi >= v alone (a few more than k on a peaked softmax). Otherwise over all.
+// order_lo / order_hi: scratch of n floats each.
+void boundary_values(const float* lo, const float* hi, int64_t n, int64_t k, float* order_lo, float* order_hi,
+                     float* lambda, float* mu) {
+  constexpr int64_t kSampleStride = 16;
+  int64_t m = n;
+  if (n >= 8 * kSampleStride && k + 1 < n) {
+    int64_t n_sample = 0;
+    for (int64_t t = 0; t < n; t += kSampleStride) order_lo[n_sample++] = lo[t];
+    // The sample's (k/stride · 5/4 + 8)-th largest: below the k-th largest lo unless the sample is far off.
+    const int64_t rank = std::min(n_sample - 1, k / kSampleStride + k / (4 * kSampleStride) + 8);
+    std::nth_element(order_lo, order_lo + rank, order_lo + n_sample, std::greater<float>());
+    const float v = order_lo[rank];
+    int64_t kept = 0, reaching = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      if (!(hi[t] >= v)) continue;
+      reaching += lo[t] >= v;
+      order_lo[kept] = lo[t];
+      order_hi[kept++] = hi[t];
+    }
+    if (reaching >= k + 1) m = kept;
+  }
+  if (m == n) {
+    std::copy(lo, lo + n, order_lo);
+    std::copy(hi, hi + n, order_hi);
+  }
+  std::nth_element(order_lo, order_lo + (k - 1), order_lo + m, std::greater<float>());
+  std::nth_element(order_hi, order_hi + k, order_hi + m, std::greater<float>());
+  *lambda = order_lo[k - 1];
+  *mu = order_hi[k];
+}
+
 // Splits candidates by interval against the k-th place: in (lo > μ), out (hi < λ), or undecided. in_ids gets the
 // decided ids and undecided the others, both ascending; false when more than capacity are undecided.
 // order_lo / order_hi: scratch of n floats each.
 bool classify(const float* lo, const float* hi, int64_t n, int64_t k, float* order_lo, float* order_hi,
               int32_t* in_ids, int64_t* n_in, int32_t* undecided, int64_t* n_undecided, int64_t capacity) {
-  std::copy(lo, lo + n, order_lo);
-  std::copy(hi, hi + n, order_hi);
-  std::nth_element(order_lo, order_lo + (k - 1), order_lo + n, std::greater<float>());
-  std::nth_element(order_hi, order_hi + k, order_hi + n, std::greater<float>());
-  const float lambda = order_lo[k - 1], mu = order_hi[k];
+  float lambda = 0.f, mu = 0.f;
+  boundary_values(lo, hi, n, k, order_lo, order_hi, &lambda, &mu);
   *n_in = 0;
   *n_undecided = 0;
   for (int64_t t = 0; t < n; ++t) {
