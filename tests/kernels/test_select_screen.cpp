@@ -229,8 +229,12 @@ TEST(SelectScreen, CertifiedSelectionsAreTheFloat64Ones) {
       const Inputs in = make_inputs(c, rng);
       const ScreenRun run = run_screen(c, in, /*first_candidate=*/seed * 5);
       ++ran;
-      if (c.must_certify) EXPECT_TRUE(run.certified) << "seed " << seed;
-      if (c.pattern == Pattern::kNonFinite) EXPECT_FALSE(run.certified) << "seed " << seed;
+      if (c.must_certify) {
+        EXPECT_TRUE(run.certified) << "seed " << seed;
+      }
+      if (c.pattern == Pattern::kNonFinite) {
+        EXPECT_FALSE(run.certified) << "seed " << seed;
+      }
       if (!run.certified) continue;
       ++certified_cases;
       const std::vector<std::vector<int64_t>> want = float64_selection(c, in);
