@@ -420,7 +420,7 @@ TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
     int top_k;
   };
   const Case cases[] = {{1, 32, 8, 128, {3000}, 380}, {2, 16, 2, 64, {2400, 1700}, 301}, {1, 8, 1, 256, {2000}, 250},
-                        {2, 16, 16, 128, {1500, 2100}, 200}};
+                        {2, 16, 16, 128, {1500, 2100}, 200}, {1, 28, 4, 128, {2500}, 300}, {1, 12, 2, 64, {2000}, 260}};
   int counter = 0;
   for (const Case& c : cases)
     for (st::Pattern pattern : st::all_patterns())

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <type_traits>
 
 #include "cpu_convert.h"
 #include "cpu_engine.h"
@@ -216,117 +217,149 @@ __attribute__((target("avx2"))) void tile_max_magnitudes(const unsigned char* co
 }
 constexpr int32_t kMaxKvHeads = 64;
 
-// Rows [t][hq] (hq a multiple of kLanes): each head's maximum into maxes; false when a score is not finite.
+// Lanes [0, count) of a block of kLanes heads (count in [1, kLanes]). A block of heads is read and written whole
+// (kWhole) or, for the last heads of a count that is not a multiple of kLanes, through this mask: masked moves are
+// slow on some CPUs (AMD's vmaskmovps store is microcoded), so only the tail block takes them.
+__attribute__((target("avx2"))) inline __m256i lanes_below(int32_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+template <bool kWhole>
+__attribute__((target("avx2"))) inline __m256 load_heads(const float* p, __m256i lanes) {
+  if constexpr (kWhole) return _mm256_loadu_ps(p);
+  return _mm256_maskload_ps(p, lanes);  // 0 in the lanes past the block's heads
+}
+template <bool kWhole>
+__attribute__((target("avx2"))) inline void store_heads(float* p, __m256i lanes, __m256 x) {
+  if constexpr (kWhole) {
+    _mm256_storeu_ps(p, x);
+  } else {
+    _mm256_maskstore_ps(p, lanes, x);
+  }
+}
+// Calls body(whole, h, lanes) for each block of kLanes heads in [0, n), whole a std::bool_constant: true for the
+// full blocks, false for the tail.
+template <typename Body>
+__attribute__((target("avx2,fma"))) inline void for_head_blocks(int32_t n, const Body& body) {
+  int32_t h = 0;
+  for (; h + kLanes <= n; h += kLanes) body(std::true_type{}, h, _mm256_set1_epi32(-1));
+  if (h < n) body(std::false_type{}, h, lanes_below(n - h));
+}
+
+// Rows [t][hq]: each head's maximum into maxes; false when a score is not finite.
 __attribute__((target("avx2,fma"))) bool row_maxima(const float* rows, int64_t n_rows, int32_t hq, float* maxes) {
   const __m256 largest_finite = _mm256_set1_ps(std::numeric_limits<float>::max());
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 bad = _mm256_setzero_ps();
-  for (int32_t h = 0; h < hq; h += kLanes) {
-    __m256 m = _mm256_loadu_ps(maxes + h);
+  for_head_blocks(hq, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
+    constexpr bool kWhole = decltype(whole)::value;
+    __m256 m = load_heads<kWhole>(maxes + h, lanes);
     for (int64_t t = 0; t < n_rows; ++t) {
-      const __m256 x = _mm256_loadu_ps(rows + t * hq + h);
+      const __m256 x = load_heads<kWhole>(rows + t * hq + h, lanes);
       m = _mm256_max_ps(m, x);
       bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_andnot_ps(sign, x), largest_finite, _CMP_NLE_UQ));
     }
-    _mm256_storeu_ps(maxes + h, m);
-  }
+    store_heads<kWhole>(maxes + h, lanes, m);
+  });
   return _mm256_movemask_ps(bad) == 0;
 }
 
 // Rows [t][hq]: ê = exp(ŝ − m̂_h) in place, each head's fp32 sum into sums.
 __attribute__((target("avx2,fma"))) void row_exps(float* rows, int64_t n_rows, int32_t hq, const float* maxes,
                                                   float* sums) {
-  for (int32_t h = 0; h < hq; h += kLanes) {
-    const __m256 m = _mm256_loadu_ps(maxes + h);
+  for_head_blocks(hq, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
+    constexpr bool kWhole = decltype(whole)::value;
+    const __m256 m = load_heads<kWhole>(maxes + h, lanes);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < n_rows; ++t) {
       float* x = rows + t * hq + h;
-      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x), m));
-      _mm256_storeu_ps(x, e);
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(load_heads<kWhole>(x, lanes), m));
+      store_heads<kWhole>(x, lanes, e);
       sum = _mm256_add_ps(sum, e);
     }
-    _mm256_storeu_ps(sums + h, sum);
-  }
+    store_heads<kWhole>(sums + h, lanes, sum);
+  });
 }
 
 // Rows [t][hq]: per head, how many rows score at least m̂ + ln(kHeavyShare · Σ exp(ŝ − m̂)) (with the rows' own m̂):
 // the share of heavy candidates the rows predict.
 __attribute__((target("avx2,fma"))) void row_heavy_counts(const float* rows, int64_t n_rows, int32_t hq,
                                                           const float* maxes, int64_t* counts) {
-  for (int32_t h = 0; h < hq; h += kLanes) {
-    const __m256 m = _mm256_loadu_ps(maxes + h);
+  for_head_blocks(hq, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
+    constexpr bool kWhole = decltype(whole)::value;
+    const int32_t n_lanes = std::min(kLanes, hq - h);
+    const __m256 m = load_heads<kWhole>(maxes + h, lanes);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < n_rows; ++t)
-      sum = _mm256_add_ps(sum, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(rows + t * hq + h), m)));
+      sum = _mm256_add_ps(sum, exp_nonpositive8(_mm256_sub_ps(load_heads<kWhole>(rows + t * hq + h, lanes), m)));
     alignas(32) float sums[kLanes], cuts[kLanes];
     _mm256_store_ps(sums, sum);
-    for (int l = 0; l < kLanes; ++l) cuts[l] = maxes[h + l] + std::log(float(kHeavyShare) * sums[l]);
+    for (int l = 0; l < kLanes; ++l)
+      cuts[l] = l < n_lanes ? maxes[h + l] + std::log(float(kHeavyShare) * sums[l]) : 0.f;
     const __m256 cut = _mm256_load_ps(cuts);
     __m256i count = _mm256_setzero_si256();
     for (int64_t t = 0; t < n_rows; ++t)
-      count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(_mm256_loadu_ps(rows + t * hq + h), cut,
-                                                                          _CMP_GE_OQ)));
-    alignas(32) int32_t lanes[kLanes];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), count);
-    for (int l = 0; l < kLanes; ++l) counts[h + l] = lanes[l];
-  }
+      count = _mm256_sub_epi32(
+          count, _mm256_castps_si256(_mm256_cmp_ps(load_heads<kWhole>(rows + t * hq + h, lanes), cut, _CMP_GE_OQ)));
+    alignas(32) int32_t found[kLanes];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(found), count);
+    for (int l = 0; l < n_lanes; ++l) counts[h + l] = found[l];
+  });
 }
 
-// Rows [t][hq], heads [first, first + nh) (nh a multiple of kLanes): lo[t] = Σ ê·lo_coef, hi[t] = Σ ê·hi_coef, fp32.
+// Rows [t][hq], heads [first, first + nh): lo[t] = Σ ê·lo_coef, hi[t] = Σ ê·hi_coef, fp32 (eight lanes of partial
+// sums, then their sum).
 __attribute__((target("avx2,fma"))) void row_votes(const float* rows, int64_t n_rows, int32_t hq, int32_t first,
                                                    int32_t nh, const float* lo_coef, const float* hi_coef, float* lo,
                                                    float* hi) {
   for (int64_t t = 0; t < n_rows; ++t) {
     const float* row = rows + t * hq + first;
     __m256 lo_sum = _mm256_setzero_ps(), hi_sum = _mm256_setzero_ps();
-    for (int32_t h = 0; h < nh; h += kLanes) {
-      const __m256 e = _mm256_loadu_ps(row + h);
-      lo_sum = _mm256_fmadd_ps(e, _mm256_loadu_ps(lo_coef + h), lo_sum);
-      hi_sum = _mm256_fmadd_ps(e, _mm256_loadu_ps(hi_coef + h), hi_sum);
-    }
-    alignas(32) float lanes[2][kLanes];
-    _mm256_store_ps(lanes[0], lo_sum);
-    _mm256_store_ps(lanes[1], hi_sum);
+    for_head_blocks(nh, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
+    constexpr bool kWhole = decltype(whole)::value;
+      const __m256 e = load_heads<kWhole>(row + h, lanes);
+      lo_sum = _mm256_fmadd_ps(e, load_heads<kWhole>(lo_coef + h, lanes), lo_sum);
+      hi_sum = _mm256_fmadd_ps(e, load_heads<kWhole>(hi_coef + h, lanes), hi_sum);
+    });
+    alignas(32) float sums[2][kLanes];
+    _mm256_store_ps(sums[0], lo_sum);
+    _mm256_store_ps(sums[1], hi_sum);
     float l = 0.f, u = 0.f;
     for (int i = 0; i < kLanes; ++i) {
-      l += lanes[0][i];
-      u += lanes[1][i];
+      l += sums[0][i];
+      u += sums[1][i];
     }
     lo[t] = l;
     hi[t] = u;
   }
 }
 
-// Rows [first_row, first_row + n_rows) of [t][hq], heads [first, first + nh) (nh a multiple of kLanes; g divides
-// kLanes or is a multiple of it): light[i] = fp32 Σ of head first + i's ê below its cut, and each row with an ê at
-// or above its head's cut appended to its kv head's list (heavy + kv · stride, count in n_heavy[kv]); false when a
-// list would pass capacity.
+// Rows [first_row, first_row + n_rows) of [t][hq], heads [first, first + nh) in kv groups of g: light[i] = fp32 Σ
+// of head first + i's ê below its cut, and each row with an ê at or above its head's cut appended to that head's kv
+// list (heavy + kv · stride, count in n_heavy[kv]); false when a list would pass capacity.
 __attribute__((target("avx2,fma"))) bool row_split(const float* rows, int64_t first_row, int64_t n_rows, int32_t hq,
                                                    int32_t first, int32_t nh, int32_t g, const float* cut,
                                                    float* light, int32_t* heavy, int64_t stride, int64_t* n_heavy,
                                                    int64_t capacity) {
   const int32_t n_kv = nh / g;
-  const int32_t kv_per_block = g < kLanes ? kLanes / g : 1;
-  const int group_bits = g < kLanes ? (1 << g) - 1 : 0xff;
-  for (int32_t h = 0; h < nh; h += kLanes) _mm256_storeu_ps(light + h, _mm256_setzero_ps());
-  int any_of_kv[kMaxKvHeads];
+  std::fill(light, light + nh, 0.f);
+  bool heavy_in_kv[kMaxKvHeads];
   for (int64_t t = first_row; t < first_row + n_rows; ++t) {
     const float* row = rows + t * hq + first;
     int any = 0;
-    for (int32_t h = 0; h < nh; h += kLanes) {
-      const __m256 e = _mm256_loadu_ps(row + h);
-      const __m256 is_heavy = _mm256_cmp_ps(e, _mm256_loadu_ps(cut + h), _CMP_GE_OQ);
-      _mm256_storeu_ps(light + h, _mm256_add_ps(_mm256_loadu_ps(light + h), _mm256_andnot_ps(is_heavy, e)));
+    for_head_blocks(nh, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
+    constexpr bool kWhole = decltype(whole)::value;
+      const __m256 e = load_heads<kWhole>(row + h, lanes);
+      __m256 is_heavy = _mm256_cmp_ps(e, load_heads<kWhole>(cut + h, lanes), _CMP_GE_OQ);
+      if constexpr (!kWhole) is_heavy = _mm256_and_ps(is_heavy, _mm256_castsi256_ps(lanes));
+      store_heads<kWhole>(light + h, lanes, _mm256_add_ps(load_heads<kWhole>(light + h, lanes),
+                                                          _mm256_andnot_ps(is_heavy, e)));
       any |= _mm256_movemask_ps(is_heavy);
-    }
+    });
     if (!any) continue;  // the common case: no head of the set finds this row heavy
-    for (int32_t kv = 0; kv < n_kv; ++kv) any_of_kv[kv] = 0;
-    for (int32_t h = 0; h < nh; h += kLanes) {
-      const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + h), _mm256_loadu_ps(cut + h), _CMP_GE_OQ));
-      for (int32_t j = 0; j < kv_per_block; ++j) any_of_kv[(h + j * g) / g] |= (mask >> (j * g)) & group_bits;
-    }
+    for (int32_t kv = 0; kv < n_kv; ++kv) heavy_in_kv[kv] = false;
+    for (int32_t i = 0; i < nh; ++i) heavy_in_kv[i / g] = heavy_in_kv[i / g] || row[i] >= cut[i];
     for (int32_t kv = 0; kv < n_kv; ++kv) {
-      if (!any_of_kv[kv]) continue;
+      if (!heavy_in_kv[kv]) continue;
       if (n_heavy[kv] == capacity) return false;
       heavy[kv * stride + n_heavy[kv]++] = int32_t(t);
     }
@@ -795,10 +828,6 @@ bool selection_screen_applies(const AttentionProblem& problem, const ScreenReque
   if (!select_decode_kernels(problem.head_dim)) return false;
   if (max_candidates <= 0 || max_candidates > kMaxCandidates) return false;
   if (problem.num_q_heads > kMaxHeadsPerSet || request.heads_per_set > kMaxHeadsPerSet) return false;
-  // The row loops take the heads eight at a time, a kv group whole within those eight or a multiple of them.
-  const int32_t g = problem.num_q_heads / problem.num_kv_heads;
-  if (problem.num_q_heads % kLanes != 0 || request.heads_per_set % kLanes != 0) return false;
-  if (kLanes % g != 0 && g % kLanes != 0) return false;
   if (problem.num_kv_heads > kMaxKvHeads) return false;
   if (!std::isfinite(request.score_scale) || request.score_scale == 0.0) return false;
   const size_t bytes = size_t(problem.batch) * size_t(problem.num_q_heads) * size_t(max_candidates) * sizeof(float);

@@ -29,8 +29,8 @@ struct ScreenSequence {
 };
 
 // True when the screen can run on this problem: fp16 or bf16 K with the dense decode kernels for its head dim (so
-// AVX2 + FMA at least), Hq and the heads of a set multiples of 8 with a kv group inside 8 heads or a multiple of
-// them, and its fp32 scores ([B, Hq, max_candidates]) within 64 MiB.
+// AVX2 + FMA at least), at most 64 kv heads and 4096 query heads, and its fp32 scores ([B, Hq, max_candidates])
+// within 64 MiB.
 bool selection_screen_applies(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_candidates);
 
 // Floats of run scratch (slot kRunScratchSelectionScreen) screen_selections needs.

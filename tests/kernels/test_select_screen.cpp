@@ -4,7 +4,8 @@
 // head order, T = the top_k votes (ties: smaller id). Wherever the screen certifies a sequence its T must be that
 // T exactly; the table says where it must certify (peaked attention), so a screen that stopped engaging fails too.
 // Cases aim at its edges: exact ties and one-ulp near-ties at the boundary, flat softmaxes, magnitudes that make the
-// bounds useless, non-finite keys, every group size and set layout the screen takes.
+// bounds useless, non-finite keys, head counts that fill the eight-head blocks or leave them part-full, every group
+// size and set layout.
 #include <gtest/gtest.h>
 #include <sparsa/sparsa.h>
 
@@ -68,6 +69,11 @@ const ScreenCase kCases[] = {
     {"random_g8", 16, 2, 128, 7000, 900, false, SPARSA_DTYPE_F16, Pattern::kRandom, 1.f, 1.0, true},
     {"random_g16", 32, 2, 128, 7000, 900, false, SPARSA_DTYPE_F16, Pattern::kRandom, 1.f, 1.0, true},
     {"per_kv_head_g8", 16, 2, 128, 8000, 1000, true, SPARSA_DTYPE_F16, Pattern::kRandom, 1.f, 1.0, true},
+    {"per_kv_head_g4", 32, 8, 128, 6000, 700, true, SPARSA_DTYPE_F16, Pattern::kRandom, 1.f, 1.0, true},
+    {"g7_hq28", 28, 4, 128, 6000, 700, false, SPARSA_DTYPE_BF16, Pattern::kRandom, 1.f, 1.0, true},
+    {"g6_hq12_per_kv_head", 12, 2, 64, 5000, 600, true, SPARSA_DTYPE_F16, Pattern::kRandom, 1.5f, 1.0, true},
+    {"g3_hq12_near_ties", 12, 4, 128, 5000, 601, false, SPARSA_DTYPE_F16, Pattern::kNearTies, 1.f, 1.0, false},
+    {"g1_hq4", 4, 4, 256, 4000, 500, false, SPARSA_DTYPE_F16, Pattern::kRandom, 1.f, 1.0, true},
     {"scaled_scores", 32, 8, 128, 8000, 1000, false, SPARSA_DTYPE_F16, Pattern::kRandom, 3.f, 0.08838834764831845,
      true},
     // Scaled scores of spread ~4: a softmax too flat for the heavy lists, which overflow; the float64 pass decides.
