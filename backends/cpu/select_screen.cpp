@@ -31,6 +31,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../../src/tensor_util.h"  // ceil_div
 #include "cpu_convert.h"
 #include "cpu_engine.h"
 #include "cpu_features.h"
@@ -64,8 +65,7 @@ constexpr double kMaxWidth = 0.125;                 // w_h beyond this: the boun
 constexpr size_t kMaxScreenBytes = size_t(64) << 20;
 constexpr int64_t kMaxCandidates = int64_t(1) << 22;  // keeps every float64 sum's error under kRoundingSlack
 constexpr int32_t kMaxHeadsPerSet = 1 << 12;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int32_t kMaxKvHeads = 64;
 
 // γ_n = n·u / (1 − n·u): the relative error factor of an n-term dot product in precision u, any summation order.
 double gamma_factor(int64_t n, double unit_roundoff) {
@@ -95,7 +95,6 @@ inline float exp_nonpositive(float x) {
 struct HeadBounds {
   float max_score = 0.f;  // m̂
   float cut = 0.f;        // ê >= cut: heavy
-  double width = 0.0;     // w_h
   double lo_factor = 0.0, hi_factor = 0.0;  // e / ê within [(1 − w)(1 − ε), (1 + w + w²)(1 + ε)]
   float lo_coef = 0.f, hi_coef = 0.f;       // lo_factor / Z_hi, hi_factor / Z_lo: step 5's vote bounds
   bool ok = false;
@@ -142,14 +141,18 @@ struct ScoreChunkLayout {
   }
 };
 
+// Room for U among n candidates; more undecided: the sequence falls back.
+int64_t undecided_capacity_for(int64_t n) { return std::max<int64_t>(64, n / 8); }
+
 // A worker's scratch in step 6 for n candidates of a set with n_kv kv heads of g query heads: the intervals' order
-// statistics, the decided and undecided ids, U's vote intervals, each kv head's heavy list, the union list scored exactly ([list, g]
-// scores; that room also takes U's two interval ends at the end), the light sums and the transposed tile.
+// statistics, the decided and undecided ids, U's vote intervals, each kv head's heavy list, the union list scored
+// exactly ([list, g] scores; that room also orders U's interval ends at the end), the light sums and the transposed
+// tile.
 struct CertifyLayout {
   ScratchLayout layout;
   size_t exact_count;
   size_t order_lo_at, order_hi_at, in_at, undecided_at, u_lo_at, u_hi_at, heavy_at, heavy_count_at, list_at, exact_at,
-      sums_at, transposed_at;
+      light_at, transposed_at;
   CertifyLayout(int64_t n, int32_t n_kv, int32_t g, int32_t d, int64_t undecided_capacity) {
     exact_count = size_t(n) * size_t(std::max(g, 2));
     order_lo_at = layout.add<float>(size_t(n));
@@ -162,7 +165,7 @@ struct CertifyLayout {
     heavy_count_at = layout.add<int64_t>(size_t(n_kv));
     list_at = layout.add<int32_t>(size_t(n));
     exact_at = layout.add<double>(exact_count);
-    sums_at = layout.add<double>(size_t(n_kv) * size_t(g));
+    light_at = layout.add<double>(size_t(n_kv) * size_t(g));
     transposed_at = layout.add<float>(score_tile_scratch_floats(d));
   }
 };
@@ -196,8 +199,7 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive8(__m256 x) {
 // rows, key by key so that a key's rows of every kv head are read in address order.
 __attribute__((target("avx2"))) void tile_max_magnitudes(const unsigned char* const* rows, int nk, int32_t n_kv,
                                                          int64_t head_bytes, int32_t d, uint16_t* kmax) {
-  constexpr int32_t kMaxKv = 64;
-  __m256i largest[kMaxKv];
+  __m256i largest[kMaxKvHeads];
   const __m256i magnitude = _mm256_set1_epi16(0x7fff);
   for (int32_t hk = 0; hk < n_kv; ++hk) largest[hk] = _mm256_setzero_si256();
   for (int j = 0; j < nk; ++j)
@@ -215,7 +217,6 @@ __attribute__((target("avx2"))) void tile_max_magnitudes(const unsigned char* co
     for (uint16_t lane : lanes) kmax[hk] = std::max(kmax[hk], lane);
   }
 }
-constexpr int32_t kMaxKvHeads = 64;
 
 // Lanes [0, count) of a block of kLanes heads (count in [1, kLanes]). A block of heads is read and written whole
 // (kWhole) or, for the last heads of a count that is not a multiple of kLanes, through this mask: masked moves are
@@ -367,8 +368,6 @@ __attribute__((target("avx2,fma"))) bool row_split(const float* rows, int64_t fi
   return true;
 }
 #else
-constexpr int kLanes = 8;
-constexpr int32_t kMaxKvHeads = 64;
 void tile_max_magnitudes(const unsigned char* const* rows, int nk, int32_t n_kv, int64_t head_bytes, int32_t d,
                          uint16_t* kmax) {
   for (int j = 0; j < nk; ++j)
@@ -552,10 +551,10 @@ struct Screen {
       const double underflow = double(d + 8) * kUnderflowBound * (1.0 + magnitude_value(problem.dtype, kbits));
       const double bound = terms * coefficient * (1.0 + 0x1p-10) + underflow;
       hb.max_score = m;
-      hb.width = 2.0 * bound;
-      if (hb.width > kMaxWidth) return false;
-      hb.lo_factor = (1.0 - hb.width) * (1.0 - kExpSlack) * (1.0 - kRoundingSlack);
-      hb.hi_factor = (1.0 + hb.width + hb.width * hb.width) * (1.0 + kExpSlack) * (1.0 + kRoundingSlack);
+      const double width = 2.0 * bound;  // w_h
+      if (width > kMaxWidth) return false;
+      hb.lo_factor = (1.0 - width) * (1.0 - kExpSlack) * (1.0 - kRoundingSlack);
+      hb.hi_factor = (1.0 + width + width * width) * (1.0 + kExpSlack) * (1.0 + kRoundingSlack);
     }
     return true;
   }
@@ -687,7 +686,7 @@ bool Screen::certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScrat
   const HeadBounds* hbs = head_bounds(b);
   for (int32_t l = 0; l < nh; ++l)
     if (!hbs[first_head + l].ok) return false;
-  const int64_t undecided_capacity = std::max<int64_t>(64, n / 8);
+  const int64_t undecided_capacity = undecided_capacity_for(n);
   CertifyLayout c(n, n_kv, g, d, undecided_capacity);
   c.layout.bind(scratch);
   float* order_lo = c.layout.get<float>(c.order_lo_at, size_t(n));
@@ -700,7 +699,7 @@ bool Screen::certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScrat
   int64_t* heavy_count = c.layout.get<int64_t>(c.heavy_count_at, size_t(n_kv));
   int32_t* list = c.layout.get<int32_t>(c.list_at, size_t(n));
   double* exact = c.layout.get<double>(c.exact_at, c.exact_count);
-  double* sums = c.layout.get<double>(c.sums_at, size_t(n_kv) * size_t(g));  // the light Σ ê of each head
+  double* light = c.layout.get<double>(c.light_at, size_t(nh));  // the light Σ ê of each head
   float* transposed = c.layout.get<float>(c.transposed_at, score_tile_scratch_floats(d));
 
   const float* lo = vote_lo + (int64_t(b) * request.n_sets + set) * arrays.max_candidates;
@@ -726,7 +725,6 @@ bool Screen::certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScrat
   const float* all_rows = rows(b);
   float cut[kMaxHeadsPerSet], light_chunk[kMaxHeadsPerSet];
   for (int32_t i = 0; i < nh; ++i) cut[i] = hbs[first_head + i].cut;
-  double* light = sums;
   std::fill(light, light + nh, 0.0);
   std::fill(heavy_count, heavy_count + n_kv, int64_t{0});
   const int64_t heavy_capacity = n / 4;  // more: too flat for the screen to pay
@@ -844,7 +842,7 @@ size_t selection_screen_worker_floats(const AttentionProblem& problem, const Scr
   const int32_t g = problem.num_q_heads / problem.num_kv_heads;
   return std::max(ScoreChunkLayout().layout.floats(),
                   CertifyLayout(max_candidates, request.heads_per_set / g, g, problem.head_dim,
-                                std::max<int64_t>(64, max_candidates / 8))
+                                undecided_capacity_for(max_candidates))
                       .layout.floats());
 }
 
