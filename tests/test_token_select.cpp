@@ -409,8 +409,8 @@ TEST_P(TokenSelect, HalfPrecisionDecodeOverThousandsOfCandidatesSelectsLikeTheOr
 // The CPU's TOKEN_SELECT decode on a 16-bit cache runs an fp32 screen first (backends/cpu/select_screen.h) and takes
 // the float64 pass only where the screen cannot certify; a float32 cache always takes the float64 pass. The same
 // values in both must give the same index sets, bit for bit, even where votes nearly tie (no margin asked here):
-// padded and paged caches, batches of different lengths, shared and per-kv-head sets, scaled scores, every pattern.
-// (sparsa_cpu_kernel_tests checks the screen alone, including that it certifies where it should.)
+// padded and paged caches, batches of different lengths, shared and per-kv-head sets, scaled scores, every pattern;
+// and the outputs agree. (sparsa_cpu_kernel_tests checks the screen alone, including that it certifies where it should.)
 TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
   st::Context context(SPARSA_DEVICE_CPU);
   ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
@@ -451,5 +451,8 @@ TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
         ASSERT_EQ(half.status, SPARSA_STATUS_SUCCESS) << half.message;
         ASSERT_EQ(single.status, SPARSA_STATUS_SUCCESS) << single.message;
         EXPECT_EQ(half.selected, single.selected);
+        // The 16-bit decode attends over I with the screen's fp32 scores of T (KnownScores in backends/cpu), the
+        // float32 one scores I again: the same attention within the 16-bit tolerance.
+        EXPECT_TRUE(st::outputs_close(half.out, single.out, st::tolerance(dtype)));
       }
 }

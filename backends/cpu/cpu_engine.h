@@ -121,11 +121,21 @@ constexpr int64_t kDecodeTileKeys = 128;  // keys per tile (measured: 16 -> 128 
 size_t decode_keys_floats(int head_dim, int num_q_heads);  // loop scratch attend_decode_keys needs
 void attend_decode_keys(const AttentionProblem& problem, int32_t b, int64_t key_begin, int64_t key_end,
                         float* out_rows, float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
+// Scores a caller already holds for a range of keys of one sequence (TOKEN_SELECT's fp32 screen): key t in
+// [first_key, first_key + n_keys) has rows[(t − first_key) · num_q_heads + h] for query head h, and the attention's
+// score scale·q·K is factor times that. A list's tile whose keys all lie in the range takes them instead of reading
+// K; the other tiles are scored as usual.
+struct KnownScores {
+  const float* rows = nullptr;  // null: none
+  int64_t first_key = 0, n_keys = 0;
+  float factor = 1.f;
+};
 // The same over an explicit list of n_keys key positions (any order; all visible), for the query heads of the kv
-// heads [hk_first, hk_first + n_kv) only: out_rows [n_kv·g, D], lse_rows [n_kv·g].
+// heads [hk_first, hk_first + n_kv) only: out_rows [n_kv·g, D], lse_rows [n_kv·g]. known: null, or scores of this
+// sequence it may use.
 void attend_decode_list(const AttentionProblem& problem, int32_t b, int32_t hk_first, int32_t n_kv,
-                        const int64_t* keys, int64_t n_keys, float* out_rows, float* lse_rows, RunCounters* counters,
-                        ThreadScratch& scratch);
+                        const int64_t* keys, int64_t n_keys, const KnownScores* known, float* out_rows,
+                        float* lse_rows, RunCounters* counters, ThreadScratch& scratch);
 // Keys per work item of a decode cut into parts (dense: key ranges; selection policies: slices of a key list).
 constexpr int64_t kDecodeRangeKeys = 1024;  // a multiple of kDefaultBlockK, so BLOCKS_COMPUTED counts the same
 // Merges n_parts normalised rows of (b, h) (each D floats then its LSE, part_stride floats apart) by LSE:
@@ -147,6 +157,7 @@ struct DecodeLists {
   const int64_t* sizes = nullptr;  // [B, n_lists] entries used of each list
   int64_t stride = 0;
   int32_t n_lists = 1;             // divides Hkv
+  const KnownScores* known = nullptr;  // [B] or null: scores already held (attend_decode_list)
 };
 // Run scratch (slot kRunScratchDecodeRanges) run_decode_lists uses for lists of up to max_list_size keys.
 size_t decode_lists_partial_floats(const AttentionProblem& problem, int64_t max_list_size);

@@ -149,6 +149,11 @@ struct SelectParams {
   int32_t heads_per_set = 1;  // query heads voting for one set
 };
 
+// The selection's s = score_scale · q̄·k: the attention's scale with select_scale_scores, else 1.
+double selection_score_scale(const AttentionProblem& problem, const SelectParams& params) {
+  return params.scale_scores ? double(problem.scale) : 1.0;
+}
+
 // What phase 0 decided for one sequence.
 struct SequencePlan {
   int64_t seq_q = 0;
@@ -331,7 +336,7 @@ struct VoteArrays {
 struct RunArrays {
   ScratchLayout layout;
   size_t batch, qbars_count, selections_count;
-  size_t plans_at, qbars_at, selections_at, screen_at, certified_at;
+  size_t plans_at, qbars_at, selections_at, screen_at, certified_at, screen_scores_at, known_at;
   RunArrays(const AttentionProblem& problem, const SelectParams& params) {
     batch = size_t(problem.batch);
     qbars_count = batch * size_t(problem.num_q_heads) * size_t(problem.head_dim);
@@ -341,6 +346,8 @@ struct RunArrays {
     selections_at = layout.add<int64_t>(selections_count);
     screen_at = layout.add<ScreenSequence>(batch);
     certified_at = layout.add<unsigned char>(batch);
+    screen_scores_at = layout.add<const float*>(batch);
+    known_at = layout.add<KnownScores>(batch);
   }
 };
 
@@ -377,21 +384,23 @@ struct DecodeListArrays {
 
 // Phase 3 of a run (see head_softmax_stats): T for every sequence that selects without a cache hit, written to
 // selections [B, n_sets, top_k]. concat_qbars: [B, Hq·D]. The fp32 screen (select_screen.h) goes first; the float64
-// steps below take the sequences it could not certify. screen / certified: the run's [B] arrays for it.
+// steps below take the sequences it could not certify. screen / certified / screen_scores: the run's [B] arrays for
+// it (screen_selections).
 void compute_selections(const AttentionProblem& problem, const SelectParams& params,
                         const SequencePlan* plans, const double* concat_qbars, const ExecContext& exec,
-                        int64_t* selections, ScreenSequence* screen, unsigned char* certified) {
+                        int64_t* selections, ScreenSequence* screen, unsigned char* certified,
+                        const float** screen_scores) {
   const int32_t batch = problem.batch;
   const int32_t n_heads = problem.num_q_heads;
   const int64_t qbar_len = int64_t(n_heads) * problem.head_dim;
   const int64_t selection_len = int64_t(params.n_sets) * params.top_k_stride;
-  const VoteInputs vote_inputs{problem, params, params.scale_scores ? double(problem.scale) : 1.0};
+  const VoteInputs vote_inputs{problem, params, selection_score_scale(problem, params)};
   for (int32_t b = 0; b < batch; ++b) {
     const SequencePlan& plan = plans[size_t(b)];
     screen[b] = ScreenSequence{plan.candidate_begin, plan.n_candidates(), plan.selects() && !plan.cache_hit};
   }
   screen_selections(problem, screen_request(params, vote_inputs.score_scale), screen, concat_qbars, exec, selections,
-                    selection_len, params.top_k_stride, certified);
+                    selection_len, params.top_k_stride, certified, screen_scores);
   const auto computes_selection = [&](int32_t b) {
     return plans[size_t(b)].selects() && !plans[size_t(b)].cache_hit && !certified[b];
   };
@@ -563,7 +572,7 @@ void plan_token_select(const AttentionProblem& problem, const PolicyParams& poli
                          VoteArrays(problem, params, largest_kept).layout.floats(),
                          decode_lists_apply(problem) ? DecodeListArrays(problem, params, nullptr).layout.floats() : 0}));
   if (decode_lists_apply(problem)) reserve_decode_lists_scratch(problem, problem.max_seq_k, exec);
-  const ScreenRequest request = screen_request(params, params.scale_scores ? double(problem.scale) : 1.0);
+  const ScreenRequest request = screen_request(params, selection_score_scale(problem, params));
   if (selection_screen_applies(problem, request, worst)) {
     run_scratch(exec, kRunScratchSelectionScreen).reserve(selection_screen_scratch_floats(problem, request, worst));
     const size_t worker_floats = selection_screen_worker_floats(problem, request, worst);
@@ -591,6 +600,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
   int64_t* selections = arrays.layout.get<int64_t>(arrays.selections_at, arrays.selections_count);
   ScreenSequence* screen = arrays.layout.get<ScreenSequence>(arrays.screen_at, arrays.batch);
   unsigned char* certified = arrays.layout.get<unsigned char>(arrays.certified_at, arrays.batch);
+  const float** screen_scores = arrays.layout.get<const float*>(arrays.screen_scores_at, arrays.batch);
   std::fill(concat_qbars, concat_qbars + arrays.qbars_count, 0.0);
   std::fill(selections, selections + arrays.selections_count, int64_t{0});
   for (int32_t b = 0; b < batch; ++b) {
@@ -632,7 +642,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
   }
 
   // Phase 3: head soft vote and top-k for every selecting sequence without a hit.
-  compute_selections(problem, params, plans, concat_qbars, exec, selections, screen, certified);
+  compute_selections(problem, params, plans, concat_qbars, exec, selections, screen, certified, screen_scores);
 
   // Phase 4: store what was computed and count.
   for (int32_t b = 0; b < batch; ++b) {
@@ -665,8 +675,17 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
   }
 
   // Phase 6, decode on a 16-bit cache: the sets' I as key lists (in the vote arrays' run scratch, which phase 3 no
-  // longer needs), attended with the dense decode kernels, every key of a list read once for all its kv heads.
+  // longer needs), attended with the dense decode kernels, every key of a list read once for all its kv heads. Where
+  // the screen certified T, its fp32 scores of the candidates stand in for reading their K again.
   if (decode_lists_apply(problem)) {
+    KnownScores* known = arrays.layout.get<KnownScores>(arrays.known_at, arrays.batch);
+    const float factor = float(double(problem.scale) / selection_score_scale(problem, params));
+    for (int32_t b = 0; b < batch; ++b) {
+      const SequencePlan& plan = plans[size_t(b)];
+      const bool screened = plan.selects() && !plan.cache_hit && certified[b];
+      known[b] = KnownScores{screened ? screen_scores[b] : nullptr, plan.candidate_begin, plan.n_candidates(),
+                             factor};
+    }
     DecodeListArrays lists(problem, params, plans);
     lists.layout.bind(run_scratch(exec, kRunScratchSelectionVotes));
     int64_t* keys = lists.layout.get<int64_t>(lists.keys_at, lists.keys_count);
@@ -680,7 +699,7 @@ void run_token_select(const AttentionProblem& problem, const PolicyParams& polic
                                                       keys + item * lists.stride)
                                     : 0;
     });
-    run_decode_lists(problem, DecodeLists{keys, sizes, lists.stride, params.n_sets}, sink, exec);
+    run_decode_lists(problem, DecodeLists{keys, sizes, lists.stride, params.n_sets, known}, sink, exec);
     return;
   }
 

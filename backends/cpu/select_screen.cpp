@@ -105,7 +105,7 @@ struct ScreenArrays {
   ScratchLayout layout;
   int64_t chunks = 0, max_candidates = 0, scores_stride = 0;
   size_t q_count, scores_count, chunk_heads, chunk_kv, heads_count, votes_count, sets_count;
-  size_t q_at, scores_at, chunk_max_at, chunk_sum_at, chunk_kmax_at, chunk_bad_at, heads_at, lo_at, hi_at, set_ok_at;
+  size_t q_at, scores_at, exps_at, chunk_max_at, chunk_sum_at, chunk_kmax_at, chunk_bad_at, heads_at, lo_at, hi_at, set_ok_at;
   ScreenArrays(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_c) {
     const size_t batch = size_t(problem.batch), hq = size_t(problem.num_q_heads);
     max_candidates = max_c;
@@ -120,6 +120,7 @@ struct ScreenArrays {
     votes_count = sets_count * size_t(max_c);
     q_at = layout.add<float>(q_count);
     scores_at = layout.add<float>(scores_count);
+    exps_at = layout.add<float>(scores_count);
     chunk_max_at = layout.add<float>(chunk_heads);
     chunk_sum_at = layout.add<float>(chunk_heads);
     chunk_kmax_at = layout.add<uint16_t>(chunk_kv);
@@ -264,17 +265,16 @@ __attribute__((target("avx2,fma"))) bool row_maxima(const float* rows, int64_t n
   return _mm256_movemask_ps(bad) == 0;
 }
 
-// Rows [t][hq]: ê = exp(ŝ − m̂_h) in place, each head's fp32 sum into sums.
-__attribute__((target("avx2,fma"))) void row_exps(float* rows, int64_t n_rows, int32_t hq, const float* maxes,
-                                                  float* sums) {
+// Rows [t][hq]: ê = exp(ŝ − m̂_h) into exps, each head's fp32 sum into sums.
+__attribute__((target("avx2,fma"))) void row_exps(const float* rows, float* exps, int64_t n_rows, int32_t hq,
+                                                  const float* maxes, float* sums) {
   for_head_blocks(hq, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
     constexpr bool kWhole = decltype(whole)::value;
     const __m256 m = load_heads<kWhole>(maxes + h, lanes);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < n_rows; ++t) {
-      float* x = rows + t * hq + h;
-      const __m256 e = exp_nonpositive8(_mm256_sub_ps(load_heads<kWhole>(x, lanes), m));
-      store_heads<kWhole>(x, lanes, e);
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(load_heads<kWhole>(rows + t * hq + h, lanes), m));
+      store_heads<kWhole>(exps + t * hq + h, lanes, e);
       sum = _mm256_add_ps(sum, e);
     }
     store_heads<kWhole>(sums + h, lanes, sum);
@@ -387,12 +387,12 @@ bool row_maxima(const float* rows, int64_t n_rows, int32_t hq, float* maxes) {
     }
   return finite;
 }
-void row_exps(float* rows, int64_t n_rows, int32_t hq, const float* maxes, float* sums) {
+void row_exps(const float* rows, float* exps, int64_t n_rows, int32_t hq, const float* maxes, float* sums) {
   for (int32_t h = 0; h < hq; ++h) sums[h] = 0.f;
   for (int64_t t = 0; t < n_rows; ++t)
     for (int32_t h = 0; h < hq; ++h) {
-      rows[t * hq + h] = exp_nonpositive(rows[t * hq + h] - maxes[h]);
-      sums[h] += rows[t * hq + h];
+      exps[t * hq + h] = exp_nonpositive(rows[t * hq + h] - maxes[h]);
+      sums[h] += exps[t * hq + h];
     }
 }
 void row_heavy_counts(const float* rows, int64_t n_rows, int32_t hq, const float* maxes, int64_t* counts) {
@@ -447,7 +447,8 @@ struct Screen {
   ScreenArrays& arrays;
   const DecodeKernels& decode;
   float* q;                  // [B, Hq·D]: fp32(scale · q̄)
-  float* scores;             // [B][max C, Hq] (+ overhang): ŝ, then ê in place
+  float* scores;             // [B][max C, Hq] (+ overhang): ŝ, kept for the attention over T
+  float* exps;               // the same shape: ê
   float* chunk_max;          // [B, chunks, Hq]
   float* chunk_sum;          // [B, chunks, Hq]
   uint16_t* chunk_kmax;      // [B, chunks, Hkv]
@@ -460,6 +461,7 @@ struct Screen {
   int32_t group() const { return problem.num_q_heads / problem.num_kv_heads; }
   int64_t n_chunks(int32_t b) const { return ceil_div(sequences[b].n_candidates, kChunkCandidates); }
   float* rows(int32_t b) const { return scores + int64_t(b) * arrays.scores_stride; }
+  float* exp_rows(int32_t b) const { return exps + int64_t(b) * arrays.scores_stride; }
   HeadBounds* head_bounds(int32_t b) const { return heads + int64_t(b) * problem.num_q_heads; }
   const unsigned char* k_row(int32_t b, int64_t t, int32_t hk) const {
     return static_cast<const unsigned char*>(problem.k.t.data) +
@@ -559,7 +561,7 @@ struct Screen {
     return true;
   }
 
-  // Step 3, one chunk: ê in place of ŝ, each head's fp32 sum over the chunk.
+  // Step 3, one chunk: ê from ŝ, each head's fp32 sum over the chunk.
   void exp_chunk(int32_t b, int64_t chunk) const {
     const int32_t hq = problem.num_q_heads;
     const int64_t first = chunk * kChunkCandidates;
@@ -568,7 +570,7 @@ struct Screen {
     for (int32_t h = 0; h < hq; ++h) maxes[h] = head_bounds(b)[h].max_score;
     float* sums = chunk_sum + (int64_t(b) * arrays.chunks + chunk) * hq;
     std::fill(sums, sums + hq, 0.f);
-    row_exps(rows(b) + first * hq, last - first, hq, maxes, sums);
+    row_exps(rows(b) + first * hq, exp_rows(b) + first * hq, last - first, hq, maxes, sums);
   }
 
   // Step 4, sequence b: Z_h's first interval from Σ ê, the vote coefficients and the heavy cut.
@@ -608,7 +610,7 @@ struct Screen {
     }
     float* lo = vote_lo + (int64_t(b) * request.n_sets + set) * arrays.max_candidates;
     float* hi = vote_hi + (int64_t(b) * request.n_sets + set) * arrays.max_candidates;
-    row_votes(rows(b) + first * hq, last - first, hq, first_head, nh, lo_coef, hi_coef, lo + first, hi + first);
+    row_votes(exp_rows(b) + first * hq, last - first, hq, first_head, nh, lo_coef, hi_coef, lo + first, hi + first);
     // fp32 sums of nh positive products (γ, and underflow below the normal range); a clamped ê stands for a term
     // anywhere in [0, its bound], so its share leaves the lower bound.
     const double sum_error = gamma_factor(nh + 8, 0x1p-24);
@@ -722,7 +724,7 @@ bool Screen::certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScrat
   if (r < 0 || r > n_undecided) return false;
 
   // One pass over the rows: each kv head's heavy candidates (ascending) and every head's light Σ ê (fp32 per chunk).
-  const float* all_rows = rows(b);
+  const float* all_rows = exp_rows(b);
   float cut[kMaxHeadsPerSet], light_chunk[kMaxHeadsPerSet];
   for (int32_t i = 0; i < nh; ++i) cut[i] = hbs[first_head + i].cut;
   std::fill(light, light + nh, 0.0);
@@ -848,11 +850,13 @@ size_t selection_screen_worker_floats(const AttentionProblem& problem, const Scr
 
 void screen_selections(const AttentionProblem& problem, const ScreenRequest& request,
                        const ScreenSequence* sequences, const double* concat_qbars, const ExecContext& exec,
-                       int64_t* selections, int64_t selection_len, int64_t set_stride, unsigned char* certified) {
+                       int64_t* selections, int64_t selection_len, int64_t set_stride, unsigned char* certified,
+                       const float** scores) {
   const int32_t batch = problem.batch, hq = problem.num_q_heads, d = problem.head_dim;
   int64_t max_candidates = 0;
   for (int32_t b = 0; b < batch; ++b) {
     certified[b] = 0;
+    scores[b] = nullptr;
     if (sequences[b].wanted) max_candidates = std::max(max_candidates, sequences[b].n_candidates);
   }
   if (max_candidates == 0 || !selection_screen_applies(problem, request, max_candidates)) return;
@@ -866,6 +870,7 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
                 *select_decode_kernels(d),
                 arrays.layout.get<float>(arrays.q_at, arrays.q_count),
                 arrays.layout.get<float>(arrays.scores_at, arrays.scores_count),
+                arrays.layout.get<float>(arrays.exps_at, arrays.scores_count),
                 arrays.layout.get<float>(arrays.chunk_max_at, arrays.chunk_heads),
                 arrays.layout.get<float>(arrays.chunk_sum_at, arrays.chunk_heads),
                 arrays.layout.get<uint16_t>(arrays.chunk_kmax_at, arrays.chunk_kv),
@@ -931,6 +936,7 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
     bool all = taken[b];
     for (int32_t set = 0; set < request.n_sets; ++set) all = all && screen.set_ok[int64_t(b) * request.n_sets + set];
     certified[b] = all;
+    if (all) scores[b] = screen.rows(b);
   }
 }
 

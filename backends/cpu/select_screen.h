@@ -30,7 +30,7 @@ struct ScreenSequence {
 
 // True when the screen can run on this problem: fp16 or bf16 K with the dense decode kernels for its head dim (so
 // AVX2 + FMA at least), at most 64 kv heads and 4096 query heads, and its fp32 scores ([B, Hq, max_candidates])
-// within 64 MiB.
+// within 64 MiB (their exps take as much again).
 bool selection_screen_applies(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_candidates);
 
 // Floats of run scratch (slot kRunScratchSelectionScreen) screen_selections needs.
@@ -45,9 +45,13 @@ size_t selection_screen_worker_floats(const AttentionProblem& problem, const Scr
 // set, its top_k candidate ids (ascending, positions in the sequence: first_candidate added) to
 // selections[b * selection_len + set * set_stride ...] and sets certified[b] = 1; otherwise certified[b] = 0 and
 // b's selections hold nothing of use (some sets may have been written). concat_qbars: [B, Hq·D] float64.
+// scores [B]: for a certified b, the fp32 scores the screen computed, fp32(score_scale · q̄)·K by the dense decode
+// kernels, row t − first_candidate holding candidate t's Hq values; null for the others. They stay in the run
+// scratch until the next call, so the attention over T need not score its candidates again.
 void screen_selections(const AttentionProblem& problem, const ScreenRequest& request,
                        const ScreenSequence* sequences, const double* concat_qbars, const ExecContext& exec,
-                       int64_t* selections, int64_t selection_len, int64_t set_stride, unsigned char* certified);
+                       int64_t* selections, int64_t selection_len, int64_t set_stride, unsigned char* certified,
+                       const float** scores);
 
 // The screen's exp (the eight-lane AVX2 + FMA version where the CPU has it, as the row loops use it) for x <= 0,
 // clamped at -87: relative error below kScreenExpError, which tests/kernels checks against std::exp in float64 (the

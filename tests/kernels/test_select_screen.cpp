@@ -174,6 +174,7 @@ std::vector<std::vector<int64_t>> float64_selection(const ScreenCase& c, const I
 struct ScreenRun {
   bool certified = false;
   std::vector<std::vector<int64_t>> sets;
+  std::vector<float> scores;  // [n, hq]: the scores the screen hands on (certified runs)
 };
 
 // The screen on one sequence: padded K [1, n, hkv, d], candidates starting at first_candidate.
@@ -212,17 +213,42 @@ ScreenRun run_screen(const ScreenCase& c, const Inputs& in, int64_t first_candid
   exec.counters = &counters;
   std::vector<int64_t> selections(size_t(request.n_sets) * c.top_k, -7);
   unsigned char certified = 2;
+  const float* scores = reinterpret_cast<const float*>(&certified);  // overwritten: null or the scores
   cpu::screen_selections(p, request, &seq, in.qbar.data(), exec, selections.data(), request.n_sets * c.top_k,
-                         c.top_k, &certified);
+                         c.top_k, &certified, &scores);
   ScreenRun run;
   EXPECT_LE(certified, 1);
   run.certified = certified == 1;
+  EXPECT_EQ(scores != nullptr, run.certified);
+  if (run.certified && scores) run.scores.assign(scores, scores + size_t(c.n) * c.hq);
   for (int32_t set = 0; set < request.n_sets; ++set) {
     std::vector<int64_t> ids(selections.begin() + set * c.top_k, selections.begin() + (set + 1) * c.top_k);
     for (int64_t& id : ids) id -= first_candidate;
     run.sets.push_back(ids);
   }
   return run;
+}
+
+// The scores a certified run hands on (for the attention over T) are fp32 dot products of scale·q̄ with K: each
+// within the classic bound of the float64 score, |ŝ − s| <= |scale|·Σ|q̄·K|·(D + 8)·2^-23 (and below the normal
+// range an absolute 2^-148 per term).
+void expect_scores_within_their_bound(const ScreenCase& c, const Inputs& in, const std::vector<float>& scores) {
+  const int32_t g = c.hq / c.hkv;
+  ASSERT_EQ(scores.size(), size_t(c.n) * c.hq);
+  int64_t outside = 0;
+  for (int64_t t = 0; t < c.n; ++t)
+    for (int32_t h = 0; h < c.hq; ++h) {
+      const uint16_t* k = in.k.data() + (size_t(t) * c.hkv + h / g) * c.d;
+      double sum = 0.0, magnitude = 0.0;
+      for (int32_t i = 0; i < c.d; ++i) {
+        const double product = in.qbar[size_t(h) * c.d + i] * double(from_bits(c.dtype, k[i]));
+        sum += product;
+        magnitude += std::fabs(product);
+      }
+      const double bound = std::fabs(c.scale) * magnitude * double(c.d + 8) * 0x1p-23 + double(c.d + 8) * 0x1p-148;
+      if (!(std::fabs(double(scores[size_t(t) * c.hq + h]) - c.scale * sum) <= bound)) ++outside;
+    }
+  EXPECT_EQ(outside, 0);
 }
 
 TEST(SelectScreen, CertifiedSelectionsAreTheFloat64Ones) {
@@ -246,6 +272,7 @@ TEST(SelectScreen, CertifiedSelectionsAreTheFloat64Ones) {
       const std::vector<std::vector<int64_t>> want = float64_selection(c, in);
       ASSERT_EQ(run.sets.size(), want.size());
       for (size_t set = 0; set < want.size(); ++set) EXPECT_EQ(run.sets[set], want[set]) << "seed " << seed << " set " << set;
+      expect_scores_within_their_bound(c, in, run.scores);
     }
   }
   if (ran == 0) GTEST_SKIP() << "no decode kernel version on this CPU or build";
