@@ -575,7 +575,7 @@ void plan_token_select(const AttentionProblem& problem, const PolicyParams& poli
   const ScreenRequest request = screen_request(params, selection_score_scale(problem, params));
   if (selection_screen_applies(problem, request, worst)) {
     run_scratch(exec, kRunScratchSelectionScreen).reserve(selection_screen_scratch_floats(problem, request, worst));
-    const size_t worker_floats = selection_screen_worker_floats(problem, request, worst);
+    const size_t worker_floats = selection_screen_worker_floats(problem, worst);
     for (int w = 0; w < worker_count(exec); ++w) policy_scratch(exec, w).reserve(worker_floats);
   }
 }

@@ -50,7 +50,9 @@ constexpr int kTileKeys = 64;                       // keys per call of the deco
 // Step 1 fetches K rows this many tiles ahead into L2: at 32K keys on Zen 4, one thread, 2 tiles took its scoring
 // from 6.8-7.0 to 5.4-5.5 ms; 4 and 8 measured within the noise of 2 (5.1-5.6 ms for 8).
 constexpr int kPrefetchTilesAhead = 8;
-constexpr int64_t kChunkCandidates = 2048;          // candidates per work item of the row steps
+// Candidates per work item of the row steps: 2048 left most of 8 or 16 workers idle at 8K candidates (TOKEN_SELECT
+// 8K keys N/8 on the 16-core Xeon, 8 threads: 2.2-2.6 ms with 2048, 1.5-1.8 with 512).
+constexpr int64_t kChunkCandidates = 512;
 constexpr double kHeavyShare = 1.0 / (1 << 18);     // ê >= kHeavyShare · Σ ê: heavy, scored exactly in step 6
 constexpr double kMaxHeavyCut = 0.5;                // the cut stays below the maximum's ê (> 7/8)
 constexpr int64_t kProbeCandidates = 512;           // step 1 scores these first, to tell a flat softmax early
@@ -100,15 +102,23 @@ struct HeadBounds {
   bool ok = false;
 };
 
+// Room for U among n candidates; more undecided: the sequence falls back.
+int64_t undecided_capacity_for(int64_t n) { return std::max<int64_t>(64, n / 8); }
+
 // The run's arrays (run scratch slot kRunScratchSelectionScreen).
 struct ScreenArrays {
   ScratchLayout layout;
-  int64_t chunks = 0, max_candidates = 0, scores_stride = 0;
-  size_t q_count, scores_count, chunk_heads, chunk_kv, heads_count, votes_count, sets_count;
-  size_t q_at, scores_at, exps_at, chunk_max_at, chunk_sum_at, chunk_kmax_at, chunk_bad_at, heads_at, lo_at, hi_at, set_ok_at;
+  int64_t chunks = 0, max_candidates = 0, scores_stride = 0, undecided_capacity = 0;
+  int32_t kv_per_set = 0;
+  size_t q_count, scores_count, chunk_heads, chunk_kv, heads_count, votes_count, sets_count, undecided_count,
+      heavy_count, heavy_counts_count, light_count, kv_count;
+  size_t q_at, scores_at, exps_at, chunk_max_at, chunk_sum_at, chunk_kmax_at, chunk_bad_at, heads_at, lo_at, hi_at,
+      set_state_at, set_counts_at, in_at, undecided_at, heavy_at, heavy_counts_at, light_at, u_terms_at, kv_ok_at;
   ScreenArrays(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_c) {
     const size_t batch = size_t(problem.batch), hq = size_t(problem.num_q_heads);
     max_candidates = max_c;
+    undecided_capacity = undecided_capacity_for(max_c);
+    kv_per_set = request.heads_per_set / (problem.num_q_heads / problem.num_kv_heads);
     chunks = ceil_div(max_c, kChunkCandidates);
     scores_stride = max_c * int64_t(hq) + 16;  // + the last row's vector overhang
     q_count = batch * hq * size_t(problem.head_dim);
@@ -128,7 +138,22 @@ struct ScreenArrays {
     heads_at = layout.add<HeadBounds>(heads_count);
     lo_at = layout.add<float>(votes_count);
     hi_at = layout.add<float>(votes_count);
-    set_ok_at = layout.add<unsigned char>(sets_count);
+    set_state_at = layout.add<unsigned char>(sets_count);
+    // Step 6's, per set: its counts (decided in, undecided), the decided ids and U, each kv head's heavy lists (a
+    // chunk's at the chunk's offset), the chunks' light sums per head, and each kv head's terms of U's votes.
+    undecided_count = sets_count * size_t(undecided_capacity);
+    heavy_count = votes_count * size_t(kv_per_set);
+    heavy_counts_count = sets_count * size_t(chunks) * size_t(kv_per_set);
+    light_count = sets_count * size_t(chunks) * size_t(request.heads_per_set);
+    kv_count = sets_count * size_t(kv_per_set);
+    set_counts_at = layout.add<int64_t>(2 * sets_count);
+    in_at = layout.add<int32_t>(votes_count);
+    undecided_at = layout.add<int32_t>(undecided_count);
+    heavy_at = layout.add<int32_t>(heavy_count);
+    heavy_counts_at = layout.add<int64_t>(heavy_counts_count);
+    light_at = layout.add<float>(light_count);
+    u_terms_at = layout.add<double>(2 * kv_count * size_t(undecided_capacity));
+    kv_ok_at = layout.add<unsigned char>(kv_count);
   }
 };
 
@@ -142,32 +167,35 @@ struct ScoreChunkLayout {
   }
 };
 
-// Room for U among n candidates; more undecided: the sequence falls back.
-int64_t undecided_capacity_for(int64_t n) { return std::max<int64_t>(64, n / 8); }
-
-// A worker's scratch in step 6 for n candidates of a set with n_kv kv heads of g query heads: the intervals' order
-// statistics, the decided and undecided ids, U's vote intervals, each kv head's heavy list, the union list scored
-// exactly ([list, g] scores; that room also orders U's interval ends at the end), the light sums and the transposed
-// tile.
-struct CertifyLayout {
+// A worker's scratch in step 6: classify_set's order statistics (n floats each); resolve_kv's heavy list, union
+// list, its exact scores ([list, g]) and the transposed tile; choose_set's vote intervals of U, their ends in order
+// and U's chosen ids.
+struct ClassifyLayout {
   ScratchLayout layout;
-  size_t exact_count;
-  size_t order_lo_at, order_hi_at, in_at, undecided_at, u_lo_at, u_hi_at, heavy_at, heavy_count_at, list_at, exact_at,
-      light_at, transposed_at;
-  CertifyLayout(int64_t n, int32_t n_kv, int32_t g, int32_t d, int64_t undecided_capacity) {
-    exact_count = size_t(n) * size_t(std::max(g, 2));
+  size_t order_lo_at, order_hi_at;
+  explicit ClassifyLayout(int64_t n) {
     order_lo_at = layout.add<float>(size_t(n));
     order_hi_at = layout.add<float>(size_t(n));
-    in_at = layout.add<int32_t>(size_t(n));
-    undecided_at = layout.add<int32_t>(size_t(undecided_capacity));
+  }
+};
+struct ResolveLayout {
+  ScratchLayout layout;
+  size_t heavy_at, list_at, exact_at, transposed_at;
+  ResolveLayout(int64_t n, int32_t g, int32_t d) {
+    heavy_at = layout.add<int32_t>(size_t(n));
+    list_at = layout.add<int32_t>(size_t(n));
+    exact_at = layout.add<double>(size_t(n) * size_t(g));
+    transposed_at = layout.add<float>(score_tile_scratch_floats(d));
+  }
+};
+struct ChooseLayout {
+  ScratchLayout layout;
+  size_t u_lo_at, u_hi_at, order_at, chosen_at;
+  explicit ChooseLayout(int64_t undecided_capacity) {
     u_lo_at = layout.add<double>(size_t(undecided_capacity));
     u_hi_at = layout.add<double>(size_t(undecided_capacity));
-    heavy_at = layout.add<int32_t>(size_t(n) * size_t(n_kv));
-    heavy_count_at = layout.add<int64_t>(size_t(n_kv));
-    list_at = layout.add<int32_t>(size_t(n));
-    exact_at = layout.add<double>(exact_count);
-    light_at = layout.add<double>(size_t(n_kv) * size_t(g));
-    transposed_at = layout.add<float>(score_tile_scratch_floats(d));
+    order_at = layout.add<double>(2 * size_t(undecided_capacity));
+    chosen_at = layout.add<int32_t>(size_t(undecided_capacity));
   }
 };
 
@@ -456,9 +484,20 @@ struct Screen {
   HeadBounds* heads;         // [B, Hq]
   float* vote_lo;            // [B, n_sets, max C]
   float* vote_hi;
-  unsigned char* set_ok;     // [B, n_sets]
+  unsigned char* set_state;  // [B, n_sets]: SetState
+  int64_t* set_counts;       // [B, n_sets, 2]: decided in, undecided
+  int32_t* in_ids;           // [B, n_sets, max C]: the decided ids, ascending
+  int32_t* undecided;        // [B, n_sets, U's capacity]: U, ascending
+  int32_t* heavy;            // [B, n_sets, kv per set, max C]: chunk c's heavy ids from c · kChunkCandidates
+  int64_t* heavy_counts;     // [B, n_sets, chunks, kv per set]
+  float* light;              // [B, n_sets, chunks, heads per set]: fp32 Σ of the light ê
+  double* u_terms;           // [B, n_sets, kv per set, 2, U's capacity]: a kv head's Σ e/Z_hi and Σ e/Z_lo of U
+  unsigned char* kv_ok;      // [B, n_sets, kv per set]
+
+  enum SetState : unsigned char { kSetFailed, kSetWritten, kSetPending };
 
   int32_t group() const { return problem.num_q_heads / problem.num_kv_heads; }
+  int64_t set_index(int32_t b, int32_t set) const { return int64_t(b) * request.n_sets + set; }
   int64_t n_chunks(int32_t b) const { return ceil_div(sequences[b].n_candidates, kChunkCandidates); }
   float* rows(int32_t b) const { return scores + int64_t(b) * arrays.scores_stride; }
   float* exp_rows(int32_t b) const { return exps + int64_t(b) * arrays.scores_stride; }
@@ -621,8 +660,18 @@ struct Screen {
     }
   }
 
-  // Step 6 for (b, set): classify by the intervals, resolve U in float64; writes T (ascending) or returns false.
-  bool certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const;
+  // Step 6 for (b, set), in four parts so that a single set spreads over the workers too:
+  //   classify_set (b, set)         the intervals against the k-th place: T's decided ids and U (U empty: T written)
+  //   split_chunk  (b, set, chunk)  the chunk's heavy candidates per kv head and each head's light Σ ê
+  //   resolve_kv   (b, set, kv)     the oracle's scores of U ∪ heavy for one kv head: m_h, Z_h and U's vote terms
+  //   choose_set   (b, set)         U's vote intervals, U's share of T, and T written
+  // A set ends kSetWritten (selection holds T, ascending) or kSetFailed.
+  void classify_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const;
+  void split_chunk(int32_t b, int32_t set, int64_t chunk) const;
+  void resolve_kv(int32_t b, int32_t set, int32_t kv, ThreadScratch& scratch) const;
+  void choose_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const;
+  // T = the decided ids and the chosen undecided ones (both ascending, disjoint), merged; false unless top_k in all.
+  bool write_set(int32_t b, int32_t set, const int32_t* chosen, int64_t n_chosen, int64_t* selection) const;
 };
 
 // The k-th and (k+1)-th largest of lo and hi over the candidates that can matter: a sample of every
@@ -680,104 +729,157 @@ bool classify(const float* lo, const float* hi, int64_t n, int64_t k, float* ord
   return true;
 }
 
-bool Screen::certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const {
-  const ScreenSequence& seq = sequences[b];
-  const int64_t n = seq.n_candidates, k = request.top_k;
-  const int32_t hq = problem.num_q_heads, nh = request.heads_per_set, first_head = set * nh, g = group();
-  const int32_t d = problem.head_dim, first_kv = first_head / g, n_kv = nh / g;
-  const HeadBounds* hbs = head_bounds(b);
+bool Screen::write_set(int32_t b, int32_t set, const int32_t* chosen, int64_t n_chosen, int64_t* selection) const {
+  const int64_t n_in = set_counts[2 * set_index(b, set)];
+  const int32_t* in = in_ids + set_index(b, set) * arrays.max_candidates;
+  if (n_in + n_chosen != request.top_k) return false;
+  int64_t i = 0, j = 0, out = 0;
+  while (i < n_in || j < n_chosen) {
+    const bool take_in = j == n_chosen || (i < n_in && in[i] < chosen[j]);
+    selection[out++] = sequences[b].first_candidate + (take_in ? in[i++] : chosen[j++]);
+  }
+  return true;
+}
+
+void Screen::classify_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const {
+  unsigned char& state = set_state[set_index(b, set)];
+  state = kSetFailed;
+  const int64_t n = sequences[b].n_candidates, k = request.top_k;
+  const int32_t nh = request.heads_per_set, first_head = set * nh;
   for (int32_t l = 0; l < nh; ++l)
-    if (!hbs[first_head + l].ok) return false;
-  const int64_t undecided_capacity = undecided_capacity_for(n);
-  CertifyLayout c(n, n_kv, g, d, undecided_capacity);
+    if (!head_bounds(b)[first_head + l].ok) return;
+  ClassifyLayout c(n);
   c.layout.bind(scratch);
-  float* order_lo = c.layout.get<float>(c.order_lo_at, size_t(n));
-  float* order_hi = c.layout.get<float>(c.order_hi_at, size_t(n));
-  int32_t* in_ids = c.layout.get<int32_t>(c.in_at, size_t(n));
-  int32_t* undecided = c.layout.get<int32_t>(c.undecided_at, size_t(undecided_capacity));
-  double* u_lo = c.layout.get<double>(c.u_lo_at, size_t(undecided_capacity));  // U's vote intervals
-  double* u_hi = c.layout.get<double>(c.u_hi_at, size_t(undecided_capacity));
-  int32_t* heavy = c.layout.get<int32_t>(c.heavy_at, size_t(n) * size_t(n_kv));
-  int64_t* heavy_count = c.layout.get<int64_t>(c.heavy_count_at, size_t(n_kv));
+  const float* lo = vote_lo + set_index(b, set) * arrays.max_candidates;
+  const float* hi = vote_hi + set_index(b, set) * arrays.max_candidates;
+  int64_t* counts = set_counts + 2 * set_index(b, set);
+  if (!classify(lo, hi, n, k, c.layout.get<float>(c.order_lo_at, size_t(n)),
+                c.layout.get<float>(c.order_hi_at, size_t(n)), in_ids + set_index(b, set) * arrays.max_candidates,
+                &counts[0], undecided + set_index(b, set) * arrays.undecided_capacity, &counts[1],
+                undecided_capacity_for(n)))
+    return;
+  if (counts[1] == 0) {
+    if (write_set(b, set, nullptr, 0, selection)) state = kSetWritten;
+    return;
+  }
+  const int64_t r = k - counts[0];  // U's share of T
+  if (r >= 0 && r <= counts[1]) state = kSetPending;
+}
+
+void Screen::split_chunk(int32_t b, int32_t set, int64_t chunk) const {
+  const int64_t n = sequences[b].n_candidates, first = chunk * kChunkCandidates;
+  if (set_state[set_index(b, set)] != kSetPending || first >= n) return;
+  const int32_t nh = request.heads_per_set, first_head = set * nh, n_kv = arrays.kv_per_set;
+  float cut[kMaxHeadsPerSet];
+  for (int32_t i = 0; i < nh; ++i) cut[i] = head_bounds(b)[first_head + i].cut;
+  int64_t* counts = heavy_counts + (set_index(b, set) * arrays.chunks + chunk) * n_kv;
+  std::fill(counts, counts + n_kv, int64_t{0});
+  // A chunk's lists cannot pass kChunkCandidates; resolve_kv checks their total against its capacity.
+  row_split(exp_rows(b), first, std::min(kChunkCandidates, n - first), problem.num_q_heads, first_head, nh, group(),
+            cut, light + (set_index(b, set) * arrays.chunks + chunk) * nh,
+            heavy + set_index(b, set) * n_kv * arrays.max_candidates + first, arrays.max_candidates, counts,
+            kChunkCandidates);
+}
+
+void Screen::resolve_kv(int32_t b, int32_t set, int32_t kv, ThreadScratch& scratch) const {
+  unsigned char& ok = kv_ok[set_index(b, set) * arrays.kv_per_set + kv];
+  ok = 0;
+  if (set_state[set_index(b, set)] != kSetPending) return;
+  const ScreenSequence& seq = sequences[b];
+  const int64_t n = seq.n_candidates, chunks = n_chunks(b), n_undecided = set_counts[2 * set_index(b, set) + 1];
+  const int32_t hq = problem.num_q_heads, nh = request.heads_per_set, first_head = set * nh, g = group();
+  const int32_t d = problem.head_dim, n_kv = arrays.kv_per_set, hk = first_head / g + kv;
+  const int32_t* u_ids = undecided + set_index(b, set) * arrays.undecided_capacity;
+  ResolveLayout c(n, g, d);
+  c.layout.bind(scratch);
+  int32_t* heavy_list = c.layout.get<int32_t>(c.heavy_at, size_t(n));
   int32_t* list = c.layout.get<int32_t>(c.list_at, size_t(n));
-  double* exact = c.layout.get<double>(c.exact_at, c.exact_count);
-  double* light = c.layout.get<double>(c.light_at, size_t(nh));  // the light Σ ê of each head
+  double* exact = c.layout.get<double>(c.exact_at, size_t(n) * size_t(g));
   float* transposed = c.layout.get<float>(c.transposed_at, score_tile_scratch_floats(d));
 
-  const float* lo = vote_lo + (int64_t(b) * request.n_sets + set) * arrays.max_candidates;
-  const float* hi = vote_hi + (int64_t(b) * request.n_sets + set) * arrays.max_candidates;
-  int64_t n_in = 0, n_undecided = 0;
-  if (!classify(lo, hi, n, k, order_lo, order_hi, in_ids, &n_in, undecided, &n_undecided, undecided_capacity))
-    return false;
-  // T = the decided ids and the chosen undecided ones (both ascending, disjoint), merged.
-  const auto write = [&](const int32_t* chosen, int64_t n_chosen) {
-    if (n_in + n_chosen != k) return false;
-    int64_t i = 0, j = 0, out = 0;
-    while (i < n_in || j < n_chosen) {
-      const bool take_in = j == n_chosen || (i < n_in && in_ids[i] < chosen[j]);
-      selection[out++] = seq.first_candidate + (take_in ? in_ids[i++] : chosen[j++]);
-    }
-    return true;
-  };
-  if (n_undecided == 0) return write(undecided, 0);
-  const int64_t r = k - n_in;  // U's share of T
-  if (r < 0 || r > n_undecided) return false;
-
-  // One pass over the rows: each kv head's heavy candidates (ascending) and every head's light Σ ê (fp32 per chunk).
-  const float* all_rows = exp_rows(b);
-  float cut[kMaxHeadsPerSet], light_chunk[kMaxHeadsPerSet];
-  for (int32_t i = 0; i < nh; ++i) cut[i] = hbs[first_head + i].cut;
-  std::fill(light, light + nh, 0.0);
-  std::fill(heavy_count, heavy_count + n_kv, int64_t{0});
-  const int64_t heavy_capacity = n / 4;  // more: too flat for the screen to pay
-  for (int64_t t0 = 0; t0 < n; t0 += kChunkCandidates) {
-    if (!row_split(all_rows, t0, std::min(kChunkCandidates, n - t0), hq, first_head, nh, g, cut, light_chunk, heavy,
-                   n, heavy_count, heavy_capacity))
-      return false;
-    for (int32_t i = 0; i < nh; ++i) light[i] += double(light_chunk[i]);
+  // The kv head's heavy candidates, the chunks' lists in order (so ascending); more than n / 4: too flat for the
+  // screen to pay.
+  const int32_t* kv_heavy = heavy + (set_index(b, set) * n_kv + kv) * arrays.max_candidates;
+  int64_t n_heavy = 0;
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t count = heavy_counts[(set_index(b, set) * arrays.chunks + chunk) * n_kv + kv];
+    if (n_heavy + count > n / 4) return;
+    const int32_t* from = kv_heavy + chunk * kChunkCandidates;
+    std::copy(from, from + count, heavy_list + n_heavy);
+    n_heavy += count;
   }
-
-  // Per kv head: the oracle's scores of list = U ∪ heavy (ascending); then per query head m_h (the maximum is
-  // heavy: its ê is near 1, far above the cut, and the list holds only candidates, so the list's maximum is m_h),
-  // Z_h's interval (heavy terms exact, the light rest within its factors) and U's terms e/Z_hi and e/Z_lo, summed
-  // over the set's heads into u_lo / u_hi.
+  // The oracle's scores of list = U ∪ heavy (ascending); then per query head m_h (the maximum is heavy: its ê is near
+  // 1, far above the cut, and the list holds only candidates, so the list's maximum is m_h), Z_h's interval (heavy
+  // terms exact, the light rest within its factors) and U's terms e/Z_hi and e/Z_lo, summed over the kv head's heads.
+  const int64_t n_list = std::set_union(u_ids, u_ids + n_undecided, heavy_list, heavy_list + n_heavy, list) - list;
   const SelectScoreKernel& kernel = select_score_kernel();
   const void* tile_rows[kScoreTileKeys];
+  const double* qbars = concat_qbars + (int64_t(b) * hq + int64_t(hk) * g) * d;
+  for (int64_t i0 = 0; i0 < n_list; i0 += kScoreTileKeys) {
+    const int nk = int(std::min<int64_t>(kScoreTileKeys, n_list - i0));
+    for (int j = 0; j < nk; ++j) tile_rows[j] = k_row(b, seq.first_candidate + list[i0 + j], hk);
+    kernel.score_tile_exact_products(qbars, g, tile_rows, problem.dtype, nk, d, request.score_scale, transposed,
+                                     exact + i0 * g, g);
+  }
+  double* terms_lo = u_terms + (set_index(b, set) * n_kv + kv) * 2 * arrays.undecided_capacity;
+  double* terms_hi = terms_lo + arrays.undecided_capacity;
+  std::fill(terms_lo, terms_lo + n_undecided, 0.0);
+  std::fill(terms_hi, terms_hi + n_undecided, 0.0);
+  const float* all_rows = exp_rows(b);
   const double clamped_total = double(n) * kClampedTermBound;
-  for (int32_t kv = 0; kv < n_kv; ++kv) {
-    const int32_t hk = first_kv + kv;
-    const int32_t* heavy_kv = heavy + kv * n;
-    const int64_t n_list =
-        std::set_union(undecided, undecided + n_undecided, heavy_kv, heavy_kv + heavy_count[kv], list) - list;
-    const double* qbars = concat_qbars + (int64_t(b) * hq + int64_t(hk) * g) * d;
-    for (int64_t i0 = 0; i0 < n_list; i0 += kScoreTileKeys) {
-      const int nk = int(std::min<int64_t>(kScoreTileKeys, n_list - i0));
-      for (int j = 0; j < nk; ++j) tile_rows[j] = k_row(b, seq.first_candidate + list[i0 + j], hk);
-      kernel.score_tile_exact_products(qbars, g, tile_rows, problem.dtype, nk, d, request.score_scale, transposed,
-                                       exact + i0 * g, g);
+  for (int32_t l = 0; l < g; ++l) {
+    const int32_t i = kv * g + l;  // the head within the set
+    const HeadBounds& hb = head_bounds(b)[first_head + i];
+    double light_sum = 0.0;  // the light Σ ê, chunk by chunk
+    for (int64_t chunk = 0; chunk < chunks; ++chunk)
+      light_sum += double(light[(set_index(b, set) * arrays.chunks + chunk) * nh + i]);
+    double m = -std::numeric_limits<double>::infinity();
+    for (int64_t x = 0; x < n_list; ++x) m = std::max(m, exact[x * g + l]);
+    double z_heavy = 0.0;
+    for (int64_t x = 0; x < n_list; ++x)
+      if (all_rows[int64_t(list[x]) * hq + first_head + i] >= hb.cut) z_heavy += std::exp(exact[x * g + l] - m);
+    const double z_lo = (z_heavy * (1.0 - kRoundingSlack) +
+                         std::max(0.0, light_sum * (1.0 - kChunkSumSlack) - clamped_total) * hb.lo_factor) *
+                        (1.0 - kRoundingSlack);
+    const double z_hi = (z_heavy * (1.0 + kRoundingSlack) + light_sum * (1.0 + kChunkSumSlack) * hb.hi_factor) *
+                        (1.0 + kRoundingSlack);
+    if (!(z_lo > 0.0) || !std::isfinite(z_hi)) return;
+    // U is inside the list: walk both in ascending order.
+    for (int64_t u = 0, x = 0; u < n_undecided; ++u, ++x) {
+      while (list[x] != u_ids[u]) ++x;
+      const double e = std::exp(exact[x * g + l] - m);
+      terms_lo[u] += e / z_hi;
+      terms_hi[u] += e / z_lo;
     }
-    for (int32_t l = 0; l < g; ++l) {
-      const int32_t i = kv * g + l;
-      const HeadBounds& hb = hbs[first_head + i];
-      double m = -std::numeric_limits<double>::infinity();
-      for (int64_t x = 0; x < n_list; ++x) m = std::max(m, exact[x * g + l]);
-      double z_heavy = 0.0;
-      for (int64_t x = 0; x < n_list; ++x)
-        if (all_rows[int64_t(list[x]) * hq + first_head + i] >= hb.cut) z_heavy += std::exp(exact[x * g + l] - m);
-      const double z_lo = (z_heavy * (1.0 - kRoundingSlack) +
-                           std::max(0.0, light[i] * (1.0 - kChunkSumSlack) - clamped_total) * hb.lo_factor) *
-                          (1.0 - kRoundingSlack);
-      const double z_hi = (z_heavy * (1.0 + kRoundingSlack) + light[i] * (1.0 + kChunkSumSlack) * hb.hi_factor) *
-                          (1.0 + kRoundingSlack);
-      if (!(z_lo > 0.0) || !std::isfinite(z_hi)) return false;
-      // U is inside the list: walk both in ascending order.
-      for (int64_t u = 0, x = 0; u < n_undecided; ++u, ++x) {
-        while (list[x] != undecided[u]) ++x;
-        const double e = std::exp(exact[x * g + l] - m);
-        if (i == 0 && kv == 0) u_lo[u] = u_hi[u] = 0.0;
-        u_lo[u] += e / z_hi;
-        u_hi[u] += e / z_lo;
-      }
+  }
+  ok = 1;
+}
+
+void Screen::choose_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const {
+  unsigned char& state = set_state[set_index(b, set)];
+  if (state != kSetPending) return;
+  state = kSetFailed;
+  const int32_t n_kv = arrays.kv_per_set;
+  for (int32_t kv = 0; kv < n_kv; ++kv)
+    if (!kv_ok[set_index(b, set) * n_kv + kv]) return;
+  const int64_t n_undecided = set_counts[2 * set_index(b, set) + 1];
+  const int64_t r = request.top_k - set_counts[2 * set_index(b, set)];
+  const int32_t* u_ids = undecided + set_index(b, set) * arrays.undecided_capacity;
+  ChooseLayout c(arrays.undecided_capacity);
+  c.layout.bind(scratch);
+  double* u_lo = c.layout.get<double>(c.u_lo_at, size_t(arrays.undecided_capacity));
+  double* u_hi = c.layout.get<double>(c.u_hi_at, size_t(arrays.undecided_capacity));
+  double* order = c.layout.get<double>(c.order_at, 2 * size_t(arrays.undecided_capacity));
+  int32_t* chosen = c.layout.get<int32_t>(c.chosen_at, size_t(arrays.undecided_capacity));
+  // U's vote intervals: the kv heads' terms, summed in kv order.
+  std::fill(u_lo, u_lo + n_undecided, 0.0);
+  std::fill(u_hi, u_hi + n_undecided, 0.0);
+  for (int32_t kv = 0; kv < n_kv; ++kv) {
+    const double* terms_lo = u_terms + (set_index(b, set) * n_kv + kv) * 2 * arrays.undecided_capacity;
+    const double* terms_hi = terms_lo + arrays.undecided_capacity;
+    for (int64_t u = 0; u < n_undecided; ++u) {
+      u_lo[u] += terms_lo[u];
+      u_hi[u] += terms_hi[u];
     }
   }
   for (int64_t u = 0; u < n_undecided; ++u) {
@@ -785,13 +887,11 @@ bool Screen::certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScrat
     u_hi[u] *= 1.0 + kRoundingSlack;
   }
   // U's share: the same split as classify's, on U's narrow intervals; anything left undecided is a near-tie.
-  int32_t* chosen = list;  // free now
   int64_t n_chosen = 0;
   if (r == n_undecided) {
-    std::copy(undecided, undecided + n_undecided, chosen);
+    std::copy(u_ids, u_ids + n_undecided, chosen);
     n_chosen = n_undecided;
   } else if (r > 0) {
-    double* order = exact;  // exact_count >= 2·|U| doubles, free now
     std::copy(u_lo, u_lo + n_undecided, order);
     std::copy(u_hi, u_hi + n_undecided, order + n_undecided);
     std::nth_element(order, order + (r - 1), order + n_undecided, std::greater<double>());
@@ -799,13 +899,13 @@ bool Screen::certify_set(int32_t b, int32_t set, int64_t* selection, ThreadScrat
     const double lambda = order[r - 1], mu = order[n_undecided + r];
     for (int64_t u = 0; u < n_undecided; ++u) {
       if (u_lo[u] > mu) {
-        chosen[n_chosen++] = undecided[u];
+        chosen[n_chosen++] = u_ids[u];
       } else if (!(u_hi[u] < lambda)) {
-        return false;
+        return;
       }
     }
   }
-  return write(chosen, n_chosen);
+  if (write_set(b, set, chosen, n_chosen, selection)) state = kSetWritten;
 }
 
 #if defined(__x86_64__)
@@ -839,13 +939,11 @@ size_t selection_screen_scratch_floats(const AttentionProblem& problem, const Sc
   return ScreenArrays(problem, request, max_candidates).layout.floats();
 }
 
-size_t selection_screen_worker_floats(const AttentionProblem& problem, const ScreenRequest& request,
-                                      int64_t max_candidates) {
+size_t selection_screen_worker_floats(const AttentionProblem& problem, int64_t max_candidates) {
   const int32_t g = problem.num_q_heads / problem.num_kv_heads;
-  return std::max(ScoreChunkLayout().layout.floats(),
-                  CertifyLayout(max_candidates, request.heads_per_set / g, g, problem.head_dim,
-                                undecided_capacity_for(max_candidates))
-                      .layout.floats());
+  return std::max({ScoreChunkLayout().layout.floats(), ClassifyLayout(max_candidates).layout.floats(),
+                   ResolveLayout(max_candidates, g, problem.head_dim).layout.floats(),
+                   ChooseLayout(undecided_capacity_for(max_candidates)).layout.floats()});
 }
 
 void screen_selections(const AttentionProblem& problem, const ScreenRequest& request,
@@ -878,7 +976,15 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
                 arrays.layout.get<HeadBounds>(arrays.heads_at, arrays.heads_count),
                 arrays.layout.get<float>(arrays.lo_at, arrays.votes_count),
                 arrays.layout.get<float>(arrays.hi_at, arrays.votes_count),
-                arrays.layout.get<unsigned char>(arrays.set_ok_at, arrays.sets_count)};
+                arrays.layout.get<unsigned char>(arrays.set_state_at, arrays.sets_count),
+                arrays.layout.get<int64_t>(arrays.set_counts_at, 2 * arrays.sets_count),
+                arrays.layout.get<int32_t>(arrays.in_at, arrays.votes_count),
+                arrays.layout.get<int32_t>(arrays.undecided_at, arrays.undecided_count),
+                arrays.layout.get<int32_t>(arrays.heavy_at, arrays.heavy_count),
+                arrays.layout.get<int64_t>(arrays.heavy_counts_at, arrays.heavy_counts_count),
+                arrays.layout.get<float>(arrays.light_at, arrays.light_count),
+                arrays.layout.get<double>(arrays.u_terms_at, 2 * arrays.kv_count * size_t(arrays.undecided_capacity)),
+                arrays.layout.get<unsigned char>(arrays.kv_ok_at, arrays.kv_count)};
   // The screen takes a wanted sequence whose q̄ are floats (every decode: q̄ is the query row widened), so the
   // oracle's products with K are exact (score_tile_exact_products) and fp32(scale · q̄) is within the bound.
   unsigned char* taken = certified;  // marks the sequences in play until the verdicts at the end
@@ -926,15 +1032,30 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
     const int32_t set = int32_t(item / chunks % request.n_sets);
     if (in_range(b, item % chunks)) screen.vote_chunk(b, set, item % chunks);
   });
-  parallel_items(exec, int64_t(batch) * request.n_sets, [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / request.n_sets);
-    const int32_t set = int32_t(item % request.n_sets);
-    screen.set_ok[item] = taken[b] && screen.certify_set(b, set, selections + b * selection_len + set * set_stride,
-                                                         policy_scratch(exec, worker));
+  const int64_t n_sets = request.n_sets, kv_per_set = arrays.kv_per_set;
+  const auto selection_of = [&](int32_t b, int32_t set) {
+    return selections + b * selection_len + set * set_stride;
+  };
+  parallel_items(exec, batch * n_sets, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / n_sets), set = int32_t(item % n_sets);
+    screen.set_state[item] = Screen::kSetFailed;
+    if (taken[b]) screen.classify_set(b, set, selection_of(b, set), policy_scratch(exec, worker));
+  });
+  parallel_items(exec, batch * n_sets * chunks, [&](int64_t item, int) {
+    screen.split_chunk(int32_t(item / (n_sets * chunks)), int32_t(item / chunks % n_sets), item % chunks);
+  });
+  parallel_items(exec, batch * n_sets * kv_per_set, [&](int64_t item, int worker) {
+    screen.resolve_kv(int32_t(item / (n_sets * kv_per_set)), int32_t(item / kv_per_set % n_sets),
+                      int32_t(item % kv_per_set), policy_scratch(exec, worker));
+  });
+  parallel_items(exec, batch * n_sets, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / n_sets), set = int32_t(item % n_sets);
+    screen.choose_set(b, set, selection_of(b, set), policy_scratch(exec, worker));
   });
   for (int32_t b = 0; b < batch; ++b) {
     bool all = taken[b];
-    for (int32_t set = 0; set < request.n_sets; ++set) all = all && screen.set_ok[int64_t(b) * request.n_sets + set];
+    for (int32_t set = 0; set < request.n_sets; ++set)
+      all = all && screen.set_state[screen.set_index(b, set)] == Screen::kSetWritten;
     certified[b] = all;
     if (all) scores[b] = screen.rows(b);
   }

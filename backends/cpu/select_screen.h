@@ -38,8 +38,7 @@ size_t selection_screen_scratch_floats(const AttentionProblem& problem, const Sc
                                        int64_t max_candidates);
 
 // Floats of policy scratch each worker needs.
-size_t selection_screen_worker_floats(const AttentionProblem& problem, const ScreenRequest& request,
-                                      int64_t max_candidates);
+size_t selection_screen_worker_floats(const AttentionProblem& problem, int64_t max_candidates);
 
 // For every wanted sequence b whose q̄ are floats (every decode): tries to certify T. On success writes, for each
 // set, its top_k candidate ids (ascending, positions in the sequence: first_candidate added) to
