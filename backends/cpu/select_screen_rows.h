@@ -1,0 +1,37 @@
+// The row loops of TOKEN_SELECT's fp32 screen (select_screen.cpp): passes over its [candidates, Hq] fp32 rows of
+// scores ŝ or exps ê, and the largest |K| of a tile of keys. AVX2 + FMA, eight heads at a time, where the CPU has
+// them (the screen runs only where the decode kernels do, so on CPUs with both); plain loops elsewhere.
+#pragma once
+
+#include <cstdint>
+
+namespace sparsa::cpu::screen_rows {
+
+constexpr double kHeavyShare = 1.0 / (1 << 18);  // ê >= kHeavyShare · Σ ê: heavy, scored exactly in step 6
+constexpr float kLowestArgument = -87.f;         // the exp's clamp: ê >= exp(-87), still a normal float
+constexpr int32_t kMaxKvHeads = 64;
+
+// Largest |K| bits without the sign (fp16 and bf16 magnitudes order like their bits) per kv head over a tile's rows
+// (rows[j]: key j's row of kv head 0, kv head hk head_bytes · hk further), maxed into kmax[hk].
+void tile_max_magnitudes(const unsigned char* const* rows, int nk, int32_t n_kv, int64_t head_bytes, int32_t d,
+                         uint16_t* kmax);
+// Rows [t][hq]: each head's maximum maxed into maxes; false when a score is not finite.
+bool row_maxima(const float* rows, int64_t n_rows, int32_t hq, float* maxes);
+// Rows [t][hq]: ê = exp(ŝ − m̂_h) into exps, each head's fp32 sum into sums.
+void row_exps(const float* rows, float* exps, int64_t n_rows, int32_t hq, const float* maxes, float* sums);
+// Rows [t][hq]: per head, how many rows score at least m̂ + ln(kHeavyShare · Σ exp(ŝ − m̂)) (with the rows' own m̂):
+// the share of heavy candidates the rows predict.
+void row_heavy_counts(const float* rows, int64_t n_rows, int32_t hq, const float* maxes, int64_t* counts);
+// Rows [t][hq], heads [first, first + nh): lo[t] = Σ ê·lo_coef, hi[t] = Σ ê·hi_coef in fp32.
+void row_votes(const float* rows, int64_t n_rows, int32_t hq, int32_t first, int32_t nh, const float* lo_coef,
+               const float* hi_coef, float* lo, float* hi);
+// Rows [first_row, first_row + n_rows) of [t][hq], heads [first, first + nh) in kv groups of g: light[i] = fp32 Σ
+// of head first + i's ê below its cut, and each row with an ê at or above its head's cut appended to that head's kv
+// list (heavy + kv · stride, count in n_heavy[kv]); false when a list would pass capacity.
+bool row_split(const float* rows, int64_t first_row, int64_t n_rows, int32_t hq, int32_t first, int32_t nh,
+               int32_t g, const float* cut, float* light, int32_t* heavy, int64_t stride, int64_t* n_heavy,
+               int64_t capacity);
+// exp(x) for x <= 0 as the row loops compute it (clamped at kLowestArgument).
+float exp_lane(float x);
+
+}  // namespace sparsa::cpu::screen_rows
