@@ -1,7 +1,8 @@
 // Dense decode over a key range on a 16-bit KV cache (attend_decode_keys, cpu_engine.h) with the AVX-512F or AVX2
 // decode kernels (decode_kernels.h); run_dense uses it only where they exist. The same loop over an explicit key list
 // (attend_decode_list) serves the selection policies' decode (run_decode_lists: lists cut into slices, merged by
-// LSE like dense decode's ranges).
+// LSE like dense decode's ranges); there a caller may hand over scores it already holds (KnownScores: TOKEN_SELECT's
+// fp32 screen scored every candidate), and a tile of such keys reads V alone.
 //
 // One call keeps every query head's state (q, o, m, l) for sequence b and streams the range's keys in tiles of
 // kDecodeTileKeys: all kv heads of a key are read before the next key, so the K and V bytes of the range are read
