@@ -1,7 +1,9 @@
 // §5 drift-based layer selection: R_l = mean_t ‖h_out − h_in‖₂ / (‖h_in‖₂ + ε); sparse iff
-// R_l <= quantile(R, δ) with numpy's default linear interpolation. Host memory, any strides, F32/F16/BF16.
+// R_l <= quantile(R, δ) with numpy's default linear interpolation (NaN when some R_l is: then no layer is sparse).
+// Host memory, any strides, F32/F16/BF16.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "host_utilities.h"
@@ -13,8 +15,11 @@ namespace {
 
 constexpr double kNormEpsilon = 1e-8;  // ALGORITHMS.md §5
 
-// numpy.quantile(values, q) with the default "linear" method.
+// numpy.quantile(values, q) with the default "linear" method; NaN when a value is NaN, as numpy's (and a NaN would
+// break std::sort's ordering: it is not a strict weak order with NaN, and the sort may then read past the values).
 double linear_quantile(std::vector<double> values, double q) {
+  if (std::any_of(values.begin(), values.end(), [](double v) { return std::isnan(v); }))
+    return std::numeric_limits<double>::quiet_NaN();
   std::sort(values.begin(), values.end());
   const double position = q * double(values.size() - 1);
   const size_t below = static_cast<size_t>(std::floor(position));
@@ -58,8 +63,10 @@ void drift_select_layers(const sparsa_tensor* h_in_t, const sparsa_tensor* h_out
     fail(SPARSA_STATUS_INVALID_ARGUMENT, "delta: expected a quantile in [0, 1], got ", delta);
   }
 
-  std::vector<double> ratio(static_cast<size_t>(layers));
-  for (int64_t l = 0; l < layers; ++l) {
+  // With D = 0 every token's norms are 0, so every R_l is 0 / (0 + ε) = 0: the tokens are not walked (an empty
+  // tensor may declare any T; fuzz_utilities found T = 2^32 + 1 taking a minute).
+  std::vector<double> ratio(static_cast<size_t>(layers), 0.0);
+  for (int64_t l = 0; l < layers && dim > 0; ++l) {
     double sum = 0.0;
     for (int64_t t = 0; t < tokens; ++t) {
       double diff_sq = 0.0, in_sq = 0.0;

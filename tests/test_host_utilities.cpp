@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -141,6 +142,52 @@ TEST(Drift, MatchesAHandComputedExample) {
   t_out.shape[1] = 1;
   EXPECT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &t_ratio, &t_sparse), SPARSA_STATUS_SHAPE_MISMATCH);
   EXPECT_NE(std::string(sparsa_last_error_message()).find("h_out"), std::string::npos);
+}
+
+// A NaN ratio makes the quantile NaN (numpy's answer; sorting a NaN would also break std::sort's ordering): no
+// layer is sparse, every ratio is still written.
+TEST(Drift, ANanRatioMakesNoLayerSparse) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  // Layer 1's h_in is NaN (R NaN); layer 3's h_out is infinite (R inf); the others finite.
+  std::vector<float> h_in = {1, 0, /**/ nan, 1, /**/ 2, 0, /**/ 1, 1, /**/ 0, 3, /**/ 1, 2};
+  std::vector<float> h_out = {1, 0, /**/ 1, 1, /**/ 4, 0, /**/ inf, 1, /**/ 0, 3, /**/ 1, 2};
+  sparsa_tensor t_in = make_tensor(h_in.data(), SPARSA_DTYPE_F32, {6, 1, 2});
+  sparsa_tensor t_out = make_tensor(h_out.data(), SPARSA_DTYPE_F32, {6, 1, 2});
+  std::vector<float> ratio(6, -1.f);
+  std::vector<uint8_t> sparse(6, 9);
+  sparsa_tensor t_ratio = make_tensor(ratio.data(), SPARSA_DTYPE_F32, {6});
+  sparsa_tensor t_sparse = make_tensor(sparse.data(), SPARSA_DTYPE_U8, {6});
+  for (float delta : {0.f, 0.5f, 1.f}) {
+    SCOPED_TRACE(delta);
+    ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, delta, &t_ratio, &t_sparse), SPARSA_STATUS_SUCCESS)
+        << sparsa_last_error_message();
+    EXPECT_EQ(sparse, std::vector<uint8_t>(6, 0));
+    EXPECT_EQ(ratio[0], 0.f);
+    EXPECT_TRUE(std::isnan(ratio[1]));
+    EXPECT_NEAR(ratio[2], 1.f, 1e-6);
+    EXPECT_EQ(ratio[3], inf);
+  }
+  // Without the NaN the infinite ratio sorts last like any value: δ = 0.5 over {0, 0, 1, inf, 0, 0} gives 0.
+  h_in[2] = 1;
+  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &t_ratio, &t_sparse), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(sparse, (std::vector<uint8_t>{1, 1, 0, 0, 1, 1}));
+}
+
+// D = 0: every ratio is 0 (empty norms), whatever T the empty tensors declare; T = 2^32 + 1 took a minute when the
+// tokens were walked (found by fuzz_utilities: tests/fuzz/corpus/fuzz_utilities/drift-empty-hidden-dimension).
+TEST(Drift, AnEmptyHiddenDimensionGivesZeroRatiosWithoutWalkingTheTokens) {
+  float storage = 0.f;
+  const int64_t tokens = (int64_t(1) << 32) + 1;
+  sparsa_tensor t_in = make_tensor(&storage, SPARSA_DTYPE_F32, {2, tokens, 0});
+  sparsa_tensor t_out = make_tensor(&storage, SPARSA_DTYPE_F32, {2, tokens, 0});
+  std::vector<float> ratio(2, -1.f);
+  std::vector<uint8_t> sparse(2, 9);
+  sparsa_tensor t_ratio = make_tensor(ratio.data(), SPARSA_DTYPE_F32, {2});
+  sparsa_tensor t_sparse = make_tensor(sparse.data(), SPARSA_DTYPE_U8, {2});
+  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &t_ratio, &t_sparse), SPARSA_STATUS_SUCCESS)
+      << sparsa_last_error_message();
+  EXPECT_EQ(ratio, (std::vector<float>{0.f, 0.f}));
+  EXPECT_EQ(sparse, (std::vector<uint8_t>{1, 1}));
 }
 
 // ---- Head mapping -----------------------------------------------------------------------------------------------

@@ -124,7 +124,8 @@ func hilbertRejected(t, h, w int32) error {
 }
 
 // DriftSelectLayers is the drift-based layer selection (§5): hIn, hOut [L, T, D] (F32/F16/BF16, host memory);
-// outRatio F32 [L] and outSparse uint8 [L] are optional outputs. delta in [0, 1].
+// outRatio F32 [L] and outSparse uint8 [L] are optional outputs. delta in [0, 1]. A NaN ratio (from a NaN or
+// infinite input) makes the quantile NaN, as numpy's: no layer is then sparse.
 func DriftSelectLayers(hIn, hOut *Tensor, delta float32, outRatio, outSparse *Tensor) error {
 	var slots tensorSlots
 	for i, t := range []*Tensor{hIn, hOut, outRatio, outSparse} {

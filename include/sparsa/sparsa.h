@@ -569,7 +569,8 @@ SPARSA_API sparsa_status sparsa_hilbert_permutation(int32_t t, int32_t h, int32_
  * Drift-based layer selection (§5): h_in, h_out: [L, T, D] (F32/F16/BF16, host memory), the hidden states before
  * and after each layer. R_l = mean_t ‖h_out − h_in‖₂ / (‖h_in‖₂ + 1e-8); layer l is sparse iff R_l <= the δ-quantile
  * of R (linear interpolation, as numpy's default). out_ratio: F32 [L] (optional); out_sparse: uint8 [L] (optional).
- * delta in [0, 1].
+ * delta in [0, 1]. A NaN or infinite input can make some R_l NaN; the quantile is then NaN (as numpy's) and no layer
+ * is sparse; out_ratio still gets every R_l.
  */
 SPARSA_API sparsa_status sparsa_drift_select_layers(const sparsa_tensor* h_in, const sparsa_tensor* h_out,
                                                     float delta, const sparsa_tensor* out_ratio,

@@ -1691,7 +1691,8 @@ extern "C" {
     #[doc = " Drift-based layer selection (§5): h_in, h_out: [L, T, D] (F32/F16/BF16, host memory), the hidden states before"]
     #[doc = " and after each layer. R_l = mean_t ‖h_out − h_in‖₂ / (‖h_in‖₂ + 1e-8); layer l is sparse iff R_l <= the δ-quantile"]
     #[doc = " of R (linear interpolation, as numpy's default). out_ratio: F32 [L] (optional); out_sparse: uint8 [L] (optional)."]
-    #[doc = " delta in [0, 1]."]
+    #[doc = " delta in [0, 1]. A NaN or infinite input can make some R_l NaN; the quantile is then NaN (as numpy's) and no layer"]
+    #[doc = " is sparse; out_ratio still gets every R_l."]
     pub fn sparsa_drift_select_layers(
         h_in: *const sparsa_tensor,
         h_out: *const sparsa_tensor,
