@@ -109,6 +109,17 @@ TEST(Hilbert, CapacityIsChecked) {
 
 // ---- Drift ------------------------------------------------------------------------------------------------------
 
+// Poisoned outputs for L layers, with their descriptors.
+struct DriftOutputs {
+  std::vector<float> ratio;
+  std::vector<uint8_t> sparse;
+  sparsa_tensor t_ratio, t_sparse;
+  explicit DriftOutputs(int64_t layers) : ratio(size_t(layers), -1.f), sparse(size_t(layers), 9) {
+    t_ratio = make_tensor(ratio.data(), SPARSA_DTYPE_F32, {layers});
+    t_sparse = make_tensor(sparse.data(), SPARSA_DTYPE_U8, {layers});
+  }
+};
+
 TEST(Drift, MatchesAHandComputedExample) {
   // L = 3 layers, T = 2 tokens, D = 2. Per-token ratios ‖out − in‖ / ‖in‖:
   //   layer 0: out == in → 0, 0 → R = 0
@@ -118,29 +129,27 @@ TEST(Drift, MatchesAHandComputedExample) {
   std::vector<float> h_out = {1, 0, 0, 1, /**/ 3, 9, 1, 0.5f, /**/ 4, 0, 0, 4};
   sparsa_tensor t_in = make_tensor(h_in.data(), SPARSA_DTYPE_F32, {3, 2, 2});
   sparsa_tensor t_out = make_tensor(h_out.data(), SPARSA_DTYPE_F32, {3, 2, 2});
-  std::vector<float> ratio(3, -1.f);
-  std::vector<uint8_t> sparse(3, 9);
-  sparsa_tensor t_ratio = make_tensor(ratio.data(), SPARSA_DTYPE_F32, {3});
-  sparsa_tensor t_sparse = make_tensor(sparse.data(), SPARSA_DTYPE_U8, {3});
+  DriftOutputs out(3);
 
   // δ = 0.5: numpy.quantile([0, 0.75, 1], 0.5) = 0.75 → layers 0 and 1 are sparse.
-  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &t_ratio, &t_sparse), SPARSA_STATUS_SUCCESS)
+  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &out.t_ratio, &out.t_sparse), SPARSA_STATUS_SUCCESS)
       << sparsa_last_error_message();
-  EXPECT_NEAR(ratio[0], 0.f, 1e-6);
-  EXPECT_NEAR(ratio[1], 0.75f, 1e-6);
-  EXPECT_NEAR(ratio[2], 1.f, 1e-6);
-  EXPECT_EQ(sparse, (std::vector<uint8_t>{1, 1, 0}));
+  EXPECT_NEAR(out.ratio[0], 0.f, 1e-6);
+  EXPECT_NEAR(out.ratio[1], 0.75f, 1e-6);
+  EXPECT_NEAR(out.ratio[2], 1.f, 1e-6);
+  EXPECT_EQ(out.sparse, (std::vector<uint8_t>{1, 1, 0}));
   // δ = 0.25: quantile = 0 + (0.75 − 0)·0.5 = 0.375 → only layer 0.
-  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.25f, nullptr, &t_sparse), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(sparse, (std::vector<uint8_t>{1, 0, 0}));
+  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.25f, nullptr, &out.t_sparse), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(out.sparse, (std::vector<uint8_t>{1, 0, 0}));
   // δ = 1: everything is <= the maximum.
-  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 1.f, nullptr, &t_sparse), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(sparse, (std::vector<uint8_t>{1, 1, 1}));
+  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 1.f, nullptr, &out.t_sparse), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(out.sparse, (std::vector<uint8_t>{1, 1, 1}));
 
-  EXPECT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 1.5f, &t_ratio, &t_sparse), SPARSA_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 1.5f, &out.t_ratio, &out.t_sparse),
+            SPARSA_STATUS_INVALID_ARGUMENT);
   EXPECT_NE(std::string(sparsa_last_error_message()).find("delta"), std::string::npos);
   t_out.shape[1] = 1;
-  EXPECT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &t_ratio, &t_sparse), SPARSA_STATUS_SHAPE_MISMATCH);
+  EXPECT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &out.t_ratio, &out.t_sparse), SPARSA_STATUS_SHAPE_MISMATCH);
   EXPECT_NE(std::string(sparsa_last_error_message()).find("h_out"), std::string::npos);
 }
 
@@ -153,24 +162,21 @@ TEST(Drift, ANanRatioMakesNoLayerSparse) {
   std::vector<float> h_out = {1, 0, /**/ 1, 1, /**/ 4, 0, /**/ inf, 1, /**/ 0, 3, /**/ 1, 2};
   sparsa_tensor t_in = make_tensor(h_in.data(), SPARSA_DTYPE_F32, {6, 1, 2});
   sparsa_tensor t_out = make_tensor(h_out.data(), SPARSA_DTYPE_F32, {6, 1, 2});
-  std::vector<float> ratio(6, -1.f);
-  std::vector<uint8_t> sparse(6, 9);
-  sparsa_tensor t_ratio = make_tensor(ratio.data(), SPARSA_DTYPE_F32, {6});
-  sparsa_tensor t_sparse = make_tensor(sparse.data(), SPARSA_DTYPE_U8, {6});
+  DriftOutputs out(6);
   for (float delta : {0.f, 0.5f, 1.f}) {
     SCOPED_TRACE(delta);
-    ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, delta, &t_ratio, &t_sparse), SPARSA_STATUS_SUCCESS)
+    ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, delta, &out.t_ratio, &out.t_sparse), SPARSA_STATUS_SUCCESS)
         << sparsa_last_error_message();
-    EXPECT_EQ(sparse, std::vector<uint8_t>(6, 0));
-    EXPECT_EQ(ratio[0], 0.f);
-    EXPECT_TRUE(std::isnan(ratio[1]));
-    EXPECT_NEAR(ratio[2], 1.f, 1e-6);
-    EXPECT_EQ(ratio[3], inf);
+    EXPECT_EQ(out.sparse, std::vector<uint8_t>(6, 0));
+    EXPECT_EQ(out.ratio[0], 0.f);
+    EXPECT_TRUE(std::isnan(out.ratio[1]));
+    EXPECT_NEAR(out.ratio[2], 1.f, 1e-6);
+    EXPECT_EQ(out.ratio[3], inf);
   }
   // Without the NaN the infinite ratio sorts last like any value: δ = 0.5 over {0, 0, 1, inf, 0, 0} gives 0.
   h_in[2] = 1;
-  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &t_ratio, &t_sparse), SPARSA_STATUS_SUCCESS);
-  EXPECT_EQ(sparse, (std::vector<uint8_t>{1, 1, 0, 0, 1, 1}));
+  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &out.t_ratio, &out.t_sparse), SPARSA_STATUS_SUCCESS);
+  EXPECT_EQ(out.sparse, (std::vector<uint8_t>{1, 1, 0, 0, 1, 1}));
 }
 
 // D = 0: every ratio is 0 (empty norms), whatever T the empty tensors declare; T = 2^32 + 1 took a minute when the
@@ -180,14 +186,11 @@ TEST(Drift, AnEmptyHiddenDimensionGivesZeroRatiosWithoutWalkingTheTokens) {
   const int64_t tokens = (int64_t(1) << 32) + 1;
   sparsa_tensor t_in = make_tensor(&storage, SPARSA_DTYPE_F32, {2, tokens, 0});
   sparsa_tensor t_out = make_tensor(&storage, SPARSA_DTYPE_F32, {2, tokens, 0});
-  std::vector<float> ratio(2, -1.f);
-  std::vector<uint8_t> sparse(2, 9);
-  sparsa_tensor t_ratio = make_tensor(ratio.data(), SPARSA_DTYPE_F32, {2});
-  sparsa_tensor t_sparse = make_tensor(sparse.data(), SPARSA_DTYPE_U8, {2});
-  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &t_ratio, &t_sparse), SPARSA_STATUS_SUCCESS)
+  DriftOutputs out(2);
+  ASSERT_EQ(sparsa_drift_select_layers(&t_in, &t_out, 0.5f, &out.t_ratio, &out.t_sparse), SPARSA_STATUS_SUCCESS)
       << sparsa_last_error_message();
-  EXPECT_EQ(ratio, (std::vector<float>{0.f, 0.f}));
-  EXPECT_EQ(sparse, (std::vector<uint8_t>{1, 1}));
+  EXPECT_EQ(out.ratio, (std::vector<float>{0.f, 0.f}));
+  EXPECT_EQ(out.sparse, (std::vector<uint8_t>{1, 1}));
 }
 
 // ---- Head mapping -----------------------------------------------------------------------------------------------
