@@ -58,6 +58,9 @@ constexpr int kPrefetchTilesAhead = 8;
 constexpr int64_t kChunkCandidates = 512;
 constexpr double kMaxHeavyCut = 0.5;                // the cut stays below the maximum's ê (> 7/8)
 constexpr int64_t kProbeCandidates = 512;           // step 1 scores these first, to tell a flat softmax early
+// The probe in tiles, one work item each: as one item it held every other worker idle for its 0.2 ms (the 16-core
+// Xeon, 8 threads), as long as dense decode takes at 8K keys there.
+constexpr int64_t kProbePieces = kProbeCandidates / kTileKeys;
 constexpr int64_t kFlatFraction = 4;                // a probe with more than 1/4 of a head heavy: flat
 constexpr double kRoundingSlack = 1.0 / (1 << 30);  // every float64 rounding (ours and the oracle's), over-covered
 constexpr double kExpSlack = 1.0 / (1 << 12);       // screen_exp's error and its fp32 argument's, over-covered
@@ -94,8 +97,9 @@ struct ScreenArrays {
   int32_t kv_per_set = 0;
   size_t q_count, scores_count, chunk_heads, chunk_kv, heads_count, votes_count, sets_count, undecided_count,
       heavy_count, heavy_counts_count, light_count, kv_count;
-  size_t q_at, scores_at, exps_at, chunk_max_at, chunk_sum_at, chunk_kmax_at, chunk_bad_at, heads_at, lo_at, hi_at,
-      set_state_at, set_counts_at, in_at, undecided_at, heavy_at, heavy_counts_at, light_at, u_terms_at, kv_ok_at;
+  size_t q_at, scores_at, exps_at, chunk_max_at, chunk_sum_at, chunk_kmax_at, chunk_bad_at, probe_max_at,
+      probe_kmax_at, probe_bad_at, heads_at, lo_at, hi_at, set_state_at, set_counts_at, in_at, undecided_at, heavy_at,
+      heavy_counts_at, light_at, u_terms_at, kv_ok_at;
   ScreenArrays(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_c) {
     const size_t batch = size_t(problem.batch), hq = size_t(problem.num_q_heads);
     max_candidates = max_c;
@@ -117,6 +121,9 @@ struct ScreenArrays {
     chunk_sum_at = layout.add<float>(chunk_heads);
     chunk_kmax_at = layout.add<uint16_t>(chunk_kv);
     chunk_bad_at = layout.add<unsigned char>(batch * size_t(chunks));
+    probe_max_at = layout.add<float>(batch * size_t(kProbePieces) * hq);
+    probe_kmax_at = layout.add<uint16_t>(batch * size_t(kProbePieces) * size_t(problem.num_kv_heads));
+    probe_bad_at = layout.add<unsigned char>(batch * size_t(kProbePieces));
     heads_at = layout.add<HeadBounds>(heads_count);
     lo_at = layout.add<float>(votes_count);
     hi_at = layout.add<float>(votes_count);
@@ -202,6 +209,9 @@ struct Screen {
   float* chunk_sum;          // [B, chunks, Hq]
   uint16_t* chunk_kmax;      // [B, chunks, Hkv]
   unsigned char* chunk_bad;  // [B, chunks]
+  float* probe_max;          // [B, kProbePieces, Hq]: the probe's pieces' statistics, as a chunk's
+  uint16_t* probe_kmax;      // [B, kProbePieces, Hkv]
+  unsigned char* probe_bad;  // [B, kProbePieces]
   HeadBounds* heads;         // [B, Hq]
   float* vote_lo;            // [B, n_sets, max C]
   float* vote_hi;
@@ -228,15 +238,31 @@ struct Screen {
            problem.kv_offset(problem.k, b, t, hk) * element_bytes(problem.dtype);
   }
 
-  // Step 1, candidates [first, last) of one chunk of sequence b: ŝ rows with the dense decode kernels, and into the
-  // chunk's statistics (started afresh, or added to) each head's maximum, each kv head's largest |K|, and whether
-  // anything was not finite.
-  void score_rows(int32_t b, int64_t chunk, int64_t first, int64_t last, bool fresh, ThreadScratch& scratch) const {
+  // Step 1's statistics of a run of rows: each head's maximum, each kv head's largest |K|, and whether anything was
+  // not finite.
+  struct RowStats {
+    float* maxes;
+    uint16_t* kmax;
+    unsigned char* bad;
+  };
+  RowStats chunk_stats(int32_t b, int64_t chunk) const {
+    const int64_t at = int64_t(b) * arrays.chunks + chunk;
+    return {chunk_max + at * problem.num_q_heads, chunk_kmax + at * problem.num_kv_heads, chunk_bad + at};
+  }
+  RowStats probe_stats(int32_t b, int64_t piece) const {
+    const int64_t at = int64_t(b) * kProbePieces + piece;
+    return {probe_max + at * problem.num_q_heads, probe_kmax + at * problem.num_kv_heads, probe_bad + at};
+  }
+
+  // Step 1, candidates [first, last) of sequence b: ŝ rows with the dense decode kernels, and their statistics into
+  // stats (started afresh, or added to).
+  void score_rows(int32_t b, int64_t first, int64_t last, const RowStats& stats, bool fresh,
+                  ThreadScratch& scratch) const {
     const ScreenSequence& seq = sequences[b];
     const int32_t hq = problem.num_q_heads, n_kv = problem.num_kv_heads, d = problem.head_dim;
-    float* maxes = chunk_max + (int64_t(b) * arrays.chunks + chunk) * hq;
-    uint16_t* kmax = chunk_kmax + (int64_t(b) * arrays.chunks + chunk) * n_kv;
-    unsigned char& bad = chunk_bad[int64_t(b) * arrays.chunks + chunk];
+    float* maxes = stats.maxes;
+    uint16_t* kmax = stats.kmax;
+    unsigned char& bad = *stats.bad;
     if (fresh) {
       std::fill(maxes, maxes + hq, -std::numeric_limits<float>::infinity());
       std::fill(kmax, kmax + n_kv, uint16_t{0});
@@ -272,9 +298,22 @@ struct Screen {
     if (!row_maxima(rows(b) + first * hq, last - first, hq, maxes)) bad = 1;
   }
 
-  // After step 1's probe (the first kProbeCandidates rows) of sequence b: true when they predict heavy lists past
-  // their capacity (a flat softmax), where step 6 would fail after all the scoring; the float64 pass then takes the
-  // sequence at once.
+  // After step 1's probe (the first kProbeCandidates rows) of sequence b: its pieces' statistics as chunk 0's.
+  void gather_probe(int32_t b, int64_t n_pieces) const {
+    const RowStats into = chunk_stats(b, 0);
+    std::fill(into.maxes, into.maxes + problem.num_q_heads, -std::numeric_limits<float>::infinity());
+    std::fill(into.kmax, into.kmax + problem.num_kv_heads, uint16_t{0});
+    *into.bad = 0;
+    for (int64_t piece = 0; piece < n_pieces; ++piece) {
+      const RowStats from = probe_stats(b, piece);
+      for (int32_t h = 0; h < problem.num_q_heads; ++h) into.maxes[h] = std::max(into.maxes[h], from.maxes[h]);
+      for (int32_t hk = 0; hk < problem.num_kv_heads; ++hk) into.kmax[hk] = std::max(into.kmax[hk], from.kmax[hk]);
+      *into.bad = *into.bad | *from.bad;
+    }
+  }
+
+  // After gather_probe: true when the probe's rows predict heavy lists past their capacity (a flat softmax), where
+  // step 6 would fail after all the scoring; the float64 pass then takes the sequence at once.
   bool predicts_flat(int32_t b) const {
     const int32_t hq = problem.num_q_heads;
     const int64_t n_rows = std::min(sequences[b].n_candidates, kProbeCandidates);
@@ -683,6 +722,10 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
                 arrays.layout.get<float>(arrays.chunk_sum_at, arrays.chunk_heads),
                 arrays.layout.get<uint16_t>(arrays.chunk_kmax_at, arrays.chunk_kv),
                 arrays.layout.get<unsigned char>(arrays.chunk_bad_at, size_t(batch) * size_t(arrays.chunks)),
+                arrays.layout.get<float>(arrays.probe_max_at, size_t(batch) * size_t(kProbePieces) * size_t(hq)),
+                arrays.layout.get<uint16_t>(arrays.probe_kmax_at,
+                                            size_t(batch) * size_t(kProbePieces) * size_t(problem.num_kv_heads)),
+                arrays.layout.get<unsigned char>(arrays.probe_bad_at, size_t(batch) * size_t(kProbePieces)),
                 arrays.layout.get<HeadBounds>(arrays.heads_at, arrays.heads_count),
                 arrays.layout.get<float>(arrays.lo_at, arrays.votes_count),
                 arrays.layout.get<float>(arrays.hi_at, arrays.votes_count),
@@ -717,19 +760,26 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
   const auto chunk_end = [&](int32_t b, int64_t chunk) {
     return std::min(sequences[b].n_candidates, (chunk + 1) * kChunkCandidates);
   };
-  parallel_items(exec, batch, [&](int64_t b, int worker) {
-    if (in_range(int32_t(b), 0))
-      screen.score_rows(int32_t(b), 0, 0, std::min(kProbeCandidates, chunk_end(int32_t(b), 0)), true,
+  const auto probe_end = [&](int32_t b) { return std::min(kProbeCandidates, chunk_end(b, 0)); };
+  parallel_items(exec, int64_t(batch) * kProbePieces, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / kProbePieces);
+    const int64_t piece = item % kProbePieces, first = piece * kTileKeys;
+    if (in_range(b, 0) && first < probe_end(b))
+      screen.score_rows(b, first, std::min(first + kTileKeys, probe_end(b)), screen.probe_stats(b, piece), true,
                         policy_scratch(exec, worker));
   });
-  for (int32_t b = 0; b < batch; ++b)
-    taken[b] = taken[b] && !screen.chunk_bad[int64_t(b) * chunks] && !screen.predicts_flat(b);
+  for (int32_t b = 0; b < batch; ++b) {
+    if (!taken[b]) continue;
+    screen.gather_probe(b, ceil_div(probe_end(b), kTileKeys));
+    taken[b] = !screen.chunk_bad[int64_t(b) * chunks] && !screen.predicts_flat(b);
+  }
   parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / chunks);
     const int64_t chunk = item % chunks;
     if (!in_range(b, chunk)) return;
-    const int64_t first = chunk == 0 ? kProbeCandidates : chunk * kChunkCandidates;  // chunk 0 adds to the probe's
-    screen.score_rows(b, chunk, first, chunk_end(b, chunk), chunk > 0, policy_scratch(exec, worker));
+    const int64_t first = chunk == 0 ? probe_end(b) : chunk * kChunkCandidates;  // chunk 0 adds to the probe's
+    screen.score_rows(b, first, chunk_end(b, chunk), screen.chunk_stats(b, chunk), chunk > 0,
+                      policy_scratch(exec, worker));
   });
   for (int32_t b = 0; b < batch; ++b) taken[b] = taken[b] && screen.bound_heads(b);
   parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int) {
