@@ -456,3 +456,50 @@ TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
         EXPECT_TRUE(st::outputs_close(half.out, single.out, st::tolerance(dtype)));
       }
 }
+
+// The 16-bit decode cuts its work by the number of workers (the attention over I cuts a list's slices into blocks of
+// kv heads when the slices alone are fewer than the workers; the screen's probe and chunks are items of their own),
+// and the results must not depend on it: the same bits of out, LSE and the index sets with 1, 2, 3, 5 and 8 workers,
+// shared and per-kv-head sets, lists of one slice and of several.
+TEST(TokenSelectCpu, HalfDecodeGivesTheSameBitsOnAnyThreadCount) {
+  struct Case {
+    int B, Hq, Hkv, D;
+    std::vector<int> skv;
+    int top_k;
+  };
+  const Case cases[] = {{1, 32, 8, 128, {3000}, 380}, {1, 16, 4, 64, {2600}, 1200}, {2, 8, 8, 128, {2100, 1700}, 200}};
+  int counter = 0;
+  for (const Case& c : cases)
+    for (bool per_kv_head : {false, true}) {
+      ST_RNG(rng, counter++);
+      SCOPED_TRACE(::testing::Message() << "B=" << c.B << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " D=" << c.D
+                                        << " per_kv_head=" << per_kv_head);
+      ref::Problem p = st::make_problem(c.B, c.Hq, c.Hkv, c.D, std::vector<int>(size_t(c.B), 1), c.skv, true);
+      st::fill(p, st::Pattern::kRandom, rng);
+      p = st::rounded(p, SPARSA_DTYPE_F16);
+      ref::TokenSelectParams tp;
+      tp.n_init = 16;
+      tp.n_local = 64;
+      tp.top_k = c.top_k;
+      tp.per_kv_head = per_kv_head;
+      st::RunOptions opt;
+      opt.selected_sets = per_kv_head ? p.Hkv : 1;
+      opt.selected_cap = p.max_skv();
+      opt.dtype = SPARSA_DTYPE_F16;
+      st::RunResult first;
+      for (int threads : {1, 2, 3, 5, 8}) {
+        SCOPED_TRACE(::testing::Message() << threads << " workers");
+        st::Context context(SPARSA_DEVICE_CPU, threads);
+        ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
+        st::RunResult r = st::run(context, p, select_policy(tp), opt);
+        st::expect_ok(r);
+        if (threads == 1) {
+          first = std::move(r);
+          continue;
+        }
+        EXPECT_EQ(r.out.o, first.out.o);
+        EXPECT_EQ(r.out.lse, first.out.lse);
+        EXPECT_EQ(r.selected, first.selected);
+      }
+    }
+}

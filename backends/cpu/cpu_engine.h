@@ -149,8 +149,9 @@ void merge_decode_parts(const AttentionProblem& problem, const OutputSink& sink,
 // kernels exist for D): list l of sequence b is shared by the query heads of kv heads [l·Hkv/n_lists, (l+1)·Hkv/n_lists)
 // and every listed key is visible to them. Each list is cut into slices of kDecodeRangeKeys keys (a fixed size, so
 // results do not depend on the thread count); a slice is one work item that reads each listed key's K and V rows of
-// all its kv heads once (adjacent in the [B, S, Hkv, D] layout), and the slices' rows are merged by LSE. A sequence
-// without query rows gets nothing written, an empty list zero rows with LSE −inf.
+// all its kv heads once (adjacent in the [B, S, Hkv, D] layout), and the slices' rows are merged by LSE. Where the
+// slices are fewer than the workers, each is cut into blocks of its kv heads as well (the same bits: every head is
+// computed on its own). A sequence without query rows gets nothing written, an empty list zero rows with LSE −inf.
 bool decode_lists_apply(const AttentionProblem& problem);
 struct DecodeLists {
   const int64_t* keys = nullptr;   // [B, n_lists, stride] key positions
