@@ -41,6 +41,7 @@ namespace sparsa::cpu {
 namespace {
 
 using screen_rows::kHeavyShare;
+using screen_rows::kMaxHeadsPerSet;
 using screen_rows::kMaxKvHeads;
 using screen_rows::row_exps;
 using screen_rows::row_heavy_counts;
@@ -70,7 +71,6 @@ constexpr double kUnderflowBound = 0x1p-148;        // an fp32 product's roundin
 constexpr double kMaxWidth = 0.125;                 // w_h beyond this: the bounds would decide nothing
 constexpr size_t kMaxScreenBytes = size_t(64) << 20;
 constexpr int64_t kMaxCandidates = int64_t(1) << 22;  // keeps every float64 sum's error under kRoundingSlack
-constexpr int32_t kMaxHeadsPerSet = 1 << 12;
 
 // γ_n = n·u / (1 − n·u): the relative error factor of an n-term dot product in precision u, any summation order.
 double gamma_factor(int64_t n, double unit_roundoff) {

@@ -197,9 +197,13 @@ __attribute__((target("avx2,fma"))) bool row_split(const float* rows, int64_t fi
                                                    float* light, int32_t* heavy, int64_t stride, int64_t* n_heavy,
                                                    int64_t capacity) {
   const int32_t n_kv = nh / g;
-  std::fill(light, light + nh, 0.f);
+  alignas(32) float sums[kMaxHeadsPerSet];
+  int64_t counts[kMaxKvHeads];
+  std::fill(sums, sums + nh, 0.f);
+  std::copy(n_heavy, n_heavy + n_kv, counts);
   bool heavy_in_kv[kMaxKvHeads];
-  for (int64_t t = first_row; t < first_row + n_rows; ++t) {
+  bool within = true;
+  for (int64_t t = first_row; within && t < first_row + n_rows; ++t) {
     const float* row = rows + t * hq + first;
     int any = 0;
     for_head_blocks(nh, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
@@ -207,20 +211,22 @@ __attribute__((target("avx2,fma"))) bool row_split(const float* rows, int64_t fi
       const __m256 e = load_heads<kWhole>(row + h, lanes);
       __m256 is_heavy = _mm256_cmp_ps(e, load_heads<kWhole>(cut + h, lanes), _CMP_GE_OQ);
       if constexpr (!kWhole) is_heavy = _mm256_and_ps(is_heavy, _mm256_castsi256_ps(lanes));
-      store_heads<kWhole>(light + h, lanes, _mm256_add_ps(load_heads<kWhole>(light + h, lanes),
-                                                          _mm256_andnot_ps(is_heavy, e)));
+      store_heads<kWhole>(sums + h, lanes, _mm256_add_ps(load_heads<kWhole>(sums + h, lanes),
+                                                         _mm256_andnot_ps(is_heavy, e)));
       any |= _mm256_movemask_ps(is_heavy);
     });
     if (!any) continue;  // the common case: no head of the set finds this row heavy
     for (int32_t kv = 0; kv < n_kv; ++kv) heavy_in_kv[kv] = false;
     for (int32_t i = 0; i < nh; ++i) heavy_in_kv[i / g] = heavy_in_kv[i / g] || row[i] >= cut[i];
-    for (int32_t kv = 0; kv < n_kv; ++kv) {
+    for (int32_t kv = 0; within && kv < n_kv; ++kv) {
       if (!heavy_in_kv[kv]) continue;
-      if (n_heavy[kv] == capacity) return false;
-      heavy[kv * stride + n_heavy[kv]++] = int32_t(t);
+      within = counts[kv] < capacity;
+      if (within) heavy[kv * stride + counts[kv]++] = int32_t(t);
     }
   }
-  return true;
+  std::copy(sums, sums + nh, light);
+  std::copy(counts, counts + n_kv, n_heavy);
+  return within;
 }
 #else
 void tile_max_magnitudes(const unsigned char* const* rows, int nk, int32_t n_kv, int64_t head_bytes, int32_t d,
@@ -274,23 +280,29 @@ void row_votes(const float* rows, int64_t n_rows, int32_t hq, int32_t first, int
 bool row_split(const float* rows, int64_t first_row, int64_t n_rows, int32_t hq, int32_t first, int32_t nh,
                int32_t g, const float* cut, float* light, int32_t* heavy, int64_t stride, int64_t* n_heavy,
                int64_t capacity) {
-  for (int32_t h = 0; h < nh; ++h) light[h] = 0.f;
-  for (int64_t t = first_row; t < first_row + n_rows; ++t)
-    for (int32_t kv = 0; kv < nh / g; ++kv) {
+  float sums[kMaxHeadsPerSet];
+  int64_t counts[kMaxKvHeads];
+  std::fill(sums, sums + nh, 0.f);
+  std::copy(n_heavy, n_heavy + nh / g, counts);
+  bool within = true;
+  for (int64_t t = first_row; within && t < first_row + n_rows; ++t)
+    for (int32_t kv = 0; within && kv < nh / g; ++kv) {
       bool any = false;
       for (int32_t h = kv * g; h < (kv + 1) * g; ++h) {
         const float e = rows[t * hq + first + h];
         if (e >= cut[h]) {
           any = true;
         } else {
-          light[h] += e;
+          sums[h] += e;
         }
       }
       if (!any) continue;
-      if (n_heavy[kv] == capacity) return false;
-      heavy[kv * stride + n_heavy[kv]++] = int32_t(t);
+      within = counts[kv] < capacity;
+      if (within) heavy[kv * stride + counts[kv]++] = int32_t(t);
     }
-  return true;
+  std::copy(sums, sums + nh, light);
+  std::copy(counts, counts + nh / g, n_heavy);
+  return within;
 }
 #endif
 
