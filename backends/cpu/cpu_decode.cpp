@@ -215,15 +215,25 @@ namespace {
 
 int64_t list_chunks(int64_t max_list_size) { return (max_list_size + kDecodeRangeKeys - 1) / kDecodeRangeKeys; }
 
-// Into how many blocks of kv heads each list slice is cut: the fewest (a divisor of kv_per_list) that give every
-// worker an item. A shared TOKEN_SELECT set at 8K keys is one list of two slices, two items for 8-16 workers:
-// its attention over I took 0.36-0.43 ms with 8 threads on the 16-core Xeon, dense decode of all 8K keys 0.5 ms.
+// Into how many blocks of kv heads each list slice is cut, when the slices alone would leave workers idle: the count
+// (a divisor of kv_per_list) with the fewest rounds of items per slice's worth of work, the fewest blocks among
+// equals. A shared TOKEN_SELECT set is one list: at 8K keys two slices, two items for 8-16 workers (its attention
+// over I took 0.36-0.43 ms with 8 threads on the 16-core Xeon, dense decode of all 8K keys 0.5 ms); at 32K five,
+// whose two blocks each would leave 6 of 8 workers idle in the second round.
 // A head's bits do not depend on the cut (the kernels compute each head's scores and row on their own), so results
 // stay the same on any thread count.
 int32_t kv_blocks_for(int32_t kv_per_list, int64_t items, int workers) {
-  for (int32_t blocks = 1; blocks < kv_per_list; ++blocks)
-    if (kv_per_list % blocks == 0 && items * blocks >= workers) return blocks;
-  return kv_per_list;
+  int32_t best = 1;
+  double best_rounds = double(items);  // rounds per block's share of the work, in units of one worker's
+  for (int32_t blocks = 1; blocks <= kv_per_list; ++blocks) {
+    if (kv_per_list % blocks != 0) continue;
+    const double rounds = double((items * blocks + workers - 1) / workers) / double(blocks);
+    if (rounds < best_rounds) {
+      best = blocks;
+      best_rounds = rounds;
+    }
+  }
+  return best;
 }
 
 }  // namespace
