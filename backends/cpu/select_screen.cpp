@@ -57,6 +57,9 @@ constexpr int kPrefetchTilesAhead = 8;
 // Candidates per work item of the row steps: 2048 left most of 8 or 16 workers idle at 8K candidates (TOKEN_SELECT
 // 8K keys N/8 on the 16-core Xeon, 8 threads: 2.2-2.4 ms with 2048, 1.5-1.8 with 512).
 constexpr int64_t kChunkCandidates = 512;
+// Step 6 finds the k-th place among the candidates whose upper bound reaches a value v that every
+// kSampleStride-th lower bound puts below the k-th largest lower bound (boundary_set).
+constexpr int64_t kSampleStride = 16;
 constexpr double kMaxHeavyCut = 0.5;                // the cut stays below the maximum's ê (> 7/8)
 constexpr int64_t kProbeCandidates = 512;           // step 1 scores these first, to tell a flat softmax early
 // The probe in tiles, one work item each: as one item it held every other worker idle for its 0.2 ms (the 16-core
@@ -90,6 +93,13 @@ struct HeadBounds {
 // Room for U among n candidates; more undecided: the sequence falls back.
 int64_t undecided_capacity_for(int64_t n) { return std::max<int64_t>(64, n / 8); }
 
+// A set's place of the k-th candidate in step 6: v (when sampled), then λ (the k-th largest lo) and μ (the
+// (k+1)-th largest hi).
+struct Boundary {
+  float v = 0.f, lambda = 0.f, mu = 0.f;
+  bool sampled = false;
+};
+
 // The run's arrays (run scratch slot kRunScratchSelectionScreen).
 struct ScreenArrays {
   ScratchLayout layout;
@@ -99,7 +109,8 @@ struct ScreenArrays {
       heavy_count, heavy_counts_count, light_count, kv_count;
   size_t q_at, scores_at, exps_at, chunk_max_at, chunk_sum_at, chunk_kmax_at, chunk_bad_at, probe_max_at,
       probe_kmax_at, probe_bad_at, heads_at, lo_at, hi_at, set_state_at, set_counts_at, in_at, undecided_at, heavy_at,
-      heavy_counts_at, light_at, u_terms_at, kv_ok_at;
+      heavy_counts_at, light_at, u_terms_at, kv_ok_at, boundary_at, order_lo_at, order_hi_at, chunk_counts_at,
+      chunk_undecided_at;
   ScreenArrays(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_c) {
     const size_t batch = size_t(problem.batch), hq = size_t(problem.num_q_heads);
     max_candidates = max_c;
@@ -143,6 +154,13 @@ struct ScreenArrays {
     light_at = layout.add<float>(light_count);
     u_terms_at = layout.add<double>(2 * kv_count * size_t(undecided_capacity));
     kv_ok_at = layout.add<unsigned char>(kv_count);
+    // classify's, per set: its boundary values, both bounds of the candidates that can reach the k-th place
+    // (chunk c's at c · kChunkCandidates, then gathered), each chunk's counts and its undecided ids.
+    boundary_at = layout.add<Boundary>(sets_count);
+    order_lo_at = layout.add<float>(votes_count);
+    order_hi_at = layout.add<float>(votes_count);
+    chunk_counts_at = layout.add<int64_t>(4 * sets_count * size_t(chunks));
+    chunk_undecided_at = layout.add<int32_t>(votes_count);
   }
 };
 
@@ -156,16 +174,12 @@ struct ScoreChunkLayout {
   }
 };
 
-// A worker's scratch in step 6: classify_set's order statistics (n floats each); resolve_kv's heavy list, union
-// list, its exact scores ([list, g]) and the transposed tile; choose_set's vote intervals of U, their ends in order
-// and U's chosen ids.
-struct ClassifyLayout {
+// A worker's scratch in step 6: sample_set's sample; resolve_kv's heavy list, union list, its exact scores
+// ([list, g]) and the transposed tile; choose_set's vote intervals of U, their ends in order and U's chosen ids.
+struct SampleLayout {
   ScratchLayout layout;
-  size_t order_lo_at, order_hi_at;
-  explicit ClassifyLayout(int64_t n) {
-    order_lo_at = layout.add<float>(size_t(n));
-    order_hi_at = layout.add<float>(size_t(n));
-  }
+  size_t sample_at;
+  explicit SampleLayout(int64_t n) { sample_at = layout.add<float>(size_t(n / kSampleStride + 1)); }
 };
 struct ResolveLayout {
   ScratchLayout layout;
@@ -224,8 +238,15 @@ struct Screen {
   float* light;              // [B, n_sets, chunks, heads per set]: fp32 Σ of the light ê
   double* u_terms;           // [B, n_sets, kv per set, 2, U's capacity]: a kv head's Σ e/Z_hi and Σ e/Z_lo of U
   unsigned char* kv_ok;      // [B, n_sets, kv per set]
+  Boundary* boundaries;      // [B, n_sets]
+  float* order_lo;           // [B, n_sets, max C]
+  float* order_hi;
+  int64_t* chunk_counts;     // [B, n_sets, chunks, 4]: kept and reaching (boundary_chunk), in and undecided
+  int32_t* chunk_undecided;  // [B, n_sets, max C]: chunk c's undecided ids from c · kChunkCandidates
 
-  enum SetState : unsigned char { kSetFailed, kSetWritten, kSetPending };
+  // kSetClassifying from sample_set to gather_set, which leaves kSetWritten, kSetPending (U to resolve) or
+  // kSetFailed.
+  enum SetState : unsigned char { kSetFailed, kSetWritten, kSetPending, kSetClassifying };
 
   int32_t group() const { return problem.num_q_heads / problem.num_kv_heads; }
   int64_t set_index(int32_t b, int32_t set) const { return int64_t(b) * request.n_sets + set; }
@@ -420,74 +441,27 @@ struct Screen {
     }
   }
 
-  // Step 6 for (b, set), in four parts so that a single set spreads over the workers too:
-  //   classify_set (b, set)         the intervals against the k-th place: T's decided ids and U (U empty: T written)
-  //   split_chunk  (b, set, chunk)  the chunk's heavy candidates per kv head and each head's light Σ ê
-  //   resolve_kv   (b, set, kv)     the oracle's scores of U ∪ heavy for one kv head: m_h, Z_h and U's vote terms
-  //   choose_set   (b, set)         U's vote intervals, U's share of T, and T written
+  // Step 6 for (b, set), in parts so that a single set spreads over the workers too:
+  //   sample_set     (b, set)         v from a sample of the lower bounds
+  //   boundary_chunk (b, set, chunk)  the chunk's candidates whose upper bound reaches v
+  //   boundary_set   (b, set, which)  λ (which 0) or μ (which 1) over those candidates, or over all
+  //   classify_chunk (b, set, chunk)  the chunk's intervals against the k-th place: decided in, or undecided
+  //   gather_set     (b, set)         T's decided ids and U (U empty: T written)
+  //   split_chunk    (b, set, chunk)  the chunk's heavy candidates per kv head and each head's light Σ ê
+  //   resolve_kv     (b, set, kv)     the oracle's scores of U ∪ heavy for one kv head: m_h, Z_h and U's vote terms
+  //   choose_set     (b, set)         U's vote intervals, U's share of T, and T written
   // A set ends kSetWritten (selection holds T, ascending) or kSetFailed.
-  void classify_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const;
+  void sample_set(int32_t b, int32_t set, ThreadScratch& scratch) const;
+  void boundary_chunk(int32_t b, int32_t set, int64_t chunk) const;
+  void boundary_set(int32_t b, int32_t set, int which) const;
+  void classify_chunk(int32_t b, int32_t set, int64_t chunk) const;
+  void gather_set(int32_t b, int32_t set, int64_t* selection) const;
   void split_chunk(int32_t b, int32_t set, int64_t chunk) const;
   void resolve_kv(int32_t b, int32_t set, int32_t kv, ThreadScratch& scratch) const;
   void choose_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const;
   // T = the decided ids and the chosen undecided ones (both ascending, disjoint), merged; false unless top_k in all.
   bool write_set(int32_t b, int32_t set, const int32_t* chosen, int64_t n_chosen, int64_t* selection) const;
 };
-
-// The k-th and (k+1)-th largest of lo and hi over the candidates that can matter: a sample of every
-// kSampleStride-th lo gives a value v below the k-th largest lo with room to spare; when at least k + 1 lo reach v,
-// no candidate with hi < v can be among the k largest lo or the k + 1 largest hi (lo <= hi), so the order statistics
-// are taken over the candidates with hi >= v alone (a few more than k on a peaked softmax). Otherwise over all.
-// order_lo / order_hi: scratch of n floats each.
-void boundary_values(const float* lo, const float* hi, int64_t n, int64_t k, float* order_lo, float* order_hi,
-                     float* lambda, float* mu) {
-  constexpr int64_t kSampleStride = 16;
-  int64_t m = n;
-  if (n >= 8 * kSampleStride && k + 1 < n) {
-    int64_t n_sample = 0;
-    for (int64_t t = 0; t < n; t += kSampleStride) order_lo[n_sample++] = lo[t];
-    // The sample's (k/stride · 5/4 + 8)-th largest: below the k-th largest lo unless the sample is far off.
-    const int64_t rank = std::min(n_sample - 1, k / kSampleStride + k / (4 * kSampleStride) + 8);
-    std::nth_element(order_lo, order_lo + rank, order_lo + n_sample, std::greater<float>());
-    const float v = order_lo[rank];
-    int64_t kept = 0, reaching = 0;
-    for (int64_t t = 0; t < n; ++t) {
-      if (!(hi[t] >= v)) continue;
-      reaching += lo[t] >= v;
-      order_lo[kept] = lo[t];
-      order_hi[kept++] = hi[t];
-    }
-    if (reaching >= k + 1) m = kept;
-  }
-  if (m == n) {
-    std::copy(lo, lo + n, order_lo);
-    std::copy(hi, hi + n, order_hi);
-  }
-  std::nth_element(order_lo, order_lo + (k - 1), order_lo + m, std::greater<float>());
-  std::nth_element(order_hi, order_hi + k, order_hi + m, std::greater<float>());
-  *lambda = order_lo[k - 1];
-  *mu = order_hi[k];
-}
-
-// Splits candidates by interval against the k-th place: in (lo > μ), out (hi < λ), or undecided. in_ids gets the
-// decided ids and undecided the others, both ascending; false when more than capacity are undecided.
-// order_lo / order_hi: scratch of n floats each.
-bool classify(const float* lo, const float* hi, int64_t n, int64_t k, float* order_lo, float* order_hi,
-              int32_t* in_ids, int64_t* n_in, int32_t* undecided, int64_t* n_undecided, int64_t capacity) {
-  float lambda = 0.f, mu = 0.f;
-  boundary_values(lo, hi, n, k, order_lo, order_hi, &lambda, &mu);
-  *n_in = 0;
-  *n_undecided = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    if (lo[t] > mu) {
-      in_ids[(*n_in)++] = int32_t(t);
-    } else if (!(hi[t] < lambda)) {
-      if (*n_undecided == capacity) return false;
-      undecided[(*n_undecided)++] = int32_t(t);
-    }
-  }
-  return true;
-}
 
 bool Screen::write_set(int32_t b, int32_t set, const int32_t* chosen, int64_t n_chosen, int64_t* selection) const {
   const int64_t n_in = set_counts[2 * set_index(b, set)];
@@ -501,29 +475,136 @@ bool Screen::write_set(int32_t b, int32_t set, const int32_t* chosen, int64_t n_
   return true;
 }
 
-void Screen::classify_set(int32_t b, int32_t set, int64_t* selection, ThreadScratch& scratch) const {
-  unsigned char& state = set_state[set_index(b, set)];
-  state = kSetFailed;
+// λ and μ, the k-th and (k+1)-th largest of lo and hi, over the candidates that can matter: a sample of every
+// kSampleStride-th lo gives a value v below the k-th largest lo with room to spare; when at least k + 1 lo reach v,
+// no candidate with hi < v can be among the k largest lo or the k + 1 largest hi (lo <= hi), so the order statistics
+// are taken over the candidates with hi >= v alone (a few more than k on a peaked softmax). Otherwise over all.
+void Screen::sample_set(int32_t b, int32_t set, ThreadScratch& scratch) const {
   const int64_t n = sequences[b].n_candidates, k = request.top_k;
   const int32_t nh = request.heads_per_set, first_head = set * nh;
   for (int32_t l = 0; l < nh; ++l)
     if (!head_bounds(b)[first_head + l].ok) return;
-  ClassifyLayout c(n);
+  Boundary& boundary = boundaries[set_index(b, set)];
+  boundary = Boundary{};
+  set_state[set_index(b, set)] = kSetClassifying;
+  if (n < 8 * kSampleStride || k + 1 >= n) return;
+  SampleLayout c(n);
   c.layout.bind(scratch);
+  float* sample = c.layout.get<float>(c.sample_at, size_t(n / kSampleStride + 1));
+  const float* lo = vote_lo + set_index(b, set) * arrays.max_candidates;
+  int64_t n_sample = 0;
+  for (int64_t t = 0; t < n; t += kSampleStride) sample[n_sample++] = lo[t];
+  // The sample's (k/stride · 5/4 + 8)-th largest: below the k-th largest lo unless the sample is far off.
+  const int64_t rank = std::min(n_sample - 1, k / kSampleStride + k / (4 * kSampleStride) + 8);
+  std::nth_element(sample, sample + rank, sample + n_sample, std::greater<float>());
+  boundary.v = sample[rank];
+  boundary.sampled = true;
+}
+
+void Screen::boundary_chunk(int32_t b, int32_t set, int64_t chunk) const {
+  const int64_t n = sequences[b].n_candidates, first = chunk * kChunkCandidates;
+  const Boundary& boundary = boundaries[set_index(b, set)];
+  if (set_state[set_index(b, set)] != kSetClassifying || !boundary.sampled || first >= n) return;
+  const int64_t last = std::min(n, first + kChunkCandidates);
   const float* lo = vote_lo + set_index(b, set) * arrays.max_candidates;
   const float* hi = vote_hi + set_index(b, set) * arrays.max_candidates;
-  int64_t* counts = set_counts + 2 * set_index(b, set);
-  if (!classify(lo, hi, n, k, c.layout.get<float>(c.order_lo_at, size_t(n)),
-                c.layout.get<float>(c.order_hi_at, size_t(n)), in_ids + set_index(b, set) * arrays.max_candidates,
-                &counts[0], undecided + set_index(b, set) * arrays.undecided_capacity, &counts[1],
-                undecided_capacity_for(n)))
-    return;
-  if (counts[1] == 0) {
+  float* kept_lo = order_lo + set_index(b, set) * arrays.max_candidates + first;
+  float* kept_hi = order_hi + set_index(b, set) * arrays.max_candidates + first;
+  const float v = boundary.v;
+  int64_t kept = 0, reaching = 0;
+  for (int64_t t = first; t < last; ++t) {
+    if (!(hi[t] >= v)) continue;
+    reaching += lo[t] >= v;
+    kept_lo[kept] = lo[t];
+    kept_hi[kept++] = hi[t];
+  }
+  int64_t* counts = chunk_counts + (set_index(b, set) * arrays.chunks + chunk) * 4;
+  counts[0] = kept;
+  counts[1] = reaching;
+}
+
+void Screen::boundary_set(int32_t b, int32_t set, int which) const {
+  if (set_state[set_index(b, set)] != kSetClassifying) return;
+  const int64_t n = sequences[b].n_candidates, k = request.top_k, chunks = n_chunks(b);
+  Boundary& boundary = boundaries[set_index(b, set)];
+  const int64_t* counts = chunk_counts + set_index(b, set) * arrays.chunks * 4;
+  int64_t reaching = 0;
+  for (int64_t c = 0; boundary.sampled && c < chunks; ++c) reaching += counts[4 * c + 1];
+  const float* bounds = (which == 0 ? vote_lo : vote_hi) + set_index(b, set) * arrays.max_candidates;
+  float* order = (which == 0 ? order_lo : order_hi) + set_index(b, set) * arrays.max_candidates;
+  int64_t m = 0;
+  if (boundary.sampled && reaching >= k + 1) {
+    for (int64_t c = 0; c < chunks; ++c) {  // the chunks' kept values, moved together (never to the right)
+      std::copy(order + c * kChunkCandidates, order + c * kChunkCandidates + counts[4 * c], order + m);
+      m += counts[4 * c];
+    }
+  } else {
+    std::copy(bounds, bounds + n, order);
+    m = n;
+  }
+  if (which == 0) {
+    std::nth_element(order, order + (k - 1), order + m, std::greater<float>());
+    boundary.lambda = order[k - 1];
+  } else {
+    std::nth_element(order, order + k, order + m, std::greater<float>());
+    boundary.mu = order[k];
+  }
+}
+
+// The chunk's candidates by interval against the k-th place: in (lo > μ), out (hi < λ), or undecided; the in ids
+// at the chunk's offset of in_ids, the undecided at its offset of chunk_undecided, both ascending.
+void Screen::classify_chunk(int32_t b, int32_t set, int64_t chunk) const {
+  const int64_t n = sequences[b].n_candidates, first = chunk * kChunkCandidates;
+  if (set_state[set_index(b, set)] != kSetClassifying || first >= n) return;
+  const int64_t last = std::min(n, first + kChunkCandidates);
+  const Boundary& boundary = boundaries[set_index(b, set)];
+  const float* lo = vote_lo + set_index(b, set) * arrays.max_candidates;
+  const float* hi = vote_hi + set_index(b, set) * arrays.max_candidates;
+  int32_t* in = in_ids + set_index(b, set) * arrays.max_candidates + first;
+  int32_t* undecided_here = chunk_undecided + set_index(b, set) * arrays.max_candidates + first;
+  int64_t n_in = 0, n_undecided = 0;
+  for (int64_t t = first; t < last; ++t) {
+    if (lo[t] > boundary.mu) {
+      in[n_in++] = int32_t(t);
+    } else if (!(hi[t] < boundary.lambda)) {
+      undecided_here[n_undecided++] = int32_t(t);
+    }
+  }
+  int64_t* counts = chunk_counts + (set_index(b, set) * arrays.chunks + chunk) * 4;
+  counts[2] = n_in;
+  counts[3] = n_undecided;
+}
+
+void Screen::gather_set(int32_t b, int32_t set, int64_t* selection) const {
+  unsigned char& state = set_state[set_index(b, set)];
+  if (state != kSetClassifying) return;
+  state = kSetFailed;
+  const int64_t n = sequences[b].n_candidates, k = request.top_k, chunks = n_chunks(b);
+  const int64_t* counts = chunk_counts + set_index(b, set) * arrays.chunks * 4;
+  int64_t n_undecided = 0;
+  for (int64_t c = 0; c < chunks; ++c) n_undecided += counts[4 * c + 3];
+  if (n_undecided > undecided_capacity_for(n)) return;
+  int32_t* in = in_ids + set_index(b, set) * arrays.max_candidates;
+  int32_t* u = undecided + set_index(b, set) * arrays.undecided_capacity;
+  const int32_t* undecided_here = chunk_undecided + set_index(b, set) * arrays.max_candidates;
+  int64_t n_in = 0;
+  n_undecided = 0;
+  for (int64_t c = 0; c < chunks; ++c) {  // the chunks' ids, moved together (never to the right), so ascending
+    std::copy(in + c * kChunkCandidates, in + c * kChunkCandidates + counts[4 * c + 2], in + n_in);
+    n_in += counts[4 * c + 2];
+    std::copy(undecided_here + c * kChunkCandidates, undecided_here + c * kChunkCandidates + counts[4 * c + 3],
+              u + n_undecided);
+    n_undecided += counts[4 * c + 3];
+  }
+  int64_t* set_count = set_counts + 2 * set_index(b, set);
+  set_count[0] = n_in;
+  set_count[1] = n_undecided;
+  if (n_undecided == 0) {
     if (write_set(b, set, nullptr, 0, selection)) state = kSetWritten;
     return;
   }
-  const int64_t r = k - counts[0];  // U's share of T
-  if (r >= 0 && r <= counts[1]) state = kSetPending;
+  const int64_t r = k - n_in;  // U's share of T
+  if (r >= 0 && r <= n_undecided) state = kSetPending;
 }
 
 void Screen::split_chunk(int32_t b, int32_t set, int64_t chunk) const {
@@ -690,7 +771,7 @@ size_t selection_screen_scratch_floats(const AttentionProblem& problem, const Sc
 
 size_t selection_screen_worker_floats(const AttentionProblem& problem, int64_t max_candidates) {
   const int32_t g = problem.num_q_heads / problem.num_kv_heads;
-  return std::max({ScoreChunkLayout().layout.floats(), ClassifyLayout(max_candidates).layout.floats(),
+  return std::max({ScoreChunkLayout().layout.floats(), SampleLayout(max_candidates).layout.floats(),
                    ResolveLayout(max_candidates, g, problem.head_dim).layout.floats(),
                    ChooseLayout(undecided_capacity_for(max_candidates)).layout.floats()});
 }
@@ -737,7 +818,12 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
                 arrays.layout.get<int64_t>(arrays.heavy_counts_at, arrays.heavy_counts_count),
                 arrays.layout.get<float>(arrays.light_at, arrays.light_count),
                 arrays.layout.get<double>(arrays.u_terms_at, 2 * arrays.kv_count * size_t(arrays.undecided_capacity)),
-                arrays.layout.get<unsigned char>(arrays.kv_ok_at, arrays.kv_count)};
+                arrays.layout.get<unsigned char>(arrays.kv_ok_at, arrays.kv_count),
+                arrays.layout.get<Boundary>(arrays.boundary_at, arrays.sets_count),
+                arrays.layout.get<float>(arrays.order_lo_at, arrays.votes_count),
+                arrays.layout.get<float>(arrays.order_hi_at, arrays.votes_count),
+                arrays.layout.get<int64_t>(arrays.chunk_counts_at, 4 * arrays.sets_count * size_t(arrays.chunks)),
+                arrays.layout.get<int32_t>(arrays.chunk_undecided_at, arrays.votes_count)};
   // The screen takes a wanted sequence whose q̄ are floats (every decode: q̄ is the query row widened), so the
   // oracle's products with K are exact (score_tile_exact_products) and fp32(scale · q̄) is within the bound.
   unsigned char* taken = certified;  // marks the sequences in play until the verdicts at the end
@@ -797,9 +883,22 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
     return selections + b * selection_len + set * set_stride;
   };
   parallel_items(exec, batch * n_sets, [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / n_sets), set = int32_t(item % n_sets);
     screen.set_state[item] = Screen::kSetFailed;
-    if (taken[b]) screen.classify_set(b, set, selection_of(b, set), policy_scratch(exec, worker));
+    if (taken[item / n_sets])
+      screen.sample_set(int32_t(item / n_sets), int32_t(item % n_sets), policy_scratch(exec, worker));
+  });
+  parallel_items(exec, batch * n_sets * chunks, [&](int64_t item, int) {
+    screen.boundary_chunk(int32_t(item / (n_sets * chunks)), int32_t(item / chunks % n_sets), item % chunks);
+  });
+  parallel_items(exec, batch * n_sets * 2, [&](int64_t item, int) {
+    screen.boundary_set(int32_t(item / (n_sets * 2)), int32_t(item / 2 % n_sets), int(item % 2));
+  });
+  parallel_items(exec, batch * n_sets * chunks, [&](int64_t item, int) {
+    screen.classify_chunk(int32_t(item / (n_sets * chunks)), int32_t(item / chunks % n_sets), item % chunks);
+  });
+  parallel_items(exec, batch * n_sets, [&](int64_t item, int) {
+    const int32_t b = int32_t(item / n_sets), set = int32_t(item % n_sets);
+    screen.gather_set(b, set, selection_of(b, set));
   });
   parallel_items(exec, batch * n_sets * chunks, [&](int64_t item, int) {
     screen.split_chunk(int32_t(item / (n_sets * chunks)), int32_t(item / chunks % n_sets), item % chunks);
