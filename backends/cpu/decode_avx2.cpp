@@ -71,6 +71,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void score_heads(const unsigned 
 struct Avx2 {
   static constexpr int kLanes = sparsa::cpu::kLanes;
   static constexpr const char* kName = "avx2";
+  static constexpr bool kFillsMagnitudes = false;  // the fp32 screen reads them itself
 
   template <int32_t kDtype, int kChunks>
   __attribute__((target("avx2,fma,f16c"))) static void scores(const DecodeTile& tile, const float* q, float* st,

@@ -54,21 +54,34 @@ __attribute__((target("avx512f"))) inline float horizontal_sum(__m512 x) {
 struct Avx512 {
   static constexpr int kLanes = sparsa::cpu::kLanes;
   static constexpr const char* kName = "avx512f";
+  static constexpr bool kFillsMagnitudes = true;
 
   // With groups of 1, 2, 4, 8 or 16 query heads, the partial-sum vectors of 16 heads of a key are reduced together by
   // one transpose-and-add tree (45 instructions for 16 scores, against about 9 per score for a horizontal sum each);
-  // other groups take one horizontal sum per score.
+  // other groups take one horizontal sum per score. With tile.k_magnitudes the reducing loop also keeps each kv
+  // head's largest magnitude from the K rows it reads (their lines in L1 by then).
   template <int32_t kDtype, int kChunks>
   __attribute__((target("avx512f"))) static void scores(const DecodeTile& tile, const float* q, float* st,
                                                         int st_stride) {
-    switch (tile.group) {
-      case 1: return scores_reduced<kDtype, kChunks, 1>(tile, q, st, st_stride);
-      case 2: return scores_reduced<kDtype, kChunks, 2>(tile, q, st, st_stride);
-      case 4: return scores_reduced<kDtype, kChunks, 4>(tile, q, st, st_stride);
-      case 8: return scores_reduced<kDtype, kChunks, 8>(tile, q, st, st_stride);
-      case 16: return scores_reduced<kDtype, kChunks, 16>(tile, q, st, st_stride);
-      default: return scores_by_key<kDtype, kChunks>(tile, q, st, st_stride);
+    if (tile.k_magnitudes && tile.n_kv_heads <= kMaxMagnitudeHeads) {
+      switch (tile.group) {
+        case 1: return scores_reduced<kDtype, kChunks, 1, true>(tile, q, st, st_stride);
+        case 2: return scores_reduced<kDtype, kChunks, 2, true>(tile, q, st, st_stride);
+        case 4: return scores_reduced<kDtype, kChunks, 4, true>(tile, q, st, st_stride);
+        case 8: return scores_reduced<kDtype, kChunks, 8, true>(tile, q, st, st_stride);
+        case 16: return scores_reduced<kDtype, kChunks, 16, true>(tile, q, st, st_stride);
+        default: break;
+      }
     }
+    switch (tile.group) {
+      case 1: scores_reduced<kDtype, kChunks, 1, false>(tile, q, st, st_stride); break;
+      case 2: scores_reduced<kDtype, kChunks, 2, false>(tile, q, st, st_stride); break;
+      case 4: scores_reduced<kDtype, kChunks, 4, false>(tile, q, st, st_stride); break;
+      case 8: scores_reduced<kDtype, kChunks, 8, false>(tile, q, st, st_stride); break;
+      case 16: scores_reduced<kDtype, kChunks, 16, false>(tile, q, st, st_stride); break;
+      default: scores_by_key<kDtype, kChunks>(tile, q, st, st_stride);
+    }
+    if (tile.k_magnitudes) max_magnitudes<kChunks>(tile);
   }
   // The tile's keys in runs of kAccumulateKeys; per run, kv head and block of kHeads query heads × kBlockChunks row
   // chunks, the output block stays in registers across the run's keys and is loaded and stored once. Per output
@@ -217,11 +230,14 @@ struct Avx512 {
 
   // kGroup == tile.group. Per key, blocks of 16 query heads (16 / kGroup kv heads; the last block of a key may hold
   // fewer, its unused partial sums zero): lane m of the reduction is head m of the block, stored as one row slice.
-  template <int32_t kDtype, int kChunks, int kGroup>
+  template <int32_t kDtype, int kChunks, int kGroup, bool kMagnitudes>
   __attribute__((target("avx512f"))) static void scores_reduced(const DecodeTile& tile, const float* q, float* st,
                                                                 int st_stride) {
     constexpr int kKvPerBlock = kLanes / kGroup;
     constexpr int kRowFloats = kChunks * kLanes;
+    __m256i magnitudes[kMagnitudes ? kMaxMagnitudeHeads : 1];
+    if constexpr (kMagnitudes)
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) magnitudes[hk] = _mm256_setzero_si256();
     for (int j = 0; j < tile.nk; ++j) {
       prefetch_for_key(tile, j);
       float* st_row = st + int64_t(j) * st_stride;
@@ -233,7 +249,9 @@ struct Avx512 {
         for (int kv = 0; kv < kKvPerBlock; ++kv) {
           if (kv < n_kv) {
             __m512 key[kChunks];
-            widen_row<kDtype, kChunks>(tile.k_rows[j] + (hk0 + kv) * tile.k_head_bytes, key);
+            const unsigned char* row = tile.k_rows[j] + (hk0 + kv) * tile.k_head_bytes;
+            widen_row<kDtype, kChunks>(row, key);
+            if constexpr (kMagnitudes) magnitudes[hk0 + kv] = row_magnitudes<kChunks>(row, magnitudes[hk0 + kv]);
 #pragma GCC unroll 16
             for (int l = 0; l < kGroup; ++l)
               partials[reduction_slot(kv * kGroup + l)] =
@@ -246,6 +264,38 @@ struct Avx512 {
         const __mmask16 heads = __mmask16((1u << (n_kv * kGroup)) - 1u);
         _mm512_mask_storeu_ps(st_row + hk0 * kGroup, heads, reduce16(partials));
       }
+    }
+    if constexpr (kMagnitudes)
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) store_magnitude(magnitudes[hk], &tile.k_magnitudes[hk]);
+  }
+
+  // Kv heads whose running magnitudes scores_reduced keeps (on the stack, one 256-bit vector each); a tile with
+  // more takes max_magnitudes' pass after the scores.
+  static constexpr int kMaxMagnitudeHeads = 16;
+  // The largest 16-bit magnitude (the bits without the sign) of a row's values and of so_far, lane by lane.
+  template <int kChunks>
+  __attribute__((target("avx512f"))) static __m256i row_magnitudes(const unsigned char* row, __m256i so_far) {
+    const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+#pragma GCC unroll 16
+    for (int x = 0; x < kChunks; ++x)
+      so_far = _mm256_max_epu16(
+          so_far, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * kLanes * x)),
+                                   magnitude));
+    return so_far;
+  }
+  // The largest of the lanes, maxed into *largest.
+  __attribute__((target("avx512f"))) static void store_magnitude(__m256i lanes, uint16_t* largest) {
+    alignas(32) uint16_t values[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(values), lanes);
+    for (uint16_t value : values) *largest = value > *largest ? value : *largest;
+  }
+  // tile.k_magnitudes from a pass over the tile's rows, where the scores kernel did not keep them.
+  template <int kChunks>
+  __attribute__((target("avx512f"))) static void max_magnitudes(const DecodeTile& tile) {
+    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+      __m256i lanes = _mm256_setzero_si256();
+      for (int j = 0; j < tile.nk; ++j) lanes = row_magnitudes<kChunks>(tile.k_rows[j] + hk * tile.k_head_bytes, lanes);
+      store_magnitude(lanes, &tile.k_magnitudes[hk]);
     }
   }
 };

@@ -26,6 +26,9 @@ struct DecodeTile {
   // Scattered rows (key lists, which the hardware prefetchers do not follow): scores also prefetches each key's K
   // rows kPrefetchKeysAhead keys ahead into L1 (see prefetch_for_key).
   bool prefetch_rows = false;
+  // Non-null: scores also maxes each kv head's largest |K| over the tile's rows into k_magnitudes[hk], as the 16-bit
+  // magnitude bits (fp16 and bf16 magnitudes order like their bits), where DecodeKernels::fills_magnitudes says so.
+  uint16_t* k_magnitudes = nullptr;
 };
 constexpr int kPrefetchKeysAhead = 4;
 
@@ -55,6 +58,9 @@ struct DecodeKernels {
   // o[h * d + c] += Σ_j st[j * st_stride + h] · V_j[c] (terms with a zero probability skipped).
   void (*accumulate)(const DecodeTile& tile, const float* st, int st_stride, float* o);
   const char* name;  // "avx512f" or "avx2"
+  // scores honours DecodeTile::k_magnitudes (the AVX-512F kernels, reading each K row's bits once: the fp32 screen's
+  // separate pass over a tile's rows took 0.2-0.3 ms of TOKEN_SELECT's 2.5 at 8K keys, one thread, Zen 4).
+  bool fills_magnitudes;
 };
 
 // The AVX-512F (AVX2 + FMA + F16C) table when this CPU has those instructions, the library was built for x86-64 (and

@@ -304,6 +304,7 @@ struct Screen {
     tile.group = group();
     tile.d = d;
     tile.dtype = problem.dtype;
+    tile.k_magnitudes = decode.fills_magnitudes ? kmax : nullptr;
     const float* qb = q + int64_t(b) * hq * d;
     for (int64_t j0 = first; j0 < last; j0 += kTileKeys) {
       const int nk = int(std::min<int64_t>(kTileKeys, last - j0));
@@ -314,7 +315,8 @@ struct Screen {
       }
       tile.nk = nk;
       decode.scores(tile, qb, rows(b) + j0 * hq, hq);
-      tile_max_magnitudes(tile_rows, nk, n_kv, tile.k_head_bytes, d, kmax);  // the tile's rows are in cache now
+      if (!decode.fills_magnitudes)
+        tile_max_magnitudes(tile_rows, nk, n_kv, tile.k_head_bytes, d, kmax);  // the tile's rows are in cache now
     }
     if (!row_maxima(rows(b) + first * hq, last - first, hq, maxes)) bad = 1;
   }

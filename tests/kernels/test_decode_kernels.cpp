@@ -8,6 +8,8 @@
 //   d·2⁻²⁴·Σ|q_c·K_c|: a score written to another head's column or left out is far outside it. Groups that fill
 //   the AVX-512 kernel's 16-head reductions, groups that leave its last block part-full, and groups it takes one
 //   head at a time; the columns past the heads must stay untouched.
+// - `scores` with DecodeTile::k_magnitudes (versions with fills_magnitudes): the same scores bit for bit, and each kv
+//   head's largest magnitude bits maxed into what was there, a large negative value included.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -171,6 +173,36 @@ TEST(DecodeScores, EveryVersionMatchesTheFloat64DotWithinTheFp32Bound) {
         ASSERT_EQ(st[size_t(j) * st_stride + col], kUntouched) << "key " << j << " column " << col;
     }
   });
+}
+
+TEST(DecodeScores, MagnitudesAreEachKvHeadsLargestAbsKAndLeaveTheScoresAlone) {
+  // Groups the AVX-512 kernel reduces 16 heads at a time (4, 1, 16) and takes one head at a time (5), more kv heads
+  // than its fused path holds (17).
+  const std::vector<Shape> shapes = {{128, 8, 4, 19}, {64, 3, 1, 9}, {64, 1, 16, 7}, {128, 2, 5, 7}, {128, 17, 1, 3}};
+  int filled = 0;
+  for_every_case(shapes, 11, [&filled](TileCase& c) {
+    if (!c.kernels.fills_magnitudes) return;
+    ++filled;
+    const Shape& s = c.s;
+    c.row_for_head(s.nk - 1, 0)[s.d - 1] = to_half(-30000.f, c.dtype);  // the largest magnitude, negative
+    std::normal_distribution<float> normal;
+    std::vector<float> q(size_t(c.hq) * s.d);
+    for (float& x : q) x = normal(c.rng);
+    const int st_stride = c.hq;
+    std::vector<float> plain(size_t(s.nk) * st_stride), with(plain.size());
+    c.kernels.scores(c.tile, q.data(), plain.data(), st_stride);
+    std::vector<uint16_t> got(size_t(s.n_kv)), want(size_t(s.n_kv));
+    for (int hk = 0; hk < s.n_kv; ++hk) got[size_t(hk)] = want[size_t(hk)] = hk % 2 ? 0x7bff : 0;  // odd: kept, larger
+    for (int j = 0; j < s.nk; ++j)
+      for (int hk = 0; hk < s.n_kv; ++hk)
+        for (int col = 0; col < s.d; ++col)
+          want[size_t(hk)] = std::max<uint16_t>(want[size_t(hk)], c.row_for_head(j, hk * s.group)[col] & 0x7fff);
+    c.tile.k_magnitudes = got.data();
+    c.kernels.scores(c.tile, q.data(), with.data(), st_stride);
+    EXPECT_EQ(got, want);
+    ASSERT_EQ(std::memcmp(plain.data(), with.data(), plain.size() * sizeof(float)), 0);
+  });
+  if (filled == 0 && !::testing::Test::IsSkipped()) GTEST_SKIP() << "no decode kernel here fills magnitudes";
 }
 
 }  // namespace
