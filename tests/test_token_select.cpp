@@ -406,6 +406,39 @@ TEST_P(TokenSelect, HalfPrecisionDecodeOverThousandsOfCandidatesSelectsLikeTheOr
         }
 }
 
+namespace {
+
+// One query row per sequence over a 16-bit cache, and TOKEN_SELECT's parameters and run options for it: the shape of
+// the CPU-only tests below.
+struct HalfDecodeCase {
+  int B, Hq, Hkv, D;
+  std::vector<int> skv;
+  int top_k;
+};
+struct HalfDecodeRun {
+  ref::Problem p;
+  ref::TokenSelectParams tp;
+  st::RunOptions opt;
+};
+HalfDecodeRun half_decode_run(const HalfDecodeCase& c, st::Pattern pattern, int32_t dtype, bool per_kv_head,
+                              bool scale_scores, st::Rng& rng) {
+  HalfDecodeRun run;
+  run.p = st::make_problem(c.B, c.Hq, c.Hkv, c.D, std::vector<int>(size_t(c.B), 1), c.skv, true);
+  st::fill(run.p, pattern, rng);
+  run.p = st::rounded(run.p, dtype);
+  run.tp.n_init = 16;
+  run.tp.n_local = 64;
+  run.tp.top_k = c.top_k;
+  run.tp.per_kv_head = per_kv_head;
+  run.tp.scale_scores = scale_scores;
+  run.opt.selected_sets = per_kv_head ? run.p.Hkv : 1;
+  run.opt.selected_cap = run.p.max_skv();
+  run.opt.dtype = dtype;
+  return run;
+}
+
+}  // namespace
+
 // The CPU's TOKEN_SELECT decode on a 16-bit cache runs an fp32 screen first (backends/cpu/select_screen.h) and takes
 // the float64 pass only where the screen cannot certify; a float32 cache always takes the float64 pass. The same
 // values in both must give the same index sets, bit for bit, even where votes nearly tie (no margin asked here):
@@ -414,15 +447,11 @@ TEST_P(TokenSelect, HalfPrecisionDecodeOverThousandsOfCandidatesSelectsLikeTheOr
 TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
   st::Context context(SPARSA_DEVICE_CPU);
   ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
-  struct Case {
-    int B, Hq, Hkv, D;
-    std::vector<int> skv;
-    int top_k;
-  };
-  const Case cases[] = {{1, 32, 8, 128, {3000}, 380}, {2, 16, 2, 64, {2400, 1700}, 301}, {1, 8, 1, 256, {2000}, 250},
-                        {2, 16, 16, 128, {1500, 2100}, 200}, {1, 28, 4, 128, {2500}, 300}, {1, 12, 2, 64, {2000}, 260}};
+  const HalfDecodeCase cases[] = {{1, 32, 8, 128, {3000}, 380}, {2, 16, 2, 64, {2400, 1700}, 301},
+                                  {1, 8, 1, 256, {2000}, 250},  {2, 16, 16, 128, {1500, 2100}, 200},
+                                  {1, 28, 4, 128, {2500}, 300}, {1, 12, 2, 64, {2000}, 260}};
   int counter = 0;
-  for (const Case& c : cases)
+  for (const HalfDecodeCase& c : cases)
     for (st::Pattern pattern : st::all_patterns())
       for (int32_t dtype : {SPARSA_DTYPE_F16, SPARSA_DTYPE_BF16}) {
         const bool per_kv_head = counter % 2 == 1, scale_scores = counter % 3 == 2;
@@ -431,23 +460,11 @@ TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
         SCOPED_TRACE(::testing::Message() << "B=" << c.B << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " D=" << c.D
                                           << " " << st::pattern_name(pattern) << " dtype=" << dtype
                                           << " per_kv_head=" << per_kv_head << " scale_scores=" << scale_scores);
-        ref::Problem p = st::make_problem(c.B, c.Hq, c.Hkv, c.D, std::vector<int>(size_t(c.B), 1), c.skv, true);
-        st::fill(p, pattern, rng);
-        p = st::rounded(p, dtype);
-        ref::TokenSelectParams tp;
-        tp.n_init = 16;
-        tp.n_local = 64;
-        tp.top_k = c.top_k;
-        tp.per_kv_head = per_kv_head;
-        tp.scale_scores = scale_scores;
-        st::RunOptions opt;
-        opt.layout = layout;
-        opt.selected_sets = per_kv_head ? p.Hkv : 1;
-        opt.selected_cap = p.max_skv();
-        opt.dtype = dtype;
-        const st::RunResult half = st::run(context, p, select_policy(tp), opt);
-        opt.dtype = SPARSA_DTYPE_F32;
-        const st::RunResult single = st::run(context, p, select_policy(tp), opt);
+        HalfDecodeRun run = half_decode_run(c, pattern, dtype, per_kv_head, scale_scores, rng);
+        run.opt.layout = layout;
+        const st::RunResult half = st::run(context, run.p, select_policy(run.tp), run.opt);
+        run.opt.dtype = SPARSA_DTYPE_F32;
+        const st::RunResult single = st::run(context, run.p, select_policy(run.tp), run.opt);
         ASSERT_EQ(half.status, SPARSA_STATUS_SUCCESS) << half.message;
         ASSERT_EQ(single.status, SPARSA_STATUS_SUCCESS) << single.message;
         EXPECT_EQ(half.selected, single.selected);
@@ -462,36 +479,21 @@ TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
 // and the results must not depend on it: the same bits of out, LSE and the index sets with 1, 2, 3, 5 and 8 workers,
 // shared and per-kv-head sets, lists of one slice and of several.
 TEST(TokenSelectCpu, HalfDecodeGivesTheSameBitsOnAnyThreadCount) {
-  struct Case {
-    int B, Hq, Hkv, D;
-    std::vector<int> skv;
-    int top_k;
-  };
-  const Case cases[] = {{1, 32, 8, 128, {3000}, 380}, {1, 16, 4, 64, {2600}, 1200}, {2, 8, 8, 128, {2100, 1700}, 200}};
+  const HalfDecodeCase cases[] = {
+      {1, 32, 8, 128, {3000}, 380}, {1, 16, 4, 64, {2600}, 1200}, {2, 8, 8, 128, {2100, 1700}, 200}};
   int counter = 0;
-  for (const Case& c : cases)
+  for (const HalfDecodeCase& c : cases)
     for (bool per_kv_head : {false, true}) {
       ST_RNG(rng, counter++);
       SCOPED_TRACE(::testing::Message() << "B=" << c.B << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " D=" << c.D
                                         << " per_kv_head=" << per_kv_head);
-      ref::Problem p = st::make_problem(c.B, c.Hq, c.Hkv, c.D, std::vector<int>(size_t(c.B), 1), c.skv, true);
-      st::fill(p, st::Pattern::kRandom, rng);
-      p = st::rounded(p, SPARSA_DTYPE_F16);
-      ref::TokenSelectParams tp;
-      tp.n_init = 16;
-      tp.n_local = 64;
-      tp.top_k = c.top_k;
-      tp.per_kv_head = per_kv_head;
-      st::RunOptions opt;
-      opt.selected_sets = per_kv_head ? p.Hkv : 1;
-      opt.selected_cap = p.max_skv();
-      opt.dtype = SPARSA_DTYPE_F16;
+      const HalfDecodeRun run = half_decode_run(c, st::Pattern::kRandom, SPARSA_DTYPE_F16, per_kv_head, false, rng);
       st::RunResult first;
       for (int threads : {1, 2, 3, 5, 8}) {
         SCOPED_TRACE(::testing::Message() << threads << " workers");
         st::Context context(SPARSA_DEVICE_CPU, threads);
         ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
-        st::RunResult r = st::run(context, p, select_policy(tp), opt);
+        st::RunResult r = st::run(context, run.p, select_policy(run.tp), run.opt);
         st::expect_ok(r);
         if (threads == 1) {
           first = std::move(r);
