@@ -219,7 +219,7 @@ int64_t list_chunks(int64_t max_list_size) { return (max_list_size + kDecodeRang
 // (a divisor of kv_per_list) with the fewest rounds of items per slice's worth of work, the fewest blocks among
 // equals. A shared TOKEN_SELECT set is one list: at 8K keys two slices, two items for 8-16 workers (its attention
 // over I took 0.36-0.43 ms with 8 threads on the 16-core Xeon, dense decode of all 8K keys 0.5 ms); at 32K five,
-// whose two blocks each would leave 6 of 8 workers idle in the second round.
+// where two blocks would leave 6 of 8 workers idle while the last two items ran.
 // A head's bits do not depend on the cut (the kernels compute each head's scores and row on their own), so results
 // stay the same on any thread count.
 int32_t kv_blocks_for(int32_t kv_per_list, int64_t items, int workers) {
