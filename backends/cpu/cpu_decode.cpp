@@ -36,7 +36,7 @@ int round_up(int n, int multiple) { return (n + multiple - 1) / multiple * multi
 size_t decode_keys_floats(int head_dim, int num_q_heads) {
   const size_t hq = size_t(num_q_heads);
   const size_t st_stride = size_t(round_up(std::max(num_q_heads, 1), kRowAlign) + kStridePad);
-  const size_t pointers = scratch_floats<const unsigned char*>(2 * size_t(kDecodeTileKeys));
+  const size_t pointers = scratch_floats<const unsigned char*>(3 * size_t(kDecodeTileKeys));
   return pointers + hq * size_t(head_dim) + size_t(kDecodeTileKeys) * st_stride + 5 * st_stride;
 }
 
@@ -70,9 +70,10 @@ void attend_decode(const AttentionProblem& problem, int32_t b, int32_t hk_first,
   };
   // The row pointers first (8-byte aligned at the start of the buffer), then the floats.
   auto** rows = reinterpret_cast<const unsigned char**>(
-      carve(scratch_floats<const unsigned char*>(2 * size_t(kDecodeTileKeys))));
+      carve(scratch_floats<const unsigned char*>(3 * size_t(kDecodeTileKeys))));
   const unsigned char** k_rows = rows;
   const unsigned char** v_rows = rows + kDecodeTileKeys;
+  const unsigned char** v_rows_ahead = rows + 2 * kDecodeTileKeys;
   float* q = carve(size_t(hq) * d);
   float* o = out_rows;  // unnormalised accumulator, normalised at the end
   float* st = carve(size_t(kDecodeTileKeys) * st_stride);
@@ -126,16 +127,21 @@ void attend_decode(const AttentionProblem& problem, int32_t b, int32_t hk_first,
       all_known = all_known && is_known(t);
     }
     tile.nk = nk;
+    tile.rows_ahead = nullptr;
     if (all_known) {
-      // K is not read. V rows go to L2 one tile ahead (this tile's at once when the tile before did not): the
-      // scores kernel would fetch them during the tile's scoring, which no longer hides their latency (8K keys N/4 on
-      // Zen 4, one thread, the list attention 0.50-0.54 ms with this tile's rows, 0.43-0.51 with the next tile's).
+      // K is not read. V rows go to L2 one tile ahead, fetched by accumulate as it goes (DecodeTile::rows_ahead;
+      // this tile's at once when the tile before did not fetch them): the scores kernel would fetch them during the
+      // tile's scoring, which no longer hides their latency (8K keys N/4 on Zen 4, one thread, the list attention
+      // 0.50-0.54 ms with this tile's rows fetched at once, 0.43-0.51 with the next tile's).
       if (!v_fetched_ahead)
         for (int j = 0; j < nk; ++j) prefetch_key_rows(v_rows[j], tile.v_head_bytes, tile, prefetch_line_to_l2);
+      if (key0 + kDecodeTileKeys < n_keys) {
+        for (int j = 0; j < nk; ++j)  // past the list's end: this tile's rows again, already in cache
+          v_rows_ahead[j] = key0 + kDecodeTileKeys + j < n_keys ? v_row(key_at(key0 + kDecodeTileKeys + j), hk_first)
+                                                                 : v_rows[j];
+        tile.rows_ahead = v_rows_ahead;
+      }
       for (int j = 0; j < nk; ++j) {
-        if (key0 + kDecodeTileKeys + j < n_keys)
-          prefetch_key_rows(v_row(key_at(key0 + kDecodeTileKeys + j), hk_first), tile.v_head_bytes, tile,
-                            prefetch_line_to_l2);
         const float* from = known->rows + (key_at(key0 + j) - known->first_key) * problem.num_q_heads + h_first;
         float* to = st + int64_t(j) * st_stride;
         for (int r = 0; r < hq; ++r) to[r] = from[r] * known->factor;

@@ -99,6 +99,20 @@ struct Avx2 {
   template <int32_t kDtype, int kChunks>
   __attribute__((target("avx2,fma,f16c"))) static void accumulate(const DecodeTile& tile, const float* st,
                                                                 int st_stride, float* o) {
+    if (tile.rows_ahead) {
+      accumulate_keys<kDtype, kChunks, true>(tile, st, st_stride, o);
+    } else {
+      accumulate_keys<kDtype, kChunks, false>(tile, st, st_stride, o);
+    }
+  }
+
+ private:
+  static constexpr int kPairHeads = 4;  // 8 broadcasts + 2 V chunks + the output chunk in the 16 ymm registers
+
+  // kFetchAhead: tile.rows_ahead is set (a version of its own, so that dense decode's P·V is the loop it was).
+  template <int32_t kDtype, int kChunks, bool kFetchAhead>
+  __attribute__((target("avx2,fma,f16c"))) static void accumulate_keys(const DecodeTile& tile, const float* st,
+                                                                     int st_stride, float* o) {
     int j = 0;
     for (; j + 2 <= tile.nk; j += 2) {
       const float* p0 = st + int64_t(j) * st_stride;
@@ -106,6 +120,10 @@ struct Avx2 {
       for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
         const unsigned char* v0 = tile.v_rows[j] + hk * tile.v_head_bytes;
         const unsigned char* v1 = tile.v_rows[j + 1] + hk * tile.v_head_bytes;
+        if constexpr (kFetchAhead) {
+          prefetch_row_ahead(tile, j, hk);
+          prefetch_row_ahead(tile, j + 1, hk);
+        }
         const int first = hk * tile.group, end = first + tile.group;
         for (int h = first; h < end; h += kPairHeads) {
           const int n = std::min(kPairHeads, end - h);
@@ -122,14 +140,13 @@ struct Avx2 {
     }
     for (; j < tile.nk; ++j) {
       const float* p = st + int64_t(j) * st_stride;
-      for (int hk = 0; hk < tile.n_kv_heads; ++hk)
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+        if constexpr (kFetchAhead) prefetch_row_ahead(tile, j, hk);
         accumulate_key<kDtype, kChunks>(tile.v_rows[j] + hk * tile.v_head_bytes, p, hk * tile.group,
                                         (hk + 1) * tile.group, o);
+      }
     }
   }
-
- private:
-  static constexpr int kPairHeads = 4;  // 8 broadcasts + 2 V chunks + the output chunk in the 16 ymm registers
 
   template <int32_t kDtype, int kChunks, int kHeads>
   __attribute__((target("avx2,fma,f16c"))) static void accumulate_pair(const unsigned char* v0,

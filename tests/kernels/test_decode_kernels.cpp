@@ -3,7 +3,7 @@
 //   nonzero probability, o[h][c] = fma(p, V[c], o[h][c]) (a zero probability adds nothing, so an Inf in that V row
 //   cannot reach the row). The tiles mix keys whose heads all have a probability (the AVX2 kernel's
 //   two-keys-at-a-time path) with keys where some or all are zero, odd key counts, groups that do not fill its head
-//   blocks, and fp16 and bf16 rows.
+//   blocks, and fp16 and bf16 rows; with DecodeTile::rows_ahead set as well (the rows it fetches for the next tile).
 // - `scores` against the float64 dot product, within the bound of any fp32 summation order,
 //   d·2⁻²⁴·Σ|q_c·K_c|: a score written to another head's column or left out is far outside it. Groups that fill
 //   the AVX-512 kernel's 16-head reductions, groups that leave its last block part-full, and groups it takes one
@@ -137,10 +137,18 @@ TEST(DecodeAccumulate, EveryVersionMatchesTheKeyByKeyFmaLoopBitForBit) {
         for (int col = 0; col < s.d; ++col)
           want[size_t(h) * s.d + col] = std::fma(p, from_half(v[col], c.dtype), want[size_t(h) * s.d + col]);
       }
+    // With the next tile's rows to fetch as well (here the same rows backwards), the same bits.
+    std::vector<float> o_fetching = o;
+    std::vector<const unsigned char*> ahead(c.rows.rbegin(), c.rows.rend());
     c.kernels.accumulate(c.tile, st.data(), st_stride, o.data());
-    for (size_t e = 0; e < o.size(); ++e)
+    c.tile.rows_ahead = ahead.data();
+    c.kernels.accumulate(c.tile, st.data(), st_stride, o_fetching.data());
+    for (size_t e = 0; e < o.size(); ++e) {
       ASSERT_EQ(std::memcmp(&o[e], &want[e], sizeof(float)), 0)
           << "head " << e / s.d << " col " << e % s.d << ": " << o[e] << " vs " << want[e];
+      ASSERT_EQ(std::memcmp(&o_fetching[e], &want[e], sizeof(float)), 0)
+          << "fetching ahead, head " << e / s.d << " col " << e % s.d;
+    }
   });
 }
 
