@@ -391,7 +391,6 @@ struct Screen {
     float maxes[kMaxHeadsPerSet];
     for (int32_t h = 0; h < hq; ++h) maxes[h] = head_bounds(b)[h].max_score;
     float* sums = chunk_sum + (int64_t(b) * arrays.chunks + chunk) * hq;
-    std::fill(sums, sums + hq, 0.f);
     row_exps(rows(b) + first * hq, exp_rows(b) + first * hq, last - first, hq, maxes, sums);
   }
 

@@ -127,19 +127,27 @@ __attribute__((target("avx2,fma"))) bool row_maxima(const float* rows, int64_t n
   return _mm256_movemask_ps(bad) == 0;
 }
 
+// Blocks of kExpRowBlock rows, each block's heads in turn: walking all of a chunk's rows per block of heads read and
+// wrote the rows once per head block from L2 (32 heads, 512 rows: 64 KiB of ŝ and 64 KiB of ê). TOKEN_SELECT at 8K
+// keys, one thread, Zen 4: the step took 110-160 us, 80-95 us in blocks. Each head's sum still adds its rows in order.
+constexpr int64_t kExpRowBlock = 32;
 __attribute__((target("avx2,fma"))) void row_exps(const float* rows, float* exps, int64_t n_rows, int32_t hq,
                                                   const float* maxes, float* sums) {
-  for_head_blocks(hq, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
-    constexpr bool kWhole = decltype(whole)::value;
-    const __m256 m = load_heads<kWhole>(maxes + h, lanes);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n_rows; ++t) {
-      const __m256 e = exp_nonpositive8(_mm256_sub_ps(load_heads<kWhole>(rows + t * hq + h, lanes), m));
-      store_heads<kWhole>(exps + t * hq + h, lanes, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    store_heads<kWhole>(sums + h, lanes, sum);
-  });
+  std::fill(sums, sums + hq, 0.f);
+  for (int64_t first = 0; first < n_rows; first += kExpRowBlock) {
+    const int64_t last = std::min(n_rows, first + kExpRowBlock);
+    for_head_blocks(hq, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
+      constexpr bool kWhole = decltype(whole)::value;
+      const __m256 m = load_heads<kWhole>(maxes + h, lanes);
+      __m256 sum = load_heads<kWhole>(sums + h, lanes);
+      for (int64_t t = first; t < last; ++t) {
+        const __m256 e = exp_nonpositive8(_mm256_sub_ps(load_heads<kWhole>(rows + t * hq + h, lanes), m));
+        store_heads<kWhole>(exps + t * hq + h, lanes, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      store_heads<kWhole>(sums + h, lanes, sum);
+    });
+  }
 }
 
 __attribute__((target("avx2,fma"))) void row_heavy_counts(const float* rows, int64_t n_rows, int32_t hq,
