@@ -14,6 +14,7 @@
 namespace sparsa::cpu {
 
 // One tile of keys: k_rows[j] / v_rows[j] is key j's row of kv head 0; kv head hk's row is head_bytes · hk further.
+// v_rows may be null for scores alone (TOKEN_SELECT's fp32 screen), which then fetches nothing ahead.
 struct DecodeTile {
   const unsigned char* const* k_rows = nullptr;
   const unsigned char* const* v_rows = nullptr;
@@ -51,7 +52,7 @@ inline void prefetch_key_rows(const unsigned char* row, int64_t head_bytes, cons
 // prefetchers stream K (fetching it as well measured slower: 2-8 keys ahead into L1 11.9-13.6 ms, 16 or 32 ahead
 // into L2 10.9-11.1 ms, against 10.0); on a key list each key's K rows are fetched kPrefetchKeysAhead keys ahead.
 inline void prefetch_for_key(const DecodeTile& tile, int j) {
-  prefetch_key_rows(tile.v_rows[j], tile.v_head_bytes, tile, prefetch_line_to_l2);
+  if (tile.v_rows) prefetch_key_rows(tile.v_rows[j], tile.v_head_bytes, tile, prefetch_line_to_l2);
   if (tile.prefetch_rows && j + kPrefetchKeysAhead < tile.nk)
     prefetch_key_rows(tile.k_rows[j + kPrefetchKeysAhead], tile.k_head_bytes, tile, prefetch_line_to_l1);
 }

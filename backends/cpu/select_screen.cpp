@@ -51,9 +51,6 @@ using screen_rows::row_votes;
 using screen_rows::tile_max_magnitudes;
 
 constexpr int kTileKeys = 64;                       // keys per call of the decode scores kernel
-// Step 1 fetches K rows this many tiles ahead into L2: at 32K keys on Zen 4, one thread, 2 tiles took its scoring
-// from 6.8-7.0 to 5.4-5.5 ms; 4 and 8 measured within the noise of 2 (5.1-5.6 ms for 8).
-constexpr int kPrefetchTilesAhead = 8;
 // Candidates per work item of the row steps: 2048 left most of 8 or 16 workers idle at 8K candidates (TOKEN_SELECT
 // 8K keys N/8 on the 16-core Xeon, 8 threads: 2.2-2.4 ms with 2048, 1.5-1.8 with 512).
 constexpr int64_t kChunkCandidates = 512;
@@ -164,14 +161,11 @@ struct ScreenArrays {
   }
 };
 
-// A worker's scratch in step 1: the tile's row pointers, and those of the keys it fetches ahead.
+// A worker's scratch in step 1: the tile's row pointers.
 struct ScoreChunkLayout {
   ScratchLayout layout;
-  size_t rows_at, ahead_at;
-  ScoreChunkLayout() {
-    rows_at = layout.add<const unsigned char*>(kTileKeys);
-    ahead_at = layout.add<const unsigned char*>(kTileKeys);
-  }
+  size_t rows_at;
+  ScoreChunkLayout() { rows_at = layout.add<const unsigned char*>(kTileKeys); }
 };
 
 // A worker's scratch in step 6: sample_set's sample; resolve_kv's heavy list, union list, its exact scores
@@ -293,13 +287,14 @@ struct Screen {
     ScoreChunkLayout layout;
     layout.layout.bind(scratch);
     const unsigned char** tile_rows = layout.layout.get<const unsigned char*>(layout.rows_at, kTileKeys);
-    const unsigned char** ahead_rows = layout.layout.get<const unsigned char*>(layout.ahead_at, kTileKeys);
     DecodeTile tile;
     tile.k_rows = tile_rows;
-    tile.v_rows = ahead_rows;  // the kernel fetches "V" rows into L2 as it goes: here K, kPrefetchTilesAhead ahead
+    // No V rows: the kernel fetches nothing ahead. The hardware prefetchers stream K front to back; fetching K rows
+    // 8 tiles ahead into L2 as well made the step slower (TOKEN_SELECT, one thread, Zen 4: 8K keys 1.28-1.40 ms
+    // against 1.19-1.31, 32K 6.3-6.8 against 5.5-5.8).
+    tile.v_rows = nullptr;
     const int64_t t0 = seq.first_candidate + first;
     tile.k_head_bytes = n_kv > 1 ? k_row(b, t0, 1) - k_row(b, t0, 0) : 0;
-    tile.v_head_bytes = tile.k_head_bytes;
     tile.n_kv_heads = n_kv;
     tile.group = group();
     tile.d = d;
@@ -308,11 +303,7 @@ struct Screen {
     const float* qb = q + int64_t(b) * hq * d;
     for (int64_t j0 = first; j0 < last; j0 += kTileKeys) {
       const int nk = int(std::min<int64_t>(kTileKeys, last - j0));
-      for (int j = 0; j < nk; ++j) {
-        const int64_t t = j0 + j, ahead = t + kPrefetchTilesAhead * kTileKeys;
-        tile_rows[j] = k_row(b, seq.first_candidate + t, 0);
-        ahead_rows[j] = k_row(b, seq.first_candidate + (ahead < seq.n_candidates ? ahead : t), 0);
-      }
+      for (int j = 0; j < nk; ++j) tile_rows[j] = k_row(b, seq.first_candidate + j0 + j, 0);
       tile.nk = nk;
       decode.scores(tile, qb, rows(b) + j0 * hq, hq);
       if (!decode.fills_magnitudes)

@@ -8,8 +8,8 @@
 //   d·2⁻²⁴·Σ|q_c·K_c|: a score written to another head's column or left out is far outside it. Groups that fill
 //   the AVX-512 kernel's 16-head reductions, groups that leave its last block part-full, and groups it takes one
 //   head at a time; the columns past the heads must stay untouched.
-// - `scores` with DecodeTile::k_magnitudes (versions with fills_magnitudes): the same scores bit for bit, and each kv
-//   head's largest magnitude bits maxed into what was there, a large negative value included.
+// - `scores` with DecodeTile::k_magnitudes (versions with fills_magnitudes) and no V rows: the same scores bit for
+//   bit, and each kv head's largest magnitude bits maxed into what was there, a large negative value included.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -206,6 +206,7 @@ TEST(DecodeScores, MagnitudesAreEachKvHeadsLargestAbsKAndLeaveTheScoresAlone) {
         for (int col = 0; col < s.d; ++col)
           want[size_t(hk)] = std::max<uint16_t>(want[size_t(hk)], c.row_for_head(j, hk * s.group)[col] & 0x7fff);
     c.tile.k_magnitudes = got.data();
+    c.tile.v_rows = nullptr;  // as the fp32 screen calls it: scores alone, nothing fetched ahead
     c.kernels.scores(c.tile, q.data(), with.data(), st_stride);
     EXPECT_EQ(got, want);
     ASSERT_EQ(std::memcmp(plain.data(), with.data(), plain.size() * sizeof(float)), 0);
