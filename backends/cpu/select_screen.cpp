@@ -648,8 +648,20 @@ void Screen::resolve_kv(int32_t b, int32_t set, int32_t kv, ThreadScratch& scrat
   const SelectScoreKernel& kernel = select_score_kernel();
   const void* tile_rows[kScoreTileKeys];
   const double* qbars = concat_qbars + (int64_t(b) * hq + int64_t(hk) * g) * d;
+  // The list's rows are scattered, where the hardware prefetchers do not follow: each tile fetches the next tile's
+  // rows into L2 before it is scored (TOKEN_SELECT at 8K keys, one thread, Zen 4: medians of the step 155-170 us
+  // without the fetches, 135-140 with them).
+  const int64_t row_bytes = int64_t(d) * element_bytes(problem.dtype);
+  const auto fetch_rows = [&](int64_t first) {
+    for (int64_t i = first; i < std::min(n_list, first + kScoreTileKeys); ++i) {
+      const unsigned char* row = k_row(b, seq.first_candidate + list[i], hk);
+      for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) prefetch_line_to_l2(row + byte);
+    }
+  };
+  fetch_rows(0);
   for (int64_t i0 = 0; i0 < n_list; i0 += kScoreTileKeys) {
     const int nk = int(std::min<int64_t>(kScoreTileKeys, n_list - i0));
+    fetch_rows(i0 + kScoreTileKeys);
     for (int j = 0; j < nk; ++j) tile_rows[j] = k_row(b, seq.first_candidate + list[i0 + j], hk);
     kernel.score_tile_exact_products(qbars, g, tile_rows, problem.dtype, nk, d, request.score_scale, transposed,
                                      exact + i0 * g, g);
