@@ -371,21 +371,28 @@ void run_selection_decode(sparsa_context* ctx, int decode_n, int repeats, size_t
       sparsa_tensor_init(&indices, sizeof indices, index_data.data(), SPARSA_DTYPE_I32, 3, index_shape);
       // TOKEN_SELECT's scores are raw dot products by default (§6), a peaked softmax here; scaled by 1/sqrt(D) the
       // softmax over these random keys is flat, where the CPU's fp32 screen cannot certify T and the float64 pass
-      // decides (the screen's cost is then added).
-      enum Variant { kSelectRaw, kSelectScaled, kIndices };
-      for (Variant variant : {kSelectRaw, kSelectScaled, kIndices}) {
+      // decides (the screen's cost is then added). TOKEN_SELECT also attends its n_init + n_local always-kept keys,
+      // so top_k = N/4 attends more than a quarter of the keys; the `share` row takes top_k = N/4 − those, a
+      // quarter in all.
+      enum Variant { kSelectRaw, kSelectScaled, kSelectShare, kIndices };
+      for (Variant variant : {kSelectRaw, kSelectScaled, kSelectShare, kIndices}) {
         if (variant == kSelectScaled && keep_divisor != 8) continue;
+        if (variant == kSelectShare && keep_divisor != 4) continue;
         const int32_t kind = variant == kIndices ? SPARSA_POLICY_TOKEN_INDICES : SPARSA_POLICY_TOKEN_SELECT;
         sparsa_policy policy;
         sparsa_policy_init(&policy, sizeof policy, kind);
         if (kind == SPARSA_POLICY_TOKEN_SELECT) policy.select_top_k = keep;
+        if (variant == kSelectShare) policy.select_top_k = keep - policy.select_n_init - policy.select_n_local;
         if (variant == kSelectScaled) policy.select_scale_scores = 1;
         if (kind == SPARSA_POLICY_TOKEN_INDICES) policy.indices = &indices;
         const Timing t = time_run(ctx, decode, true, policy, repeats, nullptr, evict);
         if (!t.ok) continue;
-        const std::string name = std::string(kind == SPARSA_POLICY_TOKEN_SELECT ? "TOKEN_SELECT" : "TOKEN_INDICES") +
-                                 " keep N/" + std::to_string(keep_divisor) + " = " + std::to_string(keep) +
-                                 (variant == kSelectScaled ? " scaled" : "");
+        const std::string name =
+            variant == kSelectShare
+                ? "TOKEN_SELECT keys N/4, top_k = " + std::to_string(policy.select_top_k)
+                : std::string(kind == SPARSA_POLICY_TOKEN_SELECT ? "TOKEN_SELECT" : "TOKEN_INDICES") + " keep N/" +
+                      std::to_string(keep_divisor) + " = " + std::to_string(keep) +
+                      (variant == kSelectScaled ? " scaled" : "");
         std::printf("%-44s %9.3f ms (best %.3f)  CPU %8.3f ms  sparsity %.3f  vs dense: wall %.2fx, CPU %.2fx\n",
                     name.c_str(), t.median_seconds * 1e3, t.seconds * 1e3, t.median_cpu_seconds * 1e3, sparsity(t),
                     dense.ok ? t.median_seconds / dense.median_seconds : 0.0,
