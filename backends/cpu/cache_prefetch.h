@@ -3,6 +3,8 @@
 // to no instruction at all), so where the instruction set is known the hint is a volatile asm statement.
 #pragma once
 
+#include <cstdint>
+
 namespace sparsa::cpu {
 
 constexpr int kCacheLineBytes = 64;
@@ -27,6 +29,12 @@ inline void prefetch_line_to_l2(const void* p) {
 #else
   __builtin_prefetch(p, 0, 2);
 #endif
+}
+
+// Asks for every line of [p, p + bytes) with prefetch_line (prefetch_line_to_l1 or _l2).
+inline void prefetch_span(const void* p, int64_t bytes, void (*prefetch_line)(const void*)) {
+  const char* first = static_cast<const char*>(p);
+  for (int64_t byte = 0; byte < bytes; byte += kCacheLineBytes) prefetch_line(first + byte);
 }
 
 }  // namespace sparsa::cpu

@@ -41,9 +41,8 @@ constexpr int kPrefetchKeysAhead = 4;
 // with prefetch_line (prefetch_line_to_l1 or _l2).
 inline void prefetch_key_rows(const unsigned char* row, int64_t head_bytes, const DecodeTile& tile,
                               void (*prefetch_line)(const void*)) {
-  const int row_bytes = tile.d * 2;  // 16-bit elements
   for (int hk = 0; hk < tile.n_kv_heads; ++hk, row += head_bytes)
-    for (int byte = 0; byte < row_bytes; byte += kCacheLineBytes) prefetch_line(row + byte);
+    prefetch_span(row, tile.d * 2, prefetch_line);  // 16-bit elements
 }
 
 // What the scores kernel prefetches before key j of a tile. Each key's V rows go to L2 while the tile is scored, so
@@ -57,14 +56,13 @@ inline void prefetch_for_key(const DecodeTile& tile, int j) {
     prefetch_key_rows(tile.k_rows[j + kPrefetchKeysAhead], tile.k_head_bytes, tile, prefetch_line_to_l1);
 }
 
-// What accumulate prefetches as it adds key j's row of kv head hk: key j's row of that head in tile.rows_ahead. A tile
-// whose scores the caller already holds (KnownScores, cpu_engine.h) has no scoring for its V fetches to hide behind;
-// fetched all at once before the P·V, the core waited on them and the memory then idled through the P·V (TOKEN_SELECT
-// at 8K keys, N/4 kept, one thread, Zen 4: the known tiles' V fetch and P·V 450-515 us); spread over it, 380-405 us.
+// What accumulate prefetches as it adds key j's row of kv head hk, where tile.rows_ahead is set: key j's row of that
+// head in tile.rows_ahead. A tile whose scores the caller already holds (KnownScores, cpu_engine.h) has no scoring for
+// its V fetches to hide behind; fetched all at once before the P·V, the core waited on them and the memory then idled
+// through the P·V (TOKEN_SELECT at 8K keys, N/4 kept, one thread, Zen 4: the known tiles' V fetch and P·V 450-515 us);
+// spread over it, 380-405 us.
 inline void prefetch_row_ahead(const DecodeTile& tile, int j, int hk) {
-  if (!tile.rows_ahead) return;
-  const unsigned char* row = tile.rows_ahead[j] + hk * tile.v_head_bytes;
-  for (int byte = 0; byte < tile.d * 2; byte += kCacheLineBytes) prefetch_line_to_l2(row + byte);
+  prefetch_span(tile.rows_ahead[j] + hk * tile.v_head_bytes, tile.d * 2, prefetch_line_to_l2);
 }
 
 struct DecodeKernels {

@@ -653,10 +653,8 @@ void Screen::resolve_kv(int32_t b, int32_t set, int32_t kv, ThreadScratch& scrat
   // without the fetches, 135-140 with them).
   const int64_t row_bytes = int64_t(d) * element_bytes(problem.dtype);
   const auto fetch_rows = [&](int64_t first) {
-    for (int64_t i = first; i < std::min(n_list, first + kScoreTileKeys); ++i) {
-      const unsigned char* row = k_row(b, seq.first_candidate + list[i], hk);
-      for (int64_t byte = 0; byte < row_bytes; byte += kCacheLineBytes) prefetch_line_to_l2(row + byte);
-    }
+    for (int64_t i = first; i < std::min(n_list, first + kScoreTileKeys); ++i)
+      prefetch_span(k_row(b, seq.first_candidate + list[i], hk), row_bytes, prefetch_line_to_l2);
   };
   fetch_rows(0);
   for (int64_t i0 = 0; i0 < n_list; i0 += kScoreTileKeys) {
