@@ -112,6 +112,8 @@ void attend_decode(const AttentionProblem& problem, int32_t b, int32_t hk_first,
   tile.d = d;
   tile.dtype = problem.dtype;
   tile.prefetch_rows = scattered;
+  if (!scattered && problem.kv_layout != KvLayout::kPaged && n_keys > 1)
+    tile.k_key_bytes = k_row(key_at(1), hk_first) - k_row(key_at(0), hk_first);
   const auto is_known = [known](int64_t t) {
     return known && known->rows && t >= known->first_key && t - known->first_key < known->n_keys;
   };

@@ -1,10 +1,12 @@
 // AVX-512F dense decode kernels (see decode_kernels.h). A K or V row of d = 16·kChunks 16-bit values is widened into
-// kChunks zmm registers with one vcvtph2ps (fp16) or zero-extend + shift (bf16) per 16 values. Scores: two FMA
-// chains per query row, and the partial sums of 16 heads reduced by one transpose-and-add tree. P·V: a block of
-// output row slices held in registers across a run of keys. Before, each score took its own horizontal sum and each
-// key loaded, fused and stored every output row slice: fp16 decode at Skv = 32768, GQA 32/8, D = 128, one thread
-// (Zen 4, 2026-11-29, alternating runs) took 14.3–14.7 ms before and 13.1–13.7 ms after; at Skv = 8192 4.0–4.3
-// against 3.2–3.5 ms.
+// kChunks zmm registers with one vcvtph2ps (fp16) or zero-extend + shift (bf16) per 16 values. Scores: blocks of
+// 16 / group keys and one kv head, whose 16 scores one transpose-and-add tree reduces, each q chunk loaded once per
+// block. P·V: a block of output row slices held in registers across a run of keys. Before, each score took its own
+// horizontal sum and each key loaded, fused and stored every output row slice: fp16 decode at Skv = 32768, GQA 32/8,
+// D = 128, one thread (Zen 4, 2026-11-29, alternating runs) took 14.3–14.7 ms before and 13.1–13.7 ms after; at
+// Skv = 8192 4.0–4.3 against 3.2–3.5 ms. Scoring a key at a time (16 heads, four kv heads, per reduction) loaded every
+// q chunk once per key: with the rows in L2 62 cycles per key and kv head against 42 in blocks of keys (Zen 4,
+// 2026-11-30; dense decode below the bench's figures in docs/performance.md).
 // Only functions with the avx512f target attribute touch AVX-512, and avx512_decode_kernels() hands them out only on
 // a CPU that has it.
 #include "cpu_features.h"
@@ -31,13 +33,16 @@ constexpr int kLanes = 16;           // floats per zmm
 constexpr __mmask16 kAllLanes = 0xffff;  // zero-masked forms: GCC 12 warns on the plain ones' undefined start
 
 template <int32_t kDtype>
-__attribute__((target("avx512f"))) inline __m512 widen16(const unsigned char* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+__attribute__((target("avx512f"))) inline __m512 widen16_bits(__m256i h) {
   if constexpr (kDtype == SPARSA_DTYPE_F16) {
     return _mm512_maskz_cvtph_ps(kAllLanes, h);
   } else {
     return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, _mm512_maskz_cvtepu16_epi32(kAllLanes, h), 16));
   }
+}
+template <int32_t kDtype>
+__attribute__((target("avx512f"))) inline __m512 widen16(const unsigned char* p) {
+  return widen16_bits<kDtype>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // Σ of the 16 lanes (GCC 12's _mm512_reduce_add_ps warns -Wmaybe-uninitialized; this is the same tree).
@@ -56,10 +61,10 @@ struct Avx512 {
   static constexpr const char* kName = "avx512f";
   static constexpr bool kFillsMagnitudes = true;
 
-  // With groups of 1, 2, 4, 8 or 16 query heads, the partial-sum vectors of 16 heads of a key are reduced together by
-  // one transpose-and-add tree (45 instructions for 16 scores, against about 9 per score for a horizontal sum each);
-  // other groups take one horizontal sum per score. With tile.k_magnitudes the reducing loop also keeps each kv
-  // head's largest magnitude from the K rows it reads (their lines in L1 by then).
+  // With groups of 1, 2, 4, 8 or 16 query heads, blocks of 16 / group keys of one kv head (scores_reduced): their 16
+  // partial-sum vectors are reduced together by one transpose-and-add tree (45 instructions for 16 scores, against
+  // about 9 per score for a horizontal sum each); other groups take one horizontal sum per score. With
+  // tile.k_magnitudes the scoring loop also keeps each kv head's largest magnitude from the K bits it loads.
   template <int32_t kDtype, int kChunks>
   __attribute__((target("avx512f"))) static void scores(const DecodeTile& tile, const float* q, float* st,
                                                         int st_stride) {
@@ -225,64 +230,105 @@ struct Avx512 {
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m512 a = partials[i], b = partials[i + 8];
-      halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                                _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+      halves[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAllLanes, a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_maskz_shuffle_f32x4(kAllLanes, a, b, _MM_SHUFFLE(3, 2, 3, 2)));
     }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const __m512 a = halves[i], b = halves[i + 4];
-      quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+      quarters[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAllLanes, a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_maskz_shuffle_f32x4(kAllLanes, a, b, _MM_SHUFFLE(3, 1, 3, 1)));
     }
 #pragma GCC unroll 2
     for (int i = 0; i < 2; ++i) {
       const __m512 a = quarters[i], b = quarters[i + 2];
-      pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+      pairs[i] = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAllLanes, a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_maskz_shuffle_ps(kAllLanes, a, b, _MM_SHUFFLE(3, 2, 3, 2)));
     }
-    return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_maskz_shuffle_ps(kAllLanes, pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_maskz_shuffle_ps(kAllLanes, pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
 
-  // kGroup == tile.group. Per key, blocks of 16 query heads (16 / kGroup kv heads; the last block of a key may hold
-  // fewer, its unused partial sums zero): lane m of the reduction is head m of the block, stored as one row slice.
+  // kGroup == tile.group. Blocks of kBlockKeys = 16 / kGroup keys and one kv head: lane t·kGroup + l of the reduction
+  // is key t's score of head l, and each q chunk, loaded once per block, serves every key of it (one chain of FMAs
+  // per score, channel chunks in order). A tile's last nk % kBlockKeys keys take blocks of one key.
   template <int32_t kDtype, int kChunks, int kGroup, bool kMagnitudes>
   __attribute__((target("avx512f"))) static void scores_reduced(const DecodeTile& tile, const float* q, float* st,
                                                                 int st_stride) {
-    constexpr int kKvPerBlock = kLanes / kGroup;
-    constexpr int kRowFloats = kChunks * kLanes;
+    constexpr int kBlockKeys = kLanes / kGroup;
     __m256i magnitudes[kMagnitudes ? kMaxMagnitudeHeads : 1];
     if constexpr (kMagnitudes)
       for (int hk = 0; hk < tile.n_kv_heads; ++hk) magnitudes[hk] = _mm256_setzero_si256();
-    for (int j = 0; j < tile.nk; ++j) {
-      prefetch_for_key(tile, j);
-      float* st_row = st + int64_t(j) * st_stride;
-      for (int hk0 = 0; hk0 < tile.n_kv_heads; hk0 += kKvPerBlock) {
-        const int n_kv = tile.n_kv_heads - hk0 < kKvPerBlock ? tile.n_kv_heads - hk0 : kKvPerBlock;
-        const float* q_block = q + int64_t(hk0) * kGroup * kRowFloats;
-        __m512 partials[kLanes];
-#pragma GCC unroll 16
-        for (int kv = 0; kv < kKvPerBlock; ++kv) {
-          if (kv < n_kv) {
-            __m512 key[kChunks];
-            const unsigned char* row = tile.k_rows[j] + (hk0 + kv) * tile.k_head_bytes;
-            widen_row<kDtype, kChunks>(row, key);
-            if constexpr (kMagnitudes) magnitudes[hk0 + kv] = row_magnitudes<kChunks>(row, magnitudes[hk0 + kv]);
-#pragma GCC unroll 16
-            for (int l = 0; l < kGroup; ++l)
-              partials[reduction_slot(kv * kGroup + l)] =
-                  dot_partials<kChunks>(q_block + (kv * kGroup + l) * kRowFloats, key);
-          } else {
-#pragma GCC unroll 16
-            for (int l = 0; l < kGroup; ++l) partials[reduction_slot(kv * kGroup + l)] = _mm512_setzero_ps();
-          }
-        }
-        const __mmask16 heads = __mmask16((1u << (n_kv * kGroup)) - 1u);
-        _mm512_mask_storeu_ps(st_row + hk0 * kGroup, heads, reduce16(partials));
-      }
-    }
+    int j = 0;
+    for (; j + kBlockKeys <= tile.nk; j += kBlockKeys)
+      scores_block<kDtype, kChunks, kGroup, kBlockKeys, kMagnitudes>(tile, q, st, st_stride, j, magnitudes);
+    for (; j < tile.nk; ++j)
+      scores_block<kDtype, kChunks, kGroup, 1, kMagnitudes>(tile, q, st, st_stride, j, magnitudes);
     if constexpr (kMagnitudes)
       for (int hk = 0; hk < tile.n_kv_heads; ++hk) store_magnitude(magnitudes[hk], &tile.k_magnitudes[hk]);
+  }
+
+  // Scores of keys [j, j + kKeys) (kKeys · kGroup <= 16), every kv head.
+  template <int32_t kDtype, int kChunks, int kGroup, int kKeys, bool kMagnitudes>
+  __attribute__((target("avx512f"))) static void scores_block(const DecodeTile& tile, const float* q, float* st,
+                                                              int st_stride, int j, __m256i* magnitudes) {
+    constexpr int kRowFloats = kChunks * kLanes;
+    constexpr int kBytes = 2 * kLanes;  // bytes of 16 values
+    const __m256i magnitude_bits = _mm256_set1_epi16(0x7fff);
+    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+      prefetch_for_block_head(tile, j, kKeys, hk);
+      const float* q_head = q + int64_t(hk) * kGroup * kRowFloats;
+      const unsigned char* rows[kKeys];
+#pragma GCC unroll 16
+      for (int t = 0; t < kKeys; ++t) rows[t] = tile.k_rows[j + t] + hk * tile.k_head_bytes;
+      __m256i magnitude = _mm256_setzero_si256();
+      if constexpr (kMagnitudes) magnitude = magnitudes[hk];
+      __m512 partials[kLanes];
+#pragma GCC unroll 16
+      for (int x = 0; x < kChunks; ++x) {
+#pragma GCC unroll 16
+        for (int t = 0; t < kKeys; ++t) {
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[t] + x * kBytes));
+          if constexpr (kMagnitudes) magnitude = _mm256_max_epu16(magnitude, _mm256_and_si256(bits, magnitude_bits));
+          const __m512 key = widen16_bits<kDtype>(bits);
+#pragma GCC unroll 16
+          for (int l = 0; l < kGroup; ++l) {
+            const __m512 q_chunk = _mm512_loadu_ps(q_head + l * kRowFloats + x * kLanes);
+            __m512& partial = partials[reduction_slot(t * kGroup + l)];
+            partial = x == 0 ? _mm512_mul_ps(q_chunk, key) : _mm512_fmadd_ps(q_chunk, key, partial);
+          }
+        }
+      }
+      if constexpr (kMagnitudes) magnitudes[hk] = magnitude;
+#pragma GCC unroll 16
+      for (int m = kKeys * kGroup; m < kLanes; ++m) partials[reduction_slot(m)] = _mm512_setzero_ps();
+      store_block_scores<kGroup, kKeys>(reduce16(partials), st + int64_t(j) * st_stride + hk * kGroup, st_stride);
+    }
+  }
+
+  // Lane t·kGroup + l of scores to st[t · st_stride + l], for t < kKeys.
+  template <int kGroup, int kKeys>
+  __attribute__((target("avx512f"))) static void store_block_scores(__m512 scores, float* st, int st_stride) {
+    if constexpr (kGroup == 16) {
+      _mm512_storeu_ps(st, scores);
+    } else if constexpr (kGroup == 8) {
+      _mm256_storeu_ps(st, _mm512_castps512_ps256(scores));
+      if constexpr (kKeys > 1)
+        _mm256_storeu_ps(st + st_stride,
+                         _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(scores), 1)));
+    } else if constexpr (kGroup == 4) {
+      _mm_storeu_ps(st, _mm512_castps512_ps128(scores));
+      if constexpr (kKeys > 1) _mm_storeu_ps(st + st_stride, _mm512_maskz_extractf32x4_ps(0xf, scores, 1));
+      if constexpr (kKeys > 2) _mm_storeu_ps(st + 2 * st_stride, _mm512_maskz_extractf32x4_ps(0xf, scores, 2));
+      if constexpr (kKeys > 3) _mm_storeu_ps(st + 3 * st_stride, _mm512_maskz_extractf32x4_ps(0xf, scores, 3));
+    } else {
+      alignas(64) float lanes[kLanes];
+      _mm512_store_ps(lanes, scores);
+#pragma GCC unroll 16
+      for (int t = 0; t < kKeys; ++t)
+#pragma GCC unroll 2
+        for (int l = 0; l < kGroup; ++l) st[t * st_stride + l] = lanes[t * kGroup + l];
+    }
   }
 
   // Kv heads whose running magnitudes scores_reduced keeps (on the stack, one 256-bit vector each); a tile with

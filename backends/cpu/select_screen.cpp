@@ -289,12 +289,13 @@ struct Screen {
     const unsigned char** tile_rows = layout.layout.get<const unsigned char*>(layout.rows_at, kTileKeys);
     DecodeTile tile;
     tile.k_rows = tile_rows;
-    // No V rows: the kernel fetches nothing ahead. The hardware prefetchers stream K front to back; fetching K rows
-    // 8 tiles ahead into L2 as well made the step slower (TOKEN_SELECT, one thread, Zen 4: 8K keys 1.28-1.40 ms
-    // against 1.19-1.31, 32K 6.3-6.8 against 5.5-5.8).
+    // No V rows. K: the kernels fetch what their order needs (the AVX-512F one a few keys ahead, across this loop's
+    // tiles through k_key_bytes); fetching K rows 8 tiles ahead into L2 as well made the step slower (TOKEN_SELECT,
+    // one thread, Zen 4: 8K keys 1.28-1.40 ms against 1.19-1.31, 32K 6.3-6.8 against 5.5-5.8).
     tile.v_rows = nullptr;
     const int64_t t0 = seq.first_candidate + first;
     tile.k_head_bytes = n_kv > 1 ? k_row(b, t0, 1) - k_row(b, t0, 0) : 0;
+    if (problem.kv_layout != KvLayout::kPaged) tile.k_key_bytes = k_row(b, t0 + 1, 0) - k_row(b, t0, 0);
     tile.n_kv_heads = n_kv;
     tile.group = group();
     tile.d = d;
