@@ -6,7 +6,7 @@
 // D = 128, one thread (Zen 4, 2026-11-29, alternating runs) took 14.3–14.7 ms before and 13.1–13.7 ms after; at
 // Skv = 8192 4.0–4.3 against 3.2–3.5 ms. Scoring a key at a time (16 heads, four kv heads, per reduction) loaded every
 // q chunk once per key: with the rows in L2 62 cycles per key and kv head against 42 in blocks of keys (Zen 4,
-// 2026-11-30; dense decode below the bench's figures in docs/performance.md).
+// 2026-11-30; dense decode's figures are in docs/performance.md).
 // Only functions with the avx512f target attribute touch AVX-512, and avx512_decode_kernels() hands them out only on
 // a CPU that has it.
 #include "cpu_features.h"

@@ -87,8 +87,11 @@ inline void prefetch_for_block_head(const DecodeTile& tile, int j, int n, int hk
     for (int t = j + kPrefetchKeysAhead; t < end; ++t)
       prefetch_span(tile.k_rows[t] + hk * tile.k_head_bytes, row_bytes, prefetch_line_to_l1);
   } else if (tile.k_key_bytes != 0) {
-    const unsigned char* ahead = tile.k_rows[j] + hk * tile.k_head_bytes + kBlockPrefetchKeysAhead * tile.k_key_bytes;
-    for (int t = 0; t < n; ++t, ahead += tile.k_key_bytes) prefetch_span(ahead, row_bytes, prefetch_line_to_l2);
+    // Past the tile's end the rows may lie past the cache's end too: addresses as integers (a prefetch never faults).
+    uintptr_t ahead = reinterpret_cast<uintptr_t>(tile.k_rows[j] + hk * tile.k_head_bytes) +
+                      uintptr_t(kBlockPrefetchKeysAhead * tile.k_key_bytes);
+    for (int t = 0; t < n; ++t, ahead += uintptr_t(tile.k_key_bytes))
+      prefetch_span(reinterpret_cast<const void*>(ahead), row_bytes, prefetch_line_to_l2);
   } else {
     const int end = j + kBlockPrefetchKeysAhead + n < tile.nk ? j + kBlockPrefetchKeysAhead + n : tile.nk;
     for (int t = j + kBlockPrefetchKeysAhead; t < end; ++t)
