@@ -72,14 +72,22 @@ void ThreadPool::stop_workers() noexcept {
 
 void ThreadPool::run_items(int worker) {
   for (;;) {
-    const int64_t item = next_item_->fetch_add(1, std::memory_order_relaxed);
+    const int64_t item = next_item_.fetch_add(1, std::memory_order_relaxed);
     if (item >= job_items_) return;
+    int64_t finished = 1;
     try {
       (*job_)(item, worker);
     } catch (...) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!first_error_) first_error_ = std::current_exception();
-      next_item_->store(job_items_, std::memory_order_relaxed);  // stop handing out items
+      // Stop handing out items; the ones never handed out count as done.
+      const int64_t handed_out = next_item_.exchange(job_items_, std::memory_order_relaxed);
+      finished += std::max<int64_t>(0, job_items_ - handed_out);
+    }
+    // The caller checks the count under mutex_ before it blocks, so the last item's worker notifies under it too.
+    if (items_done_.fetch_add(finished, std::memory_order_acq_rel) + finished == job_items_ && worker != 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      work_done_.notify_one();
     }
   }
 }
@@ -96,10 +104,10 @@ void ThreadPool::worker_main(int worker) {
       work_ready_.wait(lock, job_or_stop);
     }
     if (stopping_.load(std::memory_order_acquire)) return;
-    seen_generation = generation_.load(std::memory_order_acquire);
-    run_items(worker);
-    // The caller checks the count under mutex_ before it blocks, so the last worker notifies under mutex_ too.
-    if (busy_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    seen_generation = generation_.load(std::memory_order_seq_cst);
+    inside_.fetch_add(1, std::memory_order_seq_cst);
+    if (open_job_.load(std::memory_order_seq_cst) == seen_generation) run_items(worker);
+    if (inside_.fetch_sub(1, std::memory_order_seq_cst) == 1) {
       std::lock_guard<std::mutex> lock(mutex_);
       work_done_.notify_one();
     }
@@ -108,7 +116,6 @@ void ThreadPool::worker_main(int worker) {
 
 void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int)>& fn) {
   if (n <= 0) return;
-  std::atomic<int64_t> next_item{0};
   if (num_workers_ == 1 || n == 1) {
     for (int64_t item = 0; item < n; ++item) fn(item, 0);
     return;
@@ -117,25 +124,31 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int)>
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = &fn;
     job_items_ = n;
-    next_item_ = &next_item;
+    next_item_.store(0, std::memory_order_relaxed);
+    items_done_.store(0, std::memory_order_relaxed);
     first_error_ = nullptr;
-    busy_workers_.store(num_workers_ - 1, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
+    // Open before announcing, so that a worker that sees the new generation finds its job open.
+    const uint64_t generation = generation_.load(std::memory_order_relaxed) + 1;
+    open_job_.store(generation, std::memory_order_seq_cst);
+    generation_.store(generation, std::memory_order_seq_cst);
   }
   work_ready_.notify_all();
   run_items(0);
-  const auto all_done = [&] { return busy_workers_.load(std::memory_order_acquire) == 0; };
-  if (!spin_until(all_done)) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    work_done_.wait(lock, all_done);
-  }
+  const auto wait_for = [this](const auto& done) {
+    if (!spin_until(done)) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_done_.wait(lock, done);
+    }
+  };
+  wait_for([&] { return items_done_.load(std::memory_order_acquire) == n; });
+  open_job_.store(0, std::memory_order_seq_cst);
+  wait_for([&] { return inside_.load(std::memory_order_seq_cst) == 0; });
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     error = first_error_;
     first_error_ = nullptr;
     job_ = nullptr;
-    next_item_ = nullptr;
   }
   if (error) std::rethrow_exception(error);
 }
