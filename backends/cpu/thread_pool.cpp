@@ -74,20 +74,12 @@ void ThreadPool::run_items(int worker) {
   for (;;) {
     const int64_t item = next_item_.fetch_add(1, std::memory_order_relaxed);
     if (item >= job_items_) return;
-    int64_t finished = 1;
     try {
       (*job_)(item, worker);
     } catch (...) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!first_error_) first_error_ = std::current_exception();
-      // Stop handing out items; the ones never handed out count as done.
-      const int64_t handed_out = next_item_.exchange(job_items_, std::memory_order_relaxed);
-      finished += std::max<int64_t>(0, job_items_ - handed_out);
-    }
-    // The caller checks the count under mutex_ before it blocks, so the last item's worker notifies under it too.
-    if (items_done_.fetch_add(finished, std::memory_order_acq_rel) + finished == job_items_ && worker != 0) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      work_done_.notify_one();
+      next_item_.store(job_items_, std::memory_order_relaxed);  // stop handing out items
     }
   }
 }
@@ -107,6 +99,7 @@ void ThreadPool::worker_main(int worker) {
     seen_generation = generation_.load(std::memory_order_seq_cst);
     inside_.fetch_add(1, std::memory_order_seq_cst);
     if (open_job_.load(std::memory_order_seq_cst) == seen_generation) run_items(worker);
+    // The caller checks the count under mutex_ before it blocks, so the last worker out notifies under mutex_ too.
     if (inside_.fetch_sub(1, std::memory_order_seq_cst) == 1) {
       std::lock_guard<std::mutex> lock(mutex_);
       work_done_.notify_one();
@@ -125,7 +118,6 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int)>
     job_ = &fn;
     job_items_ = n;
     next_item_.store(0, std::memory_order_relaxed);
-    items_done_.store(0, std::memory_order_relaxed);
     first_error_ = nullptr;
     // Open before announcing, so that a worker that sees the new generation finds its job open.
     const uint64_t generation = generation_.load(std::memory_order_relaxed) + 1;
@@ -133,16 +125,13 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int)>
     generation_.store(generation, std::memory_order_seq_cst);
   }
   work_ready_.notify_all();
-  run_items(0);
-  const auto wait_for = [this](const auto& done) {
-    if (!spin_until(done)) {
-      std::unique_lock<std::mutex> lock(mutex_);
-      work_done_.wait(lock, done);
-    }
-  };
-  wait_for([&] { return items_done_.load(std::memory_order_acquire) == n; });
+  run_items(0);  // returns once every item is handed out: the rest are with workers inside the job
   open_job_.store(0, std::memory_order_seq_cst);
-  wait_for([&] { return inside_.load(std::memory_order_seq_cst) == 0; });
+  const auto none_inside = [this] { return inside_.load(std::memory_order_seq_cst) == 0; };
+  if (!spin_until(none_inside)) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    work_done_.wait(lock, none_inside);
+  }
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(mutex_);

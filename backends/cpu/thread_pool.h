@@ -44,7 +44,7 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable work_ready_;
   std::condition_variable work_done_;
-  // A job is open from parallel_for's start until all its items are done; the caller then waits only for the
+  // A job is open from parallel_for's start until all its items are handed out; the caller then waits only for the
   // workers inside it, not for every worker, so one the host has not scheduled since the job began is not waited
   // for. Waiting for every worker to check in, each of TOKEN_SELECT's fifteen or so steps waited for the slowest
   // to wake, item or not: on the H200 host's Xeon with 16 threads beside four busy processes TOKEN_SELECT at 8K keys
@@ -61,7 +61,6 @@ class ThreadPool {
   const std::function<void(int64_t, int)>* job_ = nullptr;
   int64_t job_items_ = 0;
   std::atomic<int64_t> next_item_{0};
-  std::atomic<int64_t> items_done_{0};  // items run or skipped after an error
   std::exception_ptr first_error_;
 };
 
