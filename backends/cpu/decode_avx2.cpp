@@ -1,8 +1,9 @@
 // AVX2 + FMA + F16C dense decode kernels (see decode_kernels.h): the AVX-512F kernels' walk for CPUs without AVX-512.
 // With 16 ymm registers a row of d = 8·kChunks values does not fit in registers as it does in zmm, so the loops run
 // chunk by chunk instead: each 8-value chunk of a K row is widened once (vcvtph2ps, or zero-extend + shift for bf16)
-// and feeds up to kHeadBlock query rows' FMA chains (two chains per row, even and odd chunks); each chunk of a V row is
-// widened once and added into the output row slice of every head with a nonzero probability.
+// and feeds up to kHeadBlock query rows' FMA chains (two keys at a time where the group is a multiple of kHeadBlock,
+// one chain per score; else key by key, two chains per row); each chunk of a V row is widened once and added into the
+// output row slice of every head with a nonzero probability.
 // Only functions with the avx2/fma/f16c target attribute touch those instructions, and avx2_decode_kernels() hands them
 // out only on a CPU that has them.
 #include "cpu_features.h"
@@ -73,10 +74,15 @@ struct Avx2 {
   static constexpr const char* kName = "avx2";
   static constexpr bool kFillsMagnitudes = false;  // the fp32 screen reads them itself
 
+  // Where the group is a multiple of kHeadBlock, pairs of keys (score_key_pair); else, and for a tile's last key of
+  // an odd count, key by key.
   template <int32_t kDtype, int kChunks>
   __attribute__((target("avx2,fma,f16c"))) static void scores(const DecodeTile& tile, const float* q, float* st,
                                                             int st_stride) {
-    for (int j = 0; j < tile.nk; ++j) {
+    int j = 0;
+    if (tile.group % kHeadBlock == 0)
+      for (; j + 2 <= tile.nk; j += 2) score_key_pair<kDtype, kChunks>(tile, q, st, st_stride, j);
+    for (; j < tile.nk; ++j) {
       prefetch_for_key(tile, j);
       float* st_row = st + int64_t(j) * st_stride;
       for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
@@ -107,6 +113,50 @@ struct Avx2 {
   }
 
  private:
+  // Keys j and j + 1, every kv head, in blocks of kHeadBlock heads: the block's 8 scores are 8 accumulators (one FMA
+  // chain each, channel chunks in order), each q chunk loaded once for both keys, reduced together by one
+  // horizontal-add tree. Key by key with two chains and a horizontal sum per score, the H200 host's Xeon took 32-37 ns
+  // per key and kv head over 64 MiB of K (GQA 32/8, D = 128), 20-22 this way with K fetched ahead (a stand-alone loop,
+  // 2026-11-30).
+  template <int32_t kDtype, int kChunks>
+  __attribute__((target("avx2,fma,f16c"))) static void score_key_pair(const DecodeTile& tile, const float* q,
+                                                                    float* st, int st_stride, int j) {
+    constexpr int kBytes = 2 * kLanes;  // bytes of 8 values
+    constexpr int kRowFloats = kChunks * kLanes;
+    float* st_first = st + int64_t(j) * st_stride;
+    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+      prefetch_for_block_head(tile, j, 2, hk);
+      const unsigned char* row0 = tile.k_rows[j] + hk * tile.k_head_bytes;
+      const unsigned char* row1 = tile.k_rows[j + 1] + hk * tile.k_head_bytes;
+      for (int h = hk * tile.group; h < (hk + 1) * tile.group; h += kHeadBlock) {
+        const float* q_block = q + int64_t(h) * kRowFloats;
+        __m256 sums[2 * kHeadBlock];  // key t, head l: sums[t · kHeadBlock + l]
+#pragma GCC unroll 32
+        for (int x = 0; x < kChunks; ++x) {
+          const __m256 key0 = widen8<kDtype>(row0 + x * kBytes), key1 = widen8<kDtype>(row1 + x * kBytes);
+#pragma GCC unroll 4
+          for (int l = 0; l < kHeadBlock; ++l) {
+            const __m256 q_chunk = _mm256_loadu_ps(q_block + l * kRowFloats + x * kLanes);
+            sums[l] = x == 0 ? _mm256_mul_ps(q_chunk, key0) : _mm256_fmadd_ps(q_chunk, key0, sums[l]);
+            sums[kHeadBlock + l] =
+                x == 0 ? _mm256_mul_ps(q_chunk, key1) : _mm256_fmadd_ps(q_chunk, key1, sums[kHeadBlock + l]);
+          }
+        }
+        const __m256 scores = reduce8(sums);
+        _mm_storeu_ps(st_first + h, _mm256_castps256_ps128(scores));
+        _mm_storeu_ps(st_first + st_stride + h, _mm256_extractf128_ps(scores, 1));
+      }
+    }
+  }
+
+  // Lane i: the sum of v[i]'s lanes.
+  __attribute__((target("avx2"))) static __m256 reduce8(const __m256* v) {
+    const __m256 pairs01 = _mm256_hadd_ps(v[0], v[1]), pairs23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 pairs45 = _mm256_hadd_ps(v[4], v[5]), pairs67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 low = _mm256_hadd_ps(pairs01, pairs23), high = _mm256_hadd_ps(pairs45, pairs67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+  }
+
   static constexpr int kPairHeads = 4;  // 8 broadcasts + 2 V chunks + the output chunk in the 16 ymm registers
 
   // kFetchAhead: tile.rows_ahead is set (a version of its own, so that dense decode's P·V is the loop it was).
