@@ -82,20 +82,23 @@ inline void prefetch_for_block_head(const DecodeTile& tile, int j, int n, int hk
   if (tile.v_rows)
     for (int t = j; t < j + n; ++t)
       prefetch_span(tile.v_rows[t] + hk * tile.v_head_bytes, row_bytes, prefetch_line_to_l2);
-  if (tile.prefetch_rows) {
-    const int end = j + kPrefetchKeysAhead + n < tile.nk ? j + kPrefetchKeysAhead + n : tile.nk;
-    for (int t = j + kPrefetchKeysAhead; t < end; ++t)
-      prefetch_span(tile.k_rows[t] + hk * tile.k_head_bytes, row_bytes, prefetch_line_to_l1);
-  } else if (tile.k_key_bytes != 0) {
+  if (!tile.prefetch_rows && tile.k_key_bytes != 0) {
     // Past the tile's end the rows may lie past the cache's end too: addresses as integers (a prefetch never faults).
     uintptr_t ahead = reinterpret_cast<uintptr_t>(tile.k_rows[j] + hk * tile.k_head_bytes) +
                       uintptr_t(kBlockPrefetchKeysAhead * tile.k_key_bytes);
     for (int t = 0; t < n; ++t, ahead += uintptr_t(tile.k_key_bytes))
       prefetch_span(reinterpret_cast<const void*>(ahead), row_bytes, prefetch_line_to_l2);
-  } else {
-    const int end = j + kBlockPrefetchKeysAhead + n < tile.nk ? j + kBlockPrefetchKeysAhead + n : tile.nk;
-    for (int t = j + kBlockPrefetchKeysAhead; t < end; ++t)
-      prefetch_span(tile.k_rows[t] + hk * tile.k_head_bytes, row_bytes, prefetch_line_to_l2);
+    return;
+  }
+  const int ahead = tile.prefetch_rows ? kPrefetchKeysAhead : kBlockPrefetchKeysAhead;
+  const int end = j + ahead + n < tile.nk ? j + ahead + n : tile.nk;
+  for (int t = j + ahead; t < end; ++t) {
+    const unsigned char* row = tile.k_rows[t] + hk * tile.k_head_bytes;
+    if (tile.prefetch_rows) {
+      prefetch_span(row, row_bytes, prefetch_line_to_l1);
+    } else {
+      prefetch_span(row, row_bytes, prefetch_line_to_l2);
+    }
   }
 }
 
