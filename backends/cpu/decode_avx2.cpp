@@ -72,16 +72,25 @@ __attribute__((target("avx2,fma,f16c"))) inline void score_heads(const unsigned 
 struct Avx2 {
   static constexpr int kLanes = sparsa::cpu::kLanes;
   static constexpr const char* kName = "avx2";
-  static constexpr bool kFillsMagnitudes = false;  // the fp32 screen reads them itself
 
   // Where the group is a multiple of kHeadBlock, pairs of keys (score_key_pair); else, and for a tile's last key of
-  // an odd count, key by key.
+  // an odd count, key by key. With tile.k_magnitudes each kv head's largest magnitude is kept from its rows as they
+  // are scored, while they are in L1.
   template <int32_t kDtype, int kChunks>
   __attribute__((target("avx2,fma,f16c"))) static void scores(const DecodeTile& tile, const float* q, float* st,
                                                             int st_stride) {
+    const bool kept = tile.k_magnitudes && tile.n_kv_heads <= kMaxMagnitudeHeads;
+    __m256i magnitudes[kMaxMagnitudeHeads];
+    if (kept)
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) magnitudes[hk] = _mm256_setzero_si256();
     int j = 0;
-    if (tile.group % kHeadBlock == 0)
-      for (; j + 2 <= tile.nk; j += 2) score_key_pair<kDtype, kChunks>(tile, q, st, st_stride, j);
+    if (tile.group % kHeadBlock == 0) {
+      if (kept) {
+        for (; j + 2 <= tile.nk; j += 2) score_key_pair<kDtype, kChunks, true>(tile, q, st, st_stride, j, magnitudes);
+      } else {
+        for (; j + 2 <= tile.nk; j += 2) score_key_pair<kDtype, kChunks, false>(tile, q, st, st_stride, j, nullptr);
+      }
+    }
     for (; j < tile.nk; ++j) {
       prefetch_for_key(tile, j);
       float* st_row = st + int64_t(j) * st_stride;
@@ -95,6 +104,16 @@ struct Avx2 {
           h += 2;
         }
         if (h < end) score_heads<kDtype, kChunks, 1>(k_row, q, h, st_row);
+        if (kept) magnitudes[hk] = row_magnitudes<kChunks>(k_row, magnitudes[hk]);
+      }
+    }
+    if (kept) {
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) store_magnitude(magnitudes[hk], &tile.k_magnitudes[hk]);
+    } else if (tile.k_magnitudes) {
+      for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+        __m256i lanes = _mm256_setzero_si256();
+        for (j = 0; j < tile.nk; ++j) lanes = row_magnitudes<kChunks>(tile.k_rows[j] + hk * tile.k_head_bytes, lanes);
+        store_magnitude(lanes, &tile.k_magnitudes[hk]);
       }
     }
   }
@@ -118,9 +137,13 @@ struct Avx2 {
   // horizontal-add tree. Key by key with two chains and a horizontal sum per score, the H200 host's Xeon took 32-37 ns
   // per key and kv head over 64 MiB of K (GQA 32/8, D = 128), 20-22 this way with K fetched ahead (a stand-alone loop,
   // 2026-11-30).
-  template <int32_t kDtype, int kChunks>
+  // kMagnitudes: magnitudes[hk] keeps kv head hk's largest magnitude bits, from the two rows after their scores (in
+  // the FMA loop, with the 8 sums, 2 keys, a q chunk and the bits in the 16 ymm registers, the running maximum and its
+  // mask spilled to the stack).
+  template <int32_t kDtype, int kChunks, bool kMagnitudes>
   __attribute__((target("avx2,fma,f16c"))) static void score_key_pair(const DecodeTile& tile, const float* q,
-                                                                    float* st, int st_stride, int j) {
+                                                                    float* st, int st_stride, int j,
+                                                                    __m256i* magnitudes) {
     constexpr int kBytes = 2 * kLanes;  // bytes of 8 values
     constexpr int kRowFloats = kChunks * kLanes;
     float* st_first = st + int64_t(j) * st_stride;
@@ -146,7 +169,30 @@ struct Avx2 {
         _mm_storeu_ps(st_first + h, _mm256_castps256_ps128(scores));
         _mm_storeu_ps(st_first + st_stride + h, _mm256_extractf128_ps(scores, 1));
       }
+      if constexpr (kMagnitudes)
+        magnitudes[hk] = row_magnitudes<kChunks>(row1, row_magnitudes<kChunks>(row0, magnitudes[hk]));
     }
+  }
+
+  // Kv heads whose running magnitudes scores keeps (on the stack); a tile with more takes a pass after the scores.
+  static constexpr int kMaxMagnitudeHeads = 16;
+  // The largest 16-bit magnitude (the bits without the sign) of a row's values and of so_far, lane by lane (a row of
+  // kChunks · 8 values is kChunks / 2 ymm registers of bits).
+  template <int kChunks>
+  __attribute__((target("avx2"))) static __m256i row_magnitudes(const unsigned char* row, __m256i so_far) {
+    const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+#pragma GCC unroll 16
+    for (int x = 0; x < kChunks / 2; ++x)
+      so_far = _mm256_max_epu16(
+          so_far, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 4 * kLanes * x)),
+                                   magnitude));
+    return so_far;
+  }
+  // The largest of the lanes, maxed into *largest.
+  __attribute__((target("avx2"))) static void store_magnitude(__m256i lanes, uint16_t* largest) {
+    alignas(32) uint16_t values[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(values), lanes);
+    for (uint16_t value : values) *largest = value > *largest ? value : *largest;
   }
 
   // Lane i: the sum of v[i]'s lanes.

@@ -59,7 +59,6 @@ __attribute__((target("avx512f"))) inline float horizontal_sum(__m512 x) {
 struct Avx512 {
   static constexpr int kLanes = sparsa::cpu::kLanes;
   static constexpr const char* kName = "avx512f";
-  static constexpr bool kFillsMagnitudes = true;
 
   // With groups of 1, 2, 4, 8 or 16 query heads, blocks of 16 / group keys of one kv head (scores_reduced): their 16
   // partial-sum vectors are reduced together by one transpose-and-add tree (45 instructions for 16 scores, against

@@ -2,7 +2,6 @@
 // table per head dim, built from that file's kernel templates. Isa provides
 //   static constexpr int kLanes;                 floats per vector register
 //   static constexpr const char* kName;          DecodeKernels::name
-//   static constexpr bool kFillsMagnitudes;      DecodeKernels::fills_magnitudes
 //   template <int32_t kDtype, int kChunks> static void scores(tile, q, st, st_stride);
 //   template <int32_t kDtype, int kChunks> static void accumulate(tile, st, st_stride, o);
 // with a row of d values being kChunks = d / kLanes registers.
@@ -34,7 +33,7 @@ struct DecodeKernelTable {
   }
   template <int kHeadDim>
   static constexpr DecodeKernels kFor = {scores<kHeadDim / Isa::kLanes>, accumulate<kHeadDim / Isa::kLanes>,
-                                         Isa::kName, Isa::kFillsMagnitudes};
+                                         Isa::kName};
 
   // The table for head dim d (64, 128 or 256), else null.
   static const DecodeKernels* for_head_dim(int d) {

@@ -31,7 +31,9 @@ struct DecodeTile {
   // that K can be fetched ahead across tiles (see prefetch_for_block_head). Zero: only the tile's own rows.
   int64_t k_key_bytes = 0;
   // Non-null: scores also maxes each kv head's largest |K| over the tile's rows into k_magnitudes[hk], as the 16-bit
-  // magnitude bits (fp16 and bf16 magnitudes order like their bits), where DecodeKernels::fills_magnitudes says so.
+  // magnitude bits (fp16 and bf16 magnitudes order like their bits), from the K bits it loads for the scores (the
+  // fp32 screen's separate pass over a tile's rows took 0.2-0.3 ms of TOKEN_SELECT's 2.5 at 8K keys, one thread,
+  // Zen 4).
   uint16_t* k_magnitudes = nullptr;
   // Non-null: accumulate also fetches these rows into L2 (rows_ahead[j] for j < nk, every kv head: the next tile's V
   // rows), key j's row of a kv head as it adds key j's row of that head, so that the fetches spread over the P·V
@@ -108,9 +110,6 @@ struct DecodeKernels {
   // o[h * d + c] += Σ_j st[j * st_stride + h] · V_j[c] (terms with a zero probability skipped).
   void (*accumulate)(const DecodeTile& tile, const float* st, int st_stride, float* o);
   const char* name;  // "avx512f" or "avx2"
-  // scores honours DecodeTile::k_magnitudes (the AVX-512F kernels, reading each K row's bits once: the fp32 screen's
-  // separate pass over a tile's rows took 0.2-0.3 ms of TOKEN_SELECT's 2.5 at 8K keys, one thread, Zen 4).
-  bool fills_magnitudes;
 };
 
 // The AVX-512F (AVX2 + FMA + F16C) table when this CPU has those instructions, the library was built for x86-64 (and

@@ -48,7 +48,6 @@ using screen_rows::row_heavy_counts;
 using screen_rows::row_maxima;
 using screen_rows::row_split;
 using screen_rows::row_votes;
-using screen_rows::tile_max_magnitudes;
 
 constexpr int kTileKeys = 64;                       // keys per call of the decode scores kernel
 // Candidates per work item of the row steps: 2048 left most of 8 or 16 workers idle at 8K candidates (TOKEN_SELECT
@@ -300,15 +299,13 @@ struct Screen {
     tile.group = group();
     tile.d = d;
     tile.dtype = problem.dtype;
-    tile.k_magnitudes = decode.fills_magnitudes ? kmax : nullptr;
+    tile.k_magnitudes = kmax;
     const float* qb = q + int64_t(b) * hq * d;
     for (int64_t j0 = first; j0 < last; j0 += kTileKeys) {
       const int nk = int(std::min<int64_t>(kTileKeys, last - j0));
       for (int j = 0; j < nk; ++j) tile_rows[j] = k_row(b, seq.first_candidate + j0 + j, 0);
       tile.nk = nk;
       decode.scores(tile, qb, rows(b) + j0 * hq, hq);
-      if (!decode.fills_magnitudes)
-        tile_max_magnitudes(tile_rows, nk, n_kv, tile.k_head_bytes, d, kmax);  // the tile's rows are in cache now
     }
     if (!row_maxima(rows(b) + first * hq, last - first, hq, maxes)) bad = 1;
   }

@@ -88,28 +88,6 @@ __attribute__((target("avx2,fma"))) inline void for_head_blocks(int32_t n, const
 
 }  // namespace
 
-// Key by key, so that a key's rows of every kv head are read in address order.
-__attribute__((target("avx2"))) void tile_max_magnitudes(const unsigned char* const* rows, int nk, int32_t n_kv,
-                                                         int64_t head_bytes, int32_t d, uint16_t* kmax) {
-  __m256i largest[kMaxKvHeads];
-  const __m256i magnitude = _mm256_set1_epi16(0x7fff);
-  for (int32_t hk = 0; hk < n_kv; ++hk) largest[hk] = _mm256_setzero_si256();
-  for (int j = 0; j < nk; ++j)
-    for (int32_t hk = 0; hk < n_kv; ++hk) {
-      const unsigned char* row = rows[j] + hk * head_bytes;
-      __m256i m = largest[hk];
-      for (int32_t c = 0; c < d; c += 16)
-        m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c)),
-                                                 magnitude));
-      largest[hk] = m;
-    }
-  for (int32_t hk = 0; hk < n_kv; ++hk) {
-    alignas(32) uint16_t lanes[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), largest[hk]);
-    for (uint16_t lane : lanes) kmax[hk] = std::max(kmax[hk], lane);
-  }
-}
-
 __attribute__((target("avx2,fma"))) bool row_maxima(const float* rows, int64_t n_rows, int32_t hq, float* maxes) {
   const __m256 largest_finite = _mm256_set1_ps(std::numeric_limits<float>::max());
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -237,16 +215,6 @@ __attribute__((target("avx2,fma"))) bool row_split(const float* rows, int64_t fi
   return within;
 }
 #else
-void tile_max_magnitudes(const unsigned char* const* rows, int nk, int32_t n_kv, int64_t head_bytes, int32_t d,
-                         uint16_t* kmax) {
-  for (int j = 0; j < nk; ++j)
-    for (int32_t hk = 0; hk < n_kv; ++hk)
-      for (int32_t c = 0; c < d; ++c) {
-        uint16_t bits;
-        std::memcpy(&bits, rows[j] + hk * head_bytes + 2 * c, sizeof bits);
-        kmax[hk] = std::max<uint16_t>(kmax[hk], uint16_t(bits & 0x7fff));
-      }
-}
 bool row_maxima(const float* rows, int64_t n_rows, int32_t hq, float* maxes) {
   bool finite = true;
   for (int64_t t = 0; t < n_rows; ++t)

@@ -12,10 +12,6 @@ constexpr float kLowestArgument = -87.f;         // the exp's clamp: ê >= exp(-
 constexpr int32_t kMaxKvHeads = 64;
 constexpr int32_t kMaxHeadsPerSet = 1 << 12;  // and query heads
 
-// Largest |K| bits without the sign (fp16 and bf16 magnitudes order like their bits) per kv head over a tile's rows
-// (rows[j]: key j's row of kv head 0, kv head hk head_bytes · hk further), maxed into kmax[hk].
-void tile_max_magnitudes(const unsigned char* const* rows, int nk, int32_t n_kv, int64_t head_bytes, int32_t d,
-                         uint16_t* kmax);
 // Rows [t][hq]: each head's maximum maxed into maxes; false when a score is not finite.
 bool row_maxima(const float* rows, int64_t n_rows, int32_t hq, float* maxes);
 // Rows [t][hq]: ê = exp(ŝ − m̂_h) into exps, each head's fp32 sum into sums.
