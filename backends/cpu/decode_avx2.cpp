@@ -9,6 +9,7 @@
 #include "cpu_features.h"
 #include "decode_kernel_table.h"
 #include "decode_kernels.h"
+#include "decode_magnitudes.h"
 
 #include <sparsa/sparsa.h>
 
@@ -79,6 +80,7 @@ struct Avx2 {
   template <int32_t kDtype, int kChunks>
   __attribute__((target("avx2,fma,f16c"))) static void scores(const DecodeTile& tile, const float* q, float* st,
                                                             int st_stride) {
+    constexpr int kRowValues = kChunks * kLanes;
     const bool kept = tile.k_magnitudes && tile.n_kv_heads <= kMaxMagnitudeHeads;
     __m256i magnitudes[kMaxMagnitudeHeads];
     if (kept)
@@ -104,7 +106,7 @@ struct Avx2 {
           h += 2;
         }
         if (h < end) score_heads<kDtype, kChunks, 1>(k_row, q, h, st_row);
-        if (kept) magnitudes[hk] = row_magnitudes<kChunks>(k_row, magnitudes[hk]);
+        if (kept) magnitudes[hk] = row_magnitudes<kRowValues>(k_row, magnitudes[hk]);
       }
     }
     if (kept) {
@@ -112,7 +114,8 @@ struct Avx2 {
     } else if (tile.k_magnitudes) {
       for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
         __m256i lanes = _mm256_setzero_si256();
-        for (j = 0; j < tile.nk; ++j) lanes = row_magnitudes<kChunks>(tile.k_rows[j] + hk * tile.k_head_bytes, lanes);
+        for (j = 0; j < tile.nk; ++j)
+          lanes = row_magnitudes<kRowValues>(tile.k_rows[j] + hk * tile.k_head_bytes, lanes);
         store_magnitude(lanes, &tile.k_magnitudes[hk]);
       }
     }
@@ -170,30 +173,12 @@ struct Avx2 {
         _mm_storeu_ps(st_first + st_stride + h, _mm256_extractf128_ps(scores, 1));
       }
       if constexpr (kMagnitudes)
-        magnitudes[hk] = row_magnitudes<kChunks>(row1, row_magnitudes<kChunks>(row0, magnitudes[hk]));
+        magnitudes[hk] = row_magnitudes<kRowFloats>(row1, row_magnitudes<kRowFloats>(row0, magnitudes[hk]));
     }
   }
 
   // Kv heads whose running magnitudes scores keeps (on the stack); a tile with more takes a pass after the scores.
   static constexpr int kMaxMagnitudeHeads = 16;
-  // The largest 16-bit magnitude (the bits without the sign) of a row's values and of so_far, lane by lane (a row of
-  // kChunks · 8 values is kChunks / 2 ymm registers of bits).
-  template <int kChunks>
-  __attribute__((target("avx2"))) static __m256i row_magnitudes(const unsigned char* row, __m256i so_far) {
-    const __m256i magnitude = _mm256_set1_epi16(0x7fff);
-#pragma GCC unroll 16
-    for (int x = 0; x < kChunks / 2; ++x)
-      so_far = _mm256_max_epu16(
-          so_far, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 4 * kLanes * x)),
-                                   magnitude));
-    return so_far;
-  }
-  // The largest of the lanes, maxed into *largest.
-  __attribute__((target("avx2"))) static void store_magnitude(__m256i lanes, uint16_t* largest) {
-    alignas(32) uint16_t values[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(values), lanes);
-    for (uint16_t value : values) *largest = value > *largest ? value : *largest;
-  }
 
   // Lane i: the sum of v[i]'s lanes.
   __attribute__((target("avx2"))) static __m256 reduce8(const __m256* v) {

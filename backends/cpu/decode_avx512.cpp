@@ -12,6 +12,7 @@
 #include "cpu_features.h"
 #include "decode_kernel_table.h"
 #include "decode_kernels.h"
+#include "decode_magnitudes.h"
 
 #include <sparsa/sparsa.h>
 
@@ -273,7 +274,6 @@ struct Avx512 {
                                                               int st_stride, int j, __m256i* magnitudes) {
     constexpr int kRowFloats = kChunks * kLanes;
     constexpr int kBytes = 2 * kLanes;  // bytes of 16 values
-    const __m256i magnitude_bits = _mm256_set1_epi16(0x7fff);
     for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
       prefetch_for_block_head(tile, j, kKeys, hk);
       const float* q_head = q + int64_t(hk) * kGroup * kRowFloats;
@@ -288,7 +288,7 @@ struct Avx512 {
 #pragma GCC unroll 16
         for (int t = 0; t < kKeys; ++t) {
           const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[t] + x * kBytes));
-          if constexpr (kMagnitudes) magnitude = _mm256_max_epu16(magnitude, _mm256_and_si256(bits, magnitude_bits));
+          if constexpr (kMagnitudes) magnitude = max_magnitude(magnitude, bits);
           const __m512 key = widen16_bits<kDtype>(bits);
 #pragma GCC unroll 16
           for (int l = 0; l < kGroup; ++l) {
@@ -333,29 +333,13 @@ struct Avx512 {
   // Kv heads whose running magnitudes scores_reduced keeps (on the stack, one 256-bit vector each); a tile with
   // more takes max_magnitudes' pass after the scores.
   static constexpr int kMaxMagnitudeHeads = 16;
-  // The largest 16-bit magnitude (the bits without the sign) of a row's values and of so_far, lane by lane.
-  template <int kChunks>
-  __attribute__((target("avx512f"))) static __m256i row_magnitudes(const unsigned char* row, __m256i so_far) {
-    const __m256i magnitude = _mm256_set1_epi16(0x7fff);
-#pragma GCC unroll 16
-    for (int x = 0; x < kChunks; ++x)
-      so_far = _mm256_max_epu16(
-          so_far, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * kLanes * x)),
-                                   magnitude));
-    return so_far;
-  }
-  // The largest of the lanes, maxed into *largest.
-  __attribute__((target("avx512f"))) static void store_magnitude(__m256i lanes, uint16_t* largest) {
-    alignas(32) uint16_t values[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(values), lanes);
-    for (uint16_t value : values) *largest = value > *largest ? value : *largest;
-  }
   // tile.k_magnitudes from a pass over the tile's rows, where the scores kernel did not keep them.
   template <int kChunks>
   __attribute__((target("avx512f"))) static void max_magnitudes(const DecodeTile& tile) {
     for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
       __m256i lanes = _mm256_setzero_si256();
-      for (int j = 0; j < tile.nk; ++j) lanes = row_magnitudes<kChunks>(tile.k_rows[j] + hk * tile.k_head_bytes, lanes);
+      for (int j = 0; j < tile.nk; ++j)
+        lanes = row_magnitudes<kChunks * kLanes>(tile.k_rows[j] + hk * tile.k_head_bytes, lanes);
       store_magnitude(lanes, &tile.k_magnitudes[hk]);
     }
   }
