@@ -474,6 +474,37 @@ TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
       }
 }
 
+// The float64 pass (every float32 cache, and what the screen cannot certify) cuts the candidates into items by the
+// number of workers (about two per worker, 512 to 2048 candidates each), and the results must not depend on it: the
+// same bits of out, LSE and the index sets with 1, 2, 3, 5 and 8 workers, whose items end at different candidates.
+TEST(TokenSelectCpu, Float64PassGivesTheSameBitsOnAnyThreadCount) {
+  const HalfDecodeCase cases[] = {{1, 32, 8, 128, {3000}, 380}, {2, 8, 8, 128, {2100, 1700}, 200}};
+  int counter = 0;
+  for (const HalfDecodeCase& c : cases)
+    for (bool scale_scores : {false, true}) {
+      ST_RNG(rng, counter++);
+      SCOPED_TRACE(::testing::Message() << "B=" << c.B << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " D=" << c.D
+                                        << " scale_scores=" << scale_scores);
+      HalfDecodeRun run = half_decode_run(c, st::Pattern::kRandom, SPARSA_DTYPE_F16, false, scale_scores, rng);
+      run.opt.dtype = SPARSA_DTYPE_F32;
+      st::RunResult first;
+      for (int threads : {1, 2, 3, 5, 8}) {
+        SCOPED_TRACE(::testing::Message() << threads << " workers");
+        st::Context context(SPARSA_DEVICE_CPU, threads);
+        ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
+        st::RunResult r = st::run(context, run.p, select_policy(run.tp), run.opt);
+        st::expect_ok(r);
+        if (threads == 1) {
+          first = std::move(r);
+          continue;
+        }
+        EXPECT_EQ(r.out.o, first.out.o);
+        EXPECT_EQ(r.out.lse, first.out.lse);
+        EXPECT_EQ(r.selected, first.selected);
+      }
+    }
+}
+
 // The 16-bit decode cuts its work by the number of workers (the attention over I cuts a list's slices into blocks of
 // kv heads when the slices alone are fewer than the workers; the screen's probe and chunks are items of their own),
 // and the results must not depend on it: the same bits of out, LSE and the index sets with 1, 2, 3, 5 and 8 workers,

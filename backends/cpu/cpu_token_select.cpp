@@ -22,6 +22,7 @@
 
 #include "../../src/common/policy_sizes.h"
 #include "../../src/error.h"
+#include "../../src/tensor_util.h"  // ceil_div
 #include "attention_loop.h"
 #include "cache_prefetch.h"
 #include "cpu_convert.h"
@@ -188,8 +189,19 @@ int64_t build_index_set(const SequencePlan& plan, const SelectParams& params, co
   return n;
 }
 
-// Candidates one vote work item covers: gives the pool parallel work even for one decode sequence.
-constexpr int64_t kCandidatesPerVoteItem = 2048;
+// Candidates one vote work item covers: about two items per worker, so that even one decode sequence keeps every
+// worker busy, within [kMinCandidatesPerVoteItem, kMaxCandidatesPerVoteItem]. Items of 2048 left half of 8 workers
+// idle in the float64 scoring at 8K keys (TOKEN_SELECT on a flat softmax, fp16 decode, GQA 32/8, the H200 host's
+// Xeon: 1.72 ms with 8 threads, 1.03 with items of 512); with one thread, items of 512 made that scoring at 32K keys
+// about a fifth slower (each item starts its fetches ahead afresh). Where the items end changes no result: each
+// candidate's scores and vote are its own, and Z_h is a FixedPointSum.
+constexpr int64_t kMinCandidatesPerVoteItem = 512;
+constexpr int64_t kMaxCandidatesPerVoteItem = 2048;
+int64_t candidates_per_vote_item(int64_t max_candidates, int32_t batch, int workers) {
+  const int64_t chunks_wanted = ceil_div(2 * int64_t(workers), std::max<int32_t>(1, batch));
+  const int64_t per_item = ceil_div(ceil_div(max_candidates, chunks_wanted), kScoreTileKeys) * kScoreTileKeys;
+  return std::clamp(per_item, kMinCandidatesPerVoteItem, kMaxCandidatesPerVoteItem);
+}
 // The scoring pass fetches K this many tiles ahead, into L2: with fetches into L1 one tile ahead (the rows of a
 // tile's kv head at once) a 32K-key fp16 decode scored at 61 ns per key and kv head, with these at 42 (Zen 4, one
 // thread); L1 fetches stall once the core's miss buffers are full.
@@ -421,13 +433,14 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
   };
   const auto kept_of = [&](int32_t b) { return kept ? kept + int64_t(b) * problem.num_kv_heads * kept_stride : kept; };
   const int32_t n_kv_heads = problem.num_kv_heads;
-  const int64_t chunks = (max_candidates + kCandidatesPerVoteItem - 1) / kCandidatesPerVoteItem;
+  const int64_t per_item = candidates_per_vote_item(max_candidates, batch, worker_count(exec));
+  const int64_t chunks = ceil_div(max_candidates, per_item);
   if (kept) {
     parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int worker) {
       const int32_t b = int32_t(item / chunks);
       const SequencePlan& plan = plans[size_t(b)];
-      const int64_t first = item % chunks * kCandidatesPerVoteItem;
-      const int64_t last = std::min(plan.n_candidates(), first + kCandidatesPerVoteItem);
+      const int64_t first = item % chunks * per_item;
+      const int64_t last = std::min(plan.n_candidates(), first + per_item);
       if (!computes_selection(b) || first >= last) return;
       score_candidates_all_heads(vote_inputs, plan, b, first, last, concat_qbars + b * qbar_len,
                                  policy_scratch(exec, worker), kept_of(b), kept_stride);
@@ -446,8 +459,8 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
     const int32_t b = int32_t(item / (int64_t(params.n_sets) * chunks));
     const int32_t set = int32_t(item / chunks % params.n_sets);
     const SequencePlan& plan = plans[size_t(b)];
-    const int64_t first = item % chunks * kCandidatesPerVoteItem;
-    const int64_t last = std::min(plan.n_candidates(), first + kCandidatesPerVoteItem);
+    const int64_t first = item % chunks * per_item;
+    const int64_t last = std::min(plan.n_candidates(), first + per_item);
     if (!computes_selection(b) || first >= last) return;
     vote_candidates(vote_inputs, plan, b, set, first, last, concat_qbars + b * qbar_len, kept_of(b), kept_stride,
                     head_max + int64_t(b) * n_heads, head_sum + int64_t(b) * n_heads, policy_scratch(exec, worker),
