@@ -474,6 +474,29 @@ TEST(TokenSelectCpu, HalfDecodeSelectsExactlyAsTheSameValuesInFloat32) {
       }
 }
 
+namespace {
+
+// `run` with 1, 2, 3, 5 and 8 workers: the same bits of out, LSE and the index sets every time.
+void expect_the_same_bits_on_any_thread_count(const HalfDecodeRun& run) {
+  st::RunResult first;
+  for (int threads : {1, 2, 3, 5, 8}) {
+    SCOPED_TRACE(::testing::Message() << threads << " workers");
+    st::Context context(SPARSA_DEVICE_CPU, threads);
+    ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
+    st::RunResult r = st::run(context, run.p, select_policy(run.tp), run.opt);
+    st::expect_ok(r);
+    if (threads == 1) {
+      first = std::move(r);
+      continue;
+    }
+    EXPECT_EQ(r.out.o, first.out.o);
+    EXPECT_EQ(r.out.lse, first.out.lse);
+    EXPECT_EQ(r.selected, first.selected);
+  }
+}
+
+}  // namespace
+
 // The float64 pass (every float32 cache, and what the screen cannot certify) cuts the candidates into items by the
 // number of workers (about two per worker, 512 to 2048 candidates each), and the results must not depend on it: the
 // same bits of out, LSE and the index sets with 1, 2, 3, 5 and 8 workers, whose items end at different candidates.
@@ -487,21 +510,7 @@ TEST(TokenSelectCpu, Float64PassGivesTheSameBitsOnAnyThreadCount) {
                                         << " scale_scores=" << scale_scores);
       HalfDecodeRun run = half_decode_run(c, st::Pattern::kRandom, SPARSA_DTYPE_F16, false, scale_scores, rng);
       run.opt.dtype = SPARSA_DTYPE_F32;
-      st::RunResult first;
-      for (int threads : {1, 2, 3, 5, 8}) {
-        SCOPED_TRACE(::testing::Message() << threads << " workers");
-        st::Context context(SPARSA_DEVICE_CPU, threads);
-        ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
-        st::RunResult r = st::run(context, run.p, select_policy(run.tp), run.opt);
-        st::expect_ok(r);
-        if (threads == 1) {
-          first = std::move(r);
-          continue;
-        }
-        EXPECT_EQ(r.out.o, first.out.o);
-        EXPECT_EQ(r.out.lse, first.out.lse);
-        EXPECT_EQ(r.selected, first.selected);
-      }
+      expect_the_same_bits_on_any_thread_count(run);
     }
 }
 
@@ -519,20 +528,6 @@ TEST(TokenSelectCpu, HalfDecodeGivesTheSameBitsOnAnyThreadCount) {
       SCOPED_TRACE(::testing::Message() << "B=" << c.B << " Hq=" << c.Hq << " Hkv=" << c.Hkv << " D=" << c.D
                                         << " per_kv_head=" << per_kv_head);
       const HalfDecodeRun run = half_decode_run(c, st::Pattern::kRandom, SPARSA_DTYPE_F16, per_kv_head, false, rng);
-      st::RunResult first;
-      for (int threads : {1, 2, 3, 5, 8}) {
-        SCOPED_TRACE(::testing::Message() << threads << " workers");
-        st::Context context(SPARSA_DEVICE_CPU, threads);
-        ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
-        st::RunResult r = st::run(context, run.p, select_policy(run.tp), run.opt);
-        st::expect_ok(r);
-        if (threads == 1) {
-          first = std::move(r);
-          continue;
-        }
-        EXPECT_EQ(r.out.o, first.out.o);
-        EXPECT_EQ(r.out.lse, first.out.lse);
-        EXPECT_EQ(r.selected, first.selected);
-      }
+      expect_the_same_bits_on_any_thread_count(run);
     }
 }
