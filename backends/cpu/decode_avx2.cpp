@@ -112,12 +112,7 @@ struct Avx2 {
     if (kept) {
       for (int hk = 0; hk < tile.n_kv_heads; ++hk) store_magnitude(magnitudes[hk], &tile.k_magnitudes[hk]);
     } else if (tile.k_magnitudes) {
-      for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-        __m256i lanes = _mm256_setzero_si256();
-        for (j = 0; j < tile.nk; ++j)
-          lanes = row_magnitudes<kRowValues>(tile.k_rows[j] + hk * tile.k_head_bytes, lanes);
-        store_magnitude(lanes, &tile.k_magnitudes[hk]);
-      }
+      max_tile_magnitudes<kRowValues>(tile);
     }
   }
 
@@ -176,9 +171,6 @@ struct Avx2 {
         magnitudes[hk] = row_magnitudes<kRowFloats>(row1, row_magnitudes<kRowFloats>(row0, magnitudes[hk]));
     }
   }
-
-  // Kv heads whose running magnitudes scores keeps (on the stack); a tile with more takes a pass after the scores.
-  static constexpr int kMaxMagnitudeHeads = 16;
 
   // Lane i: the sum of v[i]'s lanes.
   __attribute__((target("avx2"))) static __m256 reduce8(const __m256* v) {

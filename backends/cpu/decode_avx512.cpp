@@ -86,7 +86,7 @@ struct Avx512 {
       case 16: scores_reduced<kDtype, kChunks, 16, false>(tile, q, st, st_stride); break;
       default: scores_by_key<kDtype, kChunks>(tile, q, st, st_stride);
     }
-    if (tile.k_magnitudes) max_magnitudes<kChunks>(tile);
+    if (tile.k_magnitudes) max_tile_magnitudes<kChunks * kLanes>(tile);
   }
   // The tile's keys in runs of kAccumulateKeys; per run, kv head and block of kHeads query heads × kBlockChunks row
   // chunks, the output block stays in registers across the run's keys and is loaded and stored once. Per output
@@ -327,20 +327,6 @@ struct Avx512 {
       for (int t = 0; t < kKeys; ++t)
 #pragma GCC unroll 2
         for (int l = 0; l < kGroup; ++l) st[t * st_stride + l] = lanes[t * kGroup + l];
-    }
-  }
-
-  // Kv heads whose running magnitudes scores_reduced keeps (on the stack, one 256-bit vector each); a tile with
-  // more takes max_magnitudes' pass after the scores.
-  static constexpr int kMaxMagnitudeHeads = 16;
-  // tile.k_magnitudes from a pass over the tile's rows, where the scores kernel did not keep them.
-  template <int kChunks>
-  __attribute__((target("avx512f"))) static void max_magnitudes(const DecodeTile& tile) {
-    for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
-      __m256i lanes = _mm256_setzero_si256();
-      for (int j = 0; j < tile.nk; ++j)
-        lanes = row_magnitudes<kChunks * kLanes>(tile.k_rows[j] + hk * tile.k_head_bytes, lanes);
-      store_magnitude(lanes, &tile.k_magnitudes[hk]);
     }
   }
 };

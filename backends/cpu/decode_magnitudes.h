@@ -8,7 +8,13 @@
 
 #include <cstdint>
 
+#include "decode_kernels.h"
+
 namespace sparsa::cpu {
+
+// Kv heads whose running maxima a scores kernel keeps as it scores (on the stack, one 256-bit vector each); a tile
+// with more takes max_tile_magnitudes after its scores.
+constexpr int kMaxMagnitudeHeads = 16;
 
 // Lane by lane, the larger magnitude of so_far and of bits.
 __attribute__((target("avx2"))) inline __m256i max_magnitude(__m256i so_far, __m256i bits) {
@@ -30,6 +36,16 @@ __attribute__((target("avx2"))) inline void store_magnitude(__m256i lanes, uint1
   alignas(32) uint16_t values[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(values), lanes);
   for (uint16_t value : values) *largest = value > *largest ? value : *largest;
+}
+
+// tile.k_magnitudes from a pass over the tile's rows of kValues values, where the scores kernel did not keep them.
+template <int kValues>
+__attribute__((target("avx2"))) inline void max_tile_magnitudes(const DecodeTile& tile) {
+  for (int hk = 0; hk < tile.n_kv_heads; ++hk) {
+    __m256i lanes = _mm256_setzero_si256();
+    for (int j = 0; j < tile.nk; ++j) lanes = row_magnitudes<kValues>(tile.k_rows[j] + hk * tile.k_head_bytes, lanes);
+    store_magnitude(lanes, &tile.k_magnitudes[hk]);
+  }
 }
 
 }  // namespace sparsa::cpu
