@@ -15,6 +15,7 @@ CpuFeatures read_cpu_features() {
   features.avx2 = __builtin_cpu_supports("avx2");
   features.fma = __builtin_cpu_supports("fma");
   features.avx512f = __builtin_cpu_supports("avx512f");
+  features.avx512bw = __builtin_cpu_supports("avx512bw");
   // F16C from CPUID leaf 1 (clang's __builtin_cpu_supports does not know "f16c").
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   features.f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;

@@ -11,6 +11,7 @@ struct CpuFeatures {
   bool fma = false;      // FMA3
   bool f16c = false;     // half <-> float conversions (vcvtph2ps / vcvtps2ph)
   bool avx512f = false;  // AVX-512 Foundation (its 512-bit half conversions included)
+  bool avx512bw = false;  // AVX-512 byte and word instructions (16-bit unpacks of zmm)
 };
 
 // Read once (CPUID) and constant for the life of the process. All false off x86-64 and in builds with

@@ -3,9 +3,9 @@
 // then a rounded add, starting from 0), so every score is bit-identical to the float64 oracle's whatever the CPU.
 //
 // The vector versions get their speed from many independent sums, not from reassociation: the tile's keys are
-// widened and transposed once into [channel][key] (fp32, exact), then a register block of (query heads × 8-key vectors)
-// accumulators takes one multiply and one add per channel, broadcasting q̄_l[c] and loading 8 keys' K[c] widened to
-// float64. Multiply and add stay separate instructions: select_scores.cpp is compiled with -ffp-contract=off
+// transposed once into [channel][key] (widened to fp32, or as 16-bit words), then a register block of (query heads ×
+// 8-key vectors) accumulators takes one multiply and one add per channel, broadcasting q̄_l[c] and loading 8 keys'
+// K[c] widened to float64 (exact). Multiply and add stay separate instructions: select_scores.cpp is compiled with -ffp-contract=off
 // (CMakeLists.txt), because GCC contracts even _mm512_mul_pd + _mm512_add_pd into an FMA in an "avx512f" function.
 // The one exception is score_tile_exact_products, for q̄ whose products with K are exact: there an FMA rounds once,
 // exactly where the add did.
@@ -33,12 +33,12 @@ struct SelectScoreKernel {
   void (*score_tile)(const double* qbars, int n_heads, const void* const* keys, int32_t dtype, int n_keys, int32_t d,
                      double scale, float* transposed, double* scores, int64_t score_stride);
   // score_tile for callers that guarantee every product q̄_l[c]·K_j[c] is exact in float64 (qbars_are_floats): then
-  // an FMA rounds q̄·K + sum exactly as the separate add does, so a version may fuse them (the AVX2 and AVX-512F ones
+  // an FMA rounds q̄·K + sum exactly as the separate add does, so a version may fuse them (the AVX2 and AVX-512 ones
   // do, leaving the add pipes to the transpose) and the bits stay score_tile's.
   void (*score_tile_exact_products)(const double* qbars, int n_heads, const void* const* keys, int32_t dtype,
                                     int n_keys, int32_t d, double scale, float* transposed, double* scores,
                                     int64_t score_stride);
-  const char* name;  // "avx512f", "avx2" or "portable"
+  const char* name;  // "avx512bw", "avx2" or "portable"
 };
 
 // True when every q̄ element is a float value (or NaN): then each product with a K element of F32, F16 or BF16 has
@@ -55,11 +55,11 @@ inline bool qbars_are_floats(const double* qbars, int64_t n) {
 
 // The plain loop (every CPU).
 const SelectScoreKernel& portable_select_score_kernel();
-// The AVX2 + FMA (4 float64 lanes) and AVX-512F (8 lanes) versions (both widen 16-bit rows with F16C / AVX2): null
-// where the CPU (or the build: non-x86, or SPARSA_CPU_PORTABLE_KERNELS) lacks them.
+// The AVX2 + FMA (4 float64 lanes) and AVX-512F + BW (8 lanes) versions (both widen 16-bit rows with F16C / AVX2):
+// null where the CPU (or the build: non-x86, or SPARSA_CPU_PORTABLE_KERNELS) lacks them.
 const SelectScoreKernel* avx2_select_score_kernel();
 const SelectScoreKernel* avx512_select_score_kernel();
-// The one the backend uses: AVX-512F, else AVX2, else portable; chosen once per process.
+// The one the backend uses: AVX-512, else AVX2, else portable; chosen once per process.
 const SelectScoreKernel& select_score_kernel();
 
 }  // namespace sparsa::cpu

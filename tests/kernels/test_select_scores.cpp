@@ -20,7 +20,7 @@ namespace {
 using sparsa::cpu::kScoreTileKeys;
 using sparsa::cpu::SelectScoreKernel;
 
-// The kernels this process can run: portable always, AVX2 and AVX-512F where the CPU (and the build) have them.
+// The kernels this process can run: portable always, AVX2 and AVX-512 where the CPU (and the build) have them.
 std::vector<const SelectScoreKernel*> kernels_present() {
   std::vector<const SelectScoreKernel*> kernels = {&sparsa::cpu::portable_select_score_kernel()};
   if (const SelectScoreKernel* k = sparsa::cpu::avx2_select_score_kernel()) kernels.push_back(k);
@@ -148,7 +148,7 @@ TEST(SelectScoreKernels, EveryVersionMatchesThePlainChannelOrderLoopBitForBit) {
                 for (int j = 0; j < n_keys; ++j) pointers[size_t(j)] = rows.row(j);
                 // The oracle: the plain loop on the exact values.
                 // One padding column per key row (must stay untouched), or none (rows of exactly the group's heads,
-                // which the AVX-512F version stores a block at a time).
+                // which the AVX-512 version stores a block at a time).
                 const int64_t stride = group + (padded ? 1 : 0);
                 std::vector<double> want(size_t(kScoreTileKeys + 1) * stride, kPoison);
                 for (int j = 0; j < n_keys; ++j)
@@ -180,7 +180,7 @@ TEST(SelectScoreKernels, EveryVersionMatchesThePlainChannelOrderLoopBitForBit) {
 }
 
 // score_tile_exact_products with q̄ made of float values (a decode's widened query row): the same bits as the plain
-// loop. Where a version fuses (AVX2, AVX-512F), the same call on arbitrary float64 q̄, whose products are not exact,
+// loop. Where a version fuses (AVX2, AVX-512), the same call on arbitrary float64 q̄, whose products are not exact,
 // must differ from the plain loop somewhere: otherwise the comparison above could not tell a fused kernel from an
 // unfused one.
 TEST(SelectScoreKernels, ExactProductsVersionMatchesThePlainLoopForFloatQbars) {
