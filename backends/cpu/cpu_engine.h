@@ -48,7 +48,8 @@ inline ThreadScratch& run_scratch(const ExecContext& exec, int slot) {
 }
 
 // Views `count` elements of a trivial type T inside a scratch buffer, starting `float_offset` floats in (keep
-// offsets multiples of 2 for 8-byte types). The buffer is grown first; contents are unspecified.
+// offsets multiples of 2 for 8-byte types, of 4 for 16-byte ones: scratch_floats). The buffer is grown first;
+// contents are unspecified.
 template <typename T>
 T* scratch_array(ThreadScratch& scratch, size_t float_offset, size_t count) {
   const size_t floats = (count * sizeof(T) + sizeof(float) - 1) / sizeof(float);
@@ -57,11 +58,14 @@ T* scratch_array(ThreadScratch& scratch, size_t float_offset, size_t count) {
   float* base = scratch.reserve(std::max<size_t>(float_offset + floats, 1)) + float_offset;
   return new (static_cast<void*>(base)) T[count];
 }
-// Floats a scratch_array<T>(count) occupies, rounded up to an 8-byte multiple so the next array stays aligned.
+// Floats a scratch_array<T>(count) occupies, rounded up to a 16-byte multiple so the next array stays aligned for
+// any T up to 16-byte alignment (FixedPointSum's __int128) on the buffer's base, which operator new aligns to 16.
+constexpr size_t kScratchAlignFloats = 16 / sizeof(float);
 template <typename T>
 size_t scratch_floats(size_t count) {
+  static_assert(alignof(T) <= kScratchAlignFloats * sizeof(float), "scratch arrays are 16-byte aligned");
   const size_t floats = (count * sizeof(T) + sizeof(float) - 1) / sizeof(float);
-  return (floats + 1) & ~size_t(1);
+  return (floats + kScratchAlignFloats - 1) & ~(kScratchAlignFloats - 1);
 }
 
 // Decode-sized query blocks of a GQA group are stacked into one tile (each K/V tile converted once for the group)

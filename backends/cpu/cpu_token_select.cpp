@@ -208,12 +208,16 @@ int64_t candidates_per_vote_item(int64_t max_candidates, int32_t batch, int work
 constexpr int64_t kPrefetchTilesAhead = 2;
 
 // Phase 3 works on s[h, t] = q̄_h·K[t, h/g] (· scale when asked) over the candidates t ∈ C, in three steps:
-//   3a per (b, kv head): the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head of the group
-//      (a FixedPointSum: the same bits in any order, which context-parallel selection relies on);
+//   3a the softmax max m_h and denominator Z_h = Σ_t exp(s − m_h) of each query head (a FixedPointSum: the same bits
+//      in any order and any split, which context-parallel selection relies on too);
 //   3b per (b, set, chunk of C): vote[t] = Σ_h exp(s[h, t] − m_h) / Z_h over the set's heads, ascending;
 //   3c per (b, set): T = the top_k candidates by vote (ties: smaller id), ascending.
-// 3a keeps exp(s − m_h) ([|C|, g] per (b, kv head)) for 3b when the run's [B, Hq, |C|] float64 matrix fits
-// kMaxKeptScoreBytes, so every score and every exp is computed once; above that 3b recomputes them (bit-identical).
+// When the run's [B, Hq, |C|] float64 scores fit kMaxKeptScoreBytes they are kept ([|C|, g] per (b, kv head)) and
+// 3a runs per chunk of candidates: each scoring item takes its chunk's maxima, and after m_h each (b, kv head, chunk)
+// turns its scores into exp(s − m_h) and sums them, so every score and every exp is computed once and 3a spreads
+// over every worker (as one item per kv head it left half of 16 workers idle). Above that, 3a runs per (b, kv head)
+// and 3b recomputes the scores (bit-identical). Both give the same m_h and Z_h: the std::max fold keeps the first of
+// equal maxima and never takes NaN, so the fold of the chunks' folds is the whole fold, and Z_h is a FixedPointSum.
 constexpr size_t kMaxKeptScoreBytes = size_t(64) << 20;
 struct VoteInputs {
   const AttentionProblem& problem;
@@ -221,12 +225,10 @@ struct VoteInputs {
   double score_scale;
 };
 
-// 3a for kv head hk of sequence b: writes m_h, Z_h of its g query heads to head_max/head_sum (indexed by h).
-// kept_scores: null, or where to write the [|C|, g] values exp(s − m_h) for 3b.
-// scores_ready: kept_scores already holds the scores s (score_candidates_all_heads), only the statistics remain.
+// 3a without kept scores, kv head hk of sequence b: scores its candidates into scratch and writes m_h, Z_h of its g
+// query heads to head_max/head_sum (indexed by h).
 void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t b, int32_t hk,
-                        const double* concat_qbar, ThreadScratch& scratch, double* kept_scores, bool scores_ready,
-                        double* head_max, double* head_sum) {
+                        const double* concat_qbar, ThreadScratch& scratch, double* head_max, double* head_sum) {
   const AttentionProblem& problem = in.problem;
   const int32_t d = problem.head_dim;
   const int32_t group = problem.num_q_heads / problem.num_kv_heads;
@@ -235,20 +237,19 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   const double* qbars = concat_qbar + int64_t(first_head) * d;  // the group's q̄, [g, d]
   ScratchLayout layout;
   const size_t transposed_at = layout.add<float>(score_tile_scratch_floats(d));
-  const size_t scores_at = layout.add<double>(kept_scores ? 0 : size_t(group) * size_t(n_candidates));  // [C, g]
+  const size_t scores_at = layout.add<double>(size_t(group) * size_t(n_candidates));  // [C, g]
   const size_t sums_at = layout.add<FixedPointSum>(size_t(group));
   layout.bind(scratch);
   float* transposed = layout.get<float>(transposed_at, score_tile_scratch_floats(d));
   FixedPointSum* sums = layout.get<FixedPointSum>(sums_at, size_t(group));
-  double* scores =
-      kept_scores ? kept_scores : layout.get<double>(scores_at, size_t(group) * size_t(n_candidates));
+  double* scores = layout.get<double>(scores_at, size_t(group) * size_t(n_candidates));
   const SelectScoreKernel& kernel = select_score_kernel();
   const unsigned char* k_base = static_cast<const unsigned char*>(problem.k.t.data);
   const int64_t eb = element_bytes(problem.dtype);
   const void* rows[kScoreTileKeys];
   const auto score_tile = qbars_are_floats(qbars, int64_t(group) * d) ? kernel.score_tile_exact_products
                                                                        : kernel.score_tile;
-  for (int64_t c0 = 0; c0 < (scores_ready ? 0 : n_candidates); c0 += kScoreTileKeys) {
+  for (int64_t c0 = 0; c0 < n_candidates; c0 += kScoreTileKeys) {
     const int n_keys = int(std::min<int64_t>(kScoreTileKeys, n_candidates - c0));
     for (int key = 0; key < n_keys; ++key)
       rows[key] = k_base + problem.kv_offset(problem.k, b, plan.candidate_begin + c0 + key, hk) * eb;
@@ -256,18 +257,17 @@ void head_softmax_stats(const VoteInputs& in, const SequencePlan& plan, int32_t 
   }
   const SelectSoftmaxKernel& softmax = select_softmax_kernel();
   softmax.max_per_head(scores, n_candidates * group, group, head_max + first_head);
-  // Z_h order-independent, so context-parallel shards reproduce it (sparsa_cp_select_sum).
   for (int32_t l = 0; l < group; ++l) sums[l] = FixedPointSum{};
-  // scores becomes exp(s − m_h): with kept_scores, what 3b needs, computed once.
   softmax.exp_and_sum(scores, n_candidates * group, group, head_max + first_head, sums);
   for (int32_t l = 0; l < group; ++l) head_sum[first_head + l] = sums[l].value();
 }
 
-// 3a's scores when they are kept, for candidates [first, last) of sequence b and every kv head (score_keys_all_kv_heads).
-// kept: [Hkv][|C|, g] of b.
+// 3a's first part with kept scores, candidates [first, last) of sequence b: their scores for every kv head
+// (score_keys_all_kv_heads) into kept ([Hkv][|C|, g] of b), and each query head's maximum over them into chunk_max
+// (indexed by h).
 void score_candidates_all_heads(const VoteInputs& in, const SequencePlan& plan, int32_t b, int64_t first,
                                 int64_t last, const double* concat_qbar, ThreadScratch& scratch, double* kept,
-                                int64_t kept_stride) {
+                                int64_t kept_stride, double* chunk_max) {
   const int32_t d = in.problem.head_dim;
   const int32_t group = in.problem.num_q_heads / in.problem.num_kv_heads;
   ScratchLayout layout;
@@ -276,6 +276,10 @@ void score_candidates_all_heads(const VoteInputs& in, const SequencePlan& plan, 
   float* transposed = layout.get<float>(transposed_at, score_tile_scratch_floats(d));
   score_keys_all_kv_heads(in.problem, b, plan.candidate_begin + first, last - first, concat_qbar, in.score_scale,
                           transposed, kept + first * group, kept_stride);
+  const SelectSoftmaxKernel& softmax = select_softmax_kernel();
+  for (int32_t hk = 0; hk < in.problem.num_kv_heads; ++hk)
+    softmax.max_per_head(kept + hk * kept_stride + first * group, (last - first) * group, group,
+                         chunk_max + hk * group);
 }
 
 // 3b for candidates [first, last) (offsets into C) of (b, set): votes[c] for each.
@@ -324,22 +328,81 @@ void vote_candidates(const VoteInputs& in, const SequencePlan& plan, int32_t b, 
   }
 }
 
+// 3a with kept scores, every sequence that selects (selects(b)): the chunks' scores and maxima, m_h, then each
+// (b, kv head, chunk)'s exps and sums, and Z_h. chunk_max / chunk_sum: [B, chunks, Hq]; kept: [B, Hkv][|C|, g].
+template <typename Selects>
+void kept_softmax_stats(const VoteInputs& in, const SequencePlan* plans, const Selects& selects,
+                        const double* concat_qbars, const ExecContext& exec, int64_t chunks, int64_t per_item,
+                        double* kept, int64_t kept_stride, double* chunk_max, FixedPointSum* chunk_sum,
+                        double* head_max, double* head_sum) {
+  const int32_t batch = in.problem.batch, n_heads = in.problem.num_q_heads, n_kv_heads = in.problem.num_kv_heads;
+  const int32_t group = n_heads / n_kv_heads;
+  const int64_t qbar_len = int64_t(n_heads) * in.problem.head_dim;
+  const auto chunk_range = [&](int32_t b, int64_t chunk) {
+    const int64_t first = chunk * per_item;
+    return std::make_pair(first, std::min(plans[size_t(b)].n_candidates(), first + per_item));
+  };
+  const auto n_chunks = [&](int32_t b) { return ceil_div(plans[size_t(b)].n_candidates(), per_item); };
+  const auto chunk_stats_at = [&](int32_t b, int64_t chunk) { return (int64_t(b) * chunks + chunk) * n_heads; };
+  const auto kept_of = [&](int32_t b, int32_t hk) { return kept + (int64_t(b) * n_kv_heads + hk) * kept_stride; };
+  parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int worker) {
+    const int32_t b = int32_t(item / chunks);
+    const auto [first, last] = chunk_range(b, item % chunks);
+    if (!selects(b) || first >= last) return;
+    score_candidates_all_heads(in, plans[size_t(b)], b, first, last, concat_qbars + b * qbar_len,
+                               policy_scratch(exec, worker), kept_of(b, 0), kept_stride,
+                               chunk_max + chunk_stats_at(b, item % chunks));
+  });
+  for (int32_t b = 0; b < batch; ++b) {
+    if (!selects(b)) continue;
+    for (int32_t h = 0; h < n_heads; ++h) {
+      double m = -std::numeric_limits<double>::infinity();
+      for (int64_t chunk = 0; chunk < n_chunks(b); ++chunk) m = std::max(m, chunk_max[chunk_stats_at(b, chunk) + h]);
+      head_max[int64_t(b) * n_heads + h] = m;
+    }
+  }
+  const SelectSoftmaxKernel& softmax = select_softmax_kernel();
+  parallel_items(exec, int64_t(batch) * n_kv_heads * chunks, [&](int64_t item, int) {
+    const int32_t b = int32_t(item / (int64_t(n_kv_heads) * chunks));
+    const int32_t hk = int32_t(item / chunks % n_kv_heads);
+    const int64_t chunk = item % chunks;
+    const auto [first, last] = chunk_range(b, chunk);
+    if (!selects(b) || first >= last) return;
+    FixedPointSum* sums = chunk_sum + chunk_stats_at(b, chunk) + hk * group;
+    std::fill(sums, sums + group, FixedPointSum{});
+    softmax.exp_and_sum(kept_of(b, hk) + first * group, (last - first) * group, group,
+                        head_max + int64_t(b) * n_heads + hk * group, sums);
+  });
+  for (int32_t b = 0; b < batch; ++b) {
+    if (!selects(b)) continue;
+    for (int32_t h = 0; h < n_heads; ++h) {
+      FixedPointSum z;
+      for (int64_t chunk = 0; chunk < n_chunks(b); ++chunk) z.add(chunk_sum[chunk_stats_at(b, chunk) + h]);
+      head_sum[int64_t(b) * n_heads + h] = z.value();
+    }
+  }
+}
+
 // Phase 3's run-scratch arrays (slot kRunScratchSelectionVotes): softmax stats [B, Hq] twice, votes
-// [B, n_sets, max |C|], and the kept scores [B, Hkv][|C|, g] when they fit kMaxKeptScoreBytes.
+// [B, n_sets, max |C|], and when the scores fit kMaxKeptScoreBytes, the kept scores [B, Hkv][|C|, g] and 3a's
+// per-chunk maxima and sums [B, chunks, Hq].
 struct VoteArrays {
   ScratchLayout layout;
-  size_t stats_count, votes_count, kept_count;
-  size_t max_at, sum_at, votes_at, kept_at;
+  size_t stats_count, votes_count, kept_count, chunk_count;
+  size_t max_at, sum_at, votes_at, kept_at, chunk_max_at, chunk_sum_at;
   bool keep_scores;
-  VoteArrays(const AttentionProblem& problem, const SelectParams& params, int64_t max_candidates) {
+  VoteArrays(const AttentionProblem& problem, const SelectParams& params, int64_t max_candidates, int64_t chunks) {
     stats_count = size_t(problem.batch) * size_t(problem.num_q_heads);
     votes_count = size_t(problem.batch) * size_t(params.n_sets) * size_t(max_candidates);
     kept_count = stats_count * size_t(max_candidates);
     keep_scores = kept_count * sizeof(double) <= kMaxKeptScoreBytes;
+    chunk_count = keep_scores ? stats_count * size_t(chunks) : 0;
     max_at = layout.add<double>(stats_count);
     sum_at = layout.add<double>(stats_count);
     votes_at = layout.add<double>(votes_count);
     kept_at = layout.add<double>(keep_scores ? kept_count : 0);
+    chunk_max_at = layout.add<double>(chunk_count);
+    chunk_sum_at = layout.add<FixedPointSum>(chunk_count);
   }
 };
 
@@ -420,47 +483,45 @@ void compute_selections(const AttentionProblem& problem, const SelectParams& par
   for (int32_t b = 0; b < batch; ++b) {
     if (computes_selection(b)) max_candidates = std::max(max_candidates, plans[size_t(b)].n_candidates());
   }
+  const int32_t n_kv_heads = problem.num_kv_heads;
+  const int32_t group = n_heads / n_kv_heads;
+  const int64_t per_item = candidates_per_vote_item(max_candidates, batch, worker_count(exec));
+  const int64_t chunks = ceil_div(max_candidates, per_item);
   // Run scratch (kept run after run, grown by plan_token_select).
-  VoteArrays arrays(problem, params, max_candidates);
+  VoteArrays arrays(problem, params, max_candidates, chunks);
   arrays.layout.bind(run_scratch(exec, kRunScratchSelectionVotes));
   double* head_max = arrays.layout.get<double>(arrays.max_at, arrays.stats_count);
   double* head_sum = arrays.layout.get<double>(arrays.sum_at, arrays.stats_count);
   double* votes = arrays.layout.get<double>(arrays.votes_at, arrays.votes_count);
   double* kept = arrays.keep_scores ? arrays.layout.get<double>(arrays.kept_at, arrays.kept_count) : nullptr;
-  const int64_t kept_stride = int64_t(n_heads / problem.num_kv_heads) * max_candidates;  // doubles per (b, kv head)
+  double* chunk_max = arrays.layout.get<double>(arrays.chunk_max_at, arrays.chunk_count);     // [B, chunks, Hq]
+  FixedPointSum* chunk_sum = arrays.layout.get<FixedPointSum>(arrays.chunk_sum_at, arrays.chunk_count);
+  const int64_t kept_stride = int64_t(group) * max_candidates;  // doubles per (b, kv head)
   const auto votes_of = [&](int32_t b, int32_t set) {
     return votes + (int64_t(b) * params.n_sets + set) * max_candidates;
   };
-  const auto kept_of = [&](int32_t b) { return kept ? kept + int64_t(b) * problem.num_kv_heads * kept_stride : kept; };
-  const int32_t n_kv_heads = problem.num_kv_heads;
-  const int64_t per_item = candidates_per_vote_item(max_candidates, batch, worker_count(exec));
-  const int64_t chunks = ceil_div(max_candidates, per_item);
+  const auto kept_of = [&](int32_t b) { return kept ? kept + int64_t(b) * n_kv_heads * kept_stride : kept; };
+  const auto chunk_range = [&](int32_t b, int64_t chunk) {
+    const int64_t first = chunk * per_item;
+    return std::make_pair(first, std::min(plans[size_t(b)].n_candidates(), first + per_item));
+  };
   if (kept) {
-    parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int worker) {
-      const int32_t b = int32_t(item / chunks);
-      const SequencePlan& plan = plans[size_t(b)];
-      const int64_t first = item % chunks * per_item;
-      const int64_t last = std::min(plan.n_candidates(), first + per_item);
-      if (!computes_selection(b) || first >= last) return;
-      score_candidates_all_heads(vote_inputs, plan, b, first, last, concat_qbars + b * qbar_len,
-                                 policy_scratch(exec, worker), kept_of(b), kept_stride);
+    kept_softmax_stats(vote_inputs, plans, computes_selection, concat_qbars, exec, chunks, per_item, kept,
+                       kept_stride, chunk_max, chunk_sum, head_max, head_sum);
+  } else {
+    parallel_items(exec, int64_t(batch) * n_kv_heads, [&](int64_t item, int worker) {
+      const int32_t b = int32_t(item / n_kv_heads);
+      if (!computes_selection(b)) return;
+      head_softmax_stats(vote_inputs, plans[size_t(b)], b, int32_t(item % n_kv_heads), concat_qbars + b * qbar_len,
+                         policy_scratch(exec, worker), head_max + int64_t(b) * n_heads,
+                         head_sum + int64_t(b) * n_heads);
     });
   }
-  parallel_items(exec, int64_t(batch) * n_kv_heads, [&](int64_t item, int worker) {
-    const int32_t b = int32_t(item / n_kv_heads);
-    const int32_t hk = int32_t(item % n_kv_heads);
-    if (!computes_selection(b)) return;
-    head_softmax_stats(vote_inputs, plans[size_t(b)], b, hk, concat_qbars + b * qbar_len,
-                       policy_scratch(exec, worker), kept ? kept_of(b) + hk * kept_stride : nullptr,
-                       /*scores_ready=*/kept != nullptr, head_max + int64_t(b) * n_heads,
-                       head_sum + int64_t(b) * n_heads);
-  });
   parallel_items(exec, int64_t(batch) * params.n_sets * chunks, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / (int64_t(params.n_sets) * chunks));
     const int32_t set = int32_t(item / chunks % params.n_sets);
     const SequencePlan& plan = plans[size_t(b)];
-    const int64_t first = item % chunks * per_item;
-    const int64_t last = std::min(plan.n_candidates(), first + per_item);
+    const auto [first, last] = chunk_range(b, item % chunks);
     if (!computes_selection(b) || first >= last) return;
     vote_candidates(vote_inputs, plan, b, set, first, last, concat_qbars + b * qbar_len, kept_of(b), kept_stride,
                     head_max + int64_t(b) * n_heads, head_sum + int64_t(b) * n_heads, policy_scratch(exec, worker),
@@ -580,9 +641,13 @@ void plan_token_select(const AttentionProblem& problem, const PolicyParams& poli
   const size_t per_candidate = size_t(problem.batch) * size_t(problem.num_q_heads) * sizeof(double);
   const int64_t largest_kept =
       std::min<int64_t>(worst, int64_t(kMaxKeptScoreBytes / std::max<size_t>(per_candidate, 1)));
+  // The most chunks a run's vote items can make (candidates_per_vote_item: about 2·workers / B, more only where
+  // items reach kMaxCandidatesPerVoteItem).
+  const int64_t most_chunks = std::max(ceil_div(2 * int64_t(worker_count(exec)), std::max<int32_t>(1, problem.batch)),
+                                       ceil_div(worst, kMaxCandidatesPerVoteItem));
   run_scratch(exec, kRunScratchSelectionVotes)
-      .reserve(std::max({VoteArrays(problem, params, worst).layout.floats(),
-                         VoteArrays(problem, params, largest_kept).layout.floats(),
+      .reserve(std::max({VoteArrays(problem, params, worst, most_chunks).layout.floats(),
+                         VoteArrays(problem, params, largest_kept, most_chunks).layout.floats(),
                          decode_lists_apply(problem) ? DecodeListArrays(problem, params, nullptr).layout.floats() : 0}));
   if (decode_lists_apply(problem)) reserve_decode_lists_scratch(problem, problem.max_seq_k, exec);
   const ScreenRequest request = screen_request(params, selection_score_scale(problem, params));

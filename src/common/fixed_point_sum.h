@@ -71,6 +71,13 @@ class FixedPointSum {
     add_units((static_cast<unsigned __int128>(units.high) << 64) | units.low);
   }
 
+  // Adds another sum, exactly (a split of the terms summed part by part gives the same sum).
+  void add(const FixedPointSum& other) {
+    nan_count_ += other.nan_count_;
+    whole_ += other.whole_;
+    add_units(other.fraction_);
+  }
+
   // Adds sum_i digit_sums[i] · 2^(32·(3 − i) − 128) for i < 4 (most significant first), exactly: the fraction digits of
   // many terms summed digit by digit (select_softmax.cpp's vector loops; each sum below 2^63).
   void add_fraction_digits(const uint64_t* digit_sums) {
