@@ -1,7 +1,7 @@
 // What the running CPU offers the vector kernels, asked in one place. The library is built for plain x86-64 (or
 // aarch64); each kernel family (microkernels, widen_rows, the decode kernels, select_dots, select_scores,
-// select_softmax) picks its AVX2 or AVX-512F version at run time from these answers, so every family reads the
-// same CPUID bits and one build runs on any x86-64 CPU.
+// select_softmax) picks its AVX2 or AVX-512 version at run time from these answers (AVX-512F; select_scores' also
+// needs BW), so every family reads the same CPUID bits and one build runs on any x86-64 CPU.
 #pragma once
 
 namespace sparsa::cpu {
