@@ -514,6 +514,39 @@ TEST(TokenSelectCpu, Float64PassGivesTheSameBitsOnAnyThreadCount) {
     }
 }
 
+// The float64 pass keeps the run's [B, Hq, |C|] float64 scores when they fit 64 MiB; otherwise it scores each
+// (sequence, kv head) for the softmax statistics and again for the votes (backends/cpu/cpu_token_select.cpp). Four
+// sequences whose scores need about 70 MB take that second way, each of them alone (17 MB) the first: the same index
+// sets and the same bits of out and LSE.
+TEST(TokenSelectCpu, Float64PassWithoutRoomToKeepScoresSelectsAsWithIt) {
+  const HalfDecodeCase c{4, 64, 1, 16, {34000, 33900, 33500, 34100}, 2048};
+  ST_RNG(rng, 0);
+  HalfDecodeRun batch = half_decode_run(c, st::Pattern::kRandom, SPARSA_DTYPE_F16, false, true, rng);
+  batch.opt.dtype = SPARSA_DTYPE_F32;
+  st::Context context(SPARSA_DEVICE_CPU);
+  ASSERT_EQ(context.status(), SPARSA_STATUS_SUCCESS);
+  const st::RunResult all = st::run(context, batch.p, select_policy(batch.tp), batch.opt);
+  st::expect_ok(all);
+  const size_t cap = size_t(batch.opt.selected_cap);
+  for (int b = 0; b < c.B; ++b) {
+    SCOPED_TRACE(::testing::Message() << "sequence " << b);
+    HalfDecodeRun one = batch;
+    one.p.B = 1;
+    one.p.sq = {batch.p.sq[size_t(b)]};
+    one.p.skv = {batch.p.skv[size_t(b)]};
+    one.p.q = {batch.p.q[size_t(b)]};
+    one.p.k = {batch.p.k[size_t(b)]};
+    one.p.v = {batch.p.v[size_t(b)]};
+    const st::RunResult alone = st::run(context, one.p, select_policy(one.tp), one.opt);
+    st::expect_ok(alone);
+    const std::vector<int32_t> in_batch(all.selected.begin() + ptrdiff_t(size_t(b) * cap),
+                                        all.selected.begin() + ptrdiff_t(size_t(b + 1) * cap));
+    EXPECT_EQ(alone.selected, in_batch);
+    EXPECT_EQ(alone.out.o[0], all.out.o[size_t(b)]);
+    EXPECT_EQ(alone.out.lse[0], all.out.lse[size_t(b)]);
+  }
+}
+
 // The 16-bit decode cuts its work by the number of workers (the attention over I cuts a list's slices into blocks of
 // kv heads when the slices alone are fewer than the workers; the screen's probe and chunks are items of their own),
 // and the results must not depend on it: the same bits of out, LSE and the index sets with 1, 2, 3, 5 and 8 workers,
