@@ -8,10 +8,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <numeric>
 
-#include "../../src/common/selection_order.h"  // ranks_before
+#include "../../src/common/selection_order.h"  // ranks_before, order_key
 #include "../../src/error.h"
 #include "../../src/problem.h"
 #include "attention_loop.h"
@@ -22,18 +21,6 @@ namespace sparsa::cpu {
 // Query rows handed to one attend_index_list call: bounds the per-worker output buffer and gives the pool work
 // items of a useful size.
 constexpr int64_t kSelectRowsPerCall = 64;
-
-// An integer that orders like ranks_before's values: a larger value has a larger key, NaN has 0 (it ranks last),
-// and −0 and +0 share one key (they tie).
-inline uint64_t rank_key(double value) {
-  uint64_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  constexpr uint64_t kSign = uint64_t{1} << 63;
-  const uint64_t magnitude = bits & ~kSign;
-  if (magnitude > 0x7ff0000000000000u) return 0;  // NaN
-  if (magnitude == 0) bits = 0;                    // −0 as +0
-  return bits ^ (uint64_t(int64_t(bits) >> 63) | kSign);  // negative: all bits flipped; positive: the sign set
-}
 
 // One step of top_k_ids_ascending's radix select over keys[0..n), which lie in [lo, hi] (lo < hi): the bucket of
 // the kRadixBits bits below lo and hi's common high bits that holds the rank-th largest key, and how many keys lie
@@ -55,7 +42,7 @@ inline RadixStep radix_step(const uint64_t* keys, int64_t n, int64_t rank, uint6
 
 // Writes the ids of the k highest-ranked entries of values[0..n) (ranks_before) into ids_out[0..k), ascending.
 // `order` is scratch for n ids (used for n keys). Requires 0 <= k <= n.
-// The k-th largest rank_key splits them: every id whose key is larger is kept, then the smallest ids among those
+// The k-th largest order_key splits them: every id whose key is larger is kept, then the smallest ids among those
 // equal to it until k are kept, one pass in id order, so the ids come out ascending without a sort (the same set as
 // sorting by ranks_before). The k-th key comes from a radix select: each step keeps the keys of the one bucket of
 // 11 bits (below the bits all remaining keys share) that holds it, a few passes in all where nth_element over the
@@ -70,7 +57,7 @@ inline void top_k_ids_ascending(const double* values, int64_t n, int64_t k, int6
   uint64_t* keys = reinterpret_cast<uint64_t*>(order);
   uint64_t lo = ~uint64_t{0}, hi = 0;
   for (int64_t i = 0; i < n; ++i) {
-    keys[i] = rank_key(values[i]);
+    keys[i] = order_key(values[i]);
     lo = std::min(lo, keys[i]);
     hi = std::max(hi, keys[i]);
   }
@@ -96,7 +83,7 @@ inline void top_k_ids_ascending(const double* values, int64_t n, int64_t k, int6
   int64_t ties_left = rank;  // every key above kth is taken, then the first `rank` equal to it
   int64_t written = 0;
   for (int64_t i = 0; i < n && written < k; ++i) {
-    const uint64_t key = rank_key(values[i]);
+    const uint64_t key = order_key(values[i]);
     const bool tie = key == kth;
     const bool take = key > kth || (tie && ties_left > 0);
     ties_left -= tie && take;

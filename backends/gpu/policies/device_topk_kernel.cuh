@@ -18,6 +18,8 @@
 
 #include "device_topk.h"
 
+#include "../../../src/common/selection_order.h"  // order_key
+
 #if SPARSA_GPU_IS_HIP
 #include <hip/hip_cooperative_groups.h>
 #else
@@ -64,22 +66,7 @@ struct SegmentState {
   int32_t unused;
 };
 
-// ---- Order keys ----
-
-__device__ __forceinline__ uint64_t order_key(float value) {
-  if (value != value) return 0;  // NaN: below every number
-  uint32_t bits = __float_as_uint(value);
-  if (bits == 0x80000000u) bits = 0;  // -0 ties +0
-  return (bits & 0x80000000u) ? uint64_t(~bits) : uint64_t(bits | 0x80000000u);
-}
-
-__device__ __forceinline__ uint64_t order_key(double value) {
-  if (value != value) return 0;
-  constexpr uint64_t kSign = uint64_t(1) << 63;
-  uint64_t bits = static_cast<uint64_t>(__double_as_longlong(value));
-  if (bits == kSign) bits = 0;
-  return (bits & kSign) ? ~bits : (bits | kSign);
-}
+// ---- Order keys (order_key: src/common/selection_order.h) ----
 
 // The order keys of elements first, first + kThreads, ... (kLoadsInFlight of them; 0 at and past `end`), all
 // loads issued before any key is used.
