@@ -43,11 +43,12 @@ namespace {
 using screen_rows::kHeavyShare;
 using screen_rows::kMaxHeadsPerSet;
 using screen_rows::kMaxKvHeads;
+using screen_rows::row_counts_reaching;
 using screen_rows::row_exps;
-using screen_rows::row_heavy_counts;
 using screen_rows::row_maxima;
 using screen_rows::row_split;
 using screen_rows::row_votes;
+using screen_rows::scaled_floats;
 
 constexpr int kTileKeys = 64;                       // keys per call of the decode scores kernel
 // Candidates per work item of the row steps: 2048 left most of 8 or 16 workers idle at 8K candidates (TOKEN_SELECT
@@ -104,9 +105,9 @@ struct ScreenArrays {
   size_t q_count, scores_count, chunk_heads, chunk_kv, heads_count, votes_count, sets_count, undecided_count,
       heavy_count, heavy_counts_count, light_count, kv_count;
   size_t q_at, scores_at, exps_at, chunk_max_at, chunk_sum_at, chunk_kmax_at, chunk_bad_at, probe_max_at,
-      probe_kmax_at, probe_bad_at, heads_at, lo_at, hi_at, set_state_at, set_counts_at, in_at, undecided_at, heavy_at,
-      heavy_counts_at, light_at, u_terms_at, kv_ok_at, boundary_at, order_lo_at, order_hi_at, chunk_counts_at,
-      chunk_undecided_at;
+      probe_sum_at, probe_kmax_at, probe_bad_at, heads_at, lo_at, hi_at, set_state_at, set_counts_at, in_at,
+      undecided_at, heavy_at, heavy_counts_at, light_at, u_terms_at, kv_ok_at, boundary_at, order_lo_at, order_hi_at,
+      chunk_counts_at, chunk_undecided_at;
   ScreenArrays(const AttentionProblem& problem, const ScreenRequest& request, int64_t max_c) {
     const size_t batch = size_t(problem.batch), hq = size_t(problem.num_q_heads);
     max_candidates = max_c;
@@ -129,6 +130,7 @@ struct ScreenArrays {
     chunk_kmax_at = layout.add<uint16_t>(chunk_kv);
     chunk_bad_at = layout.add<unsigned char>(batch * size_t(chunks));
     probe_max_at = layout.add<float>(batch * size_t(kProbePieces) * hq);
+    probe_sum_at = layout.add<float>(batch * size_t(kProbePieces) * hq);
     probe_kmax_at = layout.add<uint16_t>(batch * size_t(kProbePieces) * size_t(problem.num_kv_heads));
     probe_bad_at = layout.add<unsigned char>(batch * size_t(kProbePieces));
     heads_at = layout.add<HeadBounds>(heads_count);
@@ -217,6 +219,7 @@ struct Screen {
   uint16_t* chunk_kmax;      // [B, chunks, Hkv]
   unsigned char* chunk_bad;  // [B, chunks]
   float* probe_max;          // [B, kProbePieces, Hq]: the probe's pieces' statistics, as a chunk's
+  float* probe_sum;          // [B, kProbePieces, Hq]: each piece's Σ exp(ŝ − its own maximum)
   uint16_t* probe_kmax;      // [B, kProbePieces, Hkv]
   unsigned char* probe_bad;  // [B, kProbePieces]
   HeadBounds* heads;         // [B, Hq]
@@ -324,13 +327,33 @@ struct Screen {
     }
   }
 
-  // After gather_probe: true when the probe's rows predict heavy lists past their capacity (a flat softmax), where
-  // step 6 would fail after all the scoring; the float64 pass then takes the sequence at once.
-  bool predicts_flat(int32_t b) const {
+  // Step 1's probe, piece `piece` of sequence b (rows [first, last), scored and finite): each head's
+  // Σ exp(ŝ − the piece's maximum), for predicts_flat. The exps it writes are scratch until step 3 writes chunk 0's.
+  void probe_sums(int32_t b, int64_t piece, int64_t first, int64_t last) const {
+    const int32_t hq = problem.num_q_heads;
+    const int64_t at = (int64_t(b) * kProbePieces + piece) * hq;
+    row_exps(rows(b) + first * hq, exp_rows(b) + first * hq, last - first, hq, probe_max + at, probe_sum + at);
+  }
+
+  // After gather_probe on finite rows: true when the probe's rows predict heavy lists past their capacity (a flat
+  // softmax), where step 6 would fail after all the scoring; the float64 pass then takes the sequence at once. Each
+  // head's cut, m̂ + ln(kHeavyShare · Σ exp(ŝ − m̂)) over the probe, comes from the pieces' sums rescaled to m̂ (the
+  // pieces ran in parallel; a prediction only chooses the path, never the selection).
+  bool predicts_flat(int32_t b, int64_t n_pieces) const {
     const int32_t hq = problem.num_q_heads;
     const int64_t n_rows = std::min(sequences[b].n_candidates, kProbeCandidates);
+    const float* maxes = chunk_max + int64_t(b) * arrays.chunks * hq;
+    float cuts[kMaxHeadsPerSet] = {};
+    for (int32_t h = 0; h < hq; ++h) {
+      double sum = 0.0;
+      for (int64_t piece = 0; piece < n_pieces; ++piece) {
+        const int64_t at = (int64_t(b) * kProbePieces + piece) * hq + h;
+        sum += double(probe_sum[at]) * std::exp(double(probe_max[at]) - double(maxes[h]));
+      }
+      cuts[h] = float(double(maxes[h]) + std::log(kHeavyShare * sum));
+    }
     int64_t counts[kMaxHeadsPerSet];
-    row_heavy_counts(rows(b), n_rows, hq, chunk_max + int64_t(b) * arrays.chunks * hq, counts);
+    row_counts_reaching(rows(b), n_rows, hq, cuts, counts);
     for (int32_t h = 0; h < hq; ++h)
       if (counts[h] * kFlatFraction > n_rows) return true;
     return false;
@@ -804,6 +827,7 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
                 arrays.layout.get<uint16_t>(arrays.chunk_kmax_at, arrays.chunk_kv),
                 arrays.layout.get<unsigned char>(arrays.chunk_bad_at, size_t(batch) * size_t(arrays.chunks)),
                 arrays.layout.get<float>(arrays.probe_max_at, size_t(batch) * size_t(kProbePieces) * size_t(hq)),
+                arrays.layout.get<float>(arrays.probe_sum_at, size_t(batch) * size_t(kProbePieces) * size_t(hq)),
                 arrays.layout.get<uint16_t>(arrays.probe_kmax_at,
                                             size_t(batch) * size_t(kProbePieces) * size_t(problem.num_kv_heads)),
                 arrays.layout.get<unsigned char>(arrays.probe_bad_at, size_t(batch) * size_t(kProbePieces)),
@@ -830,13 +854,8 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
   for (int32_t b = 0; b < batch; ++b) {
     const ScreenSequence& seq = sequences[b];
     const double* qbar = concat_qbars + int64_t(b) * hq * d;
-    bool floats = seq.wanted && request.top_k > 0 && seq.n_candidates > request.top_k;
-    for (int64_t i = 0; floats && i < int64_t(hq) * d; ++i)
-      floats = std::isfinite(qbar[i]) && double(float(qbar[i])) == qbar[i];
-    taken[b] = floats;
-    if (floats)
-      for (int64_t i = 0; i < int64_t(hq) * d; ++i)
-        screen.q[int64_t(b) * hq * d + i] = float(request.score_scale * qbar[i]);
+    const bool wanted = seq.wanted && request.top_k > 0 && seq.n_candidates > request.top_k;
+    taken[b] = wanted && scaled_floats(qbar, int64_t(hq) * d, request.score_scale, screen.q + int64_t(b) * hq * d);
   }
   const int64_t chunks = arrays.chunks;
   const auto in_range = [&](int32_t b, int64_t chunk) {
@@ -850,14 +869,16 @@ void screen_selections(const AttentionProblem& problem, const ScreenRequest& req
   parallel_items(exec, int64_t(batch) * kProbePieces, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / kProbePieces);
     const int64_t piece = item % kProbePieces, first = piece * kTileKeys;
-    if (in_range(b, 0) && first < probe_end(b))
-      screen.score_rows(b, first, std::min(first + kTileKeys, probe_end(b)), screen.probe_stats(b, piece), true,
-                        policy_scratch(exec, worker));
+    if (!in_range(b, 0) || first >= probe_end(b)) return;
+    const int64_t last = std::min(first + kTileKeys, probe_end(b));
+    screen.score_rows(b, first, last, screen.probe_stats(b, piece), true, policy_scratch(exec, worker));
+    if (!screen.probe_bad[int64_t(b) * kProbePieces + piece]) screen.probe_sums(b, piece, first, last);
   });
   for (int32_t b = 0; b < batch; ++b) {
     if (!taken[b]) continue;
-    screen.gather_probe(b, ceil_div(probe_end(b), kTileKeys));
-    taken[b] = !screen.chunk_bad[int64_t(b) * chunks] && !screen.predicts_flat(b);
+    const int64_t n_pieces = ceil_div(probe_end(b), kTileKeys);
+    screen.gather_probe(b, n_pieces);
+    taken[b] = !screen.chunk_bad[int64_t(b) * chunks] && !screen.predicts_flat(b, n_pieces);
   }
   parallel_items(exec, int64_t(batch) * chunks, [&](int64_t item, int worker) {
     const int32_t b = int32_t(item / chunks);

@@ -128,20 +128,12 @@ __attribute__((target("avx2,fma"))) void row_exps(const float* rows, float* exps
   }
 }
 
-__attribute__((target("avx2,fma"))) void row_heavy_counts(const float* rows, int64_t n_rows, int32_t hq,
-                                                          const float* maxes, int64_t* counts) {
+__attribute__((target("avx2,fma"))) void row_counts_reaching(const float* rows, int64_t n_rows, int32_t hq,
+                                                             const float* cuts, int64_t* counts) {
   for_head_blocks(hq, [&](auto whole, int32_t h, __m256i lanes) __attribute__((target("avx2,fma"))) {
     constexpr bool kWhole = decltype(whole)::value;
     const int32_t n_lanes = std::min(kLanes, hq - h);
-    const __m256 m = load_heads<kWhole>(maxes + h, lanes);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n_rows; ++t)
-      sum = _mm256_add_ps(sum, exp_nonpositive8(_mm256_sub_ps(load_heads<kWhole>(rows + t * hq + h, lanes), m)));
-    alignas(32) float sums[kLanes], cuts[kLanes];
-    _mm256_store_ps(sums, sum);
-    for (int l = 0; l < kLanes; ++l)
-      cuts[l] = l < n_lanes ? maxes[h + l] + std::log(float(kHeavyShare) * sums[l]) : 0.f;
-    const __m256 cut = _mm256_load_ps(cuts);
+    const __m256 cut = load_heads<kWhole>(cuts + h, lanes);
     __m256i count = _mm256_setzero_si256();
     for (int64_t t = 0; t < n_rows; ++t)
       count = _mm256_sub_epi32(
@@ -150,6 +142,30 @@ __attribute__((target("avx2,fma"))) void row_heavy_counts(const float* rows, int
     _mm256_store_si256(reinterpret_cast<__m256i*>(found), count);
     for (int l = 0; l < n_lanes; ++l) counts[h + l] = found[l];
   });
+}
+
+__attribute__((target("avx2"))) bool scaled_floats(const double* values, int64_t n, double scale, float* scaled) {
+  constexpr int kDoubles = 4;
+  const __m256d largest = _mm256_set1_pd(double(std::numeric_limits<float>::max()));
+  const __m256d magnitude_bits = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffff));
+  const __m256d factor = _mm256_set1_pd(scale);
+  __m256d all = _mm256_castsi256_pd(_mm256_set1_epi64x(-1));
+  int64_t i = 0;
+  for (; i + kDoubles <= n; i += kDoubles) {
+    const __m256d x = _mm256_loadu_pd(values + i);
+    const __m256d narrowed = _mm256_cvtps_pd(_mm256_cvtpd_ps(x));  // finite beyond the float range: ±inf
+    const __m256d is_float = _mm256_and_pd(_mm256_cmp_pd(narrowed, x, _CMP_EQ_OQ),
+                                           _mm256_cmp_pd(_mm256_and_pd(x, magnitude_bits), largest, _CMP_LE_OQ));
+    all = _mm256_and_pd(all, is_float);
+    _mm_storeu_ps(scaled + i, _mm256_cvtpd_ps(_mm256_mul_pd(factor, x)));
+  }
+  bool floats = _mm256_movemask_pd(all) == (1 << kDoubles) - 1;
+  for (; i < n; ++i) {
+    floats = floats && std::fabs(values[i]) <= double(std::numeric_limits<float>::max()) &&
+             double(float(values[i])) == values[i];
+    scaled[i] = float(scale * (floats ? values[i] : 0.0));
+  }
+  return floats;
 }
 
 // Eight lanes of partial sums, then their sum.
@@ -232,14 +248,20 @@ void row_exps(const float* rows, float* exps, int64_t n_rows, int32_t hq, const 
       sums[h] += exps[t * hq + h];
     }
 }
-void row_heavy_counts(const float* rows, int64_t n_rows, int32_t hq, const float* maxes, int64_t* counts) {
+void row_counts_reaching(const float* rows, int64_t n_rows, int32_t hq, const float* cuts, int64_t* counts) {
   for (int32_t h = 0; h < hq; ++h) {
-    float sum = 0.f;
-    for (int64_t t = 0; t < n_rows; ++t) sum += exp_nonpositive(rows[t * hq + h] - maxes[h]);
-    const float cut = maxes[h] + std::log(float(kHeavyShare) * sum);
     counts[h] = 0;
-    for (int64_t t = 0; t < n_rows; ++t) counts[h] += rows[t * hq + h] >= cut;
+    for (int64_t t = 0; t < n_rows; ++t) counts[h] += rows[t * hq + h] >= cuts[h];
   }
+}
+bool scaled_floats(const double* values, int64_t n, double scale, float* scaled) {
+  bool floats = true;
+  for (int64_t i = 0; i < n; ++i) {
+    floats = floats && std::fabs(values[i]) <= double(std::numeric_limits<float>::max()) &&
+             double(float(values[i])) == values[i];
+    scaled[i] = float(scale * (floats ? values[i] : 0.0));
+  }
+  return floats;
 }
 void row_votes(const float* rows, int64_t n_rows, int32_t hq, int32_t first, int32_t nh, const float* lo_coef,
                const float* hi_coef, float* lo, float* hi) {

@@ -16,9 +16,11 @@ constexpr int32_t kMaxHeadsPerSet = 1 << 12;  // and query heads
 bool row_maxima(const float* rows, int64_t n_rows, int32_t hq, float* maxes);
 // Rows [t][hq]: ê = exp(ŝ − m̂_h) into exps, each head's fp32 sum into sums.
 void row_exps(const float* rows, float* exps, int64_t n_rows, int32_t hq, const float* maxes, float* sums);
-// Rows [t][hq]: per head, how many rows score at least m̂ + ln(kHeavyShare · Σ exp(ŝ − m̂)) (with the rows' own m̂):
-// the share of heavy candidates the rows predict.
-void row_heavy_counts(const float* rows, int64_t n_rows, int32_t hq, const float* maxes, int64_t* counts);
+// Whether every one of values[0..n) is a finite float value, and scaled[i] = fp32(scale · values[i]) (scaled is
+// only meaningful where they all are).
+bool scaled_floats(const double* values, int64_t n, double scale, float* scaled);
+// Rows [t][hq]: per head, how many rows reach cuts[h].
+void row_counts_reaching(const float* rows, int64_t n_rows, int32_t hq, const float* cuts, int64_t* counts);
 // Rows [t][hq], heads [first, first + nh): lo[t] = Σ ê·lo_coef, hi[t] = Σ ê·hi_coef in fp32.
 void row_votes(const float* rows, int64_t n_rows, int32_t hq, int32_t first, int32_t nh, const float* lo_coef,
                const float* hi_coef, float* lo, float* hi);

@@ -22,8 +22,10 @@
 #include "../../src/common/fixed_point_sum.h"
 #include "cpu_convert.h"
 #include "cpu_engine.h"
+#include "cpu_features.h"
 #include "decode_kernels.h"
 #include "select_screen.h"
+#include "select_screen_rows.h"
 
 namespace sparsa::cpu {
 // This executable builds the screen without the attention loop: one worker, items in order.
@@ -277,6 +279,34 @@ TEST(SelectScreen, CertifiedSelectionsAreTheFloat64Ones) {
   }
   if (ran == 0) GTEST_SKIP() << "no decode kernel version on this CPU or build";
   EXPECT_GT(certified_cases, 0);
+}
+
+// The screen takes a sequence only when every q̄ element is a finite float value (then its products with K are
+// exact in float64); scaled_floats decides it, four lanes at a time with a scalar tail on x86.
+TEST(SelectScreen, ScaledFloatsTellsFloatValuesApart) {
+#if defined(__x86_64__)
+  if (!cpu::cpu_features().avx2) GTEST_SKIP() << "the x86 row loops need AVX2";
+#endif
+  const double kFloatMax = double(std::numeric_limits<float>::max());
+  const double specials[] = {0.1,  std::nan(""), HUGE_VAL, -HUGE_VAL, 1e300,          3.5e38, 0x1p-150,
+                             -0.0, kFloatMax,   -kFloatMax, 0x1p-149, double(0.1f)};
+  const auto is_float = [&](double x) { return std::fabs(x) <= kFloatMax && double(float(x)) == x; };
+  const double scale = 0.08838834764831845;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal;
+  for (int64_t n = 0; n <= 11; ++n)
+    for (int64_t at = -1; at < n; ++at)
+      for (const double special : specials) {
+        std::vector<double> values(static_cast<size_t>(n));
+        for (double& x : values) x = double(normal(rng));
+        if (at >= 0) values[size_t(at)] = special;
+        std::vector<float> scaled(static_cast<size_t>(n), -1.f);
+        const bool want = std::all_of(values.begin(), values.end(), is_float);
+        ASSERT_EQ(cpu::screen_rows::scaled_floats(values.data(), n, scale, scaled.data()), want)
+            << "n " << n << " at " << at << " value " << special;
+        if (!want) continue;
+        for (int64_t i = 0; i < n; ++i) EXPECT_EQ(scaled[size_t(i)], float(scale * values[size_t(i)])) << i;
+      }
 }
 
 TEST(SelectScreen, ExpIsWithinItsStatedError) {
