@@ -34,6 +34,11 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// A finite float value (±inf, NaN and doubles between or past the floats are not): scaled_floats' test.
+inline bool is_float_value(double x) {
+  return std::fabs(x) <= double(std::numeric_limits<float>::max()) && double(float(x)) == x;
+}
+
 }  // namespace
 
 // AVX2 + FMA where the CPU has them; the plain loops after #else only keep other targets building.
@@ -161,8 +166,7 @@ __attribute__((target("avx2"))) bool scaled_floats(const double* values, int64_t
   }
   bool floats = _mm256_movemask_pd(all) == (1 << kDoubles) - 1;
   for (; i < n; ++i) {
-    floats = floats && std::fabs(values[i]) <= double(std::numeric_limits<float>::max()) &&
-             double(float(values[i])) == values[i];
+    floats = floats && is_float_value(values[i]);
     scaled[i] = float(scale * (floats ? values[i] : 0.0));
   }
   return floats;
@@ -257,8 +261,7 @@ void row_counts_reaching(const float* rows, int64_t n_rows, int32_t hq, const fl
 bool scaled_floats(const double* values, int64_t n, double scale, float* scaled) {
   bool floats = true;
   for (int64_t i = 0; i < n; ++i) {
-    floats = floats && std::fabs(values[i]) <= double(std::numeric_limits<float>::max()) &&
-             double(float(values[i])) == values[i];
+    floats = floats && is_float_value(values[i]);
     scaled[i] = float(scale * (floats ? values[i] : 0.0));
   }
   return floats;
